@@ -1,0 +1,132 @@
+"""The JIT: PTX text -> cubin (assembled or cached) -> module loaded on a device -> launch.
+
+    compiled = jit.build(kernel_builder)      # memory cache, then disk cache, then assemble
+    module = compiled.load(device_index)      # once per device
+    module.launcher(grid, block, smem, stream, args)
+
+The cache key is a hash of the PTX text, the assembler and its version, and the target,
+so a change to any generator that changes its PTX is a new entry.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from . import settings
+from .assemble import AssemblyError, Resources, get_assembler
+from .cache import DiskCache, cache_key
+
+
+class SpillError(RuntimeError):
+    """PTXFORGE_DEBUG is set and the kernel spills registers to local memory."""
+
+
+@dataclass
+class CompiledKernel:
+    name: str
+    target: str
+    ptx: str
+    cubin: bytes
+    resources: Resources
+    params: list
+    assembler: str
+    key: str
+    source: str  # "assembled", "disk" or "memory"
+    seconds: float
+    log: str = ""
+    _modules: dict = field(default_factory=dict, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def load(self, device_index: int = 0):
+        """The module loaded on ``device_index`` (loaded on first use)."""
+        module = self._modules.get(device_index)
+        if module is None:
+            from .driver import LoadedModule
+
+            with self._lock:
+                module = self._modules.get(device_index)
+                if module is None:
+                    module = LoadedModule(self.cubin, self.name, device_index, self.params)
+                    self._modules[device_index] = module
+        return module
+
+
+_memory: dict[str, CompiledKernel] = {}
+_memory_lock = threading.Lock()
+
+
+def build(kernel, *, assembler: str | None = None) -> CompiledKernel:
+    """Assemble a ``KernelBuilder``'s PTX, or fetch it from the memory or disk cache."""
+    start = time.perf_counter()
+    ptx = kernel.ptx()
+    asm = get_assembler(assembler)
+    key = cache_key("ptxforge-jit-1", ptx, asm.name, asm.version, kernel.target)
+    hit = _memory.get(key)
+    if hit is not None:
+        return hit
+    disk = None if settings.cache_disabled() else DiskCache(settings.cache_dir())
+    cached = disk.get(key) if disk is not None else None
+    if cached is not None:
+        cubin, meta = cached
+        resources, log, source = Resources(**meta["resources"]), meta.get("log", ""), "disk"
+    else:
+        cubin, log = asm.assemble(ptx, kernel.target)
+        resources, source = Resources.from_log(log), "assembled"
+        if disk is not None:
+            disk.put(key, cubin, {"name": kernel.name, "target": kernel.target,
+                                  "assembler": repr(asm), "resources": resources.as_dict(),
+                                  "log": log})
+    if settings.debug():
+        if resources.spills:
+            raise SpillError(f"{kernel.name} spills {resources.spill_stores} bytes to local "
+                             f"memory and reloads {resources.spill_loads} (PTXFORGE_DEBUG is set)")
+        _keep_ptx(kernel.name, key, ptx)
+    compiled = CompiledKernel(
+        name=kernel.name, target=kernel.target, ptx=ptx, cubin=cubin, resources=resources,
+        params=list(kernel.params), assembler=repr(asm), key=key, source=source,
+        seconds=time.perf_counter() - start, log=log)
+    with _memory_lock:
+        return _memory.setdefault(key, compiled)
+
+
+def _keep_ptx(name: str, key: str, ptx: str) -> None:
+    directory = settings.cache_dir() / "ptx"
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / f"{name}.{key[:12]}.ptx").write_text(ptx)
+
+
+def precompile(makers, *, workers: int | None = None, progress: bool = True) -> list[CompiledKernel]:
+    """Build many kernel variants in parallel. ``makers`` are zero-argument callables that
+    return a ``KernelBuilder``; assembly runs in threads (the assemblers release the GIL)."""
+    makers = list(makers)
+    workers = workers or os.cpu_count() or 1
+    done, results = 0, [None] * len(makers)
+
+    def one(i):
+        results[i] = build(makers[i]())
+        return i
+
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        for i in pool.map(one, range(len(makers))):
+            done += 1
+            if progress:
+                _progress(done, len(makers), results[i].name)
+    if progress and makers:
+        sys.stderr.write("\n")
+    return results
+
+
+def _progress(done: int, total: int, label: str) -> None:
+    width = 30
+    filled = width * done // total
+    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label[:40]:<40}")
+    sys.stderr.flush()
+
+
+__all__ = ["AssemblyError", "CompiledKernel", "Resources", "SpillError", "build", "precompile",
+           "get_assembler"]

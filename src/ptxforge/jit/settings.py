@@ -1,0 +1,49 @@
+"""Every ``PTXFORGE_*`` environment knob, read in this one place.
+
+| variable                | meaning                                                          | default                      |
+|-------------------------|------------------------------------------------------------------|------------------------------|
+| PTXFORGE_ARCH           | target (and device) to build for: ``sm_90a`` or ``sm_90a:H200``    | the current GPU              |
+| PTXFORGE_ASSEMBLER      | ``nvjitlink``, ``ptxas`` or ``driver``                            | first available, that order  |
+| PTXFORGE_PTXAS          | path of the ptxas to use                                         | PATH, CUDA_HOME, pip wheel   |
+| PTXFORGE_CACHE_DIR      | on-disk cubin cache                                              | $XDG_CACHE_HOME/ptxforge     |
+| PTXFORGE_DISABLE_CACHE  | ``1``: never read or write the disk cache                         | 0                            |
+| PTXFORGE_DEBUG          | ``1``: refuse kernels that spill to local memory; keep PTX files  | 0                            |
+
+(``PTXFORGE_ARCH`` is read by ``ptxforge.arch``; the others here.)
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "0").strip().lower() not in ("", "0", "false", "no")
+
+
+def assembler_name() -> str | None:
+    value = os.environ.get("PTXFORGE_ASSEMBLER", "").strip().lower()
+    if value and value not in ("nvjitlink", "ptxas", "driver"):
+        raise ValueError(f"PTXFORGE_ASSEMBLER must be nvjitlink, ptxas or driver, got {value!r}")
+    return value or None
+
+
+def ptxas_path() -> str | None:
+    return os.environ.get("PTXFORGE_PTXAS") or None
+
+
+def cache_dir() -> Path:
+    explicit = os.environ.get("PTXFORGE_CACHE_DIR")
+    if explicit:
+        return Path(explicit).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "ptxforge"
+
+
+def cache_disabled() -> bool:
+    return _flag("PTXFORGE_DISABLE_CACHE")
+
+
+def debug() -> bool:
+    return _flag("PTXFORGE_DEBUG")

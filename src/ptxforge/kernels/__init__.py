@@ -1,0 +1,69 @@
+"""Kernel generators, one per file, and the registry the CLI and tests walk.
+
+Each registry entry turns (arch, keyword options) into a config through the kernel's
+own heuristic, and a config into a ``KernelBuilder`` through its generator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from . import bf16_block_quant_fp8, bf16_row_rmsnorm_fp8quant
+
+# Hidden sizes of DeepSeek-V3 / common LLM layers, for precompiling and the CPU checks.
+HIDDEN_SIZES = (512, 576, 1536, 2048, 2112, 4096, 7168, 8192, 16384)
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    name: str
+    configure: Callable  # (arch, **options) -> config
+    generate: Callable   # config -> KernelBuilder
+    variants: tuple      # option dicts worth precompiling
+    doc: str
+
+    def builder(self, arch, **options):
+        return self.generate(self.configure(arch, **options))
+
+
+def _row(normalize: bool, quantize: bool):
+    def configure(arch, hidden: int = 7168):
+        return bf16_row_rmsnorm_fp8quant.choose_config(arch, int(hidden), normalize=normalize,
+                                                       quantize=quantize)
+    return configure
+
+
+_ROW_VARIANTS = tuple({"hidden": h} for h in HIDDEN_SIZES)
+
+REGISTRY = {
+    spec.name: spec for spec in (
+        KernelSpec("rms_norm", _row(True, False), bf16_row_rmsnorm_fp8quant.generate,
+                   _ROW_VARIANTS, "RMSNorm, bf16 in/out (option: hidden)"),
+        KernelSpec("quantize_fp8_per_token", _row(False, True), bf16_row_rmsnorm_fp8quant.generate,
+                   _ROW_VARIANTS, "bf16 -> e4m3 + 1x128 scales (option: hidden)"),
+        KernelSpec("rms_norm_quantize_fp8", _row(True, True), bf16_row_rmsnorm_fp8quant.generate,
+                   _ROW_VARIANTS, "fused RMSNorm + 1x128 FP8 quantization (option: hidden)"),
+        KernelSpec("quantize_fp8_per_block", bf16_block_quant_fp8.choose_config,
+                   bf16_block_quant_fp8.generate, ({},), "bf16 -> e4m3 + 128x128 scales"),
+    )
+}
+
+
+def get(name: str) -> KernelSpec:
+    if name not in REGISTRY:
+        raise ValueError(f"unknown kernel {name!r}; kernels: {', '.join(REGISTRY)}")
+    return REGISTRY[name]
+
+
+def all_variants(arch):
+    """Zero-argument builders for every registered variant that the target supports."""
+    makers = []
+    for spec in REGISTRY.values():
+        for options in spec.variants:
+            try:
+                config = spec.configure(arch, **options)
+            except ValueError:
+                continue  # e.g. FP8 kernels on a target without FP8
+            makers.append(lambda spec=spec, config=config: spec.generate(config))
+    return makers

@@ -1,0 +1,160 @@
+"""Per-block FP8 quantization of a bf16 weight [N, K]: one e4m3 scale per 128 x 128 block.
+
+DeepGEMM's ``per_block_cast_to_fp8`` recipe: amax over the block (clamped to 1e-4),
+``q = e4m3(x * (448 / amax))``, ``scale = amax / 448``; blocks at the edges take their
+amax over the elements that exist.
+
+One CTA of 256 threads per block. Thread ``t`` owns the 16-byte column vector ``t % 16``
+of rows ``t / 16 + 16 j`` (j < 8): a half-warp reads 256 contiguous bytes of one row,
+and all eight loads are in flight before the first use. The block amax is a warp
+butterfly, then a max over the 8 warps through shared memory. The values are unpacked
+again for the scaling pass rather than kept as f32, which halves the registers.
+
+Everything is run-time (N, K, the input row stride), so one kernel serves every shape.
+Outputs: q e4m3 [N, K] contiguous, scales f32 [ceil(N/128), ceil(K/128)] with a run-time
+row stride.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..arch import Arch
+from ..patterns import fp8
+from ..ptx import KernelBuilder, addr, sreg
+
+BLOCK = 128
+VECTOR = 8              # bf16 per 16-byte vector
+THREADS = 256
+ROWS_PER_PASS = THREADS // (BLOCK // VECTOR)   # 16
+PASSES = BLOCK // ROWS_PER_PASS                # 8
+
+
+@dataclass(frozen=True)
+class BlockQuantConfig:
+    target: str
+
+    @property
+    def name(self) -> str:
+        return "bf16_quant_fp8_per_block_128x128"
+
+    threads = THREADS
+
+
+def choose_config(arch: Arch) -> BlockQuantConfig:
+    arch.require("fp8", "FP8 quantization")
+    return BlockQuantConfig(arch.target)
+
+
+def generate(cfg: BlockQuantConfig) -> KernelBuilder:
+    k = KernelBuilder(cfg.name, target=cfg.target, max_threads=THREADS)
+    x_param, x_stride_param = k.param("x", "u64"), k.param("x_row_stride", "u32")
+    rows_param, cols_param = k.param("rows", "u32"), k.param("cols", "u32")
+    q_param, s_param = k.param("q", "u64"), k.param("scales", "u64")
+    s_stride_param = k.param("scale_row_stride", "u32")
+
+    with k.stage("coordinates: block origin, this thread's column and first row"):
+        rows, cols = k.reg("u32", "rows"), k.reg("u32", "cols")
+        k.ld_param(rows, rows_param)
+        k.ld_param(cols, cols_param)
+        tid, col, row = k.reg("u32", "tid"), k.reg("u32", "col"), k.reg("u32", "row")
+        k.mov(tid, sreg.tid.x)
+        k.and_(col, tid, BLOCK // VECTOR - 1)
+        k.shr(row, tid, 4)
+        block_col, block_row = k.reg("u32", "block_col"), k.reg("u32", "block_row")
+        k.mov(block_col, sreg.ctaid.x)
+        k.mov(block_row, sreg.ctaid.y)
+        k.mad(col, col, VECTOR, 0, mode="lo")
+        k.mad(col, block_col, BLOCK, col, mode="lo")
+        k.mad(row, block_row, BLOCK, row, mode="lo")
+        col_ok = k.pred("col_ok")
+        k.setp("lt", col_ok, col, cols)
+        ok = k.regs("pred", PASSES, "ok")
+        row_j = k.reg("u32", "row_j")
+        for j in range(PASSES):
+            k.add(row_j, row, ROWS_PER_PASS * j)
+            k.setp("lt", ok[j], row_j, rows)
+            k.and_pred(ok[j], ok[j], col_ok)
+
+    with k.stage("load the thread's 8 vectors (zero where outside the matrix)"):
+        x_ptr, stride = k.reg("u64", "x_ptr"), k.reg("u32", "x_stride_bytes")
+        k.ld_param(x_ptr, x_param)
+        k.ld_param(stride, x_stride_param)
+        k.shl(stride, stride, 1)
+        k.mad(x_ptr, row, stride, x_ptr, mode="wide")
+        k.mad(x_ptr, col, 2, x_ptr, mode="wide")
+        step = k.reg("u64", "x_pass_step")
+        k.mul(step, stride, ROWS_PER_PASS, mode="wide")
+        x = []
+        for j in range(PASSES):
+            v = k.regs("b32", 4, f"x{j}_")
+            for r in v:
+                k.mov(r, 0)
+            with k.guard(ok[j]):
+                k.ld(v, addr(x_ptr), nc=True, eviction="L1::no_allocate")
+            if j + 1 < PASSES:
+                k.add(x_ptr, x_ptr, step)
+            x.append(v)
+
+    with k.stage("block amax: thread, warp butterfly, then the 8 warps through shared memory"):
+        lo, hi, tmp, amax = (k.reg("f32", n) for n in ("lo", "hi", "abs", "amax"))
+        k.mov(amax, 0.0)
+        for v in x:
+            for word in v:
+                fp8.unpack_bf16x2(k, lo, hi, word)
+                fp8.max_abs(k, amax, [lo, hi], tmp)
+        fp8.butterfly_max(k, amax, 32, tmp)
+        warp_max = k.shared("warp_amax", 4 * (THREADS // 32), align=16)
+        lane, slot = k.reg("u32", "lane"), k.reg("u32", "slot")
+        k.and_(lane, tid, 31)
+        k.shr(slot, tid, 5)
+        k.mul(slot, slot, 4, mode="lo")
+        base = k.reg("u32", "warp_amax_base")
+        k.mov(base, warp_max)
+        k.add(slot, slot, base)
+        lane0 = k.pred("lane0")
+        k.setp("eq", lane0, lane, 0)
+        with k.guard(lane0):
+            k.st(addr(slot), amax, space="shared")
+        k.bar_sync(0)
+        partial = k.regs("f32", THREADS // 32, "warp_max")
+        k.ld(partial[:4], addr(base), space="shared")
+        k.ld(partial[4:], addr(base, 16), space="shared")
+        for w in partial:
+            k.max(amax, amax, w, nan=True)
+        inv, scale = k.reg("f32", "inv_scale"), k.reg("f32", "scale")
+        fp8.scale_from_amax(k, amax, inv, scale)
+
+    with k.stage("store the block's scale (thread 0)"):
+        s_ptr, s_stride, s_idx = k.reg("u64", "s_ptr"), k.reg("u32", "s_stride"), k.reg("u32", "s_idx")
+        k.ld_param(s_ptr, s_param)
+        k.ld_param(s_stride, s_stride_param)
+        k.mad(s_idx, block_row, s_stride, block_col, mode="lo")
+        k.mad(s_ptr, s_idx, 4, s_ptr, mode="wide")
+        thread0 = k.pred("thread0")
+        k.setp("eq", thread0, tid, 0)
+        with k.guard(thread0):
+            k.st(addr(s_ptr), scale)
+
+    with k.stage("scale, convert to e4m3 and store"):
+        q_ptr = k.reg("u64", "q_ptr")
+        k.ld_param(q_ptr, q_param)
+        k.mad(q_ptr, row, cols, q_ptr, mode="wide")
+        k.mad(q_ptr, col, 1, q_ptr, mode="wide")
+        q_step = k.reg("u64", "q_pass_step")
+        k.mul(q_step, cols, ROWS_PER_PASS, mode="wide")
+        vals = k.regs("f32", VECTOR, "v")
+        packed = k.regs("b32", 2, "q")
+        scratch = k.regs("b16", 2, "e4m3x2_")
+        for j, v in enumerate(x):
+            for i, word in enumerate(v):
+                fp8.unpack_bf16x2(k, vals[2 * i], vals[2 * i + 1], word)
+            for val in vals:
+                k.mul(val, val, inv, rnd="rn")
+            fp8.pack_e4m3x4(k, packed[0], vals[:4], scratch)
+            fp8.pack_e4m3x4(k, packed[1], vals[4:], scratch)
+            with k.guard(ok[j]):
+                k.st(addr(q_ptr), packed, type="b32")
+            if j + 1 < PASSES:
+                k.add(q_ptr, q_ptr, q_step)
+    return k

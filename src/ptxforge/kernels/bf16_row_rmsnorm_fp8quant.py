@@ -1,0 +1,345 @@
+"""Row kernels over bf16 activations [M, K]: RMSNorm, per-token-group FP8 quantization, or both fused.
+
+One generator, three variants chosen by two switches:
+
+    normalize quantize   kernel                   writes
+    yes       no         rms_norm                 y  bf16 [M, K]
+    no        yes        quantize_fp8_per_token   q  e4m3 [M, K] + scales f32 (M x ceil(K/128))
+    yes       yes        rms_norm_quantize_fp8    q + scales of rms_norm(x) rounded to bf16
+
+Work mapping. ``threads_per_row`` threads own one row; thread ``t`` holds the 16-byte
+vectors ``v = j * threads_per_row + t`` (8 bf16 each, j < vectors_per_thread) in registers,
+so a quantization group (128 elements = 16 vectors) is always one aligned half-warp and
+its amax is 4 butterfly shuffles. A CTA holds ``rows_per_cta`` rows and strides over the
+rows of the grid (the grid is sized to the resident-CTA count); the RMSNorm weight is
+loaded into registers once per CTA, before that loop.
+
+Per row: load every vector first (all loads in flight before the first use), then
+[normalize: sum of squares -> row reduction (shuffles, then shared memory across warps)
+-> rstd = rsqrt(mean + eps) -> y = x * rstd * w, rounded to bf16], then either store y
+or [quantize: group amax -> scale, 448/amax -> e4m3 -> 8-byte stores, one scale per group].
+
+Compile-time: K (so the register arrays have a fixed size), the variant. Run-time: M,
+the input row stride, eps, and the scale strides (so one kernel writes either the plain
+[M, G] layout or the MN-major TMA-aligned layout that the FP8 GEMM reads).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+from ..arch import Arch
+from ..patterns import fp8
+from ..ptx import KernelBuilder, addr, sreg
+
+GROUP = 128                 # quantization group along K
+VECTOR = 8                  # bf16 per 16-byte vector
+MAX_VECTORS_PER_THREAD = 8  # registers: 8 vectors = 32 b32 of x (+ 32 of weight)
+MIN_CTA_THREADS = 128
+
+
+@dataclass(frozen=True)
+class RowKernelConfig:
+    hidden: int
+    normalize: bool
+    quantize: bool
+    threads_per_row: int
+    rows_per_cta: int
+    target: str
+
+    @property
+    def name(self) -> str:
+        op = {(True, False): "rmsnorm", (False, True): "quant_fp8_per_token",
+              (True, True): "rmsnorm_quant_fp8_per_token"}[(self.normalize, self.quantize)]
+        return f"bf16_{op}_k{self.hidden}"
+
+    @property
+    def threads(self) -> int:
+        return self.threads_per_row * self.rows_per_cta
+
+    @property
+    def vectors_per_row(self) -> int:
+        return self.hidden // VECTOR
+
+    @property
+    def vectors_per_thread(self) -> int:
+        return -(-self.vectors_per_row // self.threads_per_row)
+
+    @property
+    def warps_per_row(self) -> int:
+        return max(1, self.threads_per_row // 32)
+
+    @property
+    def shared_bytes(self) -> int:
+        """Cross-warp partial sums of the row reduction (static shared memory)."""
+        if self.normalize and self.warps_per_row > 1:
+            return 4 * self.rows_per_cta * self.warps_per_row
+        return 0
+
+
+def choose_config(arch: Arch, hidden: int, *, normalize: bool, quantize: bool) -> RowKernelConfig:
+    """The fewest threads per row (a power of two, at least a half-warp) that keep each
+    thread at <= 8 vectors; rows are packed so a CTA has at least 128 threads."""
+    if hidden <= 0 or hidden % VECTOR:
+        raise ValueError(f"hidden size (x.shape[-1]) must be a positive multiple of {VECTOR}, "
+                         f"got {hidden}")
+    if quantize:
+        arch.require("fp8", "FP8 quantization")
+    vectors = hidden // VECTOR
+    threads_per_row = 16
+    while -(-vectors // threads_per_row) > MAX_VECTORS_PER_THREAD:
+        threads_per_row *= 2
+    # A 1024-thread CTA gets at most 64 registers per thread: too few for 8 vectors of x and w.
+    max_threads_per_row = arch.max_threads_per_block // 2
+    if threads_per_row > max_threads_per_row:
+        limit = max_threads_per_row * MAX_VECTORS_PER_THREAD * VECTOR
+        raise ValueError(f"hidden size must be at most {limit}, got {hidden}")
+    rows_per_cta = max(1, MIN_CTA_THREADS // threads_per_row)
+    return RowKernelConfig(hidden, normalize, quantize, threads_per_row, rows_per_cta, arch.target)
+
+
+def generate(cfg: RowKernelConfig) -> KernelBuilder:
+    k = KernelBuilder(cfg.name, target=cfg.target, max_threads=cfg.threads)
+    p = _Params(k, cfg)
+    t = _thread_coordinates(k, cfg)
+    weight = _load_weight(k, cfg, p, t) if cfg.normalize else None
+
+    with k.stage("row loop: each CTA strides over rows_per_cta rows at a time"):
+        first_row, row_stride = k.reg("u32", "first_row"), k.reg("u32", "row_step")
+        k.mov(first_row, sreg.ctaid.x)
+        k.mul(first_row, first_row, cfg.rows_per_cta, mode="lo")
+        k.mov(row_stride, sreg.nctaid.x)
+        k.mul(row_stride, row_stride, cfg.rows_per_cta, mode="lo")
+        with k.loop(k.reg("u32", "row0"), p.rows, start=first_row, step=row_stride) as row0:
+            row = k.reg("u32", "row")
+            k.add(row, row0, t.row_in_cta)
+            row_ok = k.pred("row_ok")
+            k.setp("lt", row_ok, row, p.rows)
+            valid = _vector_predicates(k, cfg, t, row_ok)
+            x = _load_row(k, cfg, p, t, row, row_ok, valid)
+            if cfg.normalize:
+                x = _normalize(k, cfg, p, t, x, weight)
+            if cfg.quantize:
+                _quantize_and_store(k, cfg, p, t, row, x, valid)
+            else:
+                _store_bf16(k, cfg, p, t, row, x, valid)
+    return k
+
+
+class _Params:
+    """Kernel parameters, in launch order (see ``launch_args``)."""
+
+    def __init__(self, k: KernelBuilder, cfg: RowKernelConfig):
+        self.x = k.param("x", "u64")
+        self.x_row_stride = k.param("x_row_stride", "u32")  # elements
+        self.rows = k.reg("u32", "rows")
+        rows = k.param("rows", "u32")
+        k.ld_param(self.rows, rows)
+        if cfg.normalize:
+            self.weight = k.param("weight", "u64")
+            self.eps = k.param("eps", "f32")
+        if cfg.quantize:
+            self.q = k.param("q", "u64")
+            self.scales = k.param("scales", "u64")
+            self.scale_row_stride = k.param("scale_row_stride", "u32")      # elements
+            self.scale_group_stride = k.param("scale_group_stride", "u32")  # elements
+        else:
+            self.y = k.param("y", "u64")
+
+
+def _thread_coordinates(k: KernelBuilder, cfg: RowKernelConfig) -> _Thread:
+    t = SimpleNamespace()
+    with k.stage("thread coordinates"):
+        tid = k.reg("u32", "tid")
+        k.mov(tid, sreg.tid.x)
+        t.col = k.reg("u32", "col")          # thread index within its row
+        t.row_in_cta = k.reg("u32", "row_in_cta")
+        k.and_(t.col, tid, cfg.threads_per_row - 1)
+        k.shr(t.row_in_cta, tid, cfg.threads_per_row.bit_length() - 1)
+        t.warp_in_row = k.reg("u32", "warp_in_row")
+        k.shr(t.warp_in_row, t.col, 5)
+        t.lane = k.reg("u32", "lane")
+        k.and_(t.lane, tid, 31)
+    return t
+
+
+def _slot_in_row(k, cfg, t, j):
+    """A predicate 'vector slot j of this thread lies within the row', or None when it
+    always does (only the last slot can stick out, when K/8 is no multiple of threads_per_row)."""
+    if (j + 1) * cfg.threads_per_row <= cfg.vectors_per_row:
+        return None
+    in_row = k.pred(f"slot{j}_in_row")
+    k.setp("lt", in_row, t.col, cfg.vectors_per_row - j * cfg.threads_per_row)
+    return in_row
+
+
+def _vector_predicates(k, cfg, t, row_ok):
+    """Per vector slot j: row in range and slot within the row."""
+    valid = []
+    for j in range(cfg.vectors_per_thread):
+        in_row = _slot_in_row(k, cfg, t, j)
+        if in_row is not None:
+            k.and_pred(in_row, in_row, row_ok)
+        valid.append(in_row or row_ok)
+    return valid
+
+
+def _load_weight(k, cfg, p, t):
+    with k.stage("weight -> registers (once per CTA)"):
+        base = k.reg("u64", "w_ptr")
+        k.ld_param(base, p.weight)
+        k.mad(base, t.col, VECTOR * 2, base, mode="wide")
+        weight = []
+        for j in range(cfg.vectors_per_thread):
+            w = k.regs("b32", 4, f"w{j}_")
+            in_row = _slot_in_row(k, cfg, t, j)
+            if in_row is None:
+                k.ld(w, addr(base, j * cfg.threads_per_row * VECTOR * 2), nc=True)
+            else:
+                for r in w:
+                    k.mov(r, 0)
+                with k.guard(in_row):
+                    k.ld(w, addr(base, j * cfg.threads_per_row * VECTOR * 2), nc=True)
+            weight.append(w)
+    return weight
+
+
+def _load_row(k, cfg, p, t, row, row_ok, valid):
+    with k.stage("load the row: every vector in flight before the first use"):
+        base, stride = k.reg("u64", "x_row_ptr"), k.reg("u32", "x_stride_bytes")
+        k.ld_param(base, p.x)
+        k.ld_param(stride, p.x_row_stride)
+        k.shl(stride, stride, 1)
+        _advance(k, base, row, stride, t.col, VECTOR * 2)
+        x = []
+        for j in range(cfg.vectors_per_thread):
+            v = k.regs("b32", 4, f"x{j}_")
+            if valid[j] is not row_ok:
+                for r in v:
+                    k.mov(r, 0)  # out-of-row slots must not disturb the row's reductions
+            with k.guard(valid[j]):
+                k.ld(v, addr(base, j * cfg.threads_per_row * VECTOR * 2), nc=True,
+                     eviction="L1::no_allocate")
+            x.append(v)
+    return x
+
+
+def _normalize(k, cfg, p, t, x, weight):
+    """y = x * rsqrt(mean(x^2) + eps) * w in f32, returned as packed bf16x2 (like x)."""
+    with k.stage("RMSNorm: sum of squares, row reduction, scale by rstd and weight"):
+        lo, hi, tmp = k.reg("f32", "lo"), k.reg("f32", "hi"), k.reg("f32", "tmp")
+        sumsq = k.reg("f32", "sumsq")
+        k.mov(sumsq, 0.0)
+        for v in x:
+            for packed in v:
+                fp8.unpack_bf16x2(k, lo, hi, packed)
+                k.fma(sumsq, lo, lo, sumsq)
+                k.fma(sumsq, hi, hi, sumsq)
+        fp8.butterfly_sum(k, sumsq, min(cfg.threads_per_row, 32), tmp)
+        if cfg.warps_per_row > 1:
+            _reduce_across_warps(k, cfg, t, sumsq, tmp)
+        rstd, eps = k.reg("f32", "rstd"), k.reg("f32", "eps")
+        k.ld_param(eps, p.eps)
+        k.mul(rstd, sumsq, 1.0 / cfg.hidden)
+        k.add(rstd, rstd, eps)
+        k.rsqrt(rstd, rstd)
+        wlo, whi = k.reg("f32", "wlo"), k.reg("f32", "whi")
+        y = []
+        for v, w in zip(x, weight):
+            out = k.regs("b32", 4, "y")
+            for packed, wpacked, dst in zip(v, w, out):
+                fp8.unpack_bf16x2(k, lo, hi, packed)
+                fp8.unpack_bf16x2(k, wlo, whi, wpacked)
+                k.mul(lo, lo, rstd)
+                k.mul(hi, hi, rstd)
+                k.mul(lo, lo, wlo)
+                k.mul(hi, hi, whi)
+                k.cvt(dst, hi, lo, dtype="bf16x2", rnd="rn")
+            y.append(out)
+    return y
+
+
+def _reduce_across_warps(k, cfg, t, value, tmp):
+    """Sum a row's per-warp partials through shared memory (two barriers: write->read, read->reuse)."""
+    partials = k.shared("row_partials", cfg.shared_bytes, align=16)
+    slot, base = k.reg("u32", "slot"), k.reg("u32", "partials")
+    k.mov(base, partials)
+    k.mad(slot, t.row_in_cta, cfg.warps_per_row, t.warp_in_row, mode="lo")
+    k.mad(slot, slot, 4, base, mode="lo")
+    lane0 = k.pred("lane0")
+    k.setp("eq", lane0, t.lane, 0)
+    with k.guard(lane0):
+        k.st(addr(slot), value, space="shared")
+    k.bar_sync(0)
+    row_base = k.reg("u32", "row_partials")
+    k.mad(row_base, t.row_in_cta, cfg.warps_per_row * 4, base, mode="lo")
+    k.ld(value, addr(row_base), space="shared")
+    for w in range(1, cfg.warps_per_row):
+        k.ld(tmp, addr(row_base, 4 * w), space="shared")
+        k.add(value, value, tmp)
+    k.bar_sync(0)
+
+
+def _quantize_and_store(k, cfg, p, t, row, x, valid):
+    with k.stage("quantize: per-128 group amax (half-warp), scale, e4m3, store"):
+        q_ptr, s_ptr = k.reg("u64", "q_ptr"), k.reg("u64", "s_ptr")
+        k.ld_param(q_ptr, p.q)
+        _advance(k, q_ptr, row, cfg.hidden, t.col, VECTOR)
+        # scale index of slot j = row * row_stride + (j * threads_per_row/16 + col/16) * group_stride
+        srs, sgs = k.reg("u32", "scale_row_stride"), k.reg("u32", "scale_group_stride")
+        k.ld_param(srs, p.scale_row_stride)
+        k.ld_param(sgs, p.scale_group_stride)
+        sidx, group = k.reg("u32", "scale_idx"), k.reg("u32", "group")
+        k.shr(group, t.col, 4)
+        k.mul(sidx, group, sgs, mode="lo")
+        k.mad(sidx, row, srs, sidx, mode="lo")
+        k.ld_param(s_ptr, p.scales)
+        k.mad(s_ptr, sidx, 4, s_ptr, mode="wide")
+        slot_step = k.reg("u32", "scale_slot_step")
+        k.mul(slot_step, sgs, 4 * cfg.threads_per_row // 16, mode="lo")
+        step64 = k.reg("u64", "scale_slot_step64")
+        k.cvt(step64, slot_step)
+        leader, store_scale = k.pred("group_leader"), k.pred("store_scale")
+        k.and_(group, t.col, 15)
+        k.setp("eq", leader, group, 0)
+
+        vals = k.regs("f32", VECTOR, "v")
+        amax, tmp, inv, scale = (k.reg("f32", n) for n in ("amax", "abs", "inv_scale", "scale"))
+        packed = k.regs("b32", 2, "q")
+        scratch = k.regs("b16", 2, "e4m3x2_")
+        for j, v in enumerate(x):
+            for i, word in enumerate(v):
+                fp8.unpack_bf16x2(k, vals[2 * i], vals[2 * i + 1], word)
+            k.mov(amax, 0.0)
+            fp8.max_abs(k, amax, vals, tmp)
+            fp8.butterfly_max(k, amax, 16, tmp)
+            fp8.scale_from_amax(k, amax, inv, scale)
+            for val in vals:
+                k.mul(val, val, inv, rnd="rn")
+            fp8.pack_e4m3x4(k, packed[0], vals[:4], scratch)
+            fp8.pack_e4m3x4(k, packed[1], vals[4:], scratch)
+            with k.guard(valid[j]):
+                k.st(addr(q_ptr, j * cfg.threads_per_row * VECTOR), packed, type="b32")
+            k.and_pred(store_scale, leader, valid[j])
+            with k.guard(store_scale):
+                k.st(addr(s_ptr), scale)
+            if j + 1 < len(x):
+                k.add(s_ptr, s_ptr, step64)
+
+
+def _store_bf16(k, cfg, p, t, row, y, valid):
+    with k.stage("store y"):
+        base = k.reg("u64", "y_ptr")
+        k.ld_param(base, p.y)
+        _advance(k, base, row, cfg.hidden * 2, t.col, VECTOR * 2)
+        for j, v in enumerate(y):
+            with k.guard(valid[j]):
+                k.st(addr(base, j * cfg.threads_per_row * VECTOR * 2), v, type="b32")
+
+
+def _advance(k, ptr, row, row_bytes, col, col_bytes):
+    """Two instructions: ptr += row * row_bytes + col * col_bytes, in 64-bit (tensors may
+    exceed 4 GiB)."""
+    k.mad(ptr, row, row_bytes, ptr, mode="wide")
+    k.mad(ptr, col, col_bytes, ptr, mode="wide")

@@ -1,0 +1,113 @@
+"""RMSNorm, per-token-group FP8 quantization, and the two fused, on torch tensors.
+
+All three run the one row-kernel generator (``kernels/bf16_row_rmsnorm_fp8quant.py``),
+specialised on the hidden size K; M, strides and eps are run-time arguments.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .. import jit
+from ..kernels import bf16_row_rmsnorm_fp8quant as row_kernel
+from ._common import ceil_div, check_rows, check_same_device, check_tensor, current_stream, device_arch
+from .layout import empty_mn_major_scales
+
+SCALE_LAYOUTS = ("mn_major", "row_major")
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(device_index: int, hidden: int, normalize: bool, quantize: bool):
+    """(config, launcher, largest useful grid) for one device and variant."""
+    arch = device_arch(device_index)
+    cfg = row_kernel.choose_config(arch, hidden, normalize=normalize, quantize=quantize)
+    compiled = jit.build(row_kernel.generate(cfg))
+    resident = arch.resident_ctas(cfg.threads, compiled.resources.registers, cfg.shared_bytes)
+    return cfg, compiled.load(device_index).launcher, arch.sm_count * max(resident, 1)
+
+
+def _launch(x: torch.Tensor, normalize: bool, quantize: bool, tail_args: tuple) -> None:
+    rows, hidden = x.shape
+    device = x.get_device()
+    cfg, launcher, max_grid = _kernel(device, hidden, normalize, quantize)
+    grid = min(ceil_div(rows, cfg.rows_per_cta), max_grid)
+    launcher((grid, 1, 1), cfg.threads, 0, current_stream(device),
+             (x.data_ptr(), x.stride(0), rows) + tail_args)
+
+
+def _as_rows(name: str, x: torch.Tensor) -> torch.Tensor:
+    """[..., K] -> [M, K] without a copy; rows may be strided, elements may not."""
+    check_tensor(name, x, torch.bfloat16, (1, 2, 3, 4, 5, 6, 7, 8))
+    if x.dim() != 2:
+        if not x.is_contiguous():
+            raise ValueError(f"{name} with {x.dim()} dimensions must be contiguous "
+                             f"(2-D inputs may have strided rows)")
+        x = x.view(-1, x.shape[-1])
+    check_rows(name, x)
+    return x
+
+
+def _check_weight(weight: torch.Tensor, x: torch.Tensor) -> None:
+    check_tensor("weight", weight, torch.bfloat16, 1)
+    if weight.shape[0] != x.shape[-1]:
+        raise ValueError(f"weight must have shape ({x.shape[-1]},) to match x's last dimension, "
+                         f"got {tuple(weight.shape)}")
+    check_rows("weight", weight)
+    check_same_device("x", x, weight=weight)
+
+
+def _scales(rows: int, groups: int, layout: str, device) -> torch.Tensor:
+    if layout == "mn_major":
+        return empty_mn_major_scales(rows, groups, device)
+    if layout == "row_major":
+        return torch.empty((rows, groups), dtype=torch.float32, device=device)
+    raise ValueError(f"scale_layout must be one of {SCALE_LAYOUTS}, got {layout!r}")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``y = x * rsqrt(mean(x^2, -1) + eps) * weight`` with f32 math, bf16 in and out.
+
+    x: bf16 [..., K] (2-D inputs may have strided rows); weight: bf16 [K]. K a multiple of 8.
+    """
+    rows = _as_rows("x", x)
+    _check_weight(weight, x)
+    y = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
+    if rows.shape[0]:
+        _launch(rows, True, False, (weight.data_ptr(), float(eps), y.data_ptr()))
+    return y
+
+
+def quantize_fp8_per_token(x: torch.Tensor, scale_layout: str = "mn_major"):
+    """Per-token, per-128-channel FP8 quantization (DeepGEMM's activation recipe).
+
+    x: bf16 [M, K], K a multiple of 8. Returns ``(q, scales)``: q e4m3 [M, K] and scales
+    f32 [M, ceil(K/128)] with ``x ~= q * scales`` per 128-wide group. ``scale_layout``
+    'mn_major' (default) writes the scales in the MN-major TMA-aligned layout the FP8 GEMM
+    reads without a copy; 'row_major' writes a plain contiguous tensor.
+    """
+    check_tensor("x", x, torch.bfloat16, 2)
+    check_rows("x", x)
+    return _quantize(x, False, (), scale_layout)
+
+
+def rms_norm_quantize_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
+                          scale_layout: str = "mn_major"):
+    """``quantize_fp8_per_token(rms_norm(x, weight, eps))`` in one pass over x, without
+    writing the bf16 intermediate: the same bits as the two calls."""
+    check_tensor("x", x, torch.bfloat16, 2)
+    check_rows("x", x)
+    _check_weight(weight, x)
+    return _quantize(x, True, (weight.data_ptr(), float(eps)), scale_layout)
+
+
+def _quantize(x, normalize: bool, weight_args: tuple, scale_layout: str):
+    m, k = x.shape
+    groups = ceil_div(k, row_kernel.GROUP)
+    scales = _scales(m, groups, scale_layout, x.device)
+    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+    if m:
+        _launch(x, normalize, True,
+                weight_args + (q.data_ptr(), scales.data_ptr(), scales.stride(0), scales.stride(1)))
+    return q, scales

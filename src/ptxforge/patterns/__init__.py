@@ -1,0 +1,1 @@
+"""Multi-instruction building blocks; each function documents the instructions it emits."""

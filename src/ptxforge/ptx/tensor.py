@@ -1,0 +1,105 @@
+"""Hopper tensor instructions: wgmma, bulk tensor copies (TMA), ldmatrix/stmatrix.
+
+Shared-memory operands are 32-bit ``.shared::cta`` addresses (registers or symbols).
+Tensor maps are named by a 64-bit generic address of the ``.param`` blob; see
+``KernelBuilder.tensormap_param`` and ``cvta(space="param")``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .operands import Address, Operand, Reg, vec
+
+
+@dataclass(frozen=True)
+class TensorCoords:
+    """The ``[tmap, {c0, c1, ...}]`` operand of bulk tensor copies (innermost coordinate first)."""
+
+    tensormap: Operand
+    coords: tuple
+
+    def __str__(self) -> str:
+        return f"[{self.tensormap}, {{{', '.join(str(c) for c in self.coords)}}}]"
+
+
+# wgmma operand types and the K each instruction consumes.
+WGMMA_K = {"e4m3": 32, "e5m2": 32, "bf16": 16, "f16": 16, "tf32": 8}
+
+
+class TensorOps:
+    # ---------------------------------------------------------------- wgmma
+    def wgmma_fence(self) -> None:
+        """Order register/shared accesses before the next wgmma reads them."""
+        self.emit("wgmma.fence.sync.aligned")
+
+    def wgmma_commit_group(self) -> None:
+        self.emit("wgmma.commit_group.sync.aligned")
+
+    def wgmma_wait_group(self, pending: int) -> None:
+        """Wait until at most ``pending`` committed wgmma groups are still running."""
+        self.emit("wgmma.wait_group.sync.aligned", pending)
+
+    def wgmma_mma_async(self, acc: list[Reg], a_desc: Operand, b_desc: Operand, *, n: int,
+                        ab_type: str, scale_d: Operand = 1, trans_a: int = 0,
+                        trans_b: int = 0) -> None:
+        """``wgmma.mma_async.sync.aligned.m64n{n}k{K}.f32.T.T``: acc (+)= A(smem desc) x B(smem desc).
+
+        ``scale_d`` 0 overwrites the accumulators, 1 (or a predicate) accumulates. fp8 types
+        take no transpose immediates: both operands must be K-major."""
+        k = WGMMA_K[ab_type]
+        if len(acc) != n // 2:
+            raise ValueError(f"m64n{n} needs {n // 2} f32 accumulators per thread, got {len(acc)}")
+        if n % 8 or not 8 <= n <= 256:
+            raise ValueError(f"wgmma n must be a multiple of 8 in [8, 256], got {n}")
+        opcode = f"wgmma.mma_async.sync.aligned.m64n{n}k{k}.f32.{ab_type}.{ab_type}"
+        if ab_type in ("e4m3", "e5m2"):
+            self.emit(opcode, vec(acc), a_desc, b_desc, scale_d, 1, 1)
+        else:
+            self.emit(opcode, vec(acc), a_desc, b_desc, scale_d, 1, 1, trans_a, trans_b)
+
+    # ---------------------------------------------------------------- matrix load/store
+    def ldmatrix(self, regs: list[Reg], address: Address, *, trans: bool = False) -> None:
+        num = {1: "x1", 2: "x2", 4: "x4"}[len(regs)]
+        self.emit(f"ldmatrix.sync.aligned.m8n8.{num}" + (".trans" if trans else "") + ".shared.b16",
+                  vec(regs), address)
+
+    def stmatrix(self, address: Address, regs: list[Reg], *, trans: bool = False) -> None:
+        """Each register holds two b16 values of an 8x8 matrix fragment (x1, x2 or x4 matrices)."""
+        num = {1: "x1", 2: "x2", 4: "x4"}[len(regs)]
+        self.emit(f"stmatrix.sync.aligned.m8n8.{num}" + (".trans" if trans else "") + ".shared.b16",
+                  address, vec(regs))
+
+    # ---------------------------------------------------------------- bulk tensor copies
+    def cp_async_bulk_tensor_load(self, dst: Address, tensormap: Operand, coords: list,
+                                  bar: Address, *, multicast_mask: Operand | None = None,
+                                  cache_hint: Operand | None = None) -> None:
+        """Global -> shared tile copy completing on ``bar`` (tx bytes = the box size). With
+        ``multicast_mask`` the tile lands in every CTA of the cluster named by the mask."""
+        opcode = (f"cp.async.bulk.tensor.{len(coords)}d.shared::cluster.global.tile"
+                  ".mbarrier::complete_tx::bytes")
+        operands = [dst, TensorCoords(tensormap, tuple(coords)), bar]
+        if multicast_mask is not None:
+            opcode += ".multicast::cluster"
+            operands.append(multicast_mask)
+        if cache_hint is not None:
+            opcode += ".L2::cache_hint"
+            operands.append(cache_hint)
+        self.emit(opcode, *operands)
+
+    def cp_async_bulk_tensor_store(self, tensormap: Operand, coords: list, src: Address) -> None:
+        """Shared -> global tile copy; completion is tracked by bulk groups."""
+        self.emit(f"cp.async.bulk.tensor.{len(coords)}d.global.shared::cta.tile.bulk_group",
+                  TensorCoords(tensormap, tuple(coords)), src)
+
+    def cp_async_bulk_prefetch_tensor(self, tensormap: Operand, coords: list) -> None:
+        """Pull a tile into L2 without a destination in shared memory."""
+        self.emit(f"cp.async.bulk.prefetch.tensor.{len(coords)}d.L2.global.tile",
+                  TensorCoords(tensormap, tuple(coords)))
+
+    def cp_async_bulk_commit_group(self) -> None:
+        self.emit("cp.async.bulk.commit_group")
+
+    def cp_async_bulk_wait_group(self, pending: int, *, read: bool = False) -> None:
+        """Wait for bulk groups; ``read``: only until their shared-memory sources were read."""
+        self.emit("cp.async.bulk.wait_group" + (".read" if read else ""), pending)

@@ -1,0 +1,52 @@
+"""Torch references for the kernels' recipes: what "correct" means, written plainly.
+
+The quantization references are DeepGEMM's recipes (``per_token_cast_to_fp8``,
+``per_block_cast_to_fp8``), extended to K that is not a multiple of 128 by padding the
+last group with zeros. The kernels match them bit for bit on the fp8 data and the scales.
+"""
+
+from __future__ import annotations
+
+import torch
+
+E4M3_MAX = 448.0
+AMAX_FLOOR = 1e-4
+
+
+def quantize_fp8_per_token(x: torch.Tensor, group: int = 128):
+    """x bf16 [M, K] -> (q e4m3 [M, K], scales f32 [M, ceil(K/group)])."""
+    m, k = x.shape
+    padded = torch.nn.functional.pad(x, (0, -k % group))
+    view = padded.view(m, -1, group)
+    amax = view.abs().float().amax(dim=2).clamp(AMAX_FLOOR)
+    q = (view * (E4M3_MAX / amax.unsqueeze(2))).to(torch.float8_e4m3fn)
+    return q.view(m, -1)[:, :k].contiguous(), amax / E4M3_MAX
+
+
+def quantize_fp8_per_block(w: torch.Tensor, block: int = 128):
+    """w bf16 [N, K] -> (q e4m3 [N, K], scales f32 [ceil(N/block), ceil(K/block)])."""
+    n, k = w.shape
+    padded = torch.nn.functional.pad(w, (0, -k % block, 0, -n % block))
+    view = padded.view(padded.shape[0] // block, block, padded.shape[1] // block, block)
+    amax = view.abs().float().amax(dim=(1, 3), keepdim=True).clamp(AMAX_FLOOR)
+    q = (view * (E4M3_MAX / amax)).to(torch.float8_e4m3fn)
+    return q.view_as(padded)[:n, :k].contiguous(), (amax / E4M3_MAX).view(view.shape[0], view.shape[2])
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """f32 math: x * rsqrt(mean(x^2) + eps) * weight, rounded once to bf16."""
+    xf = x.float()
+    rstd = torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return (xf * rstd * weight.float()).to(torch.bfloat16)
+
+
+def dequantize_per_token(q: torch.Tensor, scales: torch.Tensor, group: int = 128) -> torch.Tensor:
+    """f32 q * scale, each scale repeated over its group of channels."""
+    k = q.shape[1]
+    return q.float() * scales.float().repeat_interleave(group, dim=1)[:, :k]
+
+
+def dequantize_per_block(q: torch.Tensor, scales: torch.Tensor, block: int = 128) -> torch.Tensor:
+    n, k = q.shape
+    full = scales.float().repeat_interleave(block, dim=0).repeat_interleave(block, dim=1)
+    return q.float() * full[:n, :k]
