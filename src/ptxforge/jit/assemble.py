@@ -128,11 +128,12 @@ class NvJitLinkAssembler(Assembler):
         data = ptx.encode()
         handle = nvj.create(2, [f"-arch={target}", "-verbose"])
         try:
-            nvj.add_data(handle, nvj.InputType.PTX, data, len(data), "kernel.ptx")
-            try:
+            try:  # PTX is compiled in add_data already, linked in complete
+                nvj.add_data(handle, nvj.InputType.PTX, data, len(data), "kernel.ptx")
                 nvj.complete(handle)
             except nvj.nvJitLinkError:
-                raise AssemblyError(f"nvJitLink {self.version}", self._log(handle, error=True), ptx)
+                raise AssemblyError(f"nvJitLink {self.version}", self._log(handle, error=True),
+                                    ptx) from None
             cubin = bytearray(nvj.get_linked_cubin_size(handle))
             nvj.get_linked_cubin(handle, cubin)
             return bytes(cubin), self._log(handle)
@@ -162,18 +163,23 @@ class DriverAssembler(Assembler):
         return self._driver.link_ptx(ptx, target)
 
 
-def find_ptxas() -> str | None:
-    """PTXFORGE_PTXAS, then PATH, CUDA_HOME, /usr/local/cuda, then a pip wheel's ptxas."""
-    candidates = [settings.ptxas_path(), shutil.which("ptxas")]
+def find_cuda_tool(name: str, explicit: str | None = None) -> str | None:
+    """A CUDA command-line tool (ptxas, cuobjdump, nvdisasm): ``explicit``, then PATH,
+    CUDA_HOME, /usr/local/cuda, then the ``nvidia-*`` pip wheels' bin folders."""
+    candidates = [explicit, shutil.which(name)]
     for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
         if home:
-            candidates.append(os.path.join(home, "bin", "ptxas"))
+            candidates.append(os.path.join(home, "bin", name))
     for site in sys.path:
-        candidates += sorted(glob.glob(os.path.join(site, "nvidia", "*", "bin", "ptxas")))
+        candidates += sorted(glob.glob(os.path.join(site, "nvidia", "*", "bin", name)))
     for path in candidates:
         if path and os.path.isfile(path) and os.access(path, os.X_OK):
             return path
     return None
+
+
+def find_ptxas() -> str | None:
+    return find_cuda_tool("ptxas", settings.ptxas_path())
 
 
 def _make(name: str) -> Assembler:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from .arith import ArithmeticOps
 from .memory import MemoryOps
+from . import sreg
 from .operands import REG_TYPES, Address, NegPred, Operand, Reg, Symbol, format_operand
 from .sync import SyncOps
 from .tensor import TensorOps
@@ -89,7 +90,7 @@ class KernelBuilder(ArithmeticOps, MemoryOps, SyncOps, WarpOps, TensorOps):
         name: str,
         *,
         target: str = "sm_90a",
-        ptx_version: str = "8.0",
+        ptx_version: str | None = None,
         max_threads: int | None = None,
         min_blocks_per_sm: int | None = None,
         cluster_size: int | None = None,
@@ -98,13 +99,18 @@ class KernelBuilder(ArithmeticOps, MemoryOps, SyncOps, WarpOps, TensorOps):
             raise ValueError(f"kernel name must be a C identifier, got {name!r}")
         self.name = name
         self.target = target
+        if ptx_version is None:  # the target's description says which ISA version it needs
+            from .. import arch
+
+            ptx_version = arch.get(target).ptx_version
         self.ptx_version = ptx_version
         self.max_threads = max_threads
         self.min_blocks_per_sm = min_blocks_per_sm
         self.cluster_size = cluster_size
         self.params: list[Param] = []
         self.shared_buffers: list[SharedBuffer] = []
-        self._banks: dict[str, tuple[str, int]] = {}  # prefix -> (type, count)
+        self._banks: dict[str, tuple[str, int]] = {}  # prefix -> (type, count): %prefix<count>
+        self._singles: dict[str, str] = {}  # name -> type: registers declared one by one
         self._labels: dict[str, int] = {}
         self._body: list[str] = []
         self._guard: Reg | NegPred | None = None
@@ -127,6 +133,13 @@ class KernelBuilder(ArithmeticOps, MemoryOps, SyncOps, WarpOps, TensorOps):
         return self.param(name, "tensormap")
 
     def reg(self, type: str, name: str | None = None) -> Reg:
+        """One register; a name used for the first time is kept as it is (``%row``)."""
+        if (name and name.isidentifier() and not name[-1].isdigit() and name not in self._singles
+                and name not in self._banks and name not in sreg.NAMES):
+            if type not in REG_TYPES:
+                raise ValueError(f"register type must be one of {sorted(REG_TYPES)}, got {type!r}")
+            self._singles[name] = type
+            return Reg(f"%{name}", type)
         return self.regs(type, 1, name)[0]
 
     def regs(self, type: str, count: int, name: str | None = None) -> list[Reg]:
@@ -138,7 +151,7 @@ class KernelBuilder(ArithmeticOps, MemoryOps, SyncOps, WarpOps, TensorOps):
             raise ValueError(f"register name must be letters, digits and '_', got {name!r}")
         if prefix[-1].isdigit():
             prefix += "_"
-        if prefix in self._banks and self._banks[prefix][0] != type:
+        if prefix in self._singles or (prefix in self._banks and self._banks[prefix][0] != type):
             prefix = f"{prefix}_{type}_"
         bank_type, used = self._banks.get(prefix, (type, 0))
         self._banks[prefix] = (bank_type, used + count)
@@ -256,7 +269,8 @@ class KernelBuilder(ArithmeticOps, MemoryOps, SyncOps, WarpOps, TensorOps):
         if self.cluster_size is not None:
             directives.append(f".reqnctapercluster {self.cluster_size}, 1, 1")
         params = ",\n".join("\t" + p.declaration() for p in self.params)
-        decls = [f"\t.reg .{t} %{prefix}<{n}>;" for prefix, (t, n) in self._banks.items()]
+        decls = [f"\t.reg .{t} %{name};" for name, t in self._singles.items()]
+        decls += [f"\t.reg .{t} %{prefix}<{n}>;" for prefix, (t, n) in self._banks.items()]
         # Shared memory is declared at module scope: `.extern .shared` is not allowed inside a function.
         shared = [b.declaration() for b in self.shared_buffers]
         lines = [

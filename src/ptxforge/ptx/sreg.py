@@ -33,3 +33,11 @@ nsmid = Special("%nsmid", "u32")
 clock64 = Special("%clock64", "u64")
 globaltimer = Special("%globaltimer", "u64")
 dynamic_smem_size = Special("%dynamic_smem_size", "u32")
+
+# Base names of the special registers: a register of the same name would read as one.
+NAMES = frozenset(
+    "tid ntid ctaid nctaid clusterid nclusterid cluster_ctaid cluster_nctaid cluster_ctarank "
+    "cluster_nctarank laneid warpid nwarpid smid nsmid clock clock64 globaltimer "
+    "dynamic_smem_size gridid lanemask_eq lanemask_le lanemask_lt lanemask_ge lanemask_gt pm0 "
+    "envreg0 total_smem_size aggr_smem_size current_graph_exec".split()
+)

@@ -1,0 +1,46 @@
+"""First-call JIT cost per assembler: PTX generation, assembly and module load, cache off."""
+
+import json
+import os
+import sys
+import time
+
+os.environ["PTXFORGE_DISABLE_CACHE"] = "1"
+
+import torch  # noqa: E402
+
+from ptxforge import arch, jit, kernels  # noqa: E402
+from ptxforge.jit.assemble import get_assembler  # noqa: E402
+
+a = arch.current()
+rows = []
+for name in ("nvjitlink", "ptxas", "driver"):
+    try:
+        asm = get_assembler(name)
+    except Exception as exc:  # report what is missing and go on
+        rows.append({"assembler": name, "error": str(exc)})
+        continue
+    for spec_name, options in (("quantize_fp8_per_token", {"hidden": 7168}),
+                               ("rms_norm_quantize_fp8", {"hidden": 7168}),
+                               ("quantize_fp8_per_block", {})):
+        spec = kernels.get(spec_name)
+        jit._memory.clear()
+        start = time.perf_counter()
+        builder = spec.builder(a, **options)
+        generated = time.perf_counter()
+        compiled = jit.build(builder, assembler=name)
+        assembled = time.perf_counter()
+        compiled.load(torch.cuda.current_device())
+        loaded = time.perf_counter()
+        rows.append({"assembler": repr(asm), "kernel": compiled.name,
+                     "generate_ms": 1e3 * (generated - start), "assemble_ms": 1e3 * (assembled - generated),
+                     "load_ms": 1e3 * (loaded - assembled), "total_ms": 1e3 * (loaded - start),
+                     "ptx_lines": compiled.ptx.count("\n")})
+json.dump(rows, open(sys.argv[1], "w") if len(sys.argv) > 1 else sys.stdout, indent=2)
+print()
+for r in rows:
+    if "error" in r:
+        print(f"{r['assembler']:<16} unavailable: {r['error']}")
+    else:
+        print(f"{r['assembler']:<16} {r['kernel']:<42} gen {r['generate_ms']:6.1f} ms  asm "
+              f"{r['assemble_ms']:6.1f} ms  load {r['load_ms']:5.1f} ms  total {r['total_ms']:6.1f} ms")

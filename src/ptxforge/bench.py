@@ -1,0 +1,125 @@
+"""GPU benchmarks, run side by side with their torch peers in the same process.
+
+Method (the project's measurement rules): count the bytes each op must move; time the
+kernel with CUDA events after warm-up, with the L2 cache flushed before every call by
+writing a buffer larger than it; report the median; measure the device-to-device copy
+ceiling in the same run and state every bandwidth against it.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from . import ops, reference
+
+
+@dataclass
+class Timer:
+    """Median kernel time of a callable, L2 flushed before each call."""
+
+    warmup: int = 5
+    reps: int = 30
+    flush_bytes: int = 256 << 20
+    _flush: torch.Tensor | None = field(default=None, repr=False)
+
+    def __call__(self, fn) -> float:
+        if self._flush is None:
+            self._flush = torch.empty(self.flush_bytes, dtype=torch.uint8, device="cuda")
+        for _ in range(self.warmup):
+            fn()
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(self.reps)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(self.reps)]
+        for start, end in zip(starts, ends):
+            self._flush.zero_()
+            start.record()
+            fn()
+            end.record()
+        torch.cuda.synchronize()
+        return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))  # ms
+
+
+def copy_bandwidth_gbs(timer: Timer, nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy, counting bytes read plus bytes written."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    ms = timer(lambda: dst.copy_(src))
+    return 2 * nbytes / ms / 1e6
+
+
+def memory_suite(m: int = 16384, k: int = 7168, timer: Timer | None = None) -> dict:
+    """The four memory-bound kernels and their torch peers at [m, k]."""
+    timer = timer or Timer()
+    copy_gbs = copy_bandwidth_gbs(timer)
+    x = (torch.randn((m, k), device="cuda") * 2).to(torch.bfloat16)
+    w = torch.randn((k,), device="cuda").to(torch.bfloat16)
+    groups = -(-k // 128)
+    token_bytes = 2 * m * k + m * k + 4 * m * groups
+    block_bytes = 2 * m * k + m * k + 4 * (-(-m // 128)) * groups
+    norm_bytes = 2 * m * k + 2 * k + 2 * m * k
+    fused_bytes = 2 * m * k + 2 * k + m * k + 4 * m * groups
+    cases = [
+        ("quantize_fp8_per_token", token_bytes, lambda: ops.quantize_fp8_per_token(x),
+         lambda: reference.quantize_fp8_per_token(x)),
+        ("quantize_fp8_per_block", block_bytes, lambda: ops.quantize_fp8_per_block(x),
+         lambda: reference.quantize_fp8_per_block(x)),
+        ("rms_norm", norm_bytes, lambda: ops.rms_norm(x, w),
+         lambda: torch.nn.functional.rms_norm(x, (k,), w, 1e-6)),
+        ("rms_norm_quantize_fp8", fused_bytes, lambda: ops.rms_norm_quantize_fp8(x, w),
+         lambda: reference.quantize_fp8_per_token(torch.nn.functional.rms_norm(x, (k,), w, 1e-6))),
+    ]
+    rows = []
+    for name, nbytes, ours, peer in cases:
+        ms, peer_ms = timer(ours), timer(peer)
+        gbs = nbytes / ms / 1e6
+        rows.append({"kernel": name, "m": m, "k": k, "bytes": nbytes, "ms": ms, "gbs": gbs,
+                     "fraction_of_copy": gbs / copy_gbs, "torch_ms": peer_ms,
+                     "speedup_vs_torch": peer_ms / ms})
+    return {"suite": "memory", "gpu": torch.cuda.get_device_name(), "copy_gbs": copy_gbs,
+            "rows": rows}
+
+
+def host_overhead(calls: int = 1000, repeats: int = 5) -> dict:
+    """Wall time per call of back-to-back small ops (host cost plus GPU launch throughput)."""
+    x = torch.randn((4, 1024), device="cuda").to(torch.bfloat16)
+    w = torch.randn((1024,), device="cuda").to(torch.bfloat16)
+    cases = {
+        "ptxforge.rms_norm [4x1024]": lambda: ops.rms_norm(x, w),
+        "ptxforge.quantize_fp8_per_token [4x1024]": lambda: ops.quantize_fp8_per_token(x),
+        "torch F.rms_norm [4x1024]": lambda: torch.nn.functional.rms_norm(x, (1024,), w, 1e-6),
+        "torch x.add_(0) [4x1024]": lambda: x.add_(0),
+    }
+    out = {}
+    for name, fn in cases.items():
+        for _ in range(100):
+            fn()
+        torch.cuda.synchronize()
+        best = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
+            best.append((time.perf_counter() - start) / calls * 1e6)
+        out[name] = statistics.median(best)
+    return out
+
+
+def format_table(headers: list, rows: list) -> str:
+    widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) for i, h in enumerate(headers)]
+    line = lambda cells: "| " + " | ".join(str(c).rjust(w) for c, w in zip(cells, widths)) + " |"
+    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([line(headers), sep] + [line(r) for r in rows])
+
+
+def memory_table(result: dict) -> str:
+    rows = [[r["kernel"], f"{r['m']}x{r['k']}", f"{r['ms'] * 1e3:.1f}", f"{r['gbs']:.0f}",
+             f"{100 * r['fraction_of_copy']:.1f}%", f"{r['torch_ms'] * 1e3:.1f}",
+             f"{r['speedup_vs_torch']:.2f}x"] for r in result["rows"]]
+    title = (f"{result['gpu']}: device-to-device copy {result['copy_gbs']:.0f} GB/s "
+             f"(read + write), kernel times median of 30, L2 flushed")
+    return title + "\n" + format_table(
+        ["kernel", "shape", "us", "GB/s", "of copy", "torch us", "speedup"], rows)

@@ -1,0 +1,136 @@
+"""Correctness checks of the shipped kernels against ``ptxforge.reference``, on a GPU.
+
+Each check draws fresh random inputs, poisons the memory the op will be handed for its
+outputs (NaN bytes, so an element the kernel never writes cannot pass), runs the op and
+the reference, and returns a ``CheckResult``. The GPU tests assert on these; ``ptxforge
+demo`` prints them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import ops, reference
+
+
+@dataclass
+class CheckResult:
+    name: str
+    shape: tuple
+    metric: str
+    value: float
+    limit: float
+
+    @property
+    def passed(self) -> bool:
+        return self.value <= self.limit  # NaN compares False: a NaN metric fails
+
+    def row(self) -> list:
+        return [self.name, "x".join(map(str, self.shape)), self.metric, f"{self.value:.3g}",
+                f"{self.limit:.3g}", "ok" if self.passed else "FAIL"]
+
+
+def poison_allocator(device, nbytes: int) -> None:
+    """Fill a block of the caching allocator with 0xFF (NaN in e4m3, f32 and bf16) and
+    free it, so the next allocations of that size start as NaN instead of stale data."""
+    junk = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    junk.fill_(0xFF)
+    del junk
+
+
+def fp8_mismatches(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Elements whose e4m3 bits differ, counting any two NaNs as equal."""
+    ua, ub = a.view(torch.uint8), b.view(torch.uint8)
+    nan_a, nan_b = (ua & 0x7F) == 0x7F, (ub & 0x7F) == 0x7F
+    return int(((ua != ub) & ~(nan_a & nan_b)).sum())
+
+
+def f32_ulps(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest distance in units in the last place between two f32 tensors (NaN == NaN)."""
+    both_nan = torch.isnan(a) & torch.isnan(b)
+    ia, ib = a.contiguous().view(torch.int32).long(), b.contiguous().view(torch.int32).long()
+    # Map the sign-magnitude bit patterns onto a monotonic integer line.
+    ia = torch.where(ia < 0, -(ia & 0x7FFFFFFF), ia)
+    ib = torch.where(ib < 0, -(ib & 0x7FFFFFFF), ib)
+    diff = (ia - ib).abs().masked_fill(both_nan, 0)
+    if (torch.isnan(a) ^ torch.isnan(b)).any():
+        return float("inf")
+    return float(diff.max()) if diff.numel() else 0.0
+
+
+def relative_error(y: torch.Tensor, ref: torch.Tensor) -> float:
+    y64, r64 = y.double(), ref.double()
+    return float((y64 - r64).norm() / r64.norm().clamp_min(1e-300))
+
+
+def _randn(shape, device, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(shape, device=device) * scale).to(torch.bfloat16)
+
+
+def check_quantize_per_token(m: int, k: int, layout: str = "mn_major", device="cuda",
+                             with_nan: bool = False) -> list[CheckResult]:
+    x = _randn((m, k), device, scale=3.0)
+    if with_nan:
+        x[m // 2, k // 3] = float("nan")
+    poison_allocator(device, 4 * m * k + (1 << 20))
+    q, s = ops.quantize_fp8_per_token(x, scale_layout=layout)
+    rq, rs = reference.quantize_fp8_per_token(x)
+    name = f"quantize_fp8_per_token[{layout}{',nan' if with_nan else ''}]"
+    return [CheckResult(name, (m, k), "fp8 bit mismatches", fp8_mismatches(q, rq), 0),
+            CheckResult(name, (m, k), "scale ulps", f32_ulps(s, rs), 1)]
+
+
+def check_quantize_per_block(n: int, k: int, device="cuda") -> list[CheckResult]:
+    w = _randn((n, k), device, scale=0.05)
+    poison_allocator(device, 4 * n * k + (1 << 20))
+    q, s = ops.quantize_fp8_per_block(w)
+    rq, rs = reference.quantize_fp8_per_block(w)
+    name = "quantize_fp8_per_block"
+    return [CheckResult(name, (n, k), "fp8 bit mismatches", fp8_mismatches(q, rq), 0),
+            CheckResult(name, (n, k), "scale ulps", f32_ulps(s, rs), 1)]
+
+
+def check_rms_norm(m: int, k: int, device="cuda") -> list[CheckResult]:
+    x = _randn((m, k), device, scale=2.0)
+    w = _randn((k,), device)
+    poison_allocator(device, 4 * m * k + (1 << 20))
+    y = ops.rms_norm(x, w, 1e-6)
+    x64 = x.double()
+    ref = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
+    return [CheckResult("rms_norm", (m, k), "rel. error vs fp64", relative_error(y, ref), 1e-2),
+            CheckResult("rms_norm", (m, k), "non-finite outputs", float((~torch.isfinite(y)).sum()), 0)]
+
+
+def check_rms_norm_quantize(m: int, k: int, device="cuda") -> list[CheckResult]:
+    x = _randn((m, k), device, scale=2.0)
+    w = _randn((k,), device)
+    poison_allocator(device, 4 * m * k + (1 << 20))
+    q, s = ops.rms_norm_quantize_fp8(x, w, 1e-6)
+    # The fused kernel must give exactly the two-step result of our own kernels...
+    uq, us = ops.quantize_fp8_per_token(ops.rms_norm(x, w, 1e-6))
+    # ...and stay close to the fp64 truth once dequantized.
+    x64 = x.double()
+    ref = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
+    name = "rms_norm_quantize_fp8"
+    return [CheckResult(name, (m, k), "fp8 bits vs two-step", fp8_mismatches(q, uq), 0),
+            CheckResult(name, (m, k), "scale ulps vs two-step", f32_ulps(s, us), 0),
+            CheckResult(name, (m, k), "dequant rel. error vs fp64",
+                        relative_error(reference.dequantize_per_token(q, s), ref), 5e-2)]
+
+
+def run_all(device="cuda", big: bool = True) -> list[CheckResult]:
+    results = []
+    shapes = [(1, 128), (7, 576), (33, 200), (129, 2112), (512, 7168), (3, 8), (65, 16384)]
+    if big:
+        shapes.append((16384, 7168))
+    for m, k in shapes:
+        results += check_quantize_per_token(m, k, "mn_major", device)
+        results += check_quantize_per_token(m, k, "row_major", device)
+        results += check_rms_norm(m, k, device)
+        results += check_rms_norm_quantize(m, k, device)
+    results += check_quantize_per_token(64, 7168, "mn_major", device, with_nan=True)
+    for n, k in [(1, 8), (129, 136), (300, 200), (7168, 2048), (4096, 7168)]:
+        results += check_quantize_per_block(n, k, device)
+    return results

@@ -1,0 +1,244 @@
+"""The ``ptxforge`` command: info, ptx, asm, precompile, bench, demo, cache."""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+from . import arch as arch_mod
+from . import jit, kernels
+from .jit import settings
+from .jit.assemble import find_cuda_tool, get_assembler
+from .jit.cache import DiskCache
+
+
+def _gpu_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def _target_arch(name: str | None):
+    """--arch, else PTXFORGE_ARCH / the GPU, else sm_90a for CPU-only work."""
+    if name:
+        target, _, device = name.partition(":")
+        return arch_mod.get(target, device or None)
+    if os.environ.get("PTXFORGE_ARCH") or _gpu_available():
+        return arch_mod.current()
+    return arch_mod.get("sm_90a")
+
+
+def _options(pairs: list[str]) -> dict:
+    options = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise SystemExit(f"kernel options are key=value, got {pair!r}")
+        options[key] = int(value) if value.lstrip("-").isdigit() else value
+    return options
+
+
+def _resource_rows(compiled_kernels) -> str:
+    from .bench import format_table
+
+    rows = [[c.name, c.target, c.resources.registers, c.resources.spill_stores + c.resources.spill_loads,
+             c.resources.stack_frame, c.resources.static_shared, f"{c.seconds * 1e3:.0f}", c.source]
+            for c in compiled_kernels]
+    return format_table(["kernel", "target", "regs", "spill B", "stack B", "static smem B", "ms",
+                         "from"], rows)
+
+
+# --------------------------------------------------------------------------- commands
+def cmd_info(args) -> int:
+    import ptxforge
+
+    print(f"ptxforge {ptxforge.__version__}, Python {sys.version.split()[0]}")
+    if _gpu_available():
+        import torch
+
+        print(f"GPU: {torch.cuda.get_device_name()} (torch {torch.__version__})")
+    else:
+        print("GPU: none found")
+    a = _target_arch(args.arch)
+    d = a.device
+    print(f"arch: {a.target} / {d.name}: {d.sm_count} SMs, L2 {d.l2_bytes >> 20} MiB, "
+          f"smem/block {a.max_shared_memory_per_block // 1024} KiB, "
+          f"{d.memory_bandwidth_gbs} GB/s, fp8 {d.peak_tflops.get('fp8', '-')} / bf16 "
+          f"{d.peak_tflops.get('bf16', '-')} TFLOPS (datasheet); features: "
+          + ", ".join(f for f, on in a.features.items() if on))
+    try:
+        print(f"assembler: {get_assembler()!r}")
+    except RuntimeError as exc:
+        print(f"assembler: none ({exc})")
+    cache = DiskCache(settings.cache_dir())
+    state = "disabled" if settings.cache_disabled() else f"{len(cache.entries())} entries, " \
+                                                         f"{cache.size_bytes() / 1e6:.1f} MB"
+    print(f"cache: {cache.directory} ({state})")
+    return 0
+
+
+def cmd_ptx(args) -> int:
+    spec = kernels.get(args.kernel)
+    print(spec.builder(_target_arch(args.arch), **_options(args.options)).ptx(), end="")
+    return 0
+
+
+def cmd_asm(args) -> int:
+    spec = kernels.get(args.kernel)
+    compiled = jit.build(spec.builder(_target_arch(args.arch), **_options(args.options)))
+    print(_resource_rows([compiled]))
+    if args.sass:
+        print()
+        print(sass_histogram(compiled.cubin))
+    return 1 if compiled.resources.spills else 0
+
+
+def sass_histogram(cubin: bytes) -> str:
+    """Opcode counts of a cubin's SASS, through cuobjdump or nvdisasm."""
+    tool = find_cuda_tool("cuobjdump") or find_cuda_tool("nvdisasm")
+    if tool is None:
+        return "no cuobjdump or nvdisasm found (pip install nvidia-cuda-cuobjdump)"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        cmd = [tool, "--dump-sass", f.name] if tool.endswith("cuobjdump") else [tool, f.name]
+        out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:
+        return f"{os.path.basename(tool)} failed: {out.stderr.strip()}"
+    counts = collections.Counter()
+    for line in out.stdout.splitlines():
+        m = re.search(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)
+        if m:
+            counts[m.group(1).split(".")[0]] += 1
+    total = sum(counts.values())
+    lines = [f"SASS ({os.path.basename(tool)}): {total} instructions"]
+    lines += [f"  {op:<12} {n:6d}" for op, n in counts.most_common()]
+    return "\n".join(lines)
+
+
+def cmd_precompile(args) -> int:
+    a = _target_arch(args.arch)
+    compiled = jit.precompile(kernels.all_variants(a), workers=args.workers)
+    print(_resource_rows(compiled))
+    return 1 if any(c.resources.spills for c in compiled) else 0
+
+
+def cmd_bench(args) -> int:
+    if not _gpu_available():
+        print("ptxforge bench needs a CUDA GPU; none was found.")
+        return 2
+    from . import bench
+
+    if args.suite != "memory":
+        raise SystemExit(f"unknown suite {args.suite!r}; suites: memory")
+    result = bench.memory_suite(args.m, args.k)
+    result["host_overhead_us"] = bench.host_overhead()
+    text = bench.memory_table(result)
+    text += "\n\nhost time per call (1000 back-to-back calls):\n" + "\n".join(
+        f"  {name:<44} {us:6.1f} us" for name, us in result["host_overhead_us"].items())
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    if args.plot:
+        _plot_memory(result, args.plot)
+    print(text)
+    return 0
+
+
+def _plot_memory(result: dict, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(matplotlib is not installed: no plot)")
+        return
+    names = [r["kernel"] for r in result["rows"]]
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    ax.barh(names, [r["gbs"] for r in result["rows"]], label="ptxforge")
+    ax.barh(names, [r["bytes"] / r["torch_ms"] / 1e6 for r in result["rows"]], height=0.35,
+            label="torch")
+    ax.axvline(result["copy_gbs"], color="k", linestyle="--", label="copy ceiling")
+    ax.set_xlabel("GB/s (bytes read + written)")
+    ax.set_title(f"{result['gpu']}: memory-bound kernels")
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def cmd_demo(args) -> int:
+    if not _gpu_available():
+        a = _target_arch(args.arch)
+        compiled = jit.precompile(kernels.all_variants(a), progress=False)
+        print(_resource_rows(compiled))
+        print(f"\nNo CUDA GPU was found: generated and assembled {len(compiled)} kernel variants "
+              f"for {a.target}; nothing was run.")
+        return 1 if any(c.resources.spills for c in compiled) else 0
+    from . import bench, checks
+
+    results = checks.run_all(big=True)
+    print(bench.format_table(["check", "shape", "metric", "value", "limit", ""],
+                             [r.row() for r in results]))
+    failed = [r for r in results if not r.passed]
+    print(f"\n{len(results) - len(failed)} of {len(results)} checks passed\n")
+    result = bench.memory_suite()
+    print(bench.memory_table(result))
+    return 1 if failed else 0
+
+
+def cmd_cache(args) -> int:
+    cache = DiskCache(settings.cache_dir())
+    if args.action == "clear":
+        print(f"removed {cache.clear()} entries from {cache.directory}")
+    else:
+        print(f"{cache.directory}: {len(cache.entries())} entries, {cache.size_bytes() / 1e6:.1f} MB")
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="ptxforge", description=__doc__)
+    parser.add_argument("--arch", help="target[:device], e.g. sm_90a or sm_90a:H200 "
+                        "(default: PTXFORGE_ARCH, the GPU, or sm_90a)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("info", help="GPU, architecture description, assembler, cache")
+    for name, helptext in (("ptx", "print a kernel's PTX"),
+                           ("asm", "assemble a kernel and print its resources")):
+        p = sub.add_parser(name, help=helptext,
+                           epilog="kernels: " + "; ".join(f"{s.name}: {s.doc}"
+                                                          for s in kernels.REGISTRY.values()))
+        p.add_argument("kernel", choices=list(kernels.REGISTRY))
+        p.add_argument("options", nargs="*", help="key=value kernel options, e.g. hidden=4096")
+        if name == "asm":
+            p.add_argument("--sass", action="store_true", help="also print a SASS opcode histogram")
+    p = sub.add_parser("precompile", help="assemble every kernel variant in parallel")
+    p.add_argument("--workers", type=int, default=None)
+    p = sub.add_parser("bench", help="GPU benchmark side by side with torch")
+    p.add_argument("suite", choices=["memory"])
+    p.add_argument("--m", type=int, default=16384)
+    p.add_argument("--k", type=int, default=7168)
+    p.add_argument("--json", help="write the full results here")
+    p.add_argument("--plot", help="write a PNG plot here")
+    sub.add_parser("demo", help="run (GPU) or assemble (CPU) every kernel, with checks")
+    p = sub.add_parser("cache", help="show or clear the on-disk cubin cache")
+    p.add_argument("action", choices=["show", "clear"], nargs="?", default="show")
+    args = parser.parse_args(argv)
+    handler = {"info": cmd_info, "ptx": cmd_ptx, "asm": cmd_asm, "precompile": cmd_precompile,
+               "bench": cmd_bench, "demo": cmd_demo, "cache": cmd_cache}[args.command]
+    try:
+        return handler(args)
+    except (ValueError, TypeError, jit.AssemblyError) as exc:
+        print(f"ptxforge {args.command}: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
