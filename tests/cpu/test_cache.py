@@ -159,7 +159,8 @@ def test_build_writes_reads_back_and_rebuilds_a_corrupted_entry(cache_dir):
     jit._memory.clear()
     rebuilt = jit.build(store_constant_kernel())
     assert rebuilt.source == "assembled"
-    assert cache.get(first.key) == (rebuilt.cubin, meta)
+    cubin, meta = cache.get(first.key)
+    assert cubin == rebuilt.cubin and meta["resources"] == rebuilt.resources.as_dict()
 
 
 def test_disable_cache_writes_nothing(cache_dir, monkeypatch):

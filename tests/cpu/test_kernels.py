@@ -42,14 +42,18 @@ def test_row_kernel_shape_of_the_code():
     assert ptx.count("ld.global.nc.L1::no_allocate.v4.b32") == 7
     assert ptx.count("cvt.rn.satfinite.e4m3x2.f32") == 7 * 4
     assert ptx.count("shfl.sync.bfly.b32") == 7 * 4  # 16 lanes: 4 butterfly steps per slot
-    assert ptx.count("div.rn.f32") == 7 * 2          # 448/amax and amax/448, IEEE
+    assert ptx.count("rcp.rn.f32") == 7            # 448/amax, rounded as torch rounds it
     assert "// ==== quantize" in ptx
 
 
-@pytest.mark.parametrize("hidden, threads_per_row, rows_per_cta", [
-    (8, 16, 8), (576, 16, 8), (2048, 32, 4), (4096, 64, 2), (7168, 128, 1), (32768, 512, 1)])
-def test_row_kernel_heuristic(hidden, threads_per_row, rows_per_cta):
-    cfg = row_kernel.choose_config(arch.get("sm_90a"), hidden, normalize=True, quantize=True)
-    assert (cfg.threads_per_row, cfg.rows_per_cta) == (threads_per_row, rows_per_cta)
-    assert cfg.vectors_per_thread <= row_kernel.MAX_VECTORS_PER_THREAD
+@pytest.mark.parametrize("normalize, hidden, threads_per_row, rows_per_cta, min_ctas", [
+    (True, 8, 16, 8, 4), (True, 576, 16, 8, 4), (True, 2048, 64, 2, 4), (True, 4096, 128, 1, 4),
+    (True, 7168, 128, 1, 4), (True, 28672, 512, 1, 1),
+    (False, 2048, 32, 4, 8), (False, 4096, 64, 2, 8), (False, 7168, 128, 1, 8),
+    (False, 16384, 256, 1, 4)])
+def test_row_kernel_heuristic(normalize, hidden, threads_per_row, rows_per_cta, min_ctas):
+    cfg = row_kernel.choose_config(arch.get("sm_90a"), hidden, normalize=normalize, quantize=True)
+    assert (cfg.threads_per_row, cfg.rows_per_cta, cfg.min_ctas_per_sm) == (
+        threads_per_row, rows_per_cta, min_ctas)
+    assert cfg.vectors_per_thread <= row_kernel.MAX_VECTORS_PER_THREAD[normalize]
     assert cfg.threads_per_row * cfg.vectors_per_thread * 8 >= hidden

@@ -101,8 +101,12 @@ def get(target: str, device: str | None = None) -> Arch:
     devices = data.pop("devices")
     chosen = devices[0]
     if device is not None:
-        matches = [d for d in devices if any(m.lower() in device.lower() for m in d["match"])
-                   or d["name"].lower() == device.lower()]
+        # A full board name contains a match string ("NVIDIA H100 80GB HBM3" ~ "H100 80GB
+        # HBM3"); a short one given by hand is contained in one ("H100" ~ "H100 SXM").
+        wanted = device.lower()
+        matches = [d for d in devices
+                   if any(m.lower() in wanted or wanted in m.lower() for m in d["match"])
+                   or d["name"].lower() == wanted]
         if not matches:
             known = ", ".join(d["name"] for d in devices)
             raise ValueError(f"no device {device!r} in {target}'s description (known: {known})")

@@ -2,7 +2,8 @@
 
     compiled = jit.build(kernel_builder)      # memory cache, then disk cache, then assemble
     module = compiled.load(device_index)      # once per device
-    module.launcher(grid, block, smem, stream, args)
+    launch = module.launcher(block=128)       # once per launch shape
+    launch(grid, stream, args)                # per call: a few microseconds
 
 The cache key is a hash of the PTX text, the assembler and its version, and the target,
 so a change to any generator that changes its PTX is a new entry.
@@ -36,7 +37,7 @@ class CompiledKernel:
     params: list
     assembler: str
     key: str
-    source: str  # "assembled", "disk" or "memory"
+    source: str  # where the cubin came from when first built: "assembled" or "disk"
     seconds: float
     log: str = ""
     _modules: dict = field(default_factory=dict, repr=False)
@@ -68,6 +69,7 @@ def build(kernel, *, assembler: str | None = None) -> CompiledKernel:
     key = cache_key("ptxforge-jit-1", ptx, asm.name, asm.version, kernel.target)
     hit = _memory.get(key)
     if hit is not None:
+        _refuse_spills_in_debug(hit.name, hit.resources)
         return hit
     disk = None if settings.cache_disabled() else DiskCache(settings.cache_dir())
     cached = disk.get(key) if disk is not None else None
@@ -81,10 +83,8 @@ def build(kernel, *, assembler: str | None = None) -> CompiledKernel:
             disk.put(key, cubin, {"name": kernel.name, "target": kernel.target,
                                   "assembler": repr(asm), "resources": resources.as_dict(),
                                   "log": log})
+    _refuse_spills_in_debug(kernel.name, resources)
     if settings.debug():
-        if resources.spills:
-            raise SpillError(f"{kernel.name} spills {resources.spill_stores} bytes to local "
-                             f"memory and reloads {resources.spill_loads} (PTXFORGE_DEBUG is set)")
         _keep_ptx(kernel.name, key, ptx)
     compiled = CompiledKernel(
         name=kernel.name, target=kernel.target, ptx=ptx, cubin=cubin, resources=resources,
@@ -92,6 +92,12 @@ def build(kernel, *, assembler: str | None = None) -> CompiledKernel:
         seconds=time.perf_counter() - start, log=log)
     with _memory_lock:
         return _memory.setdefault(key, compiled)
+
+
+def _refuse_spills_in_debug(name: str, resources: Resources) -> None:
+    if settings.debug() and resources.spills:
+        raise SpillError(f"{name} spills {resources.spill_stores} bytes to local memory and "
+                         f"reloads {resources.spill_loads} (PTXFORGE_DEBUG is set)")
 
 
 def _keep_ptx(name: str, key: str, ptx: str) -> None:

@@ -2,11 +2,12 @@
 
 Three assemblers, tried in this order unless ``PTXFORGE_ASSEMBLER`` names one:
 
-- ``nvjitlink``: NVIDIA's in-process JIT linker (``cuda.bindings.nvjitlink``); no process
-  start, so the fastest for the small modules ptxforge makes (about 13 ms for a small
-  kernel on the 2-core development machine, against 20 ms for a ptxas process).
 - ``ptxas``: the assembler found through PTXFORGE_PTXAS, PATH, CUDA_HOME or the
-  ``nvidia-cuda-nvcc`` wheel.
+  ``nvidia-cuda-nvcc`` wheel. First because of the code it makes: from the same PTX,
+  nvJitLink 13.0 doubled every shuffle of the quantization kernels behind WARPSYNC
+  divergence guards that ptxas 13.0 leaves out (docs/performance.md).
+- ``nvjitlink``: NVIDIA's in-process JIT linker (``cuda.bindings.nvjitlink``); no process
+  start (13 ms against 20 ms for a ptxas process on a small kernel, 2-core machine).
 - ``driver``: the CUDA driver's own PTX JIT (``cuLink*``); needs a GPU.
 
 Every assembler runs ptxas's verbose mode; its report gives the kernel's resources.
@@ -32,12 +33,15 @@ class AssemblyError(RuntimeError):
 
     def __init__(self, assembler: str, log: str, ptx: str):
         lines = ptx.splitlines()
+        named = {int(n) for n in re.findall(r"line (\d+)", log)}
+        # Each named line with one line of context either side; overlapping windows merge.
+        shown = sorted({i for n in named for i in (n - 1, n, n + 1) if 1 <= i <= len(lines)})
         quoted = []
-        for number in sorted({int(n) for n in re.findall(r"line (\d+)", log)}):
-            for i in range(max(1, number - 1), min(len(lines), number + 1) + 1):
-                marker = ">>" if i == number else "  "
-                quoted.append(f"{marker} {i:5d} | {lines[i - 1]}")
-            quoted.append("")
+        for i in shown:
+            if quoted and i != previous + 1:
+                quoted.append("   ...")
+            quoted.append(f"{'>>' if i in named else '  '} {i:5d} | {lines[i - 1]}")
+            previous = i
         text = f"{assembler} rejected the PTX:\n{log.strip()}"
         if quoted:
             text += "\n\nat:\n" + "\n".join(quoted)
@@ -201,7 +205,7 @@ def get_assembler(name: str | None = None) -> Assembler:
     if name is not None:
         return _make(name)
     failures = []
-    for candidate in ("nvjitlink", "ptxas", "driver"):
+    for candidate in ("ptxas", "nvjitlink", "driver"):
         try:
             return _make(candidate)
         except Exception as exc:  # the next one may work; report all if none does

@@ -142,46 +142,45 @@ def argument_layout(params) -> tuple[str, list[int], int]:
 
 
 class Launcher:
-    """Launches one loaded function with arguments packed as its parameter list says."""
+    """Launches one loaded function with a fixed block shape, dynamic shared memory and
+    cluster size; arguments are packed as the kernel's parameter list lays them out.
 
-    def __init__(self, function, params, name: str):
+    Per call only the grid, the stream and the argument bytes change: one ``pack_into``,
+    four field stores and the ctypes call. Each thread has its own buffers, since ctypes
+    releases the GIL during the call."""
+
+    def __init__(self, function, params, name: str, *, block: int, shared_bytes: int = 0,
+                 cluster: int = 1):
         self.function = int(function)
         self.name = name
+        self.block, self.shared_bytes, self.cluster = block, shared_bytes, cluster
         self.format, self.offsets, self.size = argument_layout(params)
         self._pack = struct.Struct(self.format).pack_into
-        self._nparams = len(params)
         self._local = threading.local()
         self._launch = _libcuda_launch()
 
-    def _state(self):
-        """Per-thread buffers: ctypes releases the GIL during the call."""
-        state = getattr(self._local, "state", None)
-        if state is None:
-            buf = ctypes.create_string_buffer(self.size + 64)
-            base = ctypes.addressof(buf)
-            base_aligned = (base + 63) & ~63  # tensor maps want 64-byte alignment
-            argv = (ctypes.c_void_p * max(self._nparams, 1))(*[base_aligned + o for o in self.offsets])
-            view = (ctypes.c_char * self.size).from_address(base_aligned)
-            config = _LaunchConfig()
-            attr = _LaunchAttribute()
+    def _new_state(self):
+        buf = ctypes.create_string_buffer(self.size + 64)
+        start = (ctypes.addressof(buf) + 63) & ~63  # tensor maps want 64-byte alignment
+        argv = (ctypes.c_void_p * max(len(self.offsets), 1))(*[start + o for o in self.offsets])
+        view = (ctypes.c_char * self.size).from_address(start)
+        config, attr = _LaunchConfig(), _LaunchAttribute()
+        config.blockDimX, config.blockDimY, config.blockDimZ = self.block, 1, 1
+        config.sharedMemBytes = self.shared_bytes
+        if self.cluster > 1:
             attr.id = _CLUSTER_DIMENSION
-            config.attrs = ctypes.pointer(attr)
-            state = (buf, view, argv, config, attr, ctypes.byref(config), ctypes.addressof(argv))
-            self._local.state = state
+            attr.value[0], attr.value[1], attr.value[2] = self.cluster, 1, 1
+            config.attrs, config.numAttrs = ctypes.pointer(attr), 1
+        state = (view, config, ctypes.byref(config), ctypes.addressof(argv), (buf, argv, attr))
+        self._local.state = state
         return state
 
-    def __call__(self, grid, block: int, shared_bytes: int, stream: int, args, cluster: int = 1):
-        _, view, _, config, attr, config_ref, argv_address = self._state()
+    def __call__(self, grid: tuple, stream: int, args: tuple) -> None:
+        state = getattr(self._local, "state", None) or self._new_state()
+        view, config, config_ref, argv_address, _ = state
         self._pack(view, 0, *args)
         config.gridDimX, config.gridDimY, config.gridDimZ = grid
-        config.blockDimX, config.blockDimY, config.blockDimZ = block, 1, 1
-        config.sharedMemBytes = shared_bytes
         config.hStream = stream
-        if cluster > 1:
-            attr.value[0], attr.value[1], attr.value[2] = cluster, 1, 1
-            config.numAttrs = 1
-        else:
-            config.numAttrs = 0
         err = self._launch(config_ref, self.function, argv_address, None)
         if err:
             _check(_cu(), _cu().CUresult(err), f"launch of {self.name}")
@@ -197,11 +196,17 @@ class LoadedModule:
             self.module = call("cuModuleLoadData", cubin)
             self.function = call("cuModuleGetFunction", self.module, entry.encode())
         self._attr = cu.CUfunction_attribute
-        self.launcher = Launcher(self.function, params, entry)
+        self._params, self._entry = params, entry
         self._dynamic_shared_limit = 48 * 1024
 
     def attribute(self, name: str) -> int:
         return call("cuFuncGetAttribute", getattr(self._attr, name), self.function)
+
+    def launcher(self, block: int, shared_bytes: int = 0, cluster: int = 1) -> Launcher:
+        """A launcher for one launch shape (raising the shared-memory limit if it needs to)."""
+        self.allow_dynamic_shared(shared_bytes)
+        return Launcher(self.function, self._params, self._entry, block=block,
+                        shared_bytes=shared_bytes, cluster=cluster)
 
     def allow_dynamic_shared(self, nbytes: int) -> None:
         """Raise the function's dynamic shared-memory limit (needed above 48 KiB)."""

@@ -3,7 +3,7 @@
 | variable                | meaning                                                          | default                      |
 |-------------------------|------------------------------------------------------------------|------------------------------|
 | PTXFORGE_ARCH           | target (and device) to build for: ``sm_90a`` or ``sm_90a:H200``    | the current GPU              |
-| PTXFORGE_ASSEMBLER      | ``nvjitlink``, ``ptxas`` or ``driver``                            | first available, that order  |
+| PTXFORGE_ASSEMBLER      | ``ptxas``, ``nvjitlink`` or ``driver``                            | first available, that order  |
 | PTXFORGE_PTXAS          | path of the ptxas to use                                         | PATH, CUDA_HOME, pip wheel   |
 | PTXFORGE_CACHE_DIR      | on-disk cubin cache                                              | $XDG_CACHE_HOME/ptxforge     |
 | PTXFORGE_DISABLE_CACHE  | ``1``: never read or write the disk cache                         | 0                            |

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..arch import Arch
-from ..patterns import fp8
+from ..patterns import fp8, reduce
 from ..ptx import KernelBuilder, addr, sreg
 
 BLOCK = 128
@@ -103,7 +103,7 @@ def generate(cfg: BlockQuantConfig) -> KernelBuilder:
             for word in v:
                 fp8.unpack_bf16x2(k, lo, hi, word)
                 fp8.max_abs(k, amax, [lo, hi], tmp)
-        fp8.butterfly_max(k, amax, 32, tmp)
+        reduce.butterfly_max(k, [amax], 32, [tmp])
         warp_max = k.shared("warp_amax", 4 * (THREADS // 32), align=16)
         lane, slot = k.reg("u32", "lane"), k.reg("u32", "slot")
         k.and_(lane, tid, 31)

@@ -30,13 +30,19 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 from ..arch import Arch
-from ..patterns import fp8
+from ..patterns import fp8, reduce
 from ..ptx import KernelBuilder, addr, sreg
 
 GROUP = 128                 # quantization group along K
 VECTOR = 8                  # bf16 per 16-byte vector
-MAX_VECTORS_PER_THREAD = 8  # registers: 8 vectors = 32 b32 of x (+ 32 of weight)
 MIN_CTA_THREADS = 128
+
+# Vectors per thread and the register cap given to ptxas (through .minnctapersm), from
+# ptxas 13.0's reports on sm_90a: quantization alone fits 8 vectors in 64 registers; with
+# the weight (and y) live, 7 vectors fit in 128 but 8 need 167, which would drop from 4 to
+# 3 resident 128-thread CTAs per SM. More rows resident = more bytes in flight.
+MAX_VECTORS_PER_THREAD = {False: 8, True: 7}   # keyed by `normalize`
+REGISTER_CAP = {False: 64, True: 128}
 
 
 @dataclass(frozen=True)
@@ -46,6 +52,7 @@ class RowKernelConfig:
     quantize: bool
     threads_per_row: int
     rows_per_cta: int
+    min_ctas_per_sm: int  # a register cap for ptxas, so that many CTAs stay resident
     target: str
 
     @property
@@ -87,20 +94,25 @@ def choose_config(arch: Arch, hidden: int, *, normalize: bool, quantize: bool) -
     if quantize:
         arch.require("fp8", "FP8 quantization")
     vectors = hidden // VECTOR
+    max_vectors = MAX_VECTORS_PER_THREAD[normalize]
     threads_per_row = 16
-    while -(-vectors // threads_per_row) > MAX_VECTORS_PER_THREAD:
+    while -(-vectors // threads_per_row) > max_vectors:
         threads_per_row *= 2
-    # A 1024-thread CTA gets at most 64 registers per thread: too few for 8 vectors of x and w.
+    # A 1024-thread CTA gets at most 64 registers per thread: too few for x and w.
     max_threads_per_row = arch.max_threads_per_block // 2
     if threads_per_row > max_threads_per_row:
-        limit = max_threads_per_row * MAX_VECTORS_PER_THREAD * VECTOR
+        limit = max_threads_per_row * max_vectors * VECTOR
         raise ValueError(f"hidden size must be at most {limit}, got {hidden}")
     rows_per_cta = max(1, MIN_CTA_THREADS // threads_per_row)
-    return RowKernelConfig(hidden, normalize, quantize, threads_per_row, rows_per_cta, arch.target)
+    threads = threads_per_row * rows_per_cta
+    min_ctas = max(1, arch.registers_per_sm // (REGISTER_CAP[normalize] * threads))
+    return RowKernelConfig(hidden, normalize, quantize, threads_per_row, rows_per_cta, min_ctas,
+                           arch.target)
 
 
 def generate(cfg: RowKernelConfig) -> KernelBuilder:
-    k = KernelBuilder(cfg.name, target=cfg.target, max_threads=cfg.threads)
+    k = KernelBuilder(cfg.name, target=cfg.target, max_threads=cfg.threads,
+                      min_blocks_per_sm=cfg.min_ctas_per_sm)
     p = _Params(k, cfg)
     t = _thread_coordinates(k, cfg)
     weight = _load_weight(k, cfg, p, t) if cfg.normalize else None
@@ -111,7 +123,9 @@ def generate(cfg: RowKernelConfig) -> KernelBuilder:
         k.mul(first_row, first_row, cfg.rows_per_cta, mode="lo")
         k.mov(row_stride, sreg.nctaid.x)
         k.mul(row_stride, row_stride, cfg.rows_per_cta, mode="lo")
-        with k.loop(k.reg("u32", "row0"), p.rows, start=first_row, step=row_stride) as row0:
+        # row0 is the same for the whole CTA, so the loop branch is uniform.
+        with k.loop(k.reg("u32", "row0"), p.rows, start=first_row, step=row_stride,
+                    uniform=True) as row0:
             row = k.reg("u32", "row")
             k.add(row, row0, t.row_in_cta)
             row_ok = k.pred("row_ok")
@@ -236,7 +250,7 @@ def _normalize(k, cfg, p, t, x, weight):
                 fp8.unpack_bf16x2(k, lo, hi, packed)
                 k.fma(sumsq, lo, lo, sumsq)
                 k.fma(sumsq, hi, hi, sumsq)
-        fp8.butterfly_sum(k, sumsq, min(cfg.threads_per_row, 32), tmp)
+        reduce.butterfly_sum(k, [sumsq], min(cfg.threads_per_row, 32), [tmp])
         if cfg.warps_per_row > 1:
             _reduce_across_warps(k, cfg, t, sumsq, tmp)
         rstd, eps = k.reg("f32", "rstd"), k.reg("f32", "eps")
@@ -304,27 +318,36 @@ def _quantize_and_store(k, cfg, p, t, row, x, valid):
         k.and_(group, t.col, 15)
         k.setp("eq", leader, group, 0)
 
+        slots = len(x)
+        amax = k.regs("f32", slots, "amax")
+        inv, scale = k.regs("f32", slots, "inv_scale"), k.regs("f32", slots, "scale")
+        shuffled = k.regs("f32", slots, "shuffled")
+        lo, hi, tmp = k.reg("f32", "lo"), k.reg("f32", "hi"), k.reg("f32", "abs")
+        # Phases across all slots, so each phase's latencies (shuffles, reciprocals) overlap.
+        for j, v in enumerate(x):
+            k.mov(amax[j], 0.0)
+            for word in v:
+                fp8.unpack_bf16x2(k, lo, hi, word)
+                fp8.max_abs(k, amax[j], [lo, hi], tmp)
+        reduce.butterfly_max(k, amax, 16, shuffled)
+        for j in range(slots):
+            fp8.scale_from_amax(k, amax[j], inv[j], scale[j])
         vals = k.regs("f32", VECTOR, "v")
-        amax, tmp, inv, scale = (k.reg("f32", n) for n in ("amax", "abs", "inv_scale", "scale"))
         packed = k.regs("b32", 2, "q")
         scratch = k.regs("b16", 2, "e4m3x2_")
         for j, v in enumerate(x):
             for i, word in enumerate(v):
                 fp8.unpack_bf16x2(k, vals[2 * i], vals[2 * i + 1], word)
-            k.mov(amax, 0.0)
-            fp8.max_abs(k, amax, vals, tmp)
-            fp8.butterfly_max(k, amax, 16, tmp)
-            fp8.scale_from_amax(k, amax, inv, scale)
             for val in vals:
-                k.mul(val, val, inv, rnd="rn")
+                k.mul(val, val, inv[j], rnd="rn")
             fp8.pack_e4m3x4(k, packed[0], vals[:4], scratch)
             fp8.pack_e4m3x4(k, packed[1], vals[4:], scratch)
             with k.guard(valid[j]):
                 k.st(addr(q_ptr, j * cfg.threads_per_row * VECTOR), packed, type="b32")
             k.and_pred(store_scale, leader, valid[j])
             with k.guard(store_scale):
-                k.st(addr(s_ptr), scale)
-            if j + 1 < len(x):
+                k.st(addr(s_ptr), scale[j])
+            if j + 1 < slots:
                 k.add(s_ptr, s_ptr, step64)
 
 

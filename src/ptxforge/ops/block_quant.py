@@ -14,7 +14,7 @@ from ._common import ceil_div, check_rows, check_tensor, current_stream, device_
 @functools.lru_cache(maxsize=None)
 def _launcher(device_index: int):
     cfg = block_kernel.choose_config(device_arch(device_index))
-    return jit.build(block_kernel.generate(cfg)).load(device_index).launcher
+    return jit.build(block_kernel.generate(cfg)).load(device_index).launcher(cfg.threads)
 
 
 def quantize_fp8_per_block(w: torch.Tensor):
@@ -35,8 +35,7 @@ def quantize_fp8_per_block(w: torch.Tensor):
                          device=w.device)
     if n and k:
         device = w.get_device()
-        _launcher(device)((ceil_div(k, block), ceil_div(n, block), 1), block_kernel.THREADS, 0,
-                          current_stream(device),
+        _launcher(device)((ceil_div(k, block), ceil_div(n, block), 1), current_stream(device),
                           (w.data_ptr(), w.stride(0), n, k, q.data_ptr(), scales.data_ptr(),
                            scales.stride(0)))
     return q, scales

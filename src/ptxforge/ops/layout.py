@@ -26,8 +26,9 @@ def get_tma_aligned_size(x: int, element_size: int) -> int:
 
 
 def empty_mn_major_scales(rows: int, groups: int, device) -> torch.Tensor:
+    """An uninitialised [rows, groups] f32 tensor in the MN-major TMA-aligned layout."""
     aligned = get_tma_aligned_size(rows, 4)
-    return torch.empty((groups, aligned), dtype=torch.float32, device=device).t()[:rows]
+    return torch.empty_strided((rows, groups), (1, aligned), dtype=torch.float32, device=device)
 
 
 def is_mn_major_tma_aligned(s: torch.Tensor) -> bool:

@@ -20,20 +20,20 @@ SCALE_LAYOUTS = ("mn_major", "row_major")
 
 @functools.lru_cache(maxsize=None)
 def _kernel(device_index: int, hidden: int, normalize: bool, quantize: bool):
-    """(config, launcher, largest useful grid) for one device and variant."""
+    """(rows per CTA, launcher, largest useful grid) for one device and variant."""
     arch = device_arch(device_index)
     cfg = row_kernel.choose_config(arch, hidden, normalize=normalize, quantize=quantize)
     compiled = jit.build(row_kernel.generate(cfg))
     resident = arch.resident_ctas(cfg.threads, compiled.resources.registers, cfg.shared_bytes)
-    return cfg, compiled.load(device_index).launcher, arch.sm_count * max(resident, 1)
+    launcher = compiled.load(device_index).launcher(cfg.threads)
+    return cfg.rows_per_cta, launcher, arch.sm_count * max(resident, 1)
 
 
 def _launch(x: torch.Tensor, normalize: bool, quantize: bool, tail_args: tuple) -> None:
     rows, hidden = x.shape
     device = x.get_device()
-    cfg, launcher, max_grid = _kernel(device, hidden, normalize, quantize)
-    grid = min(ceil_div(rows, cfg.rows_per_cta), max_grid)
-    launcher((grid, 1, 1), cfg.threads, 0, current_stream(device),
+    rows_per_cta, launcher, max_grid = _kernel(device, hidden, normalize, quantize)
+    launcher((min(-(-rows // rows_per_cta), max_grid), 1, 1), current_stream(device),
              (x.data_ptr(), x.stride(0), rows) + tail_args)
 
 

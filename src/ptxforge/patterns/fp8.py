@@ -5,7 +5,7 @@ for every kernel that quantizes (per-token, per-block, fused with RMSNorm).
 
 The quantization recipe is DeepGEMM's (``per_token_cast_to_fp8``):
 ``amax = max(max|x|, 1e-4)``, ``q = e4m3(x * (448 / amax))``, ``scale = amax / 448``,
-both divisions IEEE round-to-nearest so the result is bit-for-bit torch's.
+rounded step by step as torch rounds it, so the result is bit-for-bit torch's.
 """
 
 from __future__ import annotations
@@ -40,27 +40,13 @@ def max_abs(k: KernelBuilder, acc: Reg, values: list[Reg], scratch: Reg) -> None
         k.max(acc, acc, scratch, nan=True)
 
 
-def butterfly_max(k: KernelBuilder, value: Reg, lanes: int, scratch: Reg) -> None:
-    """2 instructions per step: max over aligned groups of ``lanes`` lanes (a power of two
-    <= 32); every lane of the group ends with the result."""
-    offset = lanes // 2
-    while offset:
-        k.shfl_sync(scratch, value, offset, mode="bfly")
-        k.max(value, value, scratch, nan=True)
-        offset //= 2
-
-
-def butterfly_sum(k: KernelBuilder, value: Reg, lanes: int, scratch: Reg) -> None:
-    """2 instructions per step: sum over aligned groups of ``lanes`` lanes."""
-    offset = lanes // 2
-    while offset:
-        k.shfl_sync(scratch, value, offset, mode="bfly")
-        k.add(value, value, scratch)
-        offset //= 2
-
-
 def scale_from_amax(k: KernelBuilder, amax: Reg, inv_scale: Reg, scale: Reg) -> None:
-    """Three instructions: clamp amax, then ``inv_scale = 448 / amax`` and ``scale = amax / 448``."""
+    """Four instructions: clamp amax, ``inv_scale = 448 / amax``, ``scale = amax / 448``.
+
+    Rounded exactly as torch evaluates the recipe: ``448.0 / t`` is ``t.reciprocal() * 448``
+    and ``t / 448.0`` is ``t * (1 / 448)`` (a CPU-scalar divisor becomes its reciprocal), so
+    the bits match the reference."""
     k.max(amax, amax, AMAX_FLOOR, nan=True)
-    k.div(inv_scale, E4M3_MAX, amax, rnd="rn")
-    k.div(scale, amax, E4M3_MAX, rnd="rn")
+    k.rcp(inv_scale, amax, rnd="rn")
+    k.mul(inv_scale, inv_scale, E4M3_MAX, rnd="rn")
+    k.mul(scale, amax, 1.0 / E4M3_MAX, rnd="rn")

@@ -230,11 +230,13 @@ class KernelBuilder(ArithmeticOps, MemoryOps, SyncOps, WarpOps, TensorOps):
             self._guard = None
 
     @contextlib.contextmanager
-    def if_(self, pred: Reg | NegPred, hint: str = "endif"):
-        """Run the body only where ``pred`` holds (a uniform or divergent branch around it)."""
+    def if_(self, pred: Reg | NegPred, hint: str = "endif", *, uniform: bool = False):
+        """Run the body only where ``pred`` holds. ``uniform``: every thread of each warp
+        agrees on ``pred`` (``bra.uni``), so ptxas need not guard warp-collective
+        instructions in the body against divergence."""
         skip = self.label(hint)
         with self.guard(~pred):
-            self.bra(skip)
+            self.bra(skip, uniform=uniform)
         self._indent += 1
         yield
         self._indent -= 1
@@ -242,19 +244,21 @@ class KernelBuilder(ArithmeticOps, MemoryOps, SyncOps, WarpOps, TensorOps):
 
     @contextlib.contextmanager
     def loop(self, counter: Reg, stop: Operand, *, start: Operand = 0, step: Operand = 1,
-             hint: str = "loop"):
-        """A run-time loop: ``for (counter = start; counter < stop; counter += step)``."""
+             hint: str = "loop", uniform: bool = False):
+        """A run-time loop: ``for (counter = start; counter < stop; counter += step)``.
+        ``uniform``: the trip count is the same for every thread of each warp (``bra.uni``);
+        without it, shuffles in the body get divergence guards (WARPSYNC) in SASS."""
         top, done = self.label(hint), self.label(hint + "_end")
         exit_now = self.pred()
         self.mov(counter, start)
         self.place(top)
         self.setp("ge", exit_now, counter, stop)
         with self.guard(exit_now):
-            self.bra(done)
+            self.bra(done, uniform=uniform)
         self._indent += 1
         yield counter
         self.add(counter, counter, step)
-        self.bra(top)
+        self.bra(top, uniform=uniform)
         self._indent -= 1
         self.place(done)
 

@@ -1,0 +1,27 @@
+"""Warp reductions by butterfly shuffles."""
+
+from __future__ import annotations
+
+from ..ptx import KernelBuilder, Reg
+
+
+def butterfly_max(k: KernelBuilder, values: list[Reg], lanes: int, scratch: list[Reg]) -> None:
+    """2 instructions per value and step: each value's max over aligned groups of ``lanes``
+    lanes (a power of two <= 32); every lane of a group ends with its result. The values'
+    shuffles are interleaved step by step so their latencies overlap."""
+    _butterfly(k, values, lanes, scratch, lambda v, other: k.max(v, v, other, nan=True))
+
+
+def butterfly_sum(k: KernelBuilder, values: list[Reg], lanes: int, scratch: list[Reg]) -> None:
+    """2 instructions per value and step: sums over aligned groups of ``lanes`` lanes."""
+    _butterfly(k, values, lanes, scratch, lambda v, other: k.add(v, v, other))
+
+
+def _butterfly(k, values, lanes, scratch, combine) -> None:
+    offset = lanes // 2
+    while offset:
+        for v, s in zip(values, scratch):
+            k.shfl_sync(s, v, offset, mode="bfly")
+        for v, s in zip(values, scratch):
+            combine(v, s)
+        offset //= 2
