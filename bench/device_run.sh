@@ -17,11 +17,12 @@ step() { echo; echo "### $*"; "$@"; } 2>&1
   step $py -m pytest tests -q -p no:cacheprovider
   step $py bench/jit_timing.py "$OUT/jit.json"
   step $py bench/host_breakdown.py
+  step $py bench/row_experiments.py
   step $py -m ptxforge.cli asm quantize_fp8_per_token hidden=7168 --sass
   step $py -m ptxforge.cli demo
   step $py -m ptxforge.cli bench memory --json "$OUT/memory.json" --plot "$OUT/memory.png"
 } > "$log" 2>&1
 grep -E "passed|failed|error" "$log" | grep -v "^|" | tail -5
-sed -n '/### .*jit_timing/,/### .*asm/p' "$log" | grep -v "^\[" | tail -16
+sed -n "/### .*jit_timing/,/### .*asm/p" "$log" | grep -v "^\[" | tail -40
 grep -E "FAIL|checks passed" "$log" | tail -20
 sed -n '/### .*bench memory/,$p' "$log"

@@ -1,4 +1,10 @@
-"""Where the host time of one small op goes: each step timed alone, 20,000 calls each."""
+"""Where the host time of one small op goes.
+
+Two measures per step: 'host' = wall time per call while the GPU is kept busy by a long
+sleep kernel (so nothing waits for the GPU: pure host cost, up to the launch queue), and
+'back-to-back' = wall time per call of many calls followed by a synchronize (the issue's
+measure: host cost, or the GPU's launch throughput when that is slower).
+"""
 
 import sys
 import time
@@ -8,45 +14,79 @@ import torch
 import ptxforge
 from ptxforge.ops import _common, rowwise
 
-N = 20000
 x = torch.randn((4, 1024), device="cuda").to(torch.bfloat16)
 w = torch.randn((1024,), device="cuda").to(torch.bfloat16)
+y = torch.empty_like(x)
+q = torch.empty((4, 1024), dtype=torch.float8_e4m3fn, device="cuda")
+s = torch.empty((4, 8), dtype=torch.float32, device="cuda")
 ptxforge.rms_norm(x, w)
 ptxforge.quantize_fp8_per_token(x)
 _, launcher, _ = rowwise._kernel(0, 1024, True, False)
-y = torch.empty_like(x)
 args = (x.data_ptr(), x.stride(0), 4, w.data_ptr(), 1e-6, y.data_ptr())
 stream = _common.current_stream(0)
+device = x.device
 
 steps = {
-    "x.get_device()": lambda: x.get_device(),
     "x.data_ptr()": lambda: x.data_ptr(),
     "current_stream(0)": lambda: _common.current_stream(0),
     "check_tensor + check_rows(x)": lambda: (_common.check_tensor("x", x, torch.bfloat16, 2),
                                              _common.check_rows("x", x)),
-    "x.device": lambda: x.device,
-    "torch.empty((4,1024), bf16)": lambda: torch.empty((4, 1024), dtype=torch.bfloat16, device=x.device),
-    "torch.empty_strided f32": lambda: torch.empty_strided((4, 8), (1, 4), dtype=torch.float32, device=x.device),
+    "torch.empty((4,1024), device=x.device)": lambda: torch.empty((4, 1024), dtype=torch.bfloat16, device=x.device),
+    "torch.empty((4,1024), device=device)": lambda: torch.empty((4, 1024), dtype=torch.bfloat16, device=device),
+    "x.new_empty((4,1024))": lambda: x.new_empty((4, 1024)),
+    "torch.empty_like(x)": lambda: torch.empty_like(x),
+    "torch.empty_strided f32": lambda: torch.empty_strided((4, 8), (1, 4), dtype=torch.float32, device=device),
     "rowwise._kernel lookup": lambda: rowwise._kernel(0, 1024, True, False),
-    "launcher() alone": lambda: launcher((1, 1, 1), stream, args),
-    "ptxforge.rms_norm": lambda: ptxforge.rms_norm(x, w),
-    "ptxforge.quantize_fp8_per_token": lambda: ptxforge.quantize_fp8_per_token(x),
-    "torch F.rms_norm": lambda: torch.nn.functional.rms_norm(x, (1024,), w, 1e-6),
-    "torch x.add_(0)": lambda: x.add_(0),
+    "launcher() alone [launches]": lambda: launcher((1, 1, 1), stream, args),
+    "ptxforge.rms_norm(out=y) [launches]": lambda: ptxforge.rms_norm(x, w, out=y),
+    "ptxforge.rms_norm [launches]": lambda: ptxforge.rms_norm(x, w),
+    "ptxforge.quantize_fp8_per_token(out=) [launches]": lambda: ptxforge.quantize_fp8_per_token(x, out=(q, s)),
+    "ptxforge.quantize_fp8_per_token [launches]": lambda: ptxforge.quantize_fp8_per_token(x),
+    "torch F.rms_norm [launches]": lambda: torch.nn.functional.rms_norm(x, (1024,), w, 1e-6),
+    "torch x.add_(0) [launches]": lambda: x.add_(0),
 }
-rows = []
+
+
+def host_only(fn, calls=400):
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time: the queue never drains meanwhile
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
+def back_to_back(fn, calls=1000):
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def median3(measure, fn):
+    return sorted(measure(fn) for _ in range(3))[1]
+
+
+graph = torch.cuda.CUDAGraph()
+with torch.cuda.graph(graph):
+    for _ in range(100):
+        ptxforge.rms_norm(x, w, out=y)
+graph.replay()
+torch.cuda.synchronize()
+start = time.perf_counter()
+for _ in range(20):
+    graph.replay()
+torch.cuda.synchronize()
+graph_us = (time.perf_counter() - start) / 2000 * 1e6
+
+out = open(sys.argv[1], "w") if len(sys.argv) > 1 else sys.stdout
+print(f"{'step':<50} {'host us':>8} {'back-to-back us':>16}", file=out)
 for name, fn in steps.items():
     for _ in range(200):
         fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(3):
-        start = time.perf_counter()
-        for _ in range(N):
-            fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) / N * 1e6)
-    rows.append((name, sorted(times)[1]))
-out = open(sys.argv[1], "w") if len(sys.argv) > 1 else sys.stdout
-for name, us in rows:
-    print(f"{name:<36} {us:7.2f} us", file=out)
+    print(f"{name:<50} {median3(host_only, fn):8.2f} {median3(back_to_back, fn):16.2f}", file=out)
+print(f"{'GPU floor: rms_norm [4x1024] in a CUDA graph, per kernel':<50} {'':>8} {graph_us:16.2f}",
+      file=out)

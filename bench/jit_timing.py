@@ -29,10 +29,12 @@ for name in ("nvjitlink", "ptxas", "driver"):
                                ("quantize_fp8_per_block", {})):
         spec = kernels.get(spec_name)
         samples = []
-        for _ in range(3):  # median of three cold builds
+        for sample in range(3):  # median of three cold builds
             jit._memory.clear()
             start = time.perf_counter()
             builder = spec.builder(a, **options)
+            # A unique comment makes unique PTX: the driver's and nvJitLink's own caches miss.
+            builder.comment(f"jit timing sample {time.time_ns()} {sample}")
             generated = time.perf_counter()
             compiled = jit.build(builder, assembler=name)
             assembled = time.perf_counter()

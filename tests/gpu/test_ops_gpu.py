@@ -44,7 +44,7 @@ def test_outputs_are_bitwise_repeatable():
              *ptxforge.quantize_fp8_per_block(x)) for _ in range(3)]
     for other in runs[1:]:
         for a, b in zip(runs[0], other):
-            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+            assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
 def test_strided_rows_and_leading_dims():
@@ -68,7 +68,7 @@ def test_empty_input():
 def test_misaligned_input_is_refused():
     x = torch.randn(8, 264, device="cuda").to(torch.bfloat16)[:, 8:]  # 16-byte aligned start
     ptxforge.quantize_fp8_per_token(x)
-    bad = torch.randn(8 * 257, device="cuda").to(torch.bfloat16)[1:].view(8, 256)
+    bad = torch.randn(8 * 257, device="cuda").to(torch.bfloat16)[1:2049].view(8, 256)
     with pytest.raises(ValueError, match="16-byte aligned"):
         ptxforge.quantize_fp8_per_token(bad)
     with pytest.raises(ValueError, match="unit stride"):
@@ -107,3 +107,22 @@ def test_runs_on_a_side_stream():
         got = ptxforge.quantize_fp8_per_token(x)
     torch.cuda.synchronize()
     assert torch.equal(got[0].view(torch.uint8), expected[0].view(torch.uint8))
+
+
+def test_out_arguments_are_written_and_checked():
+    x = torch.randn(64, 1024, device="cuda").to(torch.bfloat16)
+    w = torch.randn(1024, device="cuda").to(torch.bfloat16)
+    y = torch.full_like(x, float("nan"))
+    assert ptxforge.rms_norm(x, w, out=y) is y
+    assert torch.equal(y, ptxforge.rms_norm(x, w))
+    q = torch.empty(64, 1024, dtype=torch.float8_e4m3fn, device="cuda")
+    s = torch.full((64, 8), float("nan"), device="cuda")
+    ptxforge.quantize_fp8_per_token(x, out=(q, s))
+    rq, rs = ptxforge.quantize_fp8_per_token(x, scale_layout="row_major")
+    assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs)
+    with pytest.raises(ValueError, match="overlaps the input"):
+        ptxforge.rms_norm(x, w, out=x)
+    with pytest.raises(ValueError, match=r"out must have shape \(64, 1024\)"):
+        ptxforge.rms_norm(x, w, out=y[:32])
+    with pytest.raises(TypeError, match="out\\[1\\] must have dtype torch.float32"):
+        ptxforge.quantize_fp8_per_token(x, out=(q, s.to(torch.bfloat16)))

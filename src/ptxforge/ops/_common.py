@@ -50,6 +50,26 @@ def check_rows(name: str, t) -> None:
                          f"{t.stride(-2)} elements of {t.element_size()} bytes")
 
 
+def check_output(name: str, out, dtype: torch.dtype, shape: tuple, like) -> None:
+    """A caller-provided output: right dtype, shape and device, and not overlapping ``like``
+    (the kernels read inputs through the read-only cache, which must not see writes)."""
+    check_tensor(name, out, dtype, len(shape))
+    if tuple(out.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(out.shape)}")
+    if out.device != like.device:
+        raise ValueError(f"{name} is on {out.device} but the input is on {like.device}")
+    start, end = out.data_ptr(), out.data_ptr() + _extent_bytes(out)
+    other_start = like.data_ptr()
+    if start < other_start + _extent_bytes(like) and other_start < end:
+        raise ValueError(f"{name} overlaps the input; outputs must not alias inputs")
+
+
+def _extent_bytes(t) -> int:
+    if t.numel() == 0:
+        return 0
+    return (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
+
+
 def check_same_device(reference_name: str, reference, **others) -> None:
     for name, t in others.items():
         if t.device != reference.device:

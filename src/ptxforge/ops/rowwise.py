@@ -12,7 +12,8 @@ import torch
 
 from .. import jit
 from ..kernels import bf16_row_rmsnorm_fp8quant as row_kernel
-from ._common import ceil_div, check_rows, check_same_device, check_tensor, current_stream, device_arch
+from ._common import (ceil_div, check_output, check_rows, check_same_device, check_tensor,
+                      current_stream, device_arch)
 from .layout import empty_mn_major_scales
 
 SCALE_LAYOUTS = ("mn_major", "row_major")
@@ -66,47 +67,65 @@ def _scales(rows: int, groups: int, layout: str, device) -> torch.Tensor:
     raise ValueError(f"scale_layout must be one of {SCALE_LAYOUTS}, got {layout!r}")
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
+             out: torch.Tensor | None = None) -> torch.Tensor:
     """``y = x * rsqrt(mean(x^2, -1) + eps) * weight`` with f32 math, bf16 in and out.
 
     x: bf16 [..., K] (2-D inputs may have strided rows); weight: bf16 [K]. K a multiple of 8.
+    ``out``: a contiguous bf16 tensor of x's shape to write instead of allocating one (an
+    allocation costs several microseconds of host time; see docs/performance.md).
     """
     rows = _as_rows("x", x)
     _check_weight(weight, x)
-    y = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
+    if out is None:
+        out = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
+    else:
+        check_output("out", out, torch.bfloat16, x.shape, x)
+        if not out.is_contiguous():
+            raise ValueError(f"out must be contiguous, got strides {tuple(out.stride())}")
     if rows.shape[0]:
-        _launch(rows, True, False, (weight.data_ptr(), float(eps), y.data_ptr()))
-    return y
+        _launch(rows, True, False, (weight.data_ptr(), float(eps), out.data_ptr()))
+    return out
 
 
-def quantize_fp8_per_token(x: torch.Tensor, scale_layout: str = "mn_major"):
+def quantize_fp8_per_token(x: torch.Tensor, scale_layout: str = "mn_major", *, out=None):
     """Per-token, per-128-channel FP8 quantization (DeepGEMM's activation recipe).
 
     x: bf16 [M, K], K a multiple of 8. Returns ``(q, scales)``: q e4m3 [M, K] and scales
     f32 [M, ceil(K/128)] with ``x ~= q * scales`` per 128-wide group. ``scale_layout``
     'mn_major' (default) writes the scales in the MN-major TMA-aligned layout the FP8 GEMM
-    reads without a copy; 'row_major' writes a plain contiguous tensor.
+    reads without a copy; 'row_major' writes a plain contiguous tensor. ``out=(q, scales)``
+    writes into given tensors instead (q contiguous; scales of any strides, which then
+    decide the layout).
     """
     check_tensor("x", x, torch.bfloat16, 2)
     check_rows("x", x)
-    return _quantize(x, False, (), scale_layout)
+    return _quantize(x, False, (), scale_layout, out)
 
 
 def rms_norm_quantize_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
-                          scale_layout: str = "mn_major"):
+                          scale_layout: str = "mn_major", *, out=None):
     """``quantize_fp8_per_token(rms_norm(x, weight, eps))`` in one pass over x, without
     writing the bf16 intermediate: the same bits as the two calls."""
     check_tensor("x", x, torch.bfloat16, 2)
     check_rows("x", x)
     _check_weight(weight, x)
-    return _quantize(x, True, (weight.data_ptr(), float(eps)), scale_layout)
+    return _quantize(x, True, (weight.data_ptr(), float(eps)), scale_layout, out)
 
 
-def _quantize(x, normalize: bool, weight_args: tuple, scale_layout: str):
+def _quantize(x, normalize: bool, weight_args: tuple, scale_layout: str, out):
     m, k = x.shape
     groups = ceil_div(k, row_kernel.GROUP)
-    scales = _scales(m, groups, scale_layout, x.device)
-    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+    if out is None:
+        scales = _scales(m, groups, scale_layout, x.device)
+        q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+    else:
+        q, scales = out
+        check_output("out[0]", q, torch.float8_e4m3fn, (m, k), x)
+        if not q.is_contiguous():
+            raise ValueError(f"out[0] must be contiguous, got strides {tuple(q.stride())}")
+        check_output("out[1]", scales, torch.float32, (m, groups), x)
+        check_output("out[1]", scales, torch.float32, (m, groups), q)
     if m:
         _launch(x, normalize, True,
                 weight_args + (q.data_ptr(), scales.data_ptr(), scales.stride(0), scales.stride(1)))
