@@ -151,7 +151,7 @@ class Launcher:
 
     def __init__(self, function, params, name: str, *, block: int, shared_bytes: int = 0,
                  cluster: int = 1):
-        self.function = int(function)
+        self.function = ctypes.c_void_p(int(function))  # converted once, not per call
         self.name = name
         self.block, self.shared_bytes, self.cluster = block, shared_bytes, cluster
         self.format, self.offsets, self.size = argument_layout(params)

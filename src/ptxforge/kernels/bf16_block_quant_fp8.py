@@ -97,12 +97,9 @@ def generate(cfg: BlockQuantConfig) -> KernelBuilder:
             x.append(v)
 
     with k.stage("block amax: thread, warp butterfly, then the 8 warps through shared memory"):
-        lo, hi, tmp, amax = (k.reg("f32", n) for n in ("lo", "hi", "abs", "amax"))
-        k.mov(amax, 0.0)
-        for v in x:
-            for word in v:
-                fp8.unpack_bf16x2(k, lo, hi, word)
-                fp8.max_abs(k, amax, [lo, hi], tmp)
+        amax, tmp = k.reg("f32", "amax"), k.reg("f32", "shuffled")
+        fp8.packed_amax(k, amax, [word for v in x for word in v], k.reg("b32", "packed_max"),
+                        k.regs("f32", 2, "half"))
         reduce.butterfly_max(k, [amax], 32, [tmp])
         warp_max = k.shared("warp_amax", 4 * (THREADS // 32), align=16)
         lane, slot = k.reg("u32", "lane"), k.reg("u32", "slot")

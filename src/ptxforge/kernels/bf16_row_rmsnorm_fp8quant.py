@@ -10,9 +10,10 @@ One generator, three variants chosen by two switches:
 Work mapping. ``threads_per_row`` threads own one row; thread ``t`` holds the 16-byte
 vectors ``v = j * threads_per_row + t`` (8 bf16 each, j < vectors_per_thread) in registers,
 so a quantization group (128 elements = 16 vectors) is always one aligned half-warp and
-its amax is 4 butterfly shuffles. A CTA holds ``rows_per_cta`` rows and strides over the
-rows of the grid (the grid is sized to the resident-CTA count); the RMSNorm weight is
-loaded into registers once per CTA, before that loop.
+its amax is 4 butterfly shuffles. A CTA holds ``rows_per_cta`` rows; the op launches one
+CTA per ``rows_per_cta`` rows, which measured 4-8 points of bandwidth faster than a
+persistent grid (docs/performance.md); the row loop lets any grid cover every row. The
+RMSNorm weight is loaded into registers once per CTA, before that loop.
 
 Per row: load every vector first (all loads in flight before the first use), then
 [normalize: sum of squares -> row reduction (shuffles, then shared memory across warps)
@@ -322,13 +323,10 @@ def _quantize_and_store(k, cfg, p, t, row, x, valid):
         amax = k.regs("f32", slots, "amax")
         inv, scale = k.regs("f32", slots, "inv_scale"), k.regs("f32", slots, "scale")
         shuffled = k.regs("f32", slots, "shuffled")
-        lo, hi, tmp = k.reg("f32", "lo"), k.reg("f32", "hi"), k.reg("f32", "abs")
+        packed_max, halves = k.reg("b32", "packed_max"), k.regs("f32", 2, "half")
         # Phases across all slots, so each phase's latencies (shuffles, reciprocals) overlap.
         for j, v in enumerate(x):
-            k.mov(amax[j], 0.0)
-            for word in v:
-                fp8.unpack_bf16x2(k, lo, hi, word)
-                fp8.max_abs(k, amax[j], [lo, hi], tmp)
+            fp8.packed_amax(k, amax[j], v, packed_max, halves)
         reduce.butterfly_max(k, amax, 16, shuffled)
         for j in range(slots):
             fp8.scale_from_amax(k, amax[j], inv[j], scale[j])

@@ -28,52 +28,61 @@ def current_stream(device_index: int) -> int:
 def check_tensor(name: str, t, dtype: torch.dtype, ndim: int | tuple) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype != dtype:
+    if t.dtype is not dtype:
         raise TypeError(f"{name} must have dtype {dtype}, got {t.dtype}")
-    ndims = (ndim,) if isinstance(ndim, int) else ndim
-    if t.dim() not in ndims:
-        want = " or ".join(str(n) for n in ndims)
+    dims = t.dim()
+    if dims != ndim and (isinstance(ndim, int) or dims not in ndim):
+        want = ndim if isinstance(ndim, int) else " or ".join(str(n) for n in ndim)
         raise ValueError(f"{name} must have {want} dimensions, got shape {tuple(t.shape)}")
     if not t.is_cuda:
         raise ValueError(f"{name} must be on a CUDA device, got {t.device}")
 
 
-def check_rows(name: str, t) -> None:
-    """Rows of 16-byte aligned, unit-stride elements (what 16-byte vector accesses need)."""
-    if t.stride(-1) != 1:
+def check_rows(name: str, t) -> int:
+    """Rows of 16-byte aligned, unit-stride elements (what 16-byte vector accesses need).
+    Returns the row stride in elements (0 for a 1-D tensor)."""
+    strides = t.stride()
+    if strides[-1] != 1:
         raise ValueError(f"{name} must have unit stride in its last dimension, got strides "
-                         f"{tuple(t.stride())}")
+                         f"{tuple(strides)}")
     if t.data_ptr() % 16:
         raise ValueError(f"{name} must start at a 16-byte aligned address, got {t.data_ptr():#x}")
-    if t.dim() > 1 and (t.stride(-2) * t.element_size()) % 16:
+    if len(strides) == 1:
+        return 0
+    if (strides[-2] * t.itemsize) % 16:
         raise ValueError(f"{name}'s row stride must be a multiple of 16 bytes, got "
-                         f"{t.stride(-2)} elements of {t.element_size()} bytes")
+                         f"{strides[-2]} elements of {t.itemsize} bytes")
+    return strides[-2]
 
 
-def check_output(name: str, out, dtype: torch.dtype, shape: tuple, like) -> None:
-    """A caller-provided output: right dtype, shape and device, and not overlapping ``like``
-    (the kernels read inputs through the read-only cache, which must not see writes)."""
+def check_device(name: str, t, device_index: int) -> None:
+    if t.get_device() != device_index:
+        raise ValueError(f"{name} is on {t.device} but the input is on cuda:{device_index}")
+
+
+def check_output(name: str, out, dtype: torch.dtype, shape, device_index: int, *inputs) -> None:
+    """A caller-provided output: right dtype, shape and device, and overlapping none of
+    ``inputs`` (the kernels read inputs through the read-only cache, which must not see
+    writes)."""
     check_tensor(name, out, dtype, len(shape))
-    if tuple(out.shape) != tuple(shape):
+    if out.shape != shape:
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(out.shape)}")
-    if out.device != like.device:
-        raise ValueError(f"{name} is on {out.device} but the input is on {like.device}")
-    start, end = out.data_ptr(), out.data_ptr() + _extent_bytes(out)
-    other_start = like.data_ptr()
-    if start < other_start + _extent_bytes(like) and other_start < end:
-        raise ValueError(f"{name} overlaps the input; outputs must not alias inputs")
+    check_device(name, out, device_index)
+    start = out.data_ptr()
+    end = start + span_bytes(out)
+    for t in inputs:
+        other = t.data_ptr()
+        if start < other + span_bytes(t) and other < end:
+            raise ValueError(f"{name} overlaps an input; outputs must not alias inputs")
 
 
-def _extent_bytes(t) -> int:
+def span_bytes(t) -> int:
+    """Bytes from a tensor's first element to just past its last."""
+    if t.is_contiguous():
+        return t.numel() * t.itemsize
     if t.numel() == 0:
         return 0
-    return (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
-
-
-def check_same_device(reference_name: str, reference, **others) -> None:
-    for name, t in others.items():
-        if t.device != reference.device:
-            raise ValueError(f"{name} is on {t.device} but {reference_name} is on {reference.device}")
+    return (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.itemsize
 
 
 @functools.lru_cache(maxsize=None)
@@ -84,7 +93,3 @@ def device_arch(device_index: int) -> _arch.Arch:
 def load(kernel_builder, device_index: int):
     """Compile (or fetch) a kernel and load it on a device: the module to launch."""
     return jit.build(kernel_builder).load(device_index)
-
-
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)

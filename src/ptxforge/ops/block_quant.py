@@ -8,7 +8,8 @@ import torch
 
 from .. import jit
 from ..kernels import bf16_block_quant_fp8 as block_kernel
-from ._common import ceil_div, check_rows, check_tensor, current_stream, device_arch
+from ._common import check_output, check_rows, check_tensor, current_stream, device_arch
+from .layout import ceil_div
 
 
 @functools.lru_cache(maxsize=None)
@@ -17,25 +18,33 @@ def _launcher(device_index: int):
     return jit.build(block_kernel.generate(cfg)).load(device_index).launcher(cfg.threads)
 
 
-def quantize_fp8_per_block(w: torch.Tensor):
+def quantize_fp8_per_block(w: torch.Tensor, *, out=None):
     """128x128-block FP8 quantization (DeepGEMM's weight recipe).
 
     w: bf16 [N, K] (rows may be strided), K a multiple of 8. Returns ``(q, scales)``:
     q e4m3 [N, K] contiguous and scales f32 [ceil(N/128), ceil(K/128)] with
-    ``w ~= q * scales`` per block.
+    ``w ~= q * scales`` per block. ``out=(q, scales)`` writes into given tensors instead
+    (q contiguous, scales with unit column stride).
     """
     check_tensor("w", w, torch.bfloat16, 2)
-    check_rows("w", w)
+    row_stride = check_rows("w", w)
     n, k = w.shape
     if k % block_kernel.VECTOR:
         raise ValueError(f"w.shape[1] must be a multiple of {block_kernel.VECTOR}, got {k}")
     block = block_kernel.BLOCK
-    q = torch.empty((n, k), dtype=torch.float8_e4m3fn, device=w.device)
-    scales = torch.empty((ceil_div(n, block), ceil_div(k, block)), dtype=torch.float32,
-                         device=w.device)
+    scale_shape = (ceil_div(n, block), ceil_div(k, block))
+    device = w.get_device()
+    if out is None:
+        q = torch.empty((n, k), dtype=torch.float8_e4m3fn, device=w.device)
+        scales = torch.empty(scale_shape, dtype=torch.float32, device=w.device)
+    else:
+        q, scales = out
+        check_output("out[0]", q, torch.float8_e4m3fn, w.shape, device, w)
+        check_output("out[1]", scales, torch.float32, torch.Size(scale_shape), device, w, q)
+        if not q.is_contiguous() or scales.stride(1) != 1:
+            raise ValueError("out[0] must be contiguous and out[1] must have unit column stride")
     if n and k:
-        device = w.get_device()
-        _launcher(device)((ceil_div(k, block), ceil_div(n, block), 1), current_stream(device),
-                          (w.data_ptr(), w.stride(0), n, k, q.data_ptr(), scales.data_ptr(),
+        _launcher(device)((scale_shape[1], scale_shape[0], 1), current_stream(device),
+                          (w.data_ptr(), row_stride, n, k, q.data_ptr(), scales.data_ptr(),
                            scales.stride(0)))
     return q, scales

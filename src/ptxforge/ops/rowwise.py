@@ -12,8 +12,8 @@ import torch
 
 from .. import jit
 from ..kernels import bf16_row_rmsnorm_fp8quant as row_kernel
-from ._common import (ceil_div, check_output, check_rows, check_same_device, check_tensor,
-                      current_stream, device_arch)
+from ._common import (check_device, check_output, check_rows, check_tensor, current_stream,
+                      device_arch)
 from .layout import empty_mn_major_scales
 
 SCALE_LAYOUTS = ("mn_major", "row_major")
@@ -21,42 +21,39 @@ SCALE_LAYOUTS = ("mn_major", "row_major")
 
 @functools.lru_cache(maxsize=None)
 def _kernel(device_index: int, hidden: int, normalize: bool, quantize: bool):
-    """(rows per CTA, launcher, largest useful grid) for one device and variant."""
-    arch = device_arch(device_index)
-    cfg = row_kernel.choose_config(arch, hidden, normalize=normalize, quantize=quantize)
+    """(rows per CTA, launcher) for one device and variant."""
+    cfg = row_kernel.choose_config(device_arch(device_index), hidden, normalize=normalize,
+                                   quantize=quantize)
     compiled = jit.build(row_kernel.generate(cfg))
-    resident = arch.resident_ctas(cfg.threads, compiled.resources.registers, cfg.shared_bytes)
-    launcher = compiled.load(device_index).launcher(cfg.threads)
-    return cfg.rows_per_cta, launcher, arch.sm_count * max(resident, 1)
+    return cfg.rows_per_cta, compiled.load(device_index).launcher(cfg.threads)
 
 
-def _launch(x: torch.Tensor, normalize: bool, quantize: bool, tail_args: tuple) -> None:
+def _launch(x: torch.Tensor, device: int, row_stride: int, normalize: bool, quantize: bool,
+            tail_args: tuple) -> None:
     rows, hidden = x.shape
-    device = x.get_device()
-    rows_per_cta, launcher, max_grid = _kernel(device, hidden, normalize, quantize)
-    launcher((min(-(-rows // rows_per_cta), max_grid), 1, 1), current_stream(device),
-             (x.data_ptr(), x.stride(0), rows) + tail_args)
+    rows_per_cta, launcher = _kernel(device, hidden, normalize, quantize)
+    launcher((-(-rows // rows_per_cta), 1, 1), current_stream(device),
+             (x.data_ptr(), row_stride, rows) + tail_args)
 
 
-def _as_rows(name: str, x: torch.Tensor) -> torch.Tensor:
-    """[..., K] -> [M, K] without a copy; rows may be strided, elements may not."""
+def _as_rows(name: str, x: torch.Tensor):
+    """[..., K] -> ([M, K] view, row stride): rows may be strided (2-D), elements may not."""
     check_tensor(name, x, torch.bfloat16, (1, 2, 3, 4, 5, 6, 7, 8))
     if x.dim() != 2:
         if not x.is_contiguous():
             raise ValueError(f"{name} with {x.dim()} dimensions must be contiguous "
                              f"(2-D inputs may have strided rows)")
         x = x.view(-1, x.shape[-1])
-    check_rows(name, x)
-    return x
+    return x, check_rows(name, x)
 
 
-def _check_weight(weight: torch.Tensor, x: torch.Tensor) -> None:
+def _check_weight(weight: torch.Tensor, hidden: int, device: int) -> None:
     check_tensor("weight", weight, torch.bfloat16, 1)
-    if weight.shape[0] != x.shape[-1]:
-        raise ValueError(f"weight must have shape ({x.shape[-1]},) to match x's last dimension, "
+    if weight.shape[0] != hidden:
+        raise ValueError(f"weight must have shape ({hidden},) to match x's last dimension, "
                          f"got {tuple(weight.shape)}")
     check_rows("weight", weight)
-    check_same_device("x", x, weight=weight)
+    check_device("weight", weight, device)
 
 
 def _scales(rows: int, groups: int, layout: str, device) -> torch.Tensor:
@@ -75,16 +72,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
     ``out``: a contiguous bf16 tensor of x's shape to write instead of allocating one (an
     allocation costs several microseconds of host time; see docs/performance.md).
     """
-    rows = _as_rows("x", x)
-    _check_weight(weight, x)
+    rows, row_stride = _as_rows("x", x)
+    device = x.get_device()
+    _check_weight(weight, rows.shape[1], device)
     if out is None:
         out = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
     else:
-        check_output("out", out, torch.bfloat16, x.shape, x)
+        check_output("out", out, torch.bfloat16, x.shape, device, x, weight)
         if not out.is_contiguous():
             raise ValueError(f"out must be contiguous, got strides {tuple(out.stride())}")
     if rows.shape[0]:
-        _launch(rows, True, False, (weight.data_ptr(), float(eps), out.data_ptr()))
+        _launch(rows, device, row_stride, True, False,
+                (weight.data_ptr(), float(eps), out.data_ptr()))
     return out
 
 
@@ -99,8 +98,8 @@ def quantize_fp8_per_token(x: torch.Tensor, scale_layout: str = "mn_major", *, o
     decide the layout).
     """
     check_tensor("x", x, torch.bfloat16, 2)
-    check_rows("x", x)
-    return _quantize(x, False, (), scale_layout, out)
+    row_stride = check_rows("x", x)
+    return _quantize(x, row_stride, False, (), scale_layout, out, ())
 
 
 def rms_norm_quantize_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
@@ -108,25 +107,28 @@ def rms_norm_quantize_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e
     """``quantize_fp8_per_token(rms_norm(x, weight, eps))`` in one pass over x, without
     writing the bf16 intermediate: the same bits as the two calls."""
     check_tensor("x", x, torch.bfloat16, 2)
-    check_rows("x", x)
-    _check_weight(weight, x)
-    return _quantize(x, True, (weight.data_ptr(), float(eps)), scale_layout, out)
+    row_stride = check_rows("x", x)
+    _check_weight(weight, x.shape[1], x.get_device())
+    return _quantize(x, row_stride, True, (weight.data_ptr(), float(eps)), scale_layout, out,
+                     (weight,))
 
 
-def _quantize(x, normalize: bool, weight_args: tuple, scale_layout: str, out):
+def _quantize(x, row_stride: int, normalize: bool, weight_args: tuple, scale_layout: str, out,
+              other_inputs: tuple):
     m, k = x.shape
-    groups = ceil_div(k, row_kernel.GROUP)
+    device = x.get_device()
+    groups = -(-k // row_kernel.GROUP)
     if out is None:
         scales = _scales(m, groups, scale_layout, x.device)
         q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
     else:
         q, scales = out
-        check_output("out[0]", q, torch.float8_e4m3fn, (m, k), x)
+        check_output("out[0]", q, torch.float8_e4m3fn, x.shape, device, x, *other_inputs)
         if not q.is_contiguous():
             raise ValueError(f"out[0] must be contiguous, got strides {tuple(q.stride())}")
-        check_output("out[1]", scales, torch.float32, (m, groups), x)
-        check_output("out[1]", scales, torch.float32, (m, groups), q)
+        check_output("out[1]", scales, torch.float32, torch.Size((m, groups)), device, x, q,
+                     *other_inputs)
     if m:
-        _launch(x, normalize, True,
+        _launch(x, device, row_stride, normalize, True,
                 weight_args + (q.data_ptr(), scales.data_ptr(), scales.stride(0), scales.stride(1)))
     return q, scales

@@ -33,11 +33,16 @@ def pack_e4m3x4(k: KernelBuilder, dst: Reg, values: list[Reg], scratch: list[Reg
     k.mov(dst, vec(lo, hi), type="b32")
 
 
-def max_abs(k: KernelBuilder, acc: Reg, values: list[Reg], scratch: Reg) -> None:
-    """2 instructions per value: acc = max(acc, |v|), NaN-propagating like torch's amax."""
-    for v in values:
-        k.abs(scratch, v)
-        k.max(acc, acc, scratch, nan=True)
+def packed_amax(k: KernelBuilder, amax: Reg, words: list[Reg], scratch: Reg, halves: list[Reg]) -> None:
+    """len(words) + 3 instructions: ``amax`` (f32) = max |x| over the bf16 pairs in ``words``,
+    NaN-propagating like torch's amax. The max is taken on packed bf16x2 (exact: the max of
+    bf16 values is one of them); ``scratch`` is a b32 and ``halves`` two f32 registers."""
+    k.max(scratch, words[0], words[1], nan=True, xorsign_abs=True, type="bf16x2")
+    for word in words[2:]:
+        k.max(scratch, scratch, word, nan=True, xorsign_abs=True, type="bf16x2")
+    k.and_(scratch, scratch, 0x7FFF7FFF, type="b32")  # |.|: drop the xor-ed signs
+    unpack_bf16x2(k, halves[0], halves[1], scratch)
+    k.max(amax, halves[0], halves[1], nan=True)
 
 
 def scale_from_amax(k: KernelBuilder, amax: Reg, inv_scale: Reg, scale: Reg) -> None:

@@ -89,11 +89,13 @@ class ArithmeticOps:
         t = type_of(d, type)
         self.emit("min" + _suffix("NaN" if nan else None, t), d, a, b, imm_type=t)
 
-    def max(self, d: Reg, a: Operand, b: Operand, *, nan: bool = False,
+    def max(self, d: Reg, a: Operand, b: Operand, *, nan: bool = False, xorsign_abs: bool = False,
             type: str | None = None) -> None:
-        """``nan=True`` emits max.NaN: a NaN operand gives NaN instead of the other operand."""
+        """``nan=True`` emits max.NaN: a NaN operand gives NaN instead of the other operand.
+        ``xorsign_abs`` (f16/bf16 types): max(|a|, |b|) with the xor of the signs."""
         t = type_of(d, type)
-        self.emit("max" + _suffix("NaN" if nan else None, t), d, a, b, imm_type=t)
+        self.emit("max" + _suffix("NaN" if nan else None, "xorsign.abs" if xorsign_abs else None, t),
+                  d, a, b, imm_type=t)
 
     def abs(self, d: Reg, a: Operand, *, type: str | None = None) -> None:
         t = type_of(d, type)
