@@ -1,5 +1,5 @@
-"""Row-kernel experiments at 16384 x 7168: persistent grid vs one CTA per row group, and
-the two scale layouts. Kernel times in us (median of 30, L2 flushed)."""
+"""Row kernels at 16384 x 7168 with both scale layouts: kernel time in us (median of 30,
+L2 flushed) and bandwidth against the copy measured in the same run."""
 
 import torch
 
@@ -19,34 +19,13 @@ layouts = {"mn_major": empty_mn_major_scales(M, K // 128, "cuda"),
 stream = _common.current_stream(0)
 print(f"copy {copy:.0f} GB/s")
 for normalize, quantize in ((False, True), (True, True), (True, False)):
-    rows_per_cta, launcher, max_grid = rowwise._kernel(0, K, normalize, quantize)
+    rows_per_cta, launcher = rowwise._kernel(0, K, normalize, quantize)
     head = (x.data_ptr(), K, M) + ((w.data_ptr(), 1e-6) if normalize else ())
     nbytes = 2 * M * K + (M * K + 4 * M * K // 128 if quantize else 2 * M * K)
-    for grid in (max_grid, -(-M // rows_per_cta)):
-        for layout, s in (layouts.items() if quantize else [("-", None)]):
-            tail = (q.data_ptr(), s.data_ptr(), s.stride(0), s.stride(1)) if quantize else (y.data_ptr(),)
-            ms = timer(lambda: launcher((grid, 1, 1), stream, head + tail))
-            gbs = nbytes / ms / 1e6
-            print(f"normalize={normalize!s:5} quantize={quantize!s:5} grid={grid:6d} scales={layout:9}"
-                  f" {ms * 1e3:7.1f} us {gbs:6.0f} GB/s {100 * gbs / copy:5.1f}% of copy")
-
-# Rows per CTA (the quantization kernel alone, row-major and MN-major scales, both grids).
-import dataclasses  # noqa: E402
-
-from ptxforge import jit  # noqa: E402
-from ptxforge.kernels import bf16_row_rmsnorm_fp8quant as row_kernel  # noqa: E402
-
-base = row_kernel.choose_config(_common.device_arch(0), K, normalize=False, quantize=True)
-for rows_per_cta in (1, 2, 4):
-    cfg = dataclasses.replace(base, rows_per_cta=rows_per_cta,
-                              min_ctas_per_sm=max(1, base.min_ctas_per_sm // rows_per_cta))
-    compiled = jit.build(row_kernel.generate(cfg))
-    launcher = compiled.load(0).launcher(cfg.threads)
-    resident = _common.device_arch(0).resident_ctas(cfg.threads, compiled.resources.registers)
-    for grid in (132 * resident, -(-M // rows_per_cta)):
-        for layout, s in layouts.items():
-            args = (x.data_ptr(), K, M, q.data_ptr(), s.data_ptr(), s.stride(0), s.stride(1))
-            ms = timer(lambda: launcher((grid, 1, 1), stream, args))
-            gbs = (3 * M * K + 4 * M * K // 128) / ms / 1e6
-            print(f"quantize rows_per_cta={rows_per_cta} regs={compiled.resources.registers} "
-                  f"grid={grid:6d} scales={layout:9} {ms * 1e3:7.1f} us {100 * gbs / copy:5.1f}% of copy")
+    grid = -(-M // rows_per_cta)
+    for layout, s in (layouts.items() if quantize else [("-", None)]):
+        tail = (q.data_ptr(), s.data_ptr(), s.stride(0), s.stride(1)) if quantize else (y.data_ptr(),)
+        ms = timer(lambda: launcher((grid, 1, 1), stream, head + tail))
+        gbs = nbytes / ms / 1e6
+        print(f"normalize={normalize!s:5} quantize={quantize!s:5} scales={layout:9}"
+              f" {ms * 1e3:7.1f} us {gbs:6.0f} GB/s {100 * gbs / copy:5.1f}% of copy")
