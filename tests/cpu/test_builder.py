@@ -167,6 +167,7 @@ def _instruction_calls(k):
         "wgmma_mma_async": lambda: k.wgmma_mma_async(acc, d64, d64, n=16, ab_type="e4m3"),
         "ldmatrix": lambda: k.ldmatrix(q, addr(u)), "stmatrix": lambda: k.stmatrix(addr(u), q),
         "cp_async_bulk_tensor_load": lambda: k.cp_async_bulk_tensor_load(addr(u), d64, [v, w], addr(u)),
+        "cp_async_bulk_load": lambda: k.cp_async_bulk_load(addr(u), a, 256, addr(u)),
         "cp_async_bulk_tensor_store": lambda: k.cp_async_bulk_tensor_store(d64, [v, w], addr(u)),
         "cp_async_bulk_prefetch_tensor": lambda: k.cp_async_bulk_prefetch_tensor(d64, [v, w]),
         "cp_async_bulk_commit_group": lambda: k.cp_async_bulk_commit_group(),
@@ -221,6 +222,9 @@ def feature_tour() -> KernelBuilder:
     k.cp_async_bulk_tensor_load(addr(base), tmap, [c0, c0], addr(bar))
     k.cp_async_bulk_tensor_load(addr(base), tmap, [c0, c0], addr(bar), multicast_mask=mask)
     k.cp_async_bulk_prefetch_tensor(tmap, [c0, c0])
+    g = k.reg("u64", "g")
+    k.ld_param(g, out)
+    k.cp_async_bulk_load(addr(base, 1024), addr(g), 256, addr(bar))
     done = k.pred("done")
     k.mbarrier_try_wait_parity(done, addr(bar), 0)
     k.setmaxnreg(232, increase=True)
@@ -240,10 +244,9 @@ def feature_tour() -> KernelBuilder:
     k.cp_async_bulk_tensor_store(tmap, [c0, c0], addr(base))
     k.cp_async_bulk_commit_group()
     k.cp_async_bulk_wait_group(0, read=True)
-    r, g = k.reg("u32", "r"), k.reg("u64", "g")
+    r = k.reg("u32", "r")
     k.redux_sync(r, base, op="max")
     k.shfl_sync(r, r, 1, mode="bfly")
-    k.ld_param(g, out)
     k.red(addr(g), r, op="add")
     k.atom(r, addr(g), 1, op="add")
     f = k.reg("f32", "f")

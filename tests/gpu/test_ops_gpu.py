@@ -120,7 +120,7 @@ def test_out_arguments_are_written_and_checked():
     ptxforge.quantize_fp8_per_token(x, out=(q, s))
     rq, rs = ptxforge.quantize_fp8_per_token(x, scale_layout="row_major")
     assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs)
-    with pytest.raises(ValueError, match="overlaps the input"):
+    with pytest.raises(ValueError, match="overlaps an input"):
         ptxforge.rms_norm(x, w, out=x)
     with pytest.raises(ValueError, match=r"out must have shape \(64, 1024\)"):
         ptxforge.rms_norm(x, w, out=y[:32])

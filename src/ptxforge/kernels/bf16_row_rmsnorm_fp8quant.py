@@ -7,22 +7,34 @@ One generator, three variants chosen by two switches:
     no        yes        quantize_fp8_per_token   q  e4m3 [M, K] + scales f32 (M x ceil(K/128))
     yes       yes        rms_norm_quantize_fp8    q + scales of rms_norm(x) rounded to bf16
 
-Work mapping. ``threads_per_row`` threads own one row; thread ``t`` holds the 16-byte
-vectors ``v = j * threads_per_row + t`` (8 bf16 each, j < vectors_per_thread) in registers,
-so a quantization group (128 elements = 16 vectors) is always one aligned half-warp and
-its amax is 4 butterfly shuffles. A CTA holds ``rows_per_cta`` rows; the op launches one
-CTA per ``rows_per_cta`` rows, which measured 4-8 points of bandwidth faster than a
-persistent grid (docs/performance.md); the row loop lets any grid cover every row. The
-RMSNorm weight is loaded into registers once per CTA, before that loop.
+Pipeline. The copy engine streams rows into a ring of shared-memory stages, so a CTA
+keeps ``stages`` row groups in flight while its threads work on an earlier one:
 
-Per row: load every vector first (all loads in flight before the first use), then
-[normalize: sum of squares -> row reduction (shuffles, then shared memory across warps)
--> rstd = rsqrt(mean + eps) -> y = x * rstd * w, rounded to bf16], then either store y
-or [quantize: group amax -> scale, 448/amax -> e4m3 -> 8-byte stores, one scale per group].
+    thread 0:  [copy g0][copy g1][copy g2] ........ [copy g3] ........ [copy g4] ...
+    all:                 wait g0 | compute, store | sync | wait g1 | compute, store | sync
+                          stage 0                          stage 1
 
-Compile-time: K (so the register arrays have a fixed size), the variant. Run-time: M,
-the input row stride, eps, and the scale strides (so one kernel writes either the plain
-[M, G] layout or the MN-major TMA-aligned layout that the FP8 GEMM reads).
+    shared memory: | stage 0: rows_per_cta rows | stage 1 | ... | one mbarrier per stage |
+
+Each stage holds ``rows_per_cta`` rows (one bulk copy per row, completing on the stage's
+mbarrier with its byte count); after every thread has read the stage (a CTA barrier),
+thread 0 refills it with the group ``stages`` ahead. A CTA takes ``groups_per_cta``
+consecutive row groups (a run-time argument the op sizes to one wave of resident CTAs).
+
+Work mapping. ``threads_per_row`` threads own one row; thread ``t`` reads the 16-byte
+vectors ``v = j * threads_per_row + t`` (8 bf16 each, j < vectors_per_thread) from the
+stage into registers, so a quantization group (128 elements = 16 vectors) is one aligned
+half-warp and its amax is 4 butterfly shuffles. The RMSNorm weight is loaded into
+registers once per CTA.
+
+Per row group: [normalize: sum of squares -> row reduction (shuffles, then shared memory
+across warps) -> rstd = rsqrt(mean + eps) -> y = x * rstd * w, rounded to bf16], then
+either store y or [quantize: group amax -> scale, 448/amax -> e4m3 -> 8-byte stores, one
+scale per group].
+
+Compile-time: K (fixed-size register arrays and stage size), the variant. Run-time: M,
+the input row stride, groups per CTA, eps, and the scale strides (so one kernel writes
+either the plain [M, G] layout or the MN-major TMA-aligned layout the FP8 GEMM reads).
 """
 
 from __future__ import annotations
@@ -32,16 +44,18 @@ from types import SimpleNamespace
 
 from ..arch import Arch
 from ..patterns import fp8, reduce
+from ..patterns.pipeline import StageRing
 from ..ptx import KernelBuilder, addr, sreg
 
 GROUP = 128                 # quantization group along K
 VECTOR = 8                  # bf16 per 16-byte vector
 MIN_CTA_THREADS = 128
+MAX_CTAS_PER_SM = 4         # 16 warps an SM to hide the compute's latency
+MAX_STAGES = 4
 
 # Vectors per thread and the register cap given to ptxas (through .minnctapersm), from
 # ptxas 13.0's reports on sm_90a: quantization alone fits 8 vectors in 64 registers; with
-# the weight (and y) live, 7 vectors fit in 128 but 8 need 167, which would drop from 4 to
-# 3 resident 128-thread CTAs per SM. More rows resident = more bytes in flight.
+# the weight (and y) live, 7 vectors fit in 128 but 8 need 167.
 MAX_VECTORS_PER_THREAD = {False: 8, True: 7}   # keyed by `normalize`
 REGISTER_CAP = {False: 64, True: 128}
 
@@ -53,7 +67,8 @@ class RowKernelConfig:
     quantize: bool
     threads_per_row: int
     rows_per_cta: int
-    min_ctas_per_sm: int  # a register cap for ptxas, so that many CTAs stay resident
+    stages: int
+    ctas_per_sm: int  # the residency the shared-memory ring is sized for (and ptxas's cap)
     target: str
 
     @property
@@ -79,8 +94,21 @@ class RowKernelConfig:
         return max(1, self.threads_per_row // 32)
 
     @property
-    def shared_bytes(self) -> int:
-        """Cross-warp partial sums of the row reduction (static shared memory)."""
+    def row_bytes(self) -> int:
+        return self.hidden * 2
+
+    @property
+    def stage_bytes(self) -> int:
+        return self.rows_per_cta * self.row_bytes
+
+    @property
+    def dynamic_shared_bytes(self) -> int:
+        """The stage ring: what the launch asks for."""
+        return StageRing.shared_bytes(self.stage_bytes, self.stages)
+
+    @property
+    def static_shared_bytes(self) -> int:
+        """Cross-warp partial sums of the row reduction."""
         if self.normalize and self.warps_per_row > 1:
             return 4 * self.rows_per_cta * self.warps_per_row
         return 0
@@ -88,12 +116,14 @@ class RowKernelConfig:
 
 def choose_config(arch: Arch, hidden: int, *, normalize: bool, quantize: bool) -> RowKernelConfig:
     """The fewest threads per row (a power of two, at least a half-warp) that keep each
-    thread at <= 8 vectors; rows are packed so a CTA has at least 128 threads."""
+    thread at <= 7-8 vectors; rows packed so a CTA has at least 128 threads; then as many
+    stages (up to 4) as shared memory allows at up to 4 resident CTAs an SM."""
     if hidden <= 0 or hidden % VECTOR:
         raise ValueError(f"hidden size (x.shape[-1]) must be a positive multiple of {VECTOR}, "
                          f"got {hidden}")
     if quantize:
         arch.require("fp8", "FP8 quantization")
+    arch.require("mbarrier_tx", "the row kernels' copy-engine pipeline")
     vectors = hidden // VECTOR
     max_vectors = MAX_VECTORS_PER_THREAD[normalize]
     threads_per_row = 16
@@ -106,51 +136,94 @@ def choose_config(arch: Arch, hidden: int, *, normalize: bool, quantize: bool) -
         raise ValueError(f"hidden size must be at most {limit}, got {hidden}")
     rows_per_cta = max(1, MIN_CTA_THREADS // threads_per_row)
     threads = threads_per_row * rows_per_cta
-    min_ctas = max(1, arch.registers_per_sm // (REGISTER_CAP[normalize] * threads))
-    return RowKernelConfig(hidden, normalize, quantize, threads_per_row, rows_per_cta, min_ctas,
-                           arch.target)
+    ctas = min(MAX_CTAS_PER_SM, arch.max_threads_per_sm // threads,
+               arch.registers_per_sm // (REGISTER_CAP[normalize] * threads))
+    stage_bytes = rows_per_cta * hidden * 2
+    while True:
+        budget = arch.shared_memory_per_sm // ctas - arch.shared_memory_reserved_per_block - 1024
+        stages = min(MAX_STAGES, budget // (stage_bytes + 8))
+        if stages >= 2 or ctas == 1:
+            break
+        ctas -= 1
+    if stages < 1:
+        raise ValueError(f"hidden size {hidden}: a row does not fit in shared memory")
+    return RowKernelConfig(hidden, normalize, quantize, threads_per_row, rows_per_cta, stages,
+                           ctas, arch.target)
 
 
 def generate(cfg: RowKernelConfig) -> KernelBuilder:
     k = KernelBuilder(cfg.name, target=cfg.target, max_threads=cfg.threads,
-                      min_blocks_per_sm=cfg.min_ctas_per_sm)
+                      min_blocks_per_sm=cfg.ctas_per_sm)
     p = _Params(k, cfg)
     t = _thread_coordinates(k, cfg)
+    smem = k.dynamic_shared("stages", align=128)
+    base = k.reg("u32", "smem")
+    k.mov(base, smem)
+    ring = StageRing(k, base, cfg.stage_bytes, cfg.stages)
+    with k.stage("barriers"):
+        ring.init(t.thread0)
     weight = _load_weight(k, cfg, p, t) if cfg.normalize else None
 
-    with k.stage("row loop: each CTA strides over rows_per_cta rows at a time"):
-        first_row, row_stride = k.reg("u32", "first_row"), k.reg("u32", "row_step")
-        k.mov(first_row, sreg.ctaid.x)
-        k.mul(first_row, first_row, cfg.rows_per_cta, mode="lo")
-        k.mov(row_stride, sreg.nctaid.x)
-        k.mul(row_stride, row_stride, cfg.rows_per_cta, mode="lo")
-        # row0 is the same for the whole CTA, so the loop branch is uniform.
-        with k.loop(k.reg("u32", "row0"), p.rows, start=first_row, step=row_stride,
-                    uniform=True) as row0:
+    with k.stage("this CTA's row groups"):
+        first, end = k.reg("u32", "first_group"), k.reg("u32", "end_group")
+        k.mov(first, sreg.ctaid.x)
+        k.mul(first, first, p.groups_per_cta, mode="lo")
+        k.add(end, first, p.groups_per_cta)
+        total = k.reg("u32", "total_groups")
+        k.add(total, p.rows, cfg.rows_per_cta - 1)
+        k.shr(total, total, cfg.rows_per_cta.bit_length() - 1)
+        k.min(end, end, total)
+        producer = _Producer(k, cfg, p, ring)
+
+    with k.stage("prologue: thread 0 fills every stage"):
+        with k.if_(t.thread0, "prologue_done"):
+            group, stage = k.reg("u32", "prologue_group"), k.reg("u32", "prologue_stage")
+            for s in range(cfg.stages):
+                k.add(group, first, s)
+                k.mov(stage, s)
+                producer.issue_if_before_end(group, stage, end)
+
+    with k.stage("row-group loop"):
+        stage, phase = k.reg("u32", "stage"), k.reg("u32", "phase")
+        k.mov(stage, 0)
+        k.mov(phase, 0)
+        # Every thread of the CTA runs the same groups, so the loop branch is uniform.
+        with k.loop(k.reg("u32", "group"), end, start=first, uniform=True) as group:
             row = k.reg("u32", "row")
-            k.add(row, row0, t.row_in_cta)
+            k.mad(row, group, cfg.rows_per_cta, t.row_in_cta, mode="lo")
             row_ok = k.pred("row_ok")
             k.setp("lt", row_ok, row, p.rows)
             valid = _vector_predicates(k, cfg, t, row_ok)
-            x = _load_row(k, cfg, p, t, row, row_ok, valid)
+            bar = k.reg("u32", "bar")
+            ring.barrier_address(bar, stage)
+            ring.wait(bar, phase)
+            x = _load_row(k, cfg, t, ring, stage, row_ok, valid)
             if cfg.normalize:
                 x = _normalize(k, cfg, p, t, x, weight)
             if cfg.quantize:
                 _quantize_and_store(k, cfg, p, t, row, x, valid)
             else:
                 _store_bf16(k, cfg, p, t, row, x, valid)
+            with k.stage("release the stage: refill it with the group `stages` ahead"):
+                k.bar_sync(0)
+                with k.if_(t.thread0, "refill_done"):
+                    ahead = k.reg("u32", "group_ahead")
+                    k.add(ahead, group, cfg.stages)
+                    producer.issue_if_before_end(ahead, stage, end)
+            ring.advance(stage, phase)
     return k
 
 
 class _Params:
-    """Kernel parameters, in launch order (see ``launch_args``)."""
+    """Kernel parameters, in launch order."""
 
     def __init__(self, k: KernelBuilder, cfg: RowKernelConfig):
         self.x = k.param("x", "u64")
         self.x_row_stride = k.param("x_row_stride", "u32")  # elements
         self.rows = k.reg("u32", "rows")
-        rows = k.param("rows", "u32")
-        k.ld_param(self.rows, rows)
+        k.ld_param(self.rows, k.param("rows", "u32"))
+        self.groups_per_cta = k.reg("u32", "groups_per_cta")
+        k.ld_param(self.groups_per_cta, k.param("groups_per_cta", "u32"))
         if cfg.normalize:
             self.weight = k.param("weight", "u64")
             self.eps = k.param("eps", "f32")
@@ -163,7 +236,48 @@ class _Params:
             self.y = k.param("y", "u64")
 
 
-def _thread_coordinates(k: KernelBuilder, cfg: RowKernelConfig) -> _Thread:
+class _Producer:
+    """Thread 0's side of the ring: arm a stage and copy a row group's rows into it."""
+
+    def __init__(self, k, cfg, p, ring):
+        self.k, self.cfg, self.ring = k, cfg, ring
+        self.x, self.stride = k.reg("u64", "x_ptr"), k.reg("u32", "x_stride_bytes")
+        k.ld_param(self.x, p.x)
+        k.ld_param(self.stride, p.x_row_stride)
+        k.shl(self.stride, self.stride, 1)
+        self.rows = p.rows
+
+    def issue_if_before_end(self, group, stage, end) -> None:
+        k, cfg = self.k, self.cfg
+        before_end = k.pred("before_end")
+        k.setp("lt", before_end, group, end)
+        with k.if_(before_end, "issued"):
+            first_row, rows_here = k.reg("u32", "copy_row"), k.reg("u32", "copy_rows")
+            k.mul(first_row, group, cfg.rows_per_cta, mode="lo")
+            k.sub(rows_here, self.rows, first_row)
+            k.min(rows_here, rows_here, cfg.rows_per_cta)
+            bar, dst = k.reg("u32", "copy_bar"), k.reg("u32", "copy_dst")
+            self.ring.barrier_address(bar, stage)
+            self.ring.stage_address(dst, stage)
+            nbytes = k.reg("u32", "copy_bytes")
+            k.mul(nbytes, rows_here, cfg.row_bytes, mode="lo")
+            # The stage was last read by ordinary loads; order them before the async writes.
+            k.fence_proxy_async()
+            k.mbarrier_arrive_expect_tx(addr(bar), nbytes)
+            src = k.reg("u64", "copy_src")
+            k.mov(src, self.x)
+            k.mad(src, first_row, self.stride, src, mode="wide")
+            k.cp_async_bulk_load(addr(dst), addr(src), cfg.row_bytes, addr(bar))
+            for r in range(1, cfg.rows_per_cta):  # the group's other rows, where they exist
+                k.mad(src, self.stride, 1, src, mode="wide")
+                in_range = k.pred("copy_row_ok")
+                k.setp("gt", in_range, rows_here, r)
+                with k.guard(in_range):
+                    k.cp_async_bulk_load(addr(dst, r * cfg.row_bytes), addr(src), cfg.row_bytes,
+                                         addr(bar))
+
+
+def _thread_coordinates(k: KernelBuilder, cfg: RowKernelConfig) -> SimpleNamespace:
     t = SimpleNamespace()
     with k.stage("thread coordinates"):
         tid = k.reg("u32", "tid")
@@ -176,6 +290,8 @@ def _thread_coordinates(k: KernelBuilder, cfg: RowKernelConfig) -> _Thread:
         k.shr(t.warp_in_row, t.col, 5)
         t.lane = k.reg("u32", "lane")
         k.and_(t.lane, tid, 31)
+        t.thread0 = k.pred("thread0")
+        k.setp("eq", t.thread0, tid, 0)
     return t
 
 
@@ -220,22 +336,23 @@ def _load_weight(k, cfg, p, t):
     return weight
 
 
-def _load_row(k, cfg, p, t, row, row_ok, valid):
-    with k.stage("load the row: every vector in flight before the first use"):
-        base, stride = k.reg("u64", "x_row_ptr"), k.reg("u32", "x_stride_bytes")
-        k.ld_param(base, p.x)
-        k.ld_param(stride, p.x_row_stride)
-        k.shl(stride, stride, 1)
-        _advance(k, base, row, stride, t.col, VECTOR * 2)
+def _load_row(k, cfg, t, ring, stage, row_ok, valid):
+    with k.stage("read the row group's vectors from the stage"):
+        src = k.reg("u32", "stage_ptr")
+        ring.stage_address(src, stage)
+        k.mad(src, t.row_in_cta, cfg.row_bytes, src, mode="lo")
+        k.mad(src, t.col, VECTOR * 2, src, mode="lo")
         x = []
         for j in range(cfg.vectors_per_thread):
             v = k.regs("b32", 4, f"x{j}_")
             if valid[j] is not row_ok:
                 for r in v:
                     k.mov(r, 0)  # out-of-row slots must not disturb the row's reductions
-            with k.guard(valid[j]):
-                k.ld(v, addr(base, j * cfg.threads_per_row * VECTOR * 2), nc=True,
-                     eviction="L1::no_allocate")
+                with k.guard(valid[j]):
+                    k.ld(v, addr(src, j * cfg.threads_per_row * VECTOR * 2), space="shared")
+            else:
+                # Rows past M read stale shared memory; only their own row's lanes see it.
+                k.ld(v, addr(src, j * cfg.threads_per_row * VECTOR * 2), space="shared")
             x.append(v)
     return x
 
@@ -277,7 +394,7 @@ def _normalize(k, cfg, p, t, x, weight):
 
 def _reduce_across_warps(k, cfg, t, value, tmp):
     """Sum a row's per-warp partials through shared memory (two barriers: write->read, read->reuse)."""
-    partials = k.shared("row_partials", cfg.shared_bytes, align=16)
+    partials = k.shared("row_partials", cfg.static_shared_bytes, align=16)
     slot, base = k.reg("u32", "slot"), k.reg("u32", "partials")
     k.mov(base, partials)
     k.mad(slot, t.row_in_cta, cfg.warps_per_row, t.warp_in_row, mode="lo")

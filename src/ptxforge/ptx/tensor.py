@@ -87,6 +87,12 @@ class TensorOps:
             operands.append(cache_hint)
         self.emit(opcode, *operands)
 
+    def cp_async_bulk_load(self, dst: Address, src: Address, nbytes: Operand, bar: Address) -> None:
+        """Global -> shared copy of ``nbytes`` contiguous bytes (16-byte aligned, a multiple of
+        16) completing on ``bar`` as ``nbytes`` transaction bytes."""
+        self.emit("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes",
+                  dst, src, nbytes, bar)
+
     def cp_async_bulk_tensor_store(self, tensormap: Operand, coords: list, src: Address) -> None:
         """Shared -> global tile copy; completion is tracked by bulk groups."""
         self.emit(f"cp.async.bulk.tensor.{len(coords)}d.global.shared::cta.tile.bulk_group",
