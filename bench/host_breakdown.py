@@ -21,8 +21,8 @@ q = torch.empty((4, 1024), dtype=torch.float8_e4m3fn, device="cuda")
 s = torch.empty((4, 8), dtype=torch.float32, device="cuda")
 ptxforge.rms_norm(x, w)
 ptxforge.quantize_fp8_per_token(x)
-_, launcher, _ = rowwise._kernel(0, 1024, True, False)
-args = (x.data_ptr(), x.stride(0), 4, 1, w.data_ptr(), 1e-6, y.data_ptr())
+_, _, launcher = rowwise._kernel(0, 1024, True, False)
+args = (x.data_ptr(), x.stride(0), 4, w.data_ptr(), 1e-6, y.data_ptr())
 stream = _common.current_stream(0)
 device = x.device
 

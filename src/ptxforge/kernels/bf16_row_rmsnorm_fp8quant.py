@@ -7,19 +7,20 @@ One generator, three variants chosen by two switches:
     no        yes        quantize_fp8_per_token   q  e4m3 [M, K] + scales f32 (M x ceil(K/128))
     yes       yes        rms_norm_quantize_fp8    q + scales of rms_norm(x) rounded to bf16
 
-Pipeline. The copy engine streams rows into a ring of shared-memory stages, so a CTA
-keeps ``stages`` row groups in flight while its threads work on an earlier one:
+Loads. Each CTA takes ``groups`` consecutive row groups (of ``rows_per_cta`` rows) and
+thread 0 hands all of them to the copy engine at once, one bulk copy per row into its
+own shared-memory stage, each stage completing on its own mbarrier:
 
-    thread 0:  [copy g0][copy g1][copy g2] ........ [copy g3] ........ [copy g4] ...
-    all:                 wait g0 | compute, store | sync | wait g1 | compute, store | sync
-                          stage 0                          stage 1
+    thread 0:  [copy group 0 -> stage 0][copy group 1 -> stage 1]
+    all:        wait stage 0 | compute, store | wait stage 1 | compute, store
 
     shared memory: | stage 0: rows_per_cta rows | stage 1 | ... | one mbarrier per stage |
 
-Each stage holds ``rows_per_cta`` rows (one bulk copy per row, completing on the stage's
-mbarrier with its byte count); after every thread has read the stage (a CTA barrier),
-thread 0 refills it with the group ``stages`` ahead. A CTA takes ``groups_per_cta``
-consecutive row groups (a run-time argument the op sizes to one wave of resident CTAs).
+A whole row arrives without holding registers for it, and with two groups the second
+copy overlaps the first group's compute. Measured on an H200 at 16384 x 7168
+(docs/performance.md): one group per CTA is best for the lighter kernels (quantization
+92-95%, RMSNorm 95% of the copy bandwidth), two for the fused one (90-93%); register
+loads reached 84-91%.
 
 Work mapping. ``threads_per_row`` threads own one row; thread ``t`` reads the 16-byte
 vectors ``v = j * threads_per_row + t`` (8 bf16 each, j < vectors_per_thread) from the
@@ -33,8 +34,8 @@ either store y or [quantize: group amax -> scale, 448/amax -> e4m3 -> 8-byte sto
 scale per group].
 
 Compile-time: K (fixed-size register arrays and stage size), the variant. Run-time: M,
-the input row stride, groups per CTA, eps, and the scale strides (so one kernel writes
-either the plain [M, G] layout or the MN-major TMA-aligned layout the FP8 GEMM reads).
+the input row stride, eps, and the scale strides (so one kernel writes either the plain
+[M, G] layout or the MN-major TMA-aligned layout the FP8 GEMM reads).
 """
 
 from __future__ import annotations
@@ -50,8 +51,9 @@ from ..ptx import KernelBuilder, addr, sreg
 GROUP = 128                 # quantization group along K
 VECTOR = 8                  # bf16 per 16-byte vector
 MIN_CTA_THREADS = 128
-MAX_CTAS_PER_SM = 4         # 16 warps an SM to hide the compute's latency
-MAX_STAGES = 4
+MAX_CTAS_PER_SM = 8
+# Row groups per CTA, keyed by (normalize, quantize): measured, see the docstring.
+GROUPS_PER_CTA = {(True, False): 1, (False, True): 1, (True, True): 2}
 
 # Vectors per thread and the register cap given to ptxas (through .minnctapersm), from
 # ptxas 13.0's reports on sm_90a: quantization alone fits 8 vectors in 64 registers; with
@@ -67,8 +69,8 @@ class RowKernelConfig:
     quantize: bool
     threads_per_row: int
     rows_per_cta: int
-    stages: int
-    ctas_per_sm: int  # the residency the shared-memory ring is sized for (and ptxas's cap)
+    groups: int       # row groups per CTA, each in its own shared-memory stage
+    ctas_per_sm: int  # resident CTAs the registers and shared memory allow (ptxas's cap)
     target: str
 
     @property
@@ -103,8 +105,8 @@ class RowKernelConfig:
 
     @property
     def dynamic_shared_bytes(self) -> int:
-        """The stage ring: what the launch asks for."""
-        return StageRing.shared_bytes(self.stage_bytes, self.stages)
+        """The stages and their barriers: what the launch asks for."""
+        return StageRing.shared_bytes(self.stage_bytes, self.groups)
 
     @property
     def static_shared_bytes(self) -> int:
@@ -114,10 +116,13 @@ class RowKernelConfig:
         return 0
 
 
-def choose_config(arch: Arch, hidden: int, *, normalize: bool, quantize: bool) -> RowKernelConfig:
+def choose_config(arch: Arch, hidden: int, *, normalize: bool, quantize: bool,
+                  groups: int | None = None) -> RowKernelConfig:
     """The fewest threads per row (a power of two, at least a half-warp) that keep each
-    thread at <= 7-8 vectors; rows packed so a CTA has at least 128 threads; then as many
-    stages (up to 4) as shared memory allows at up to 4 resident CTAs an SM."""
+    thread at <= 7-8 vectors; rows packed so a CTA has at least 128 threads; ``groups``
+    row groups per CTA (the measured default per variant); then as many resident CTAs an
+    SM as threads, registers and shared memory allow."""
+    groups = groups or GROUPS_PER_CTA[(normalize, quantize)]
     if hidden <= 0 or hidden % VECTOR:
         raise ValueError(f"hidden size (x.shape[-1]) must be a positive multiple of {VECTOR}, "
                          f"got {hidden}")
@@ -136,18 +141,14 @@ def choose_config(arch: Arch, hidden: int, *, normalize: bool, quantize: bool) -
         raise ValueError(f"hidden size must be at most {limit}, got {hidden}")
     rows_per_cta = max(1, MIN_CTA_THREADS // threads_per_row)
     threads = threads_per_row * rows_per_cta
+    ring_bytes = StageRing.shared_bytes(rows_per_cta * hidden * 2, groups)
+    per_cta_shared = ring_bytes + arch.shared_memory_reserved_per_block + 1024  # + partials
     ctas = min(MAX_CTAS_PER_SM, arch.max_threads_per_sm // threads,
-               arch.registers_per_sm // (REGISTER_CAP[normalize] * threads))
-    stage_bytes = rows_per_cta * hidden * 2
-    while True:
-        budget = arch.shared_memory_per_sm // ctas - arch.shared_memory_reserved_per_block - 1024
-        stages = min(MAX_STAGES, budget // (stage_bytes + 8))
-        if stages >= 2 or ctas == 1:
-            break
-        ctas -= 1
-    if stages < 1:
-        raise ValueError(f"hidden size {hidden}: a row does not fit in shared memory")
-    return RowKernelConfig(hidden, normalize, quantize, threads_per_row, rows_per_cta, stages,
+               arch.registers_per_sm // (REGISTER_CAP[normalize] * threads),
+               arch.shared_memory_per_sm // per_cta_shared)
+    if ctas < 1:
+        raise ValueError(f"hidden size {hidden}: {groups} row groups do not fit in shared memory")
+    return RowKernelConfig(hidden, normalize, quantize, threads_per_row, rows_per_cta, groups,
                            ctas, arch.target)
 
 
@@ -159,58 +160,41 @@ def generate(cfg: RowKernelConfig) -> KernelBuilder:
     smem = k.dynamic_shared("stages", align=128)
     base = k.reg("u32", "smem")
     k.mov(base, smem)
-    ring = StageRing(k, base, cfg.stage_bytes, cfg.stages)
+    stages = StageRing(k, base, cfg.stage_bytes, cfg.groups)
     with k.stage("barriers"):
-        ring.init(t.thread0)
-    weight = _load_weight(k, cfg, p, t) if cfg.normalize else None
+        stages.init(t.thread0)
 
-    with k.stage("this CTA's row groups"):
-        first, end = k.reg("u32", "first_group"), k.reg("u32", "end_group")
+    with k.stage("thread 0: copy this CTA's row groups into their stages"):
+        first, total = k.reg("u32", "first_group"), k.reg("u32", "total_groups")
         k.mov(first, sreg.ctaid.x)
-        k.mul(first, first, p.groups_per_cta, mode="lo")
-        k.add(end, first, p.groups_per_cta)
-        total = k.reg("u32", "total_groups")
+        k.mul(first, first, cfg.groups, mode="lo")
         k.add(total, p.rows, cfg.rows_per_cta - 1)
         k.shr(total, total, cfg.rows_per_cta.bit_length() - 1)
-        k.min(end, end, total)
-        producer = _Producer(k, cfg, p, ring)
+        with k.if_(t.thread0, "copies_issued"):
+            _issue_copies(k, cfg, p, stages, first, total)
 
-    with k.stage("prologue: thread 0 fills every stage"):
-        with k.if_(t.thread0, "prologue_done"):
-            group, stage = k.reg("u32", "prologue_group"), k.reg("u32", "prologue_stage")
-            for s in range(cfg.stages):
-                k.add(group, first, s)
-                k.mov(stage, s)
-                producer.issue_if_before_end(group, stage, end)
-
-    with k.stage("row-group loop"):
-        stage, phase = k.reg("u32", "stage"), k.reg("u32", "phase")
-        k.mov(stage, 0)
-        k.mov(phase, 0)
-        # Every thread of the CTA runs the same groups, so the loop branch is uniform.
-        with k.loop(k.reg("u32", "group"), end, start=first, uniform=True) as group:
-            row = k.reg("u32", "row")
-            k.mad(row, group, cfg.rows_per_cta, t.row_in_cta, mode="lo")
-            row_ok = k.pred("row_ok")
-            k.setp("lt", row_ok, row, p.rows)
-            valid = _vector_predicates(k, cfg, t, row_ok)
-            bar = k.reg("u32", "bar")
-            ring.barrier_address(bar, stage)
-            ring.wait(bar, phase)
-            x = _load_row(k, cfg, t, ring, stage, row_ok, valid)
-            if cfg.normalize:
-                x = _normalize(k, cfg, p, t, x, weight)
-            if cfg.quantize:
-                _quantize_and_store(k, cfg, p, t, row, x, valid)
-            else:
-                _store_bf16(k, cfg, p, t, row, x, valid)
-            with k.stage("release the stage: refill it with the group `stages` ahead"):
-                k.bar_sync(0)
-                with k.if_(t.thread0, "refill_done"):
-                    ahead = k.reg("u32", "group_ahead")
-                    k.add(ahead, group, cfg.stages)
-                    producer.issue_if_before_end(ahead, stage, end)
-            ring.advance(stage, phase)
+    weight = _load_weight(k, cfg, p, t) if cfg.normalize else None
+    partials = k.shared("row_partials", cfg.static_shared_bytes) if cfg.static_shared_bytes else None
+    group = k.reg("u32", "group")
+    for s in range(cfg.groups):
+        with k.stage(f"row group {s} of this CTA"):
+            k.add(group, first, s)
+            exists = k.pred("group_exists")
+            k.setp("lt", exists, group, total)
+            with k.if_(exists, "group_done", uniform=True):
+                row = k.reg("u32", "row")
+                k.mad(row, group, cfg.rows_per_cta, t.row_in_cta, mode="lo")
+                row_ok = k.pred("row_ok")
+                k.setp("lt", row_ok, row, p.rows)
+                valid = _vector_predicates(k, cfg, t, row_ok)
+                stages.wait(addr(base, stages.barrier_offset(s)), 0)
+                x = _load_row(k, cfg, t, base, s, row_ok, valid)
+                if cfg.normalize:
+                    x = _normalize(k, cfg, p, t, x, weight, partials)
+                if cfg.quantize:
+                    _quantize_and_store(k, cfg, p, t, row, x, valid)
+                else:
+                    _store_bf16(k, cfg, p, t, row, x, valid)
     return k
 
 
@@ -222,8 +206,6 @@ class _Params:
         self.x_row_stride = k.param("x_row_stride", "u32")  # elements
         self.rows = k.reg("u32", "rows")
         k.ld_param(self.rows, k.param("rows", "u32"))
-        self.groups_per_cta = k.reg("u32", "groups_per_cta")
-        k.ld_param(self.groups_per_cta, k.param("groups_per_cta", "u32"))
         if cfg.normalize:
             self.weight = k.param("weight", "u64")
             self.eps = k.param("eps", "f32")
@@ -236,45 +218,36 @@ class _Params:
             self.y = k.param("y", "u64")
 
 
-class _Producer:
-    """Thread 0's side of the ring: arm a stage and copy a row group's rows into it."""
-
-    def __init__(self, k, cfg, p, ring):
-        self.k, self.cfg, self.ring = k, cfg, ring
-        self.x, self.stride = k.reg("u64", "x_ptr"), k.reg("u32", "x_stride_bytes")
-        k.ld_param(self.x, p.x)
-        k.ld_param(self.stride, p.x_row_stride)
-        k.shl(self.stride, self.stride, 1)
-        self.rows = p.rows
-
-    def issue_if_before_end(self, group, stage, end) -> None:
-        k, cfg = self.k, self.cfg
-        before_end = k.pred("before_end")
-        k.setp("lt", before_end, group, end)
-        with k.if_(before_end, "issued"):
-            first_row, rows_here = k.reg("u32", "copy_row"), k.reg("u32", "copy_rows")
+def _issue_copies(k, cfg, p, stages, first, total) -> None:
+    """Arm stage s with its group's byte count and copy the group's rows into it, for every
+    group of this CTA that exists."""
+    x, stride = k.reg("u64", "x_ptr"), k.reg("u32", "x_stride_bytes")
+    k.ld_param(x, p.x)
+    k.ld_param(stride, p.x_row_stride)
+    k.shl(stride, stride, 1)
+    group, first_row, rows_here = (k.reg("u32", n) for n in ("copy_group", "copy_row", "copy_rows"))
+    nbytes, src = k.reg("u32", "copy_bytes"), k.reg("u64", "copy_src")
+    for s in range(cfg.groups):
+        k.add(group, first, s)
+        exists = k.pred("copy_group_exists")
+        k.setp("lt", exists, group, total)
+        with k.if_(exists, "copy_done"):
             k.mul(first_row, group, cfg.rows_per_cta, mode="lo")
-            k.sub(rows_here, self.rows, first_row)
+            k.sub(rows_here, p.rows, first_row)
             k.min(rows_here, rows_here, cfg.rows_per_cta)
-            bar, dst = k.reg("u32", "copy_bar"), k.reg("u32", "copy_dst")
-            self.ring.barrier_address(bar, stage)
-            self.ring.stage_address(dst, stage)
-            nbytes = k.reg("u32", "copy_bytes")
             k.mul(nbytes, rows_here, cfg.row_bytes, mode="lo")
-            # The stage was last read by ordinary loads; order them before the async writes.
-            k.fence_proxy_async()
-            k.mbarrier_arrive_expect_tx(addr(bar), nbytes)
-            src = k.reg("u64", "copy_src")
-            k.mov(src, self.x)
-            k.mad(src, first_row, self.stride, src, mode="wide")
-            k.cp_async_bulk_load(addr(dst), addr(src), cfg.row_bytes, addr(bar))
+            bar = addr(stages.base, stages.barrier_offset(s))
+            k.mbarrier_arrive_expect_tx(bar, nbytes)
+            k.mad(src, first_row, stride, x, mode="wide")
+            dst = stages.stage_offset(s)
+            k.cp_async_bulk_load(addr(stages.base, dst), addr(src), cfg.row_bytes, bar)
             for r in range(1, cfg.rows_per_cta):  # the group's other rows, where they exist
-                k.mad(src, self.stride, 1, src, mode="wide")
+                k.mad(src, stride, 1, src, mode="wide")
                 in_range = k.pred("copy_row_ok")
                 k.setp("gt", in_range, rows_here, r)
                 with k.guard(in_range):
-                    k.cp_async_bulk_load(addr(dst, r * cfg.row_bytes), addr(src), cfg.row_bytes,
-                                         addr(bar))
+                    k.cp_async_bulk_load(addr(stages.base, dst + r * cfg.row_bytes), addr(src),
+                                         cfg.row_bytes, bar)
 
 
 def _thread_coordinates(k: KernelBuilder, cfg: RowKernelConfig) -> SimpleNamespace:
@@ -336,28 +309,29 @@ def _load_weight(k, cfg, p, t):
     return weight
 
 
-def _load_row(k, cfg, t, ring, stage, row_ok, valid):
-    with k.stage("read the row group's vectors from the stage"):
+def _load_row(k, cfg, t, base, stage, row_ok, valid):
+    with k.stage("read the row group's vectors from its stage"):
         src = k.reg("u32", "stage_ptr")
-        ring.stage_address(src, stage)
-        k.mad(src, t.row_in_cta, cfg.row_bytes, src, mode="lo")
+        k.mad(src, t.row_in_cta, cfg.row_bytes, base, mode="lo")
         k.mad(src, t.col, VECTOR * 2, src, mode="lo")
+        offset = stage * cfg.stage_bytes
         x = []
         for j in range(cfg.vectors_per_thread):
             v = k.regs("b32", 4, f"x{j}_")
+            at = addr(src, offset + j * cfg.threads_per_row * VECTOR * 2)
             if valid[j] is not row_ok:
                 for r in v:
                     k.mov(r, 0)  # out-of-row slots must not disturb the row's reductions
                 with k.guard(valid[j]):
-                    k.ld(v, addr(src, j * cfg.threads_per_row * VECTOR * 2), space="shared")
+                    k.ld(v, at, space="shared")
             else:
                 # Rows past M read stale shared memory; only their own row's lanes see it.
-                k.ld(v, addr(src, j * cfg.threads_per_row * VECTOR * 2), space="shared")
+                k.ld(v, at, space="shared")
             x.append(v)
     return x
 
 
-def _normalize(k, cfg, p, t, x, weight):
+def _normalize(k, cfg, p, t, x, weight, partials):
     """y = x * rsqrt(mean(x^2) + eps) * w in f32, returned as packed bf16x2 (like x)."""
     with k.stage("RMSNorm: sum of squares, row reduction, scale by rstd and weight"):
         lo, hi, tmp = k.reg("f32", "lo"), k.reg("f32", "hi"), k.reg("f32", "tmp")
@@ -370,7 +344,7 @@ def _normalize(k, cfg, p, t, x, weight):
                 k.fma(sumsq, hi, hi, sumsq)
         reduce.butterfly_sum(k, [sumsq], min(cfg.threads_per_row, 32), [tmp])
         if cfg.warps_per_row > 1:
-            _reduce_across_warps(k, cfg, t, sumsq, tmp)
+            _reduce_across_warps(k, cfg, t, partials, sumsq, tmp)
         rstd, eps = k.reg("f32", "rstd"), k.reg("f32", "eps")
         k.ld_param(eps, p.eps)
         k.mul(rstd, sumsq, 1.0 / cfg.hidden)
@@ -392,9 +366,8 @@ def _normalize(k, cfg, p, t, x, weight):
     return y
 
 
-def _reduce_across_warps(k, cfg, t, value, tmp):
+def _reduce_across_warps(k, cfg, t, partials, value, tmp):
     """Sum a row's per-warp partials through shared memory (two barriers: write->read, read->reuse)."""
-    partials = k.shared("row_partials", cfg.static_shared_bytes, align=16)
     slot, base = k.reg("u32", "slot"), k.reg("u32", "partials")
     k.mov(base, partials)
     k.mad(slot, t.row_in_cta, cfg.warps_per_row, t.warp_in_row, mode="lo")

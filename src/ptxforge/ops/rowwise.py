@@ -21,22 +21,20 @@ SCALE_LAYOUTS = ("mn_major", "row_major")
 
 @functools.lru_cache(maxsize=None)
 def _kernel(device_index: int, hidden: int, normalize: bool, quantize: bool):
-    """(rows per CTA, launcher, resident CTAs on the device) for one device and variant."""
-    arch = device_arch(device_index)
-    cfg = row_kernel.choose_config(arch, hidden, normalize=normalize, quantize=quantize)
+    """(rows per CTA, row groups per CTA, launcher) for one device and variant."""
+    cfg = row_kernel.choose_config(device_arch(device_index), hidden, normalize=normalize,
+                                   quantize=quantize)
     compiled = jit.build(row_kernel.generate(cfg))
     launcher = compiled.load(device_index).launcher(cfg.threads, cfg.dynamic_shared_bytes)
-    return cfg.rows_per_cta, launcher, arch.sm_count * cfg.ctas_per_sm
+    return cfg.rows_per_cta, cfg.groups, launcher
 
 
 def _launch(x: torch.Tensor, device: int, row_stride: int, normalize: bool, quantize: bool,
             tail_args: tuple) -> None:
     rows, hidden = x.shape
-    rows_per_cta, launcher, resident = _kernel(device, hidden, normalize, quantize)
-    groups = -(-rows // rows_per_cta)
-    per_cta = -(-groups // resident)  # one wave of resident CTAs, each streaming its groups
-    launcher((-(-groups // per_cta), 1, 1), current_stream(device),
-             (x.data_ptr(), row_stride, rows, per_cta) + tail_args)
+    rows_per_cta, groups, launcher = _kernel(device, hidden, normalize, quantize)
+    launcher((-(-rows // (rows_per_cta * groups)), 1, 1), current_stream(device),
+             (x.data_ptr(), row_stride, rows) + tail_args)
 
 
 def _as_rows(name: str, x: torch.Tensor):

@@ -1,68 +1,54 @@
-"""A ring of shared-memory stages filled by the copy engine and guarded by mbarriers.
+"""Shared-memory stages filled by the copy engine, each guarded by an mbarrier.
 
-    ring = StageRing(k, smem_base, stage_bytes, stages)
-    ring.init(thread0)                  # barriers + fences + a CTA barrier
-    ring.expect_and_copy(stage, ...)    # producer: arm the stage, issue the copies
-    ring.wait(stage, phase)             # consumer: until the stage's bytes landed
+    stages = StageRing(k, smem_base, stage_bytes, count)
+    stages.init(thread0)                           # barriers, fences, a CTA barrier
+    k.mbarrier_arrive_expect_tx(bar, nbytes)       # producer: arm, then copy
+    stages.wait(bar, phase)                        # consumer: until the bytes landed
 
-Each stage has one mbarrier (arrival count 1: the producer's arrive.expect_tx). Phases
-alternate 0, 1, 0, ... each time the ring wraps; the consumer tracks (stage, phase) in
-registers with ``advance``.
+Layout: the stages back to back from the base, then one 8-byte mbarrier per stage.
+Each barrier expects one arrival (the producer's arrive.expect_tx) per phase.
 """
 
 from __future__ import annotations
 
-from ..ptx import KernelBuilder, Reg, addr
+from ..ptx import Address, KernelBuilder, Reg, addr
 
 BARRIER_BYTES = 8
 
 
 class StageRing:
-    def __init__(self, k: KernelBuilder, base: Reg, stage_bytes: int, stages: int):
-        """``base``: a u32 shared address; the stages, then the barriers, start there."""
-        self.k, self.base, self.stage_bytes, self.stages = k, base, stage_bytes, stages
-        self.barriers_offset = stages * stage_bytes
+    def __init__(self, k: KernelBuilder, base: Reg, stage_bytes: int, count: int):
+        """``base``: a u32 shared-memory address where the stages begin."""
+        self.k, self.base, self.stage_bytes, self.count = k, base, stage_bytes, count
 
     @staticmethod
-    def shared_bytes(stage_bytes: int, stages: int) -> int:
-        """Shared memory the ring occupies (the stages, then one barrier per stage)."""
-        return stages * stage_bytes + stages * BARRIER_BYTES
+    def shared_bytes(stage_bytes: int, count: int) -> int:
+        """Shared memory the stages and their barriers occupy."""
+        return count * stage_bytes + count * BARRIER_BYTES
 
-    def stage_address(self, dst: Reg, stage: Reg) -> None:
-        """One instruction: dst = base + stage * stage_bytes."""
-        self.k.mad(dst, stage, self.stage_bytes, self.base, mode="lo")
+    def stage_offset(self, stage: int) -> int:
+        return stage * self.stage_bytes
 
-    def barrier_address(self, dst: Reg, stage: Reg) -> None:
-        """Two instructions: dst = the stage's mbarrier."""
-        self.k.mad(dst, stage, BARRIER_BYTES, self.base, mode="lo")
-        self.k.add(dst, dst, self.barriers_offset)
+    def barrier_offset(self, stage: int) -> int:
+        return self.count * self.stage_bytes + stage * BARRIER_BYTES
 
     def init(self, thread0: Reg) -> None:
-        """Thread 0 initialises every barrier; the fences make the barriers visible to the
-        copy engine; a CTA barrier makes them visible to every thread. (stages + 4 instructions)"""
+        """Thread 0 initialises every barrier; the fences make them visible to the copy
+        engine, a CTA barrier to every thread (count + 3 instructions)."""
         k = self.k
         with k.guard(thread0):
-            for s in range(self.stages):
-                k.mbarrier_init(addr(self.base, self.barriers_offset + s * BARRIER_BYTES), 1)
+            for s in range(self.count):
+                k.mbarrier_init(addr(self.base, self.barrier_offset(s)), 1)
             k.fence_mbarrier_init()
         k.fence_proxy_async()
         k.bar_sync(0)
 
-    def wait(self, bar: Reg, phase: Reg) -> None:
-        """Spin until the phase ``phase`` of barrier ``bar`` completed (3 instructions)."""
+    def wait(self, bar: Address, phase) -> None:
+        """Spin until phase ``phase`` of the barrier at ``bar`` completed (2 instructions
+        and a label)."""
         k = self.k
         done, again = k.pred("stage_ready"), k.label("wait_stage")
         k.place(again)
-        k.mbarrier_try_wait_parity(done, addr(bar), phase)
+        k.mbarrier_try_wait_parity(done, bar, phase)
         with k.guard(~done):
             k.bra(again, uniform=True)
-
-    def advance(self, stage: Reg, phase: Reg) -> None:
-        """stage += 1, wrapping to 0 and flipping ``phase`` (4 instructions)."""
-        k = self.k
-        wrapped = k.pred("ring_wrapped")
-        k.add(stage, stage, 1)
-        k.setp("eq", wrapped, stage, self.stages)
-        k.selp(stage, 0, stage, wrapped)
-        with k.guard(wrapped):
-            k.xor(phase, phase, 1)

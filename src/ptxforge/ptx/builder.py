@@ -162,12 +162,18 @@ class KernelBuilder(ArithmeticOps, MemoryOps, SyncOps, WarpOps, TensorOps):
 
     def shared(self, name: str, nbytes: int, align: int = 16) -> SharedBuffer:
         """A static shared-memory array; use its name as an address operand."""
+        self._check_shared_name(name)
         buf = SharedBuffer(name, nbytes, align)
         self.shared_buffers.append(buf)
         return buf
 
+    def _check_shared_name(self, name: str) -> None:
+        if any(b.name == name for b in self.shared_buffers):
+            raise ValueError(f"kernel {self.name} already declares shared memory {name!r}")
+
     def dynamic_shared(self, name: str = "smem", align: int = 1024) -> SharedBuffer:
         """The kernel's dynamic shared memory (size chosen at launch)."""
+        self._check_shared_name(name)
         buf = SharedBuffer(name, None, align)
         self.shared_buffers.append(buf)
         return buf
