@@ -69,8 +69,8 @@ def test_ptx_prints_the_kernel(capsys):
 
 
 def test_ptx_for_another_arch(capsys):
-    assert cli.main(["--arch", "sm_80", "ptx", "rms_norm", "hidden=1024"]) == 0
-    assert ".target sm_80\n" in capsys.readouterr().out
+    assert cli.main(["--arch", "sm_89", "ptx", "quantize_fp8_per_block"]) == 0
+    assert ".target sm_89\n" in capsys.readouterr().out
 
 
 def test_asm_prints_resources_without_spills(capsys):
@@ -83,9 +83,15 @@ def test_asm_prints_resources_without_spills(capsys):
 
 
 def test_asm_for_sm89(capsys):
-    assert cli.main(["--arch", "sm_89", "asm", "quantize_fp8_per_token"]) == 0
+    assert cli.main(["--arch", "sm_89", "asm", "quantize_fp8_per_block"]) == 0
     (row,) = resource_rows(capsys.readouterr().out)
     assert row["target"] == "sm_89" and row["spill B"] == "0"
+
+
+def test_hopper_only_kernel_on_ada_is_refused(capsys):
+    assert cli.main(["--arch", "sm_89", "ptx", "rms_norm"]) == 2
+    err = capsys.readouterr().err
+    assert "mbarrier_tx" in err and "sm_89" in err
 
 
 def test_fp8_kernel_on_ampere_is_refused(capsys):

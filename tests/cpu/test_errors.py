@@ -197,5 +197,7 @@ def test_fp8_block_kernel_needs_fp8():
     assert "sm_80" in str(info.value)
 
 
-def test_rms_norm_alone_runs_on_ampere():
-    assert row_kernel.choose_config(AMPERE, 4096, normalize=True, quantize=False).target == "sm_80"
+def test_row_kernels_need_the_copy_engine_pipeline():
+    with pytest.raises(ValueError, match="copy-engine pipeline needs mbarrier_tx") as info:
+        row_kernel.choose_config(AMPERE, 4096, normalize=True, quantize=False)
+    assert "sm_80" in str(info.value)

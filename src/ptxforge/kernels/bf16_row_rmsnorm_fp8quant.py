@@ -40,7 +40,7 @@ the input row stride, eps, and the scale strides (so one kernel writes either th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
 from ..arch import Arch
@@ -141,15 +141,13 @@ def choose_config(arch: Arch, hidden: int, *, normalize: bool, quantize: bool,
         raise ValueError(f"hidden size must be at most {limit}, got {hidden}")
     rows_per_cta = max(1, MIN_CTA_THREADS // threads_per_row)
     threads = threads_per_row * rows_per_cta
-    ring_bytes = StageRing.shared_bytes(rows_per_cta * hidden * 2, groups)
-    per_cta_shared = ring_bytes + arch.shared_memory_reserved_per_block + 1024  # + partials
-    ctas = min(MAX_CTAS_PER_SM, arch.max_threads_per_sm // threads,
-               arch.registers_per_sm // (REGISTER_CAP[normalize] * threads),
-               arch.shared_memory_per_sm // per_cta_shared)
+    cfg = RowKernelConfig(hidden, normalize, quantize, threads_per_row, rows_per_cta, groups, 1,
+                          arch.target)
+    shared = cfg.dynamic_shared_bytes + cfg.static_shared_bytes
+    ctas = min(MAX_CTAS_PER_SM, arch.resident_ctas(threads, REGISTER_CAP[normalize], shared))
     if ctas < 1:
         raise ValueError(f"hidden size {hidden}: {groups} row groups do not fit in shared memory")
-    return RowKernelConfig(hidden, normalize, quantize, threads_per_row, rows_per_cta, groups,
-                           ctas, arch.target)
+    return replace(cfg, ctas_per_sm=ctas)
 
 
 def generate(cfg: RowKernelConfig) -> KernelBuilder:
