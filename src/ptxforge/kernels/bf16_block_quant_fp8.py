@@ -4,11 +4,12 @@ DeepGEMM's ``per_block_cast_to_fp8`` recipe: amax over the block (clamped to 1e-
 ``q = e4m3(x * (448 / amax))``, ``scale = amax / 448``; blocks at the edges take their
 amax over the elements that exist.
 
-One CTA of 256 threads per block. Thread ``t`` owns the 16-byte column vector ``t % 16``
-of rows ``t / 16 + 16 j`` (j < 8): a half-warp reads 256 contiguous bytes of one row,
-and all eight loads are in flight before the first use. The block amax is a warp
-butterfly, then a max over the 8 warps through shared memory. The values are unpacked
-again for the scaling pass rather than kept as f32, which halves the registers.
+One CTA of 256 threads per block. Threads 0-127 each copy one row of the block into
+shared memory with the copy engine (a bulk copy of up to 256 bytes, all completing on one
+mbarrier), so the whole 32 KiB block is in flight without holding registers. Thread ``t``
+then owns the 16-byte column vector ``t % 16`` of rows ``t / 16 + 16 j`` (j < 8), read
+from shared memory twice: for the amax (packed bf16x2 maxima, a warp butterfly, then a
+max over the 8 warps through shared memory) and for the scaling pass.
 
 Everything is run-time (N, K, the input row stride), so one kernel serves every shape.
 Outputs: q e4m3 [N, K] contiguous, scales f32 [ceil(N/128), ceil(K/128)] with a run-time
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 
 from ..arch import Arch
 from ..patterns import fp8, reduce
+from ..patterns.pipeline import StageRing
 from ..ptx import KernelBuilder, addr, sreg
 
 BLOCK = 128
@@ -33,16 +35,21 @@ PASSES = BLOCK // ROWS_PER_PASS                # 8
 @dataclass(frozen=True)
 class BlockQuantConfig:
     target: str
+    threads: int = THREADS
 
     @property
     def name(self) -> str:
         return "bf16_quant_fp8_per_block_128x128"
 
-    threads = THREADS
+    @property
+    def dynamic_shared_bytes(self) -> int:
+        """The block and its mbarrier: what the launch asks for."""
+        return StageRing.shared_bytes(BLOCK * BLOCK * 2, 1)
 
 
 def choose_config(arch: Arch) -> BlockQuantConfig:
     arch.require("fp8", "FP8 quantization")
+    arch.require("mbarrier_tx", "per-block quantization's bulk copies")
     return BlockQuantConfig(arch.target)
 
 
@@ -76,30 +83,64 @@ def generate(cfg: BlockQuantConfig) -> KernelBuilder:
             k.setp("lt", ok[j], row_j, rows)
             k.and_pred(ok[j], ok[j], col_ok)
 
-    with k.stage("load the thread's 8 vectors (zero where outside the matrix)"):
-        x_ptr, stride = k.reg("u64", "x_ptr"), k.reg("u32", "x_stride_bytes")
-        k.ld_param(x_ptr, x_param)
-        k.ld_param(stride, x_stride_param)
-        k.shl(stride, stride, 1)
-        k.mad(x_ptr, row, stride, x_ptr, mode="wide")
-        k.mad(x_ptr, col, 2, x_ptr, mode="wide")
-        step = k.reg("u64", "x_pass_step")
-        k.mul(step, stride, ROWS_PER_PASS, mode="wide")
-        x = []
-        for j in range(PASSES):
+    with k.stage("copy the block into shared memory: one bulk copy per row (threads 0-127)"):
+        smem = k.dynamic_shared("block", align=128)
+        base = k.reg("u32", "smem")
+        k.mov(base, smem)
+        stage = StageRing(k, base, BLOCK * BLOCK * 2, 1)
+        thread0 = k.pred("thread0")
+        k.setp("eq", thread0, tid, 0)
+        stage.init(thread0)
+        bar = addr(base, stage.barrier_offset(0))
+        rows_here, row_bytes = k.reg("u32", "rows_here"), k.reg("u32", "row_bytes")
+        first_row, first_col = k.reg("u32", "first_row"), k.reg("u32", "first_col")
+        k.mul(first_row, block_row, BLOCK, mode="lo")
+        k.mul(first_col, block_col, BLOCK, mode="lo")
+        k.sub(rows_here, rows, first_row)
+        k.min(rows_here, rows_here, BLOCK)
+        k.sub(row_bytes, cols, first_col)
+        k.min(row_bytes, row_bytes, BLOCK)
+        k.shl(row_bytes, row_bytes, 1)
+        nbytes = k.reg("u32", "block_bytes")
+        k.mul(nbytes, rows_here, row_bytes, mode="lo")
+        with k.guard(thread0):
+            k.mbarrier_arrive_expect_tx(bar, nbytes)
+        copies_row = k.pred("copies_a_row")
+        k.setp("lt", copies_row, tid, rows_here)
+        with k.if_(copies_row, "row_copied"):
+            x_ptr, stride = k.reg("u64", "x_ptr"), k.reg("u32", "x_stride_bytes")
+            k.ld_param(x_ptr, x_param)
+            k.ld_param(stride, x_stride_param)
+            k.shl(stride, stride, 1)
+            src_row = k.reg("u32", "src_row")
+            k.add(src_row, first_row, tid)
+            k.mad(x_ptr, src_row, stride, x_ptr, mode="wide")
+            k.mad(x_ptr, first_col, 2, x_ptr, mode="wide")
+            dst = k.reg("u32", "dst")
+            k.mad(dst, tid, BLOCK * 2, base, mode="lo")
+            k.cp_async_bulk_load(addr(dst), addr(x_ptr), row_bytes, bar)
+        stage.wait(bar, 0)
+        # This thread's vectors in the block: rows row_in_block + 16 j, column vector col % 16.
+        src = k.reg("u32", "vectors")
+        k.shr(src, tid, 4)
+        k.mad(src, src, BLOCK * 2, base, mode="lo")
+        vector = k.reg("u32", "vector_offset")
+        k.and_(vector, tid, BLOCK // VECTOR - 1)
+        k.mad(src, vector, VECTOR * 2, src, mode="lo")
+
+        def read_vectors(j):
+            """The thread's vector j from shared memory (zero outside the matrix)."""
             v = k.regs("b32", 4, f"x{j}_")
             for r in v:
                 k.mov(r, 0)
             with k.guard(ok[j]):
-                k.ld(v, addr(x_ptr), nc=True, eviction="L1::no_allocate")
-            if j + 1 < PASSES:
-                k.add(x_ptr, x_ptr, step)
-            x.append(v)
+                k.ld(v, addr(src, j * ROWS_PER_PASS * BLOCK * 2), space="shared")
+            return v
 
     with k.stage("block amax: thread, warp butterfly, then the 8 warps through shared memory"):
         amax, tmp = k.reg("f32", "amax"), k.reg("f32", "shuffled")
-        fp8.packed_amax(k, amax, [word for v in x for word in v], k.reg("b32", "packed_max"),
-                        k.regs("f32", 2, "half"))
+        words = [word for j in range(PASSES) for word in read_vectors(j)]
+        fp8.packed_amax(k, amax, words, k.reg("b32", "packed_max"), k.regs("f32", 2, "half"))
         reduce.butterfly_max(k, [amax], 32, [tmp])
         warp_max = k.shared("warp_amax", 4 * (THREADS // 32), align=16)
         lane, slot = k.reg("u32", "lane"), k.reg("u32", "slot")
@@ -143,8 +184,8 @@ def generate(cfg: BlockQuantConfig) -> KernelBuilder:
         vals = k.regs("f32", VECTOR, "v")
         packed = k.regs("b32", 2, "q")
         scratch = k.regs("b16", 2, "e4m3x2_")
-        for j, v in enumerate(x):
-            for i, word in enumerate(v):
+        for j in range(PASSES):  # read again rather than keep 32 registers live
+            for i, word in enumerate(read_vectors(j)):
                 fp8.unpack_bf16x2(k, vals[2 * i], vals[2 * i + 1], word)
             for val in vals:
                 k.mul(val, val, inv, rnd="rn")

@@ -15,7 +15,8 @@ from .layout import ceil_div
 @functools.lru_cache(maxsize=None)
 def _launcher(device_index: int):
     cfg = block_kernel.choose_config(device_arch(device_index))
-    return jit.build(block_kernel.generate(cfg)).load(device_index).launcher(cfg.threads)
+    return jit.build(block_kernel.generate(cfg)).load(device_index).launcher(
+        cfg.threads, cfg.dynamic_shared_bytes)
 
 
 def quantize_fp8_per_block(w: torch.Tensor, *, out=None):
