@@ -68,9 +68,10 @@ def test_ptx_prints_the_kernel(capsys):
     assert out.rstrip().endswith("}")
 
 
-def test_ptx_for_another_arch(capsys):
-    assert cli.main(["--arch", "sm_89", "ptx", "quantize_fp8_per_block"]) == 0
-    assert ".target sm_89\n" in capsys.readouterr().out
+def test_ptx_for_a_named_device(capsys):
+    assert cli.main(["--arch", "sm_90a:H100", "ptx", "rms_norm", "hidden=1024"]) == 0
+    out = capsys.readouterr().out
+    assert ".target sm_90a\n" in out and ".entry bf16_rmsnorm_k1024" in out
 
 
 def test_asm_prints_resources_without_spills(capsys):
@@ -82,10 +83,10 @@ def test_asm_prints_resources_without_spills(capsys):
     assert row["spill B"] == "0" and row["stack B"] == "0"
 
 
-def test_asm_for_sm89(capsys):
-    assert cli.main(["--arch", "sm_89", "asm", "quantize_fp8_per_block"]) == 0
-    (row,) = resource_rows(capsys.readouterr().out)
-    assert row["target"] == "sm_89" and row["spill B"] == "0"
+def test_block_quantization_on_ada_is_refused(capsys):
+    assert cli.main(["--arch", "sm_89", "asm", "quantize_fp8_per_block"]) == 2
+    err = capsys.readouterr().err
+    assert "bulk copies needs mbarrier_tx" in err and "sm_89" in err
 
 
 def test_hopper_only_kernel_on_ada_is_refused(capsys):
