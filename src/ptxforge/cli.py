@@ -170,7 +170,7 @@ def _plot_memory(result: dict, path: str) -> None:
     ax.axvline(result["copy_gbs"], color="k", linestyle="--", label="copy ceiling")
     ax.set_xlabel("GB/s (bytes read + written)")
     ax.set_title(f"{result['gpu']}: memory-bound kernels")
-    ax.legend(loc="lower right")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

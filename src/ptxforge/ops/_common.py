@@ -12,7 +12,6 @@ import functools
 import torch
 
 from .. import arch as _arch
-from .. import jit
 
 try:
     _raw_stream = torch._C._cuda_getCurrentRawStream  # the handle, without a Stream object
@@ -38,21 +37,22 @@ def check_tensor(name: str, t, dtype: torch.dtype, ndim: int | tuple) -> None:
         raise ValueError(f"{name} must be on a CUDA device, got {t.device}")
 
 
-def check_rows(name: str, t) -> int:
+def check_rows(name: str, t) -> tuple[int, int]:
     """Rows of 16-byte aligned, unit-stride elements (what 16-byte vector accesses need).
-    Returns the row stride in elements (0 for a 1-D tensor)."""
+    Returns (row stride in elements, 0 for a 1-D tensor; data pointer)."""
     strides = t.stride()
+    ptr = t.data_ptr()
     if strides[-1] != 1:
         raise ValueError(f"{name} must have unit stride in its last dimension, got strides "
                          f"{tuple(strides)}")
-    if t.data_ptr() % 16:
-        raise ValueError(f"{name} must start at a 16-byte aligned address, got {t.data_ptr():#x}")
+    if ptr % 16:
+        raise ValueError(f"{name} must start at a 16-byte aligned address, got {ptr:#x}")
     if len(strides) == 1:
-        return 0
+        return 0, ptr
     if (strides[-2] * t.itemsize) % 16:
         raise ValueError(f"{name}'s row stride must be a multiple of 16 bytes, got "
                          f"{strides[-2]} elements of {t.itemsize} bytes")
-    return strides[-2]
+    return strides[-2], ptr
 
 
 def check_device(name: str, t, device_index: int) -> None:
@@ -60,36 +60,38 @@ def check_device(name: str, t, device_index: int) -> None:
         raise ValueError(f"{name} is on {t.device} but the input is on cuda:{device_index}")
 
 
-def check_output(name: str, out, dtype: torch.dtype, shape, device_index: int, *inputs) -> None:
-    """A caller-provided output: right dtype, shape and device, and overlapping none of
-    ``inputs`` (the kernels read inputs through the read-only cache, which must not see
-    writes)."""
+def row_span(ptr: int, rows: int, row_stride: int, cols: int, itemsize: int) -> tuple[int, int]:
+    """(first byte, byte count) of a [rows, cols] matrix with a row stride, from known
+    numbers: no tensor calls on the launch path."""
+    return ptr, (((rows - 1) * row_stride + cols) * itemsize if rows and cols else 0)
+
+
+def check_output(name: str, out, dtype: torch.dtype, shape, device_index: int,
+                 *inputs: tuple[int, int], strides: tuple | None = None) -> int:
+    """A caller-provided output: right dtype, shape and device, contiguous (or with the
+    given element ``strides``), and overlapping none of the ``inputs`` spans (the kernels
+    read inputs through the read-only cache, which must not see writes). Returns its
+    data pointer."""
     check_tensor(name, out, dtype, len(shape))
     if out.shape != shape:
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(out.shape)}")
     check_device(name, out, device_index)
-    start = out.data_ptr()
-    end = start + span_bytes(out)
-    for t in inputs:
-        other = t.data_ptr()
-        if start < other + span_bytes(t) and other < end:
+    if strides is None:
+        if not out.is_contiguous():
+            raise ValueError(f"{name} must be contiguous, got strides {tuple(out.stride())}")
+        strides = (shape[1], 1) if len(shape) == 2 else None
+    ptr = out.data_ptr()
+    if len(shape) == 2:
+        start, nbytes = row_span(ptr, shape[0], strides[0], 1 + (shape[1] - 1) * strides[1],
+                                 out.itemsize)
+    else:
+        start, nbytes = ptr, out.numel() * out.itemsize
+    for other, other_bytes in inputs:
+        if start < other + other_bytes and other < start + nbytes:
             raise ValueError(f"{name} overlaps an input; outputs must not alias inputs")
-
-
-def span_bytes(t) -> int:
-    """Bytes from a tensor's first element to just past its last."""
-    if t.is_contiguous():
-        return t.numel() * t.itemsize
-    if t.numel() == 0:
-        return 0
-    return (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.itemsize
+    return ptr
 
 
 @functools.lru_cache(maxsize=None)
 def device_arch(device_index: int) -> _arch.Arch:
     return _arch.for_device(device_index)
-
-
-def load(kernel_builder, device_index: int):
-    """Compile (or fetch) a kernel and load it on a device: the module to launch."""
-    return jit.build(kernel_builder).load(device_index)

@@ -8,7 +8,8 @@ import torch
 
 from .. import jit
 from ..kernels import bf16_block_quant_fp8 as block_kernel
-from ._common import check_output, check_rows, check_tensor, current_stream, device_arch
+from ._common import (check_output, check_rows, check_tensor, current_stream, device_arch,
+                      row_span)
 from .layout import ceil_div
 
 
@@ -28,7 +29,7 @@ def quantize_fp8_per_block(w: torch.Tensor, *, out=None):
     (q contiguous, scales with unit column stride).
     """
     check_tensor("w", w, torch.bfloat16, 2)
-    row_stride = check_rows("w", w)
+    row_stride, w_ptr = check_rows("w", w)
     n, k = w.shape
     if k % block_kernel.VECTOR:
         raise ValueError(f"w.shape[1] must be a multiple of {block_kernel.VECTOR}, got {k}")
@@ -38,14 +39,19 @@ def quantize_fp8_per_block(w: torch.Tensor, *, out=None):
     if out is None:
         q = torch.empty((n, k), dtype=torch.float8_e4m3fn, device=w.device)
         scales = torch.empty(scale_shape, dtype=torch.float32, device=w.device)
+        q_ptr, s_ptr, s_row_stride = q.data_ptr(), scales.data_ptr(), scale_shape[1]
     else:
         q, scales = out
-        check_output("out[0]", q, torch.float8_e4m3fn, w.shape, device, w)
-        check_output("out[1]", scales, torch.float32, torch.Size(scale_shape), device, w, q)
-        if not q.is_contiguous() or scales.stride(1) != 1:
-            raise ValueError("out[0] must be contiguous and out[1] must have unit column stride")
+        w_span = row_span(w_ptr, n, row_stride, k, 2)
+        q_ptr = check_output("out[0]", q, torch.float8_e4m3fn, w.shape, device, w_span)
+        check_tensor("out[1]", scales, torch.float32, 2)
+        s_strides = scales.stride()
+        if s_strides[1] != 1:
+            raise ValueError(f"out[1] must have unit column stride, got strides {tuple(s_strides)}")
+        s_ptr = check_output("out[1]", scales, torch.float32, torch.Size(scale_shape), device,
+                             w_span, (q_ptr, n * k), strides=s_strides)
+        s_row_stride = s_strides[0]
     if n and k:
         _launcher(device)((scale_shape[1], scale_shape[0], 1), current_stream(device),
-                          (w.data_ptr(), row_stride, n, k, q.data_ptr(), scales.data_ptr(),
-                           scales.stride(0)))
+                          (w_ptr, row_stride, n, k, q_ptr, s_ptr, s_row_stride))
     return q, scales

@@ -13,7 +13,7 @@ import torch
 from .. import jit
 from ..kernels import bf16_row_rmsnorm_fp8quant as row_kernel
 from ._common import (check_device, check_output, check_rows, check_tensor, current_stream,
-                      device_arch)
+                      device_arch, row_span)
 from .layout import empty_mn_major_scales
 
 SCALE_LAYOUTS = ("mn_major", "row_major")
@@ -29,32 +29,34 @@ def _kernel(device_index: int, hidden: int, normalize: bool, quantize: bool):
     return cfg.rows_per_cta, cfg.groups, launcher
 
 
-def _launch(x: torch.Tensor, device: int, row_stride: int, normalize: bool, quantize: bool,
-            tail_args: tuple) -> None:
-    rows, hidden = x.shape
+def _launch(rows: int, hidden: int, device: int, args: tuple, normalize: bool,
+            quantize: bool) -> None:
     rows_per_cta, groups, launcher = _kernel(device, hidden, normalize, quantize)
-    launcher((-(-rows // (rows_per_cta * groups)), 1, 1), current_stream(device),
-             (x.data_ptr(), row_stride, rows) + tail_args)
+    launcher((-(-rows // (rows_per_cta * groups)), 1, 1), current_stream(device), args)
 
 
 def _as_rows(name: str, x: torch.Tensor):
-    """[..., K] -> ([M, K] view, row stride): rows may be strided (2-D), elements may not."""
+    """x [..., K] as rows: (M, K, row stride, data pointer). 2-D inputs may have strided
+    rows; inputs of other ranks must be contiguous."""
     check_tensor(name, x, torch.bfloat16, (1, 2, 3, 4, 5, 6, 7, 8))
-    if x.dim() != 2:
+    shape = x.shape
+    if len(shape) != 2:
         if not x.is_contiguous():
-            raise ValueError(f"{name} with {x.dim()} dimensions must be contiguous "
+            raise ValueError(f"{name} with {len(shape)} dimensions must be contiguous "
                              f"(2-D inputs may have strided rows)")
-        x = x.view(-1, x.shape[-1])
-    return x, check_rows(name, x)
+        x = x.view(-1, shape[-1])
+        shape = x.shape
+    row_stride, ptr = check_rows(name, x)
+    return shape[0], shape[1], row_stride, ptr
 
 
-def _check_weight(weight: torch.Tensor, hidden: int, device: int) -> None:
+def _check_weight(weight: torch.Tensor, hidden: int, device: int) -> int:
     check_tensor("weight", weight, torch.bfloat16, 1)
     if weight.shape[0] != hidden:
         raise ValueError(f"weight must have shape ({hidden},) to match x's last dimension, "
                          f"got {tuple(weight.shape)}")
-    check_rows("weight", weight)
     check_device("weight", weight, device)
+    return check_rows("weight", weight)[1]
 
 
 def _scales(rows: int, groups: int, layout: str, device) -> torch.Tensor:
@@ -73,18 +75,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
     ``out``: a contiguous bf16 tensor of x's shape to write instead of allocating one (an
     allocation costs several microseconds of host time; see docs/performance.md).
     """
-    rows, row_stride = _as_rows("x", x)
+    m, k, row_stride, x_ptr = _as_rows("x", x)
     device = x.get_device()
-    _check_weight(weight, rows.shape[1], device)
+    w_ptr = _check_weight(weight, k, device)
     if out is None:
         out = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
+        out_ptr = out.data_ptr()
     else:
-        check_output("out", out, torch.bfloat16, x.shape, device, x, weight)
-        if not out.is_contiguous():
-            raise ValueError(f"out must be contiguous, got strides {tuple(out.stride())}")
-    if rows.shape[0]:
-        _launch(rows, device, row_stride, True, False,
-                (weight.data_ptr(), float(eps), out.data_ptr()))
+        out_ptr = check_output("out", out, torch.bfloat16, x.shape, device,
+                               row_span(x_ptr, m, row_stride, k, 2), (w_ptr, 2 * k))
+    if m:
+        _launch(m, k, device, (x_ptr, row_stride, m, w_ptr, float(eps), out_ptr), True, False)
     return out
 
 
@@ -99,8 +100,7 @@ def quantize_fp8_per_token(x: torch.Tensor, scale_layout: str = "mn_major", *, o
     decide the layout).
     """
     check_tensor("x", x, torch.bfloat16, 2)
-    row_stride = check_rows("x", x)
-    return _quantize(x, row_stride, False, (), scale_layout, out, ())
+    return _quantize(x, x.get_device(), False, (), (), scale_layout, out)
 
 
 def rms_norm_quantize_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
@@ -108,28 +108,32 @@ def rms_norm_quantize_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e
     """``quantize_fp8_per_token(rms_norm(x, weight, eps))`` in one pass over x, without
     writing the bf16 intermediate: the same bits as the two calls."""
     check_tensor("x", x, torch.bfloat16, 2)
-    row_stride = check_rows("x", x)
-    _check_weight(weight, x.shape[1], x.get_device())
-    return _quantize(x, row_stride, True, (weight.data_ptr(), float(eps)), scale_layout, out,
-                     (weight,))
-
-
-def _quantize(x, row_stride: int, normalize: bool, weight_args: tuple, scale_layout: str, out,
-              other_inputs: tuple):
-    m, k = x.shape
     device = x.get_device()
+    hidden = x.shape[1]
+    w_ptr = _check_weight(weight, hidden, device)
+    return _quantize(x, device, True, (w_ptr, float(eps)), ((w_ptr, 2 * hidden),), scale_layout,
+                     out)
+
+
+def _quantize(x, device: int, normalize: bool, weight_args: tuple, weight_spans: tuple,
+              scale_layout: str, out):
+    row_stride, x_ptr = check_rows("x", x)
+    m, k = x.shape
     groups = -(-k // row_kernel.GROUP)
     if out is None:
         scales = _scales(m, groups, scale_layout, x.device)
         q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+        q_ptr, s_ptr, s_strides = q.data_ptr(), scales.data_ptr(), scales.stride()
     else:
         q, scales = out
-        check_output("out[0]", q, torch.float8_e4m3fn, x.shape, device, x, *other_inputs)
-        if not q.is_contiguous():
-            raise ValueError(f"out[0] must be contiguous, got strides {tuple(q.stride())}")
-        check_output("out[1]", scales, torch.float32, torch.Size((m, groups)), device, x, q,
-                     *other_inputs)
+        x_span = row_span(x_ptr, m, row_stride, k, 2)
+        q_ptr = check_output("out[0]", q, torch.float8_e4m3fn, x.shape, device, x_span,
+                             *weight_spans)
+        check_tensor("out[1]", scales, torch.float32, 2)
+        s_strides = scales.stride()
+        s_ptr = check_output("out[1]", scales, torch.float32, torch.Size((m, groups)), device,
+                             x_span, (q_ptr, m * k), *weight_spans, strides=s_strides)
     if m:
-        _launch(x, device, row_stride, normalize, True,
-                weight_args + (q.data_ptr(), scales.data_ptr(), scales.stride(0), scales.stride(1)))
+        _launch(m, k, device, (x_ptr, row_stride, m) + weight_args
+                + (q_ptr, s_ptr, s_strides[0], s_strides[1]), normalize, True)
     return q, scales
