@@ -29,8 +29,7 @@ device = x.device
 steps = {
     "x.data_ptr()": lambda: x.data_ptr(),
     "current_stream(0)": lambda: _common.current_stream(0),
-    "check_tensor + check_rows(x)": lambda: (_common.check_tensor("x", x, torch.bfloat16, 2),
-                                             _common.check_rows("x", x)),
+    "inspect(x) (the checks of one tensor)": lambda: _common.inspect("x", x, torch.bfloat16, 2),
     "torch.empty((4,1024), device=x.device)": lambda: torch.empty((4, 1024), dtype=torch.bfloat16, device=x.device),
     "torch.empty((4,1024), device=device)": lambda: torch.empty((4, 1024), dtype=torch.bfloat16, device=device),
     "x.new_empty((4,1024))": lambda: x.new_empty((4, 1024)),

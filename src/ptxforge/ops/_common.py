@@ -24,40 +24,52 @@ def current_stream(device_index: int) -> int:
     return _raw_stream(device_index)
 
 
-def check_tensor(name: str, t, dtype: torch.dtype, ndim: int | tuple) -> None:
+def inspect(name: str, t, dtype: torch.dtype, ndim, *, align: int = 16,
+            device: int | None = None, rows: bool = True) -> tuple:
+    """Check a tensor argument and return what the launch needs from it:
+    ``(shape, strides, data pointer, device index)``.
+
+    Checked: a torch.Tensor of ``dtype`` with ``ndim`` dimensions (an int or a tuple of
+    allowed counts) on a CUDA device (``device``, when given), its start address a
+    multiple of ``align`` bytes and, with ``rows``, unit stride in the last dimension and
+    a row stride that keeps every row ``align``-aligned. Each attribute is read once:
+    this runs on every call."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype is not dtype:
         raise TypeError(f"{name} must have dtype {dtype}, got {t.dtype}")
-    dims = t.dim()
-    if dims != ndim and (isinstance(ndim, int) or dims not in ndim):
+    shape = t.shape
+    if len(shape) != ndim and (isinstance(ndim, int) or len(shape) not in ndim):
         want = ndim if isinstance(ndim, int) else " or ".join(str(n) for n in ndim)
-        raise ValueError(f"{name} must have {want} dimensions, got shape {tuple(t.shape)}")
-    if not t.is_cuda:
+        raise ValueError(f"{name} must have {want} dimensions, got shape {tuple(shape)}")
+    index = t.get_device()
+    if index < 0:
         raise ValueError(f"{name} must be on a CUDA device, got {t.device}")
-
-
-def check_rows(name: str, t) -> tuple[int, int]:
-    """Rows of 16-byte aligned, unit-stride elements (what 16-byte vector accesses need).
-    Returns (row stride in elements, 0 for a 1-D tensor; data pointer)."""
-    strides = t.stride()
-    ptr = t.data_ptr()
+    if device is not None and index != device:
+        raise ValueError(f"{name} is on cuda:{index} but the input is on cuda:{device}")
+    strides, ptr = t.stride(), t.data_ptr()
+    if ptr % align:
+        raise ValueError(f"{name} must start at a {align}-byte aligned address, got {ptr:#x}")
+    if not rows:
+        return shape, strides, ptr, index
     if strides[-1] != 1:
         raise ValueError(f"{name} must have unit stride in its last dimension, got strides "
                          f"{tuple(strides)}")
-    if ptr % 16:
-        raise ValueError(f"{name} must start at a 16-byte aligned address, got {ptr:#x}")
-    if len(strides) == 1:
-        return 0, ptr
-    if (strides[-2] * t.itemsize) % 16:
-        raise ValueError(f"{name}'s row stride must be a multiple of 16 bytes, got "
+    if len(shape) > 1 and (strides[-2] * t.itemsize) % align:
+        raise ValueError(f"{name}'s row stride must be a multiple of {align} bytes, got "
                          f"{strides[-2]} elements of {t.itemsize} bytes")
-    return strides[-2], ptr
+    return shape, strides, ptr, index
 
 
-def check_device(name: str, t, device_index: int) -> None:
-    if t.get_device() != device_index:
-        raise ValueError(f"{name} is on {t.device} but the input is on cuda:{device_index}")
+def require_shape(name: str, shape, expected) -> None:
+    if shape != expected:
+        raise ValueError(f"{name} must have shape {tuple(expected)}, got {tuple(shape)}")
+
+
+def require_contiguous_rows(name: str, shape, strides) -> None:
+    """A matrix whose rows follow each other (what the kernels' output stores assume)."""
+    if len(shape) == 2 and strides[0] != shape[1] and shape[0] > 1:
+        raise ValueError(f"{name} must be contiguous, got strides {tuple(strides)}")
 
 
 def row_span(ptr: int, rows: int, row_stride: int, cols: int, itemsize: int) -> tuple[int, int]:
@@ -66,30 +78,13 @@ def row_span(ptr: int, rows: int, row_stride: int, cols: int, itemsize: int) -> 
     return ptr, (((rows - 1) * row_stride + cols) * itemsize if rows and cols else 0)
 
 
-def check_output(name: str, out, dtype: torch.dtype, shape, device_index: int,
-                 *inputs: tuple[int, int], strides: tuple | None = None) -> int:
-    """A caller-provided output: right dtype, shape and device, contiguous (or with the
-    given element ``strides``), and overlapping none of the ``inputs`` spans (the kernels
-    read inputs through the read-only cache, which must not see writes). Returns its
-    data pointer."""
-    check_tensor(name, out, dtype, len(shape))
-    if out.shape != shape:
-        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(out.shape)}")
-    check_device(name, out, device_index)
-    if strides is None:
-        if not out.is_contiguous():
-            raise ValueError(f"{name} must be contiguous, got strides {tuple(out.stride())}")
-        strides = (shape[1], 1) if len(shape) == 2 else None
-    ptr = out.data_ptr()
-    if len(shape) == 2:
-        start, nbytes = row_span(ptr, shape[0], strides[0], 1 + (shape[1] - 1) * strides[1],
-                                 out.itemsize)
-    else:
-        start, nbytes = ptr, out.numel() * out.itemsize
+def require_disjoint(name: str, span: tuple[int, int], *inputs: tuple[int, int]) -> None:
+    """An output must not overlap an input: the kernels read inputs through the read-only
+    cache, which must not see writes."""
+    start, nbytes = span
     for other, other_bytes in inputs:
         if start < other + other_bytes and other < start + nbytes:
             raise ValueError(f"{name} overlaps an input; outputs must not alias inputs")
-    return ptr
 
 
 @functools.lru_cache(maxsize=None)

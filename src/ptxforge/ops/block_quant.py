@@ -8,8 +8,8 @@ import torch
 
 from .. import jit
 from ..kernels import bf16_block_quant_fp8 as block_kernel
-from ._common import (check_output, check_rows, check_tensor, current_stream, device_arch,
-                      row_span)
+from ._common import (current_stream, device_arch, inspect, require_contiguous_rows,
+                      require_disjoint, require_shape, row_span)
 from .layout import ceil_div
 
 
@@ -28,28 +28,32 @@ def quantize_fp8_per_block(w: torch.Tensor, *, out=None):
     ``w ~= q * scales`` per block. ``out=(q, scales)`` writes into given tensors instead
     (q contiguous, scales with unit column stride).
     """
-    check_tensor("w", w, torch.bfloat16, 2)
-    row_stride, w_ptr = check_rows("w", w)
-    n, k = w.shape
+    shape, strides, w_ptr, device = inspect("w", w, torch.bfloat16, 2)
+    n, k = shape
+    row_stride = strides[0]
     if k % block_kernel.VECTOR:
         raise ValueError(f"w.shape[1] must be a multiple of {block_kernel.VECTOR}, got {k}")
     block = block_kernel.BLOCK
     scale_shape = (ceil_div(n, block), ceil_div(k, block))
-    device = w.get_device()
     if out is None:
         q = torch.empty((n, k), dtype=torch.float8_e4m3fn, device=w.device)
         scales = torch.empty(scale_shape, dtype=torch.float32, device=w.device)
         q_ptr, s_ptr, s_row_stride = q.data_ptr(), scales.data_ptr(), scale_shape[1]
     else:
         q, scales = out
-        w_span = row_span(w_ptr, n, row_stride, k, 2)
-        q_ptr = check_output("out[0]", q, torch.float8_e4m3fn, w.shape, device, w_span)
-        check_tensor("out[1]", scales, torch.float32, 2)
-        s_strides = scales.stride()
+        q_shape, q_strides, q_ptr, _ = inspect("out[0]", q, torch.float8_e4m3fn, 2, align=8,
+                                               device=device)
+        require_shape("out[0]", q_shape, shape)
+        require_contiguous_rows("out[0]", q_shape, q_strides)
+        s_shape, s_strides, s_ptr, _ = inspect("out[1]", scales, torch.float32, 2, align=4,
+                                               device=device, rows=False)
+        require_shape("out[1]", s_shape, scale_shape)
         if s_strides[1] != 1:
             raise ValueError(f"out[1] must have unit column stride, got strides {tuple(s_strides)}")
-        s_ptr = check_output("out[1]", scales, torch.float32, torch.Size(scale_shape), device,
-                             w_span, (q_ptr, n * k), strides=s_strides)
+        w_span = row_span(w_ptr, n, row_stride, k, 2)
+        require_disjoint("out[0]", (q_ptr, n * k), w_span)
+        require_disjoint("out[1]", row_span(s_ptr, scale_shape[0], s_strides[0], scale_shape[1], 4),
+                         w_span, (q_ptr, n * k))
         s_row_stride = s_strides[0]
     if n and k:
         _launcher(device)((scale_shape[1], scale_shape[0], 1), current_stream(device),

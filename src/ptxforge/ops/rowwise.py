@@ -12,11 +12,12 @@ import torch
 
 from .. import jit
 from ..kernels import bf16_row_rmsnorm_fp8quant as row_kernel
-from ._common import (check_device, check_output, check_rows, check_tensor, current_stream,
-                      device_arch, row_span)
+from ._common import (current_stream, device_arch, inspect, require_contiguous_rows,
+                      require_disjoint, require_shape, row_span)
 from .layout import empty_mn_major_scales
 
 SCALE_LAYOUTS = ("mn_major", "row_major")
+ROW_RANKS = (1, 2, 3, 4, 5, 6, 7, 8)
 
 
 @functools.lru_cache(maxsize=None)
@@ -36,27 +37,24 @@ def _launch(rows: int, hidden: int, device: int, args: tuple, normalize: bool,
 
 
 def _as_rows(name: str, x: torch.Tensor):
-    """x [..., K] as rows: (M, K, row stride, data pointer). 2-D inputs may have strided
-    rows; inputs of other ranks must be contiguous."""
-    check_tensor(name, x, torch.bfloat16, (1, 2, 3, 4, 5, 6, 7, 8))
-    shape = x.shape
+    """x [..., K] as rows: (M, K, row stride, data pointer, device). 2-D inputs may have
+    strided rows; inputs of other ranks must be contiguous."""
+    shape, strides, ptr, device = inspect(name, x, torch.bfloat16, ROW_RANKS)
     if len(shape) != 2:
         if not x.is_contiguous():
             raise ValueError(f"{name} with {len(shape)} dimensions must be contiguous "
                              f"(2-D inputs may have strided rows)")
-        x = x.view(-1, shape[-1])
-        shape = x.shape
-    row_stride, ptr = check_rows(name, x)
-    return shape[0], shape[1], row_stride, ptr
+        rows = x.numel() // shape[-1] if shape[-1] else 0
+        return rows, shape[-1], shape[-1], ptr, device
+    return shape[0], shape[1], strides[0], ptr, device
 
 
 def _check_weight(weight: torch.Tensor, hidden: int, device: int) -> int:
-    check_tensor("weight", weight, torch.bfloat16, 1)
-    if weight.shape[0] != hidden:
+    shape, _, ptr, _ = inspect("weight", weight, torch.bfloat16, 1, device=device)
+    if shape[0] != hidden:
         raise ValueError(f"weight must have shape ({hidden},) to match x's last dimension, "
-                         f"got {tuple(weight.shape)}")
-    check_device("weight", weight, device)
-    return check_rows("weight", weight)[1]
+                         f"got {tuple(shape)}")
+    return ptr
 
 
 def _scales(rows: int, groups: int, layout: str, device) -> torch.Tensor:
@@ -75,15 +73,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
     ``out``: a contiguous bf16 tensor of x's shape to write instead of allocating one (an
     allocation costs several microseconds of host time; see docs/performance.md).
     """
-    m, k, row_stride, x_ptr = _as_rows("x", x)
-    device = x.get_device()
+    m, k, row_stride, x_ptr, device = _as_rows("x", x)
     w_ptr = _check_weight(weight, k, device)
     if out is None:
         out = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
         out_ptr = out.data_ptr()
     else:
-        out_ptr = check_output("out", out, torch.bfloat16, x.shape, device,
-                               row_span(x_ptr, m, row_stride, k, 2), (w_ptr, 2 * k))
+        shape, strides, out_ptr, _ = inspect("out", out, torch.bfloat16, x.dim(), device=device)
+        require_shape("out", shape, x.shape)
+        if len(shape) == 2:
+            require_contiguous_rows("out", shape, strides)
+        elif not out.is_contiguous():
+            raise ValueError(f"out must be contiguous, got strides {tuple(strides)}")
+        require_disjoint("out", (out_ptr, 2 * m * k), row_span(x_ptr, m, row_stride, k, 2),
+                         (w_ptr, 2 * k))
     if m:
         _launch(m, k, device, (x_ptr, row_stride, m, w_ptr, float(eps), out_ptr), True, False)
     return out
@@ -99,26 +102,23 @@ def quantize_fp8_per_token(x: torch.Tensor, scale_layout: str = "mn_major", *, o
     writes into given tensors instead (q contiguous; scales of any strides, which then
     decide the layout).
     """
-    check_tensor("x", x, torch.bfloat16, 2)
-    return _quantize(x, x.get_device(), False, (), (), scale_layout, out)
+    shape, strides, x_ptr, device = inspect("x", x, torch.bfloat16, 2)
+    return _quantize(x, shape, strides[0], x_ptr, device, False, (), (), scale_layout, out)
 
 
 def rms_norm_quantize_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
                           scale_layout: str = "mn_major", *, out=None):
     """``quantize_fp8_per_token(rms_norm(x, weight, eps))`` in one pass over x, without
     writing the bf16 intermediate: the same bits as the two calls."""
-    check_tensor("x", x, torch.bfloat16, 2)
-    device = x.get_device()
-    hidden = x.shape[1]
-    w_ptr = _check_weight(weight, hidden, device)
-    return _quantize(x, device, True, (w_ptr, float(eps)), ((w_ptr, 2 * hidden),), scale_layout,
-                     out)
+    shape, strides, x_ptr, device = inspect("x", x, torch.bfloat16, 2)
+    w_ptr = _check_weight(weight, shape[1], device)
+    return _quantize(x, shape, strides[0], x_ptr, device, True, (w_ptr, float(eps)),
+                     ((w_ptr, 2 * shape[1]),), scale_layout, out)
 
 
-def _quantize(x, device: int, normalize: bool, weight_args: tuple, weight_spans: tuple,
-              scale_layout: str, out):
-    row_stride, x_ptr = check_rows("x", x)
-    m, k = x.shape
+def _quantize(x, shape, row_stride: int, x_ptr: int, device: int, normalize: bool,
+              weight_args: tuple, weight_spans: tuple, scale_layout: str, out):
+    m, k = shape
     groups = -(-k // row_kernel.GROUP)
     if out is None:
         scales = _scales(m, groups, scale_layout, x.device)
@@ -126,13 +126,17 @@ def _quantize(x, device: int, normalize: bool, weight_args: tuple, weight_spans:
         q_ptr, s_ptr, s_strides = q.data_ptr(), scales.data_ptr(), scales.stride()
     else:
         q, scales = out
+        q_shape, q_strides, q_ptr, _ = inspect("out[0]", q, torch.float8_e4m3fn, 2, align=8,
+                                               device=device)
+        require_shape("out[0]", q_shape, shape)
+        require_contiguous_rows("out[0]", q_shape, q_strides)
+        s_shape, s_strides, s_ptr, _ = inspect("out[1]", scales, torch.float32, 2, align=4,
+                                               device=device, rows=False)
+        require_shape("out[1]", s_shape, (m, groups))
         x_span = row_span(x_ptr, m, row_stride, k, 2)
-        q_ptr = check_output("out[0]", q, torch.float8_e4m3fn, x.shape, device, x_span,
-                             *weight_spans)
-        check_tensor("out[1]", scales, torch.float32, 2)
-        s_strides = scales.stride()
-        s_ptr = check_output("out[1]", scales, torch.float32, torch.Size((m, groups)), device,
-                             x_span, (q_ptr, m * k), *weight_spans, strides=s_strides)
+        require_disjoint("out[0]", (q_ptr, m * k), x_span, *weight_spans)
+        s_bytes = 4 * (1 + (m - 1) * s_strides[0] + (groups - 1) * s_strides[1]) if m else 0
+        require_disjoint("out[1]", (s_ptr, s_bytes), x_span, (q_ptr, m * k), *weight_spans)
     if m:
         _launch(m, k, device, (x_ptr, row_stride, m) + weight_args
                 + (q_ptr, s_ptr, s_strides[0], s_strides[1]), normalize, True)
