@@ -1,0 +1,341 @@
+"""FP8 GEMM with DeepGEMM's fine-grained scaling on Hopper: D[M, N] (bf16) = A[M, K] . B[N, K]^T.
+
+A is e4m3 with one f32 scale per row per 128 columns of K (1x128, "1d"); B is e4m3 with one
+f32 scale per 128x128 block ("2d"). Each 128-wide K block is multiplied on the tensor
+cores into its own f32 registers and then folded into the accumulators with
+``sa[row] * sb[block]`` on the CUDA cores ("promotion"): the fp8 products never
+accumulate across scale blocks inside the tensor core.
+
+Warp roles (384 threads, one tile of BLOCK_M x BLOCK_N per CTA):
+
+    warpgroup 0  producer   thread 0 streams A, B and sa tiles with TMA into the stage ring
+                            (registers lowered to 40 with setmaxnreg)
+    warpgroups 1-2  math    64 rows each: 4 x wgmma m64nNk32 per K block, wait, promote
+                            (registers raised to 232)
+
+Pipeline, per K block kb (stage = kb % stages, phase flips each wrap):
+
+    producer:  wait empty[stage] -> expect_tx(full[stage]) -> TMA A, B, sa -> full[stage]
+    math:      wait full[stage] -> wgmma x4 -> wait -> read sa, arrive empty[stage] -> promote
+
+Shared memory (each A/B stage 1024-byte aligned for the 128-byte swizzle):
+
+    | A stages: S x BLOCK_M x 128 B | B stages: S x BLOCK_N x 128 B | sa stages: S x BLOCK_M x 4 B |
+    | full barriers: S x 8 B | empty barriers: S x 8 B |
+
+Scales: sa comes by TMA from the MN-major TMA-aligned [M, ceil(K/128)] tensor the
+quantizer writes; sb (a few KB) is read by the math threads from global memory.
+
+Compile-time: N, K, BLOCK_N, stages. Run-time: M (one kernel serves every M). Epilogue:
+bf16 pairs stored straight from the accumulators, bounds-checked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..arch import Arch
+from ..patterns.pipeline import BARRIER_BYTES
+from ..ptx import KernelBuilder, addr, sreg, vec
+
+BLOCK_M = 128
+BLOCK_K = 128            # one scale group of A and B per K block
+MATH_WARPGROUPS = 2
+THREADS = 128 * (1 + MATH_WARPGROUPS)
+PRODUCER_REGISTERS = 40
+MATH_REGISTERS = 232
+SWIZZLE_ATOM = 1024      # 8 rows x 128 bytes: the 128-byte swizzle repeats every 1024 bytes
+
+
+@dataclass(frozen=True)
+class Fp8GemmConfig:
+    n: int
+    k: int
+    block_n: int
+    stages: int
+    target: str
+
+    @property
+    def name(self) -> str:
+        return f"sm90_fp8_gemm_1d2d_n{self.n}_k{self.k}_bn{self.block_n}_s{self.stages}"
+
+    @property
+    def k_blocks(self) -> int:
+        return -(-self.k // BLOCK_K)
+
+    @property
+    def a_stage_bytes(self) -> int:
+        return BLOCK_M * BLOCK_K
+
+    @property
+    def b_stage_bytes(self) -> int:
+        return self.block_n * BLOCK_K
+
+    @property
+    def sa_stage_bytes(self) -> int:
+        return BLOCK_M * 4
+
+    @property
+    def b_offset(self) -> int:
+        return self.stages * self.a_stage_bytes
+
+    @property
+    def sa_offset(self) -> int:
+        return self.b_offset + self.stages * self.b_stage_bytes
+
+    @property
+    def full_offset(self) -> int:
+        return self.sa_offset + self.stages * self.sa_stage_bytes
+
+    @property
+    def empty_offset(self) -> int:
+        return self.full_offset + self.stages * BARRIER_BYTES
+
+    @property
+    def dynamic_shared_bytes(self) -> int:
+        # + SWIZZLE_ATOM: the kernel rounds the dynamic base up to a swizzle atom.
+        return self.empty_offset + self.stages * BARRIER_BYTES + SWIZZLE_ATOM
+
+    @property
+    def tx_bytes(self) -> int:
+        """Bytes the TMA copies of one stage deliver (full boxes, even at the edges)."""
+        return self.a_stage_bytes + self.b_stage_bytes + self.sa_stage_bytes
+
+
+def choose_config(arch: Arch, n: int, k: int) -> Fp8GemmConfig:
+    """BLOCK_N 128 (one B scale block per tile); as many stages as shared memory holds."""
+    arch.require("wgmma", "the FP8 GEMM")
+    arch.require("tma", "the FP8 GEMM")
+    if n <= 0 or n % 8 or k <= 0 or k % 16:
+        raise ValueError(f"the FP8 GEMM needs N a positive multiple of 8 and K of 16 "
+                         f"(16-byte rows), got N={n}, K={k}")
+    block_n = 128
+    per_stage = BLOCK_M * BLOCK_K + block_n * BLOCK_K + BLOCK_M * 4 + 2 * BARRIER_BYTES
+    stages = (arch.max_shared_memory_per_block - SWIZZLE_ATOM) // per_stage
+    stages = max(2, min(stages, 8))
+    return Fp8GemmConfig(n, k, block_n, stages, arch.target)
+
+
+def generate(cfg: Fp8GemmConfig) -> KernelBuilder:
+    k = KernelBuilder(cfg.name, target=cfg.target, max_threads=THREADS, min_blocks_per_sm=1)
+    p = _params(k)
+    smem = k.dynamic_shared("smem", align=SWIZZLE_ATOM)
+    base = k.reg("u32", "smem")
+    with k.stage("shared memory base (rounded up to a swizzle atom) and barriers"):
+        k.mov(base, smem)
+        k.add(base, base, SWIZZLE_ATOM - 1)
+        k.and_(base, base, -SWIZZLE_ATOM & 0xFFFFFFFF)
+        tid = k.reg("u32", "t")
+        k.mov(tid, sreg.tid.x)
+        thread0 = k.pred("thread0")
+        k.setp("eq", thread0, tid, 0)
+        with k.guard(thread0):
+            for s in range(cfg.stages):
+                k.mbarrier_init(addr(base, cfg.full_offset + s * BARRIER_BYTES), 1)
+                k.mbarrier_init(addr(base, cfg.empty_offset + s * BARRIER_BYTES), 128 * MATH_WARPGROUPS)
+            k.fence_mbarrier_init()
+        k.fence_proxy_async()
+        k.bar_sync(0)
+        m_block, n_block = k.reg("u32", "m_block"), k.reg("u32", "n_block")
+        k.mov(n_block, sreg.ctaid.x)
+        k.mov(m_block, sreg.ctaid.y)
+        warpgroup = k.reg("u32", "warpgroup")
+        k.shr(warpgroup, tid, 7)
+        is_producer = k.pred("is_producer")
+        k.setp("eq", is_producer, warpgroup, 0)
+
+    with k.if_(is_producer, "producer_done", uniform=True):
+        _producer(k, cfg, p, base, tid, m_block, n_block)
+        k.exit()
+    _math(k, cfg, p, base, tid, warpgroup, m_block, n_block)
+    return k
+
+
+def _params(k):
+    p = type("Params", (), {})()
+    p.tmap_a, p.tmap_b, p.tmap_sa = (k.tensormap_param(n) for n in ("tmap_a", "tmap_b", "tmap_sa"))
+    p.sb, p.d = k.param("sb", "u64"), k.param("d", "u64")
+    p.m = k.param("m", "u32")
+    p.sb_row_stride = k.param("sb_row_stride", "u32")
+    return p
+
+
+def _advance(k, stage, phase, stages):
+    """stage += 1, wrapping to 0 and flipping the phase bit."""
+    wrapped = k.pred("wrapped")
+    k.add(stage, stage, 1)
+    k.setp("eq", wrapped, stage, stages)
+    k.selp(stage, 0, stage, wrapped)
+    with k.guard(wrapped):
+        k.xor(phase, phase, 1)
+
+
+def _wait(k, bar, parity, hint):
+    done, again = k.pred(hint + "_ok"), k.label(hint)
+    k.place(again)
+    k.mbarrier_try_wait_parity(done, bar, parity)
+    with k.guard(~done):
+        k.bra(again)
+
+
+def _producer(k, cfg, p, base, tid, m_block, n_block):
+    with k.stage("producer: thread 0 streams A, B and sa into the stage ring"):
+        k.setmaxnreg(PRODUCER_REGISTERS, increase=False)
+        leader = k.pred("producer_leader")
+        k.setp("eq", leader, tid, 0)
+        with k.if_(leader, "producer_leader_done"):
+            maps = []
+            for name, param in (("tmap_a_ptr", p.tmap_a), ("tmap_b_ptr", p.tmap_b),
+                                ("tmap_sa_ptr", p.tmap_sa)):
+                r = k.reg("u64", name)
+                k.mov(r, param)
+                k.cvta(r, r, space="param")
+                k.prefetch_tensormap(addr(r))
+                maps.append(r)
+            tmap_a, tmap_b, tmap_sa = maps
+            m0, n0 = k.reg("s32", "m0"), k.reg("s32", "n0")
+            k.mul(m0, m_block, BLOCK_M, mode="lo", type="s32")
+            k.mul(n0, n_block, cfg.block_n, mode="lo", type="s32")
+            stage, phase = k.reg("u32", "p_stage"), k.reg("u32", "p_phase")
+            k.mov(stage, 0)
+            k.mov(phase, 0)
+            empty_parity, kx = k.reg("u32", "empty_parity"), k.reg("s32", "k0")
+            bar_full, bar_empty = k.reg("u32", "bar_full"), k.reg("u32", "bar_empty")
+            dst_a, dst_b, dst_sa = (k.reg("u32", n) for n in ("dst_a", "dst_b", "dst_sa"))
+            with k.loop(k.reg("u32", "p_kb"), cfg.k_blocks) as kb:
+                k.mad(bar_empty, stage, BARRIER_BYTES, base, mode="lo")
+                k.add(bar_empty, bar_empty, cfg.empty_offset)
+                k.xor(empty_parity, phase, 1)  # a fresh barrier passes a wait on parity 1
+                _wait(k, addr(bar_empty), empty_parity, "wait_empty")
+                k.mad(bar_full, stage, BARRIER_BYTES, base, mode="lo")
+                k.add(bar_full, bar_full, cfg.full_offset)
+                k.mbarrier_arrive_expect_tx(addr(bar_full), cfg.tx_bytes)
+                k.mad(dst_a, stage, cfg.a_stage_bytes, base, mode="lo")
+                k.mad(dst_b, stage, cfg.b_stage_bytes, base, mode="lo")
+                k.add(dst_b, dst_b, cfg.b_offset)
+                k.mad(dst_sa, stage, cfg.sa_stage_bytes, base, mode="lo")
+                k.add(dst_sa, dst_sa, cfg.sa_offset)
+                k.mul(kx, kb, BLOCK_K, mode="lo", type="s32")
+                k.cp_async_bulk_tensor_load(addr(dst_a), tmap_a, [kx, m0], addr(bar_full))
+                k.cp_async_bulk_tensor_load(addr(dst_b), tmap_b, [kx, n0], addr(bar_full))
+                k.cp_async_bulk_tensor_load(addr(dst_sa), tmap_sa, [m0, kb], addr(bar_full))
+                _advance(k, stage, phase, cfg.stages)
+
+
+# The upper word of every descriptor: stride offset 1024 B (8 rows of 128 B) >> 4, and
+# layout type 1 (128-byte swizzle) in bits 62-63.
+DESCRIPTOR_HI = (SWIZZLE_ATOM >> 4) | (1 << 30)
+
+
+def _descriptor(k, desc, smem_address, lo, hi):
+    """A wgmma shared-memory descriptor for a K-major tile with the 128-byte swizzle:
+    start address >> 4 in bits 0-13, leading offset 16 B (unused by this layout) in
+    bits 16-29; ``hi`` holds DESCRIPTOR_HI."""
+    k.shr(lo, smem_address, 4)
+    k.and_(lo, lo, 0x3FFF)
+    k.or_(lo, lo, 1 << 16)
+    k.mov(desc, vec(lo, hi), type="b64")
+
+
+def _math(k, cfg, p, base, tid, warpgroup, m_block, n_block):
+    n_regs = cfg.block_n // 2
+    with k.stage("math warpgroups: registers, coordinates"):
+        k.setmaxnreg(MATH_REGISTERS, increase=True)
+        wg = k.reg("u32", "math_wg")
+        k.sub(wg, warpgroup, 1)
+        lane, warp = k.reg("u32", "lane"), k.reg("u32", "warp_in_wg")
+        k.and_(lane, tid, 31)
+        k.shr(warp, tid, 5)
+        k.and_(warp, warp, 3)
+        # This thread's two accumulator rows within the tile: r0 and r0 + 8.
+        row_in_tile = k.reg("u32", "row_in_tile")
+        k.shr(row_in_tile, lane, 2)
+        k.mad(row_in_tile, warp, 16, row_in_tile, mode="lo")
+        k.mad(row_in_tile, wg, 64, row_in_tile, mode="lo")
+        acc = k.regs("f32", n_regs, "acc")
+        part = k.regs("f32", n_regs, "part")
+        for r in acc:
+            k.mov(r, 0.0)
+        sb_ptr, sb_index = k.reg("u64", "sb_ptr"), k.reg("u32", "sb_index")
+        k.ld_param(sb_ptr, p.sb)
+        sb_stride = k.reg("u32", "sb_stride")
+        k.ld_param(sb_stride, p.sb_row_stride)
+        k.mul(sb_index, n_block, sb_stride, mode="lo")  # BLOCK_N == 128: one B scale row per tile
+        k.mad(sb_ptr, sb_index, 4, sb_ptr, mode="wide")
+        overwrite, accumulate = k.pred("overwrite"), k.pred("accumulate")
+        k.setp("ne", overwrite, tid, tid)     # false: the first wgmma of a K block overwrites
+        k.setp("eq", accumulate, tid, tid)    # true: the rest accumulate
+        stage, phase = k.reg("u32", "stage"), k.reg("u32", "phase")
+        k.mov(stage, 0)
+        k.mov(phase, 0)
+        bar, a_addr, b_addr, sa_addr = (k.reg("u32", n) for n in ("bar", "a_addr", "b_addr", "sa_addr"))
+        desc_a, desc_b, lo = k.reg("b64", "desc_a"), k.reg("b64", "desc_b"), k.reg("b32", "desc_lo")
+        hi = k.reg("b32", "desc_hi")
+        k.mov(hi, DESCRIPTOR_HI)
+        sa0, sa1, sb, s0, s1 = (k.reg("f32", n) for n in ("sa0", "sa1", "sb", "s0", "s1"))
+
+    with k.stage("K loop: wgmma a K block into `part`, then promote into `acc`"):
+        with k.loop(k.reg("u32", "kb"), cfg.k_blocks) as kb:
+            k.mad(bar, stage, BARRIER_BYTES, base, mode="lo")
+            k.add(bar, bar, cfg.full_offset)
+            _wait(k, addr(bar), phase, "wait_full")
+            k.mad(a_addr, stage, cfg.a_stage_bytes, base, mode="lo")
+            k.mad(a_addr, wg, 64 * BLOCK_K, a_addr, mode="lo")
+            k.mad(b_addr, stage, cfg.b_stage_bytes, base, mode="lo")
+            k.add(b_addr, b_addr, cfg.b_offset)
+            k.wgmma_fence()
+            for step in range(BLOCK_K // 32):
+                _descriptor(k, desc_a, a_addr, lo, hi)
+                _descriptor(k, desc_b, b_addr, lo, hi)
+                k.wgmma_mma_async(part, desc_a, desc_b, n=cfg.block_n, ab_type="e4m3",
+                                  scale_d=overwrite if step == 0 else accumulate)
+                if step + 1 < BLOCK_K // 32:
+                    k.add(a_addr, a_addr, 32)  # the next 32 bytes of K inside the swizzle atom
+                    k.add(b_addr, b_addr, 32)
+            k.wgmma_commit_group()
+            k.wgmma_wait_group(0)
+            k.mad(sa_addr, stage, cfg.sa_stage_bytes, base, mode="lo")
+            k.add(sa_addr, sa_addr, cfg.sa_offset)
+            k.mad(sa_addr, row_in_tile, 4, sa_addr, mode="lo")
+            k.ld(sa0, addr(sa_addr), space="shared")
+            k.ld(sa1, addr(sa_addr, 8 * 4), space="shared")
+            k.add(bar, bar, cfg.empty_offset - cfg.full_offset)
+            k.mbarrier_arrive(addr(bar))  # this thread is done with the stage
+            k.ld(sb, addr(sb_ptr), nc=True)
+            k.add(sb_ptr, sb_ptr, 4)
+            k.mul(s0, sa0, sb)
+            k.mul(s1, sa1, sb)
+            for r in range(n_regs):  # registers 2,3 of each group of 4 are row r0 + 8
+                k.fma(acc[r], part[r], s1 if (r >> 1) & 1 else s0, acc[r])
+            _advance(k, stage, phase, cfg.stages)
+
+    with k.stage("epilogue: bf16 pairs straight from the accumulators, bounds-checked"):
+        m = k.reg("u32", "m")
+        k.ld_param(m, p.m)
+        row0, col = k.reg("u32", "row0"), k.reg("u32", "col")
+        k.mad(row0, m_block, BLOCK_M, row_in_tile, mode="lo")
+        k.and_(col, lane, 3)
+        k.shl(col, col, 1)
+        k.mad(col, n_block, cfg.block_n, col, mode="lo")
+        d = k.reg("u64", "d_ptr")
+        k.ld_param(d, p.d)
+        row_ptrs = k.regs("u64", 2, "d_row")
+        rows_ok = k.regs("pred", 2, "row_ok")
+        row = k.reg("u32", "row")
+        for half in range(2):
+            k.add(row, row0, 8 * half)
+            k.setp("lt", rows_ok[half], row, m)
+            k.mad(row_ptrs[half], row, cfg.n * 2, d, mode="wide")
+            k.mad(row_ptrs[half], col, 2, row_ptrs[half], mode="wide")
+        packed, ok = k.reg("b32", "packed"), k.pred("store_ok")
+        col_ok = k.pred("col_ok")
+        c = k.reg("u32", "c")
+        for group in range(cfg.block_n // 8):
+            k.add(c, col, 8 * group)
+            k.setp("lt", col_ok, c, cfg.n)
+            for half in range(2):
+                r = 4 * group + 2 * half
+                k.cvt(packed, acc[r + 1], acc[r], dtype="bf16x2", rnd="rn")
+                k.and_pred(ok, col_ok, rows_ok[half])
+                with k.guard(ok):
+                    k.st(addr(row_ptrs[half], 16 * group), packed, type="b32")

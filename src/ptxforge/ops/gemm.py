@@ -1,0 +1,65 @@
+"""The FP8 GEMM with fine-grained scaling, on torch tensors (DeepGEMM's ``fp8_gemm_nt``)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .. import jit
+from ..jit.tensormap import encode_tiled
+from ..kernels import sm90_fp8_gemm_1d2d as gemm_kernel
+from ._common import current_stream, device_arch, inspect, require_contiguous_rows, require_shape
+from .layout import ceil_div, get_mn_major_tma_aligned_tensor, is_mn_major_tma_aligned
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(device_index: int, n: int, k: int):
+    cfg = gemm_kernel.choose_config(device_arch(device_index), n, k)
+    compiled = jit.build(gemm_kernel.generate(cfg))
+    launcher = compiled.load(device_index).launcher(gemm_kernel.THREADS, cfg.dynamic_shared_bytes)
+    return cfg, launcher
+
+
+def fp8_gemm_nt(a, b, d: torch.Tensor, c: torch.Tensor | None = None) -> None:
+    """``d = a @ b.T`` with DeepGEMM's fine-grained FP8 scaling, written into ``d``.
+
+    a: ``(A, sa)``, A e4m3 [M, K], sa f32 [M, ceil(K/128)] (one scale per row per 128 of K).
+    b: ``(B, sb)``, B e4m3 [N, K], sb f32 [ceil(N/128), ceil(K/128)] (one per 128x128 block).
+    d: bf16 [M, N], contiguous. N a multiple of 8 and K of 16 (16-byte rows).
+
+    Fast path: sa in the MN-major TMA-aligned layout that ``quantize_fp8_per_token``
+    writes by default. A row-major sa is converted (one copy) on every call.
+    Accumulating into ``c`` is not implemented yet: pass ``c=None``.
+    """
+    if c is not None:
+        raise ValueError("fp8_gemm_nt: accumulating into c is not implemented yet; pass c=None")
+    A, sa = a
+    B, sb = b
+    (m, k), a_strides, a_ptr, device = inspect("a[0]", A, torch.float8_e4m3fn, 2)
+    (n, kb_), b_strides, b_ptr, _ = inspect("b[0]", B, torch.float8_e4m3fn, 2, device=device)
+    if kb_ != k:
+        raise ValueError(f"a[0] and b[0] must share K, got a[0] {tuple(A.shape)} and b[0] "
+                         f"{tuple(B.shape)}")
+    groups = ceil_div(k, 128)
+    sa_shape, _, _, _ = inspect("a[1]", sa, torch.float32, 2, align=4, device=device, rows=False)
+    require_shape("a[1]", sa_shape, (m, groups))
+    if not is_mn_major_tma_aligned(sa):
+        sa = get_mn_major_tma_aligned_tensor(sa)
+    sb_shape, sb_strides, sb_ptr, _ = inspect("b[1]", sb, torch.float32, 2, align=4,
+                                              device=device)
+    require_shape("b[1]", sb_shape, (ceil_div(n, 128), groups))
+    d_shape, d_strides, d_ptr, _ = inspect("d", d, torch.bfloat16, 2, device=device)
+    require_shape("d", d_shape, (m, n))
+    require_contiguous_rows("d", d_shape, d_strides)
+    if m == 0:
+        return
+    cfg, launcher = _kernel(device, n, k)
+    tmap_a = encode_tiled(a_ptr, "float8_e4m3fn", (k, m), (a_strides[0],),
+                          (gemm_kernel.BLOCK_K, gemm_kernel.BLOCK_M), swizzle=128)
+    tmap_b = encode_tiled(b_ptr, "float8_e4m3fn", (k, n), (b_strides[0],),
+                          (gemm_kernel.BLOCK_K, cfg.block_n), swizzle=128)
+    tmap_sa = encode_tiled(sa.data_ptr(), "float32", (m, groups), (4 * sa.stride(1),),
+                           (gemm_kernel.BLOCK_M, 1))
+    launcher((ceil_div(n, cfg.block_n), ceil_div(m, gemm_kernel.BLOCK_M), 1),
+             current_stream(device), (tmap_a, tmap_b, tmap_sa, sb_ptr, d_ptr, m, sb_strides[0]))
