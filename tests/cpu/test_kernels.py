@@ -24,7 +24,7 @@ def test_variant_assembles_without_spills(a, spec, options):
     try:
         config = spec.configure(a, **options)
     except ValueError as exc:  # the only reasons a variant may not exist on a target
-        missing = [f for f in ("fp8", "mbarrier_tx") if f in str(exc)]
+        missing = [f for f in ("fp8", "mbarrier_tx", "wgmma") if f in str(exc)]
         assert missing and not a.has(missing[0]), exc
         return
     compiled = jit.build(spec.generate(config))
@@ -64,3 +64,17 @@ def test_row_kernel_heuristic(normalize, quantize, hidden, threads_per_row, rows
     # What the heuristic promises fits: the CTAs it counts on, with their shared memory.
     shared = cfg.dynamic_shared_bytes + cfg.static_shared_bytes
     assert a.resident_ctas(cfg.threads, row_kernel.REGISTER_CAP[normalize], shared) >= cfg.ctas_per_sm
+
+
+def test_gemm_uses_the_fp8_tensor_cores_and_warp_specialisation():
+    from ptxforge.kernels import sm90_fp8_gemm_1d2d as gemm
+
+    cfg = gemm.choose_config(arch.get("sm_90a"), 7168, 2048)
+    assert (cfg.block_n, cfg.stages, cfg.k_blocks) == (128, 6, 16)
+    assert cfg.dynamic_shared_bytes <= arch.get("sm_90a").max_shared_memory_per_block
+    ptx = gemm.generate(cfg).ptx()
+    assert ptx.count("wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3") == 4
+    assert ptx.count("cp.async.bulk.tensor.2d.shared::cluster.global.tile") == 3
+    assert "setmaxnreg.dec.sync.aligned.u32 40" in ptx and "setmaxnreg.inc.sync.aligned.u32 232" in ptx
+    compiled = jit.build(gemm.generate(cfg))
+    assert compiled.resources.spills == 0 and "C7508" not in compiled.log  # setmaxnreg honoured

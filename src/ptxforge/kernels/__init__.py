@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from . import bf16_block_quant_fp8, bf16_row_rmsnorm_fp8quant
+from . import bf16_block_quant_fp8, bf16_row_rmsnorm_fp8quant, sm90_fp8_gemm_1d2d
 
 # Hidden sizes of DeepSeek-V3 / common LLM layers, for precompiling and the CPU checks.
 HIDDEN_SIZES = (512, 576, 1536, 2048, 2112, 4096, 7168, 8192, 16384)
@@ -35,6 +35,8 @@ def _row(normalize: bool, quantize: bool):
 
 
 _ROW_VARIANTS = tuple({"hidden": h} for h in HIDDEN_SIZES)
+# (N, K) of DeepGEMM's dense benchmark table.
+GEMM_SHAPES = ((2112, 7168), (24576, 1536), (32768, 512), (7168, 16384), (4096, 7168), (7168, 2048))
 
 REGISTRY = {
     spec.name: spec for spec in (
@@ -46,6 +48,10 @@ REGISTRY = {
                    _ROW_VARIANTS, "fused RMSNorm + 1x128 FP8 quantization (option: hidden)"),
         KernelSpec("quantize_fp8_per_block", bf16_block_quant_fp8.choose_config,
                    bf16_block_quant_fp8.generate, ({},), "bf16 -> e4m3 + 128x128 scales"),
+        KernelSpec("fp8_gemm_nt", lambda arch, n=7168, k=2048: sm90_fp8_gemm_1d2d.choose_config(
+                       arch, int(n), int(k)), sm90_fp8_gemm_1d2d.generate,
+                   tuple({"n": n, "k": k} for n, k in GEMM_SHAPES),
+                   "FP8 GEMM, 1x128 x 128x128 scaling (options: n, k)"),
     )
 }
 
