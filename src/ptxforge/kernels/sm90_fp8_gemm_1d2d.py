@@ -6,7 +6,7 @@ cores into its own f32 registers and then folded into the accumulators with
 ``sa[row] * sb[block]`` on the CUDA cores ("promotion"): the fp8 products never
 accumulate across scale blocks inside the tensor core.
 
-Warp roles (384 threads, one tile of BLOCK_M x BLOCK_N per CTA):
+Warp roles (384 threads; a persistent CTA per SM walks the output tiles of BLOCK_M x BLOCK_N):
 
     warpgroup 0  producer   thread 0 streams A, B and sa tiles with TMA into the stage ring
                             (registers lowered to 40 with setmaxnreg)
@@ -26,6 +26,11 @@ Shared memory (each A/B stage 1024-byte aligned for the 128-byte swizzle):
 Scales: sa comes by TMA from the MN-major TMA-aligned [M, ceil(K/128)] tensor the
 quantizer writes; sb (a few KB) is read by the math threads from global memory.
 
+Tiles are visited in groups of RASTER_GROUP block rows (all of a group's tiles in one
+block column before the next column), so the tiles running at once share A rows and B
+columns in L2. The producer runs ahead into the next tile while the math warpgroups
+finish the current one.
+
 Compile-time: N, K, BLOCK_N, stages. Run-time: M (one kernel serves every M). Epilogue:
 bf16 pairs stored straight from the accumulators, bounds-checked.
 """
@@ -33,6 +38,7 @@ bf16 pairs stored straight from the accumulators, bounds-checked.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 from ..arch import Arch
 from ..patterns.pipeline import BARRIER_BYTES
@@ -45,6 +51,7 @@ THREADS = 128 * (1 + MATH_WARPGROUPS)
 PRODUCER_REGISTERS = 40
 MATH_REGISTERS = 232
 SWIZZLE_ATOM = 1024      # 8 rows x 128 bytes: the 128-byte swizzle repeats every 1024 bytes
+RASTER_GROUP = 16        # block rows per raster group: 16 A rows + ~8 B columns stay in L2
 
 
 @dataclass(frozen=True)
@@ -62,6 +69,10 @@ class Fp8GemmConfig:
     @property
     def k_blocks(self) -> int:
         return -(-self.k // BLOCK_K)
+
+    @property
+    def n_tiles(self) -> int:
+        return -(-self.n // self.block_n)
 
     @property
     def a_stage_bytes(self) -> int:
@@ -136,18 +147,15 @@ def generate(cfg: Fp8GemmConfig) -> KernelBuilder:
             k.fence_mbarrier_init()
         k.fence_proxy_async()
         k.bar_sync(0)
-        m_block, n_block = k.reg("u32", "m_block"), k.reg("u32", "n_block")
-        k.mov(n_block, sreg.ctaid.x)
-        k.mov(m_block, sreg.ctaid.y)
         warpgroup = k.reg("u32", "warpgroup")
         k.shr(warpgroup, tid, 7)
         is_producer = k.pred("is_producer")
         k.setp("eq", is_producer, warpgroup, 0)
 
     with k.if_(is_producer, "producer_done", uniform=True):
-        _producer(k, cfg, p, base, tid, m_block, n_block)
+        _producer(k, cfg, p, base, tid)
         k.exit()
-    _math(k, cfg, p, base, tid, warpgroup, m_block, n_block)
+    _math(k, cfg, p, base, tid, warpgroup)
     return k
 
 
@@ -156,8 +164,42 @@ def _params(k):
     p.tmap_a, p.tmap_b, p.tmap_sa = (k.tensormap_param(n) for n in ("tmap_a", "tmap_b", "tmap_sa"))
     p.sb, p.d = k.param("sb", "u64"), k.param("d", "u64")
     p.m = k.param("m", "u32")
+    p.m_tiles = k.param("m_tiles", "u32")
     p.sb_row_stride = k.param("sb_row_stride", "u32")
     return p
+
+
+class _Tiles:
+    """The persistent tile loop: tile = ctaid.x, ctaid.x + nctaid.x, ... < m_tiles * n_tiles,
+    mapped to (m_block, n_block) in raster groups of RASTER_GROUP block rows."""
+
+    def __init__(self, k, cfg, p):
+        self.k, self.cfg = k, cfg
+        self.m_tiles, self.count = k.reg("u32", "m_tiles"), k.reg("u32", "tiles")
+        k.ld_param(self.m_tiles, p.m_tiles)
+        k.mul(self.count, self.m_tiles, cfg.n_tiles, mode="lo")
+        self.first, self.step = k.reg("u32", "first_tile"), k.reg("u32", "tile_step")
+        k.mov(self.first, sreg.ctaid.x)
+        k.mov(self.step, sreg.nctaid.x)
+        self.m_block, self.n_block = k.reg("u32", "m_block"), k.reg("u32", "n_block")
+        self._rows, self._group = k.reg("u32", "group_rows"), k.reg("u32", "group")
+
+    def loop(self):
+        return self.k.loop(self.k.reg("u32", "tile"), self.count, start=self.first, step=self.step,
+                           uniform=True, hint="tile")
+
+    def coordinates(self, tile) -> None:
+        """m_block, n_block of ``tile`` (about 30 instructions, once per tile)."""
+        k, group, rows = self.k, self._group, self._rows
+        tiles_per_group = RASTER_GROUP * self.cfg.n_tiles
+        k.div(group, tile, tiles_per_group, type="u32")
+        k.mul(self.m_block, group, RASTER_GROUP, mode="lo")      # the group's first block row
+        k.sub(rows, self.m_tiles, self.m_block)
+        k.min(rows, rows, RASTER_GROUP)                          # block rows in this group
+        k.mad(group, group, -tiles_per_group & 0xFFFFFFFF, tile, mode="lo")  # tile within group
+        k.rem(self.n_block, group, rows)
+        k.add(self.m_block, self.m_block, self.n_block)
+        k.div(self.n_block, group, rows, type="u32")
 
 
 def _advance(k, stage, phase, stages):
@@ -178,8 +220,8 @@ def _wait(k, bar, parity, hint):
         k.bra(again)
 
 
-def _producer(k, cfg, p, base, tid, m_block, n_block):
-    with k.stage("producer: thread 0 streams A, B and sa into the stage ring"):
+def _producer(k, cfg, p, base, tid):
+    with k.stage("producer: thread 0 streams A, B and sa into the stage ring, tile after tile"):
         k.setmaxnreg(PRODUCER_REGISTERS, increase=False)
         leader = k.pred("producer_leader")
         k.setp("eq", leader, tid, 0)
@@ -193,33 +235,36 @@ def _producer(k, cfg, p, base, tid, m_block, n_block):
                 k.prefetch_tensormap(addr(r))
                 maps.append(r)
             tmap_a, tmap_b, tmap_sa = maps
+            tiles = _Tiles(k, cfg, p)
             m0, n0 = k.reg("s32", "m0"), k.reg("s32", "n0")
-            k.mul(m0, m_block, BLOCK_M, mode="lo", type="s32")
-            k.mul(n0, n_block, cfg.block_n, mode="lo", type="s32")
             stage, phase = k.reg("u32", "p_stage"), k.reg("u32", "p_phase")
             k.mov(stage, 0)
             k.mov(phase, 0)
             empty_parity, kx = k.reg("u32", "empty_parity"), k.reg("s32", "k0")
             bar_full, bar_empty = k.reg("u32", "bar_full"), k.reg("u32", "bar_empty")
             dst_a, dst_b, dst_sa = (k.reg("u32", n) for n in ("dst_a", "dst_b", "dst_sa"))
-            with k.loop(k.reg("u32", "p_kb"), cfg.k_blocks) as kb:
-                k.mad(bar_empty, stage, BARRIER_BYTES, base, mode="lo")
-                k.add(bar_empty, bar_empty, cfg.empty_offset)
-                k.xor(empty_parity, phase, 1)  # a fresh barrier passes a wait on parity 1
-                _wait(k, addr(bar_empty), empty_parity, "wait_empty")
-                k.mad(bar_full, stage, BARRIER_BYTES, base, mode="lo")
-                k.add(bar_full, bar_full, cfg.full_offset)
-                k.mbarrier_arrive_expect_tx(addr(bar_full), cfg.tx_bytes)
-                k.mad(dst_a, stage, cfg.a_stage_bytes, base, mode="lo")
-                k.mad(dst_b, stage, cfg.b_stage_bytes, base, mode="lo")
-                k.add(dst_b, dst_b, cfg.b_offset)
-                k.mad(dst_sa, stage, cfg.sa_stage_bytes, base, mode="lo")
-                k.add(dst_sa, dst_sa, cfg.sa_offset)
-                k.mul(kx, kb, BLOCK_K, mode="lo", type="s32")
-                k.cp_async_bulk_tensor_load(addr(dst_a), tmap_a, [kx, m0], addr(bar_full))
-                k.cp_async_bulk_tensor_load(addr(dst_b), tmap_b, [kx, n0], addr(bar_full))
-                k.cp_async_bulk_tensor_load(addr(dst_sa), tmap_sa, [m0, kb], addr(bar_full))
-                _advance(k, stage, phase, cfg.stages)
+            with tiles.loop() as tile:
+                tiles.coordinates(tile)
+                k.mul(m0, tiles.m_block, BLOCK_M, mode="lo", type="s32")
+                k.mul(n0, tiles.n_block, cfg.block_n, mode="lo", type="s32")
+                with k.loop(k.reg("u32", "p_kb"), cfg.k_blocks) as kb:
+                    k.mad(bar_empty, stage, BARRIER_BYTES, base, mode="lo")
+                    k.add(bar_empty, bar_empty, cfg.empty_offset)
+                    k.xor(empty_parity, phase, 1)  # a fresh barrier passes a wait on parity 1
+                    _wait(k, addr(bar_empty), empty_parity, "wait_empty")
+                    k.mad(bar_full, stage, BARRIER_BYTES, base, mode="lo")
+                    k.add(bar_full, bar_full, cfg.full_offset)
+                    k.mbarrier_arrive_expect_tx(addr(bar_full), cfg.tx_bytes)
+                    k.mad(dst_a, stage, cfg.a_stage_bytes, base, mode="lo")
+                    k.mad(dst_b, stage, cfg.b_stage_bytes, base, mode="lo")
+                    k.add(dst_b, dst_b, cfg.b_offset)
+                    k.mad(dst_sa, stage, cfg.sa_stage_bytes, base, mode="lo")
+                    k.add(dst_sa, dst_sa, cfg.sa_offset)
+                    k.mul(kx, kb, BLOCK_K, mode="lo", type="s32")
+                    k.cp_async_bulk_tensor_load(addr(dst_a), tmap_a, [kx, m0], addr(bar_full))
+                    k.cp_async_bulk_tensor_load(addr(dst_b), tmap_b, [kx, n0], addr(bar_full))
+                    k.cp_async_bulk_tensor_load(addr(dst_sa), tmap_sa, [m0, kb], addr(bar_full))
+                    _advance(k, stage, phase, cfg.stages)
 
 
 # The upper word of every descriptor: stride offset 1024 B (8 rows of 128 B) >> 4, and
@@ -237,95 +282,106 @@ def _descriptor(k, desc, smem_address, lo, hi):
     k.mov(desc, vec(lo, hi), type="b64")
 
 
-def _math(k, cfg, p, base, tid, warpgroup, m_block, n_block):
-    n_regs = cfg.block_n // 2
+def _math(k, cfg, p, base, tid, warpgroup):
+    """The math warpgroups: set up once, then for each tile the K loop and the epilogue."""
+    r = SimpleNamespace()
     with k.stage("math warpgroups: registers, coordinates"):
         k.setmaxnreg(MATH_REGISTERS, increase=True)
-        wg = k.reg("u32", "math_wg")
-        k.sub(wg, warpgroup, 1)
-        lane, warp = k.reg("u32", "lane"), k.reg("u32", "warp_in_wg")
-        k.and_(lane, tid, 31)
+        r.wg = k.reg("u32", "math_wg")
+        k.sub(r.wg, warpgroup, 1)
+        r.lane, warp = k.reg("u32", "lane"), k.reg("u32", "warp_in_wg")
+        k.and_(r.lane, tid, 31)
         k.shr(warp, tid, 5)
         k.and_(warp, warp, 3)
-        # This thread's two accumulator rows within the tile: r0 and r0 + 8.
-        row_in_tile = k.reg("u32", "row_in_tile")
-        k.shr(row_in_tile, lane, 2)
-        k.mad(row_in_tile, warp, 16, row_in_tile, mode="lo")
-        k.mad(row_in_tile, wg, 64, row_in_tile, mode="lo")
-        acc = k.regs("f32", n_regs, "acc")
-        part = k.regs("f32", n_regs, "part")
-        for r in acc:
-            k.mov(r, 0.0)
-        sb_ptr, sb_index = k.reg("u64", "sb_ptr"), k.reg("u32", "sb_index")
-        k.ld_param(sb_ptr, p.sb)
-        sb_stride = k.reg("u32", "sb_stride")
-        k.ld_param(sb_stride, p.sb_row_stride)
-        k.mul(sb_index, n_block, sb_stride, mode="lo")  # BLOCK_N == 128: one B scale row per tile
-        k.mad(sb_ptr, sb_index, 4, sb_ptr, mode="wide")
-        overwrite, accumulate = k.pred("overwrite"), k.pred("accumulate")
-        k.setp("ne", overwrite, tid, tid)     # false: the first wgmma of a K block overwrites
-        k.setp("eq", accumulate, tid, tid)    # true: the rest accumulate
-        stage, phase = k.reg("u32", "stage"), k.reg("u32", "phase")
-        k.mov(stage, 0)
-        k.mov(phase, 0)
-        bar, a_addr, b_addr, sa_addr = (k.reg("u32", n) for n in ("bar", "a_addr", "b_addr", "sa_addr"))
-        desc_a, desc_b, lo = k.reg("b64", "desc_a"), k.reg("b64", "desc_b"), k.reg("b32", "desc_lo")
-        hi = k.reg("b32", "desc_hi")
-        k.mov(hi, DESCRIPTOR_HI)
-        sa0, sa1, sb, s0, s1 = (k.reg("f32", n) for n in ("sa0", "sa1", "sb", "s0", "s1"))
+        # This thread's two accumulator rows within the tile: row_in_tile and row_in_tile + 8.
+        r.row_in_tile = k.reg("u32", "row_in_tile")
+        k.shr(r.row_in_tile, r.lane, 2)
+        k.mad(r.row_in_tile, warp, 16, r.row_in_tile, mode="lo")
+        k.mad(r.row_in_tile, r.wg, 64, r.row_in_tile, mode="lo")
+        r.acc = k.regs("f32", cfg.block_n // 2, "acc")
+        r.part = k.regs("f32", cfg.block_n // 2, "part")
+        r.sb_base, r.sb_ptr = k.reg("u64", "sb_base"), k.reg("u64", "sb_ptr")
+        r.sb_stride, r.sb_index = k.reg("u32", "sb_stride"), k.reg("u32", "sb_index")
+        k.ld_param(r.sb_base, p.sb)
+        k.ld_param(r.sb_stride, p.sb_row_stride)
+        r.m, r.d = k.reg("u32", "m"), k.reg("u64", "d_base")
+        k.ld_param(r.m, p.m)
+        k.ld_param(r.d, p.d)
+        r.overwrite, r.accumulate = k.pred("overwrite"), k.pred("accumulate")
+        k.setp("ne", r.overwrite, tid, tid)     # false: a K block's first wgmma overwrites
+        k.setp("eq", r.accumulate, tid, tid)    # true: the rest accumulate
+        r.stage, r.phase = k.reg("u32", "stage"), k.reg("u32", "phase")
+        k.mov(r.stage, 0)
+        k.mov(r.phase, 0)
+        r.hi = k.reg("b32", "desc_hi")
+        k.mov(r.hi, DESCRIPTOR_HI)
+    tiles = _Tiles(k, cfg, p)
+    with tiles.loop() as tile:
+        tiles.coordinates(tile)
+        _k_loop(k, cfg, base, tiles, r)
+        _epilogue(k, cfg, tiles, r)
 
+
+def _k_loop(k, cfg, base, tiles, r):
+    with k.stage("tile start: zero the accumulators, point at this tile's B scales"):
+        for a in r.acc:
+            k.mov(a, 0.0)
+        # BLOCK_N == 128: one row of B scales per tile.
+        k.mul(r.sb_index, tiles.n_block, r.sb_stride, mode="lo")
+        k.mad(r.sb_ptr, r.sb_index, 4, r.sb_base, mode="wide")
+    bar, a_addr, b_addr, sa_addr = (k.reg("u32", n) for n in ("bar", "a_addr", "b_addr", "sa_addr"))
+    desc_a, desc_b, lo = k.reg("b64", "desc_a"), k.reg("b64", "desc_b"), k.reg("b32", "desc_lo")
+    sa0, sa1, sb, s0, s1 = (k.reg("f32", n) for n in ("sa0", "sa1", "sb", "s0", "s1"))
     with k.stage("K loop: wgmma a K block into `part`, then promote into `acc`"):
-        with k.loop(k.reg("u32", "kb"), cfg.k_blocks) as kb:
-            k.mad(bar, stage, BARRIER_BYTES, base, mode="lo")
+        with k.loop(k.reg("u32", "kb"), cfg.k_blocks):
+            k.mad(bar, r.stage, BARRIER_BYTES, base, mode="lo")
             k.add(bar, bar, cfg.full_offset)
-            _wait(k, addr(bar), phase, "wait_full")
-            k.mad(a_addr, stage, cfg.a_stage_bytes, base, mode="lo")
-            k.mad(a_addr, wg, 64 * BLOCK_K, a_addr, mode="lo")
-            k.mad(b_addr, stage, cfg.b_stage_bytes, base, mode="lo")
+            _wait(k, addr(bar), r.phase, "wait_full")
+            k.mad(a_addr, r.stage, cfg.a_stage_bytes, base, mode="lo")
+            k.mad(a_addr, r.wg, 64 * BLOCK_K, a_addr, mode="lo")
+            k.mad(b_addr, r.stage, cfg.b_stage_bytes, base, mode="lo")
             k.add(b_addr, b_addr, cfg.b_offset)
             k.wgmma_fence()
             for step in range(BLOCK_K // 32):
-                _descriptor(k, desc_a, a_addr, lo, hi)
-                _descriptor(k, desc_b, b_addr, lo, hi)
-                k.wgmma_mma_async(part, desc_a, desc_b, n=cfg.block_n, ab_type="e4m3",
-                                  scale_d=overwrite if step == 0 else accumulate)
+                _descriptor(k, desc_a, a_addr, lo, r.hi)
+                _descriptor(k, desc_b, b_addr, lo, r.hi)
+                k.wgmma_mma_async(r.part, desc_a, desc_b, n=cfg.block_n, ab_type="e4m3",
+                                  scale_d=r.overwrite if step == 0 else r.accumulate)
                 if step + 1 < BLOCK_K // 32:
                     k.add(a_addr, a_addr, 32)  # the next 32 bytes of K inside the swizzle atom
                     k.add(b_addr, b_addr, 32)
             k.wgmma_commit_group()
             k.wgmma_wait_group(0)
-            k.mad(sa_addr, stage, cfg.sa_stage_bytes, base, mode="lo")
+            k.mad(sa_addr, r.stage, cfg.sa_stage_bytes, base, mode="lo")
             k.add(sa_addr, sa_addr, cfg.sa_offset)
-            k.mad(sa_addr, row_in_tile, 4, sa_addr, mode="lo")
+            k.mad(sa_addr, r.row_in_tile, 4, sa_addr, mode="lo")
             k.ld(sa0, addr(sa_addr), space="shared")
             k.ld(sa1, addr(sa_addr, 8 * 4), space="shared")
             k.add(bar, bar, cfg.empty_offset - cfg.full_offset)
             k.mbarrier_arrive(addr(bar))  # this thread is done with the stage
-            k.ld(sb, addr(sb_ptr), nc=True)
-            k.add(sb_ptr, sb_ptr, 4)
+            k.ld(sb, addr(r.sb_ptr), nc=True)
+            k.add(r.sb_ptr, r.sb_ptr, 4)
             k.mul(s0, sa0, sb)
             k.mul(s1, sa1, sb)
-            for r in range(n_regs):  # registers 2,3 of each group of 4 are row r0 + 8
-                k.fma(acc[r], part[r], s1 if (r >> 1) & 1 else s0, acc[r])
-            _advance(k, stage, phase, cfg.stages)
+            for i, (a, part) in enumerate(zip(r.acc, r.part)):
+                k.fma(a, part, s1 if (i >> 1) & 1 else s0, a)  # registers 2, 3 of 4: row + 8
+            _advance(k, r.stage, r.phase, cfg.stages)
 
+
+def _epilogue(k, cfg, tiles, r):
     with k.stage("epilogue: bf16 pairs straight from the accumulators, bounds-checked"):
-        m = k.reg("u32", "m")
-        k.ld_param(m, p.m)
         row0, col = k.reg("u32", "row0"), k.reg("u32", "col")
-        k.mad(row0, m_block, BLOCK_M, row_in_tile, mode="lo")
-        k.and_(col, lane, 3)
+        k.mad(row0, tiles.m_block, BLOCK_M, r.row_in_tile, mode="lo")
+        k.and_(col, r.lane, 3)
         k.shl(col, col, 1)
-        k.mad(col, n_block, cfg.block_n, col, mode="lo")
-        d = k.reg("u64", "d_ptr")
-        k.ld_param(d, p.d)
+        k.mad(col, tiles.n_block, cfg.block_n, col, mode="lo")
         row_ptrs = k.regs("u64", 2, "d_row")
         rows_ok = k.regs("pred", 2, "row_ok")
         row = k.reg("u32", "row")
         for half in range(2):
             k.add(row, row0, 8 * half)
-            k.setp("lt", rows_ok[half], row, m)
-            k.mad(row_ptrs[half], row, cfg.n * 2, d, mode="wide")
+            k.setp("lt", rows_ok[half], row, r.m)
+            k.mad(row_ptrs[half], row, cfg.n * 2, r.d, mode="wide")
             k.mad(row_ptrs[half], col, 2, row_ptrs[half], mode="wide")
         packed, ok = k.reg("b32", "packed"), k.pred("store_ok")
         col_ok = k.pred("col_ok")
@@ -334,8 +390,8 @@ def _math(k, cfg, p, base, tid, warpgroup, m_block, n_block):
             k.add(c, col, 8 * group)
             k.setp("lt", col_ok, c, cfg.n)
             for half in range(2):
-                r = 4 * group + 2 * half
-                k.cvt(packed, acc[r + 1], acc[r], dtype="bf16x2", rnd="rn")
+                i = 4 * group + 2 * half
+                k.cvt(packed, r.acc[i + 1], r.acc[i], dtype="bf16x2", rnd="rn")
                 k.and_pred(ok, col_ok, rows_ok[half])
                 with k.guard(ok):
                     k.st(addr(row_ptrs[half], 16 * group), packed, type="b32")

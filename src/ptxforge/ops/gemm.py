@@ -15,10 +15,12 @@ from .layout import ceil_div, get_mn_major_tma_aligned_tensor, is_mn_major_tma_a
 
 @functools.lru_cache(maxsize=None)
 def _kernel(device_index: int, n: int, k: int):
-    cfg = gemm_kernel.choose_config(device_arch(device_index), n, k)
+    """(config, launcher, SM count) for one device and (N, K)."""
+    arch = device_arch(device_index)
+    cfg = gemm_kernel.choose_config(arch, n, k)
     compiled = jit.build(gemm_kernel.generate(cfg))
     launcher = compiled.load(device_index).launcher(gemm_kernel.THREADS, cfg.dynamic_shared_bytes)
-    return cfg, launcher
+    return cfg, launcher, arch.sm_count
 
 
 def fp8_gemm_nt(a, b, d: torch.Tensor, c: torch.Tensor | None = None) -> None:
@@ -54,12 +56,14 @@ def fp8_gemm_nt(a, b, d: torch.Tensor, c: torch.Tensor | None = None) -> None:
     require_contiguous_rows("d", d_shape, d_strides)
     if m == 0:
         return
-    cfg, launcher = _kernel(device, n, k)
+    cfg, launcher, sm_count = _kernel(device, n, k)
     tmap_a = encode_tiled(a_ptr, "float8_e4m3fn", (k, m), (a_strides[0],),
                           (gemm_kernel.BLOCK_K, gemm_kernel.BLOCK_M), swizzle=128)
     tmap_b = encode_tiled(b_ptr, "float8_e4m3fn", (k, n), (b_strides[0],),
                           (gemm_kernel.BLOCK_K, cfg.block_n), swizzle=128)
     tmap_sa = encode_tiled(sa.data_ptr(), "float32", (m, groups), (4 * sa.stride(1),),
                            (gemm_kernel.BLOCK_M, 1))
-    launcher((ceil_div(n, cfg.block_n), ceil_div(m, gemm_kernel.BLOCK_M), 1),
-             current_stream(device), (tmap_a, tmap_b, tmap_sa, sb_ptr, d_ptr, m, sb_strides[0]))
+    m_tiles = ceil_div(m, gemm_kernel.BLOCK_M)
+    grid = min(m_tiles * cfg.n_tiles, sm_count)  # persistent: one CTA per SM at most
+    launcher((grid, 1, 1), current_stream(device),
+             (tmap_a, tmap_b, tmap_sa, sb_ptr, d_ptr, m, m_tiles, sb_strides[0]))
