@@ -18,10 +18,10 @@ Pipeline, per K block kb (stage = kb % stages, phase flips each wrap):
     producer:  wait empty[stage] -> expect_tx(full[stage]) -> TMA A, B, sa -> full[stage]
     math:      wait full[stage] -> wgmma x4 -> wait -> read sa, arrive empty[stage] -> promote
 
-Shared memory (each A/B stage 1024-byte aligned for the 128-byte swizzle):
+Shared memory (A, B and D regions 1024-byte aligned for the 128-byte swizzle):
 
-    | A stages: S x BLOCK_M x 128 B | B stages: S x BLOCK_N x 128 B | sa stages: S x BLOCK_M x 4 B |
-    | full barriers: S x 8 B | empty barriers: S x 8 B |
+    | A stages: S x BLOCK_M x 128 B | B stages: S x BLOCK_N x 128 B | D tile: BLOCK_M x BLOCK_N x 2 B |
+    | sa stages: S x BLOCK_M x 4 B | full barriers: S x 8 B | empty barriers: S x 8 B |
 
 Scales: sa comes by TMA from the MN-major TMA-aligned [M, ceil(K/128)] tensor the
 quantizer writes; sb (a few KB) is read by the math threads from global memory.
@@ -31,8 +31,12 @@ block column before the next column), so the tiles running at once share A rows 
 columns in L2. The producer runs ahead into the next tile while the math warpgroups
 finish the current one.
 
-Compile-time: N, K, BLOCK_N, stages. Run-time: M (one kernel serves every M). Epilogue:
-bf16 pairs stored straight from the accumulators, bounds-checked.
+Epilogue, per math warpgroup: wait until its previous TMA store has read the D tile,
+write the bf16 accumulators into it (64-column halves, 128-byte swizzle: conflict-free),
+fence, then one thread issues the TMA stores, which clip at the matrix edges and run
+while the warpgroup starts its next tile.
+
+Compile-time: N, K, BLOCK_N, stages. Run-time: M (one kernel serves every M).
 """
 
 from __future__ import annotations
@@ -91,8 +95,16 @@ class Fp8GemmConfig:
         return self.stages * self.a_stage_bytes
 
     @property
-    def sa_offset(self) -> int:
+    def d_offset(self) -> int:
         return self.b_offset + self.stages * self.b_stage_bytes
+
+    @property
+    def d_bytes(self) -> int:
+        return BLOCK_M * self.block_n * 2
+
+    @property
+    def sa_offset(self) -> int:
+        return self.d_offset + self.d_bytes
 
     @property
     def full_offset(self) -> int:
@@ -122,7 +134,8 @@ def choose_config(arch: Arch, n: int, k: int) -> Fp8GemmConfig:
                          f"(16-byte rows), got N={n}, K={k}")
     block_n = 128
     per_stage = BLOCK_M * BLOCK_K + block_n * BLOCK_K + BLOCK_M * 4 + 2 * BARRIER_BYTES
-    stages = (arch.max_shared_memory_per_block - SWIZZLE_ATOM) // per_stage
+    d_tile = BLOCK_M * block_n * 2
+    stages = (arch.max_shared_memory_per_block - SWIZZLE_ATOM - d_tile) // per_stage
     stages = max(2, min(stages, 8))
     return Fp8GemmConfig(n, k, block_n, stages, arch.target)
 
@@ -161,9 +174,9 @@ def generate(cfg: Fp8GemmConfig) -> KernelBuilder:
 
 def _params(k):
     p = type("Params", (), {})()
-    p.tmap_a, p.tmap_b, p.tmap_sa = (k.tensormap_param(n) for n in ("tmap_a", "tmap_b", "tmap_sa"))
-    p.sb, p.d = k.param("sb", "u64"), k.param("d", "u64")
-    p.m = k.param("m", "u32")
+    p.tmap_a, p.tmap_b, p.tmap_sa, p.tmap_d = (
+        k.tensormap_param(n) for n in ("tmap_a", "tmap_b", "tmap_sa", "tmap_d"))
+    p.sb = k.param("sb", "u64")
     p.m_tiles = k.param("m_tiles", "u32")
     p.sb_row_stride = k.param("sb_row_stride", "u32")
     return p
@@ -304,9 +317,6 @@ def _math(k, cfg, p, base, tid, warpgroup):
         r.sb_stride, r.sb_index = k.reg("u32", "sb_stride"), k.reg("u32", "sb_index")
         k.ld_param(r.sb_base, p.sb)
         k.ld_param(r.sb_stride, p.sb_row_stride)
-        r.m, r.d = k.reg("u32", "m"), k.reg("u64", "d_base")
-        k.ld_param(r.m, p.m)
-        k.ld_param(r.d, p.d)
         r.overwrite, r.accumulate = k.pred("overwrite"), k.pred("accumulate")
         k.setp("ne", r.overwrite, tid, tid)     # false: a K block's first wgmma overwrites
         k.setp("eq", r.accumulate, tid, tid)    # true: the rest accumulate
@@ -315,11 +325,27 @@ def _math(k, cfg, p, base, tid, warpgroup):
         k.mov(r.phase, 0)
         r.hi = k.reg("b32", "desc_hi")
         k.mov(r.hi, DESCRIPTOR_HI)
+        # The warpgroup's slice of the D tile: 64 rows of each 64-column half.
+        r.d_smem = k.reg("u32", "d_smem")
+        k.mad(r.d_smem, r.wg, 64 * D_HALF * 2, base, mode="lo")
+        k.add(r.d_smem, r.d_smem, cfg.d_offset)
+        r.wg_leader = k.pred("wg_leader")
+        wg_thread = k.reg("u32", "wg_thread")
+        k.and_(wg_thread, tid, 127)
+        k.setp("eq", r.wg_leader, wg_thread, 0)
+        r.wg_barrier = k.reg("u32", "wg_barrier")  # named barriers 1 and 2, one per warpgroup
+        k.add(r.wg_barrier, r.wg, 1)
+        r.tmap_d = k.reg("u64", "tmap_d_ptr")
+        k.mov(r.tmap_d, p.tmap_d)
+        k.cvta(r.tmap_d, r.tmap_d, space="param")
     tiles = _Tiles(k, cfg, p)
     with tiles.loop() as tile:
         tiles.coordinates(tile)
         _k_loop(k, cfg, base, tiles, r)
         _epilogue(k, cfg, tiles, r)
+    with k.stage("drain: the last TMA stores complete before the CTA exits"):
+        with k.guard(r.wg_leader):
+            k.cp_async_bulk_wait_group(0)
 
 
 def _k_loop(k, cfg, base, tiles, r):
@@ -368,30 +394,48 @@ def _k_loop(k, cfg, base, tiles, r):
             _advance(k, r.stage, r.phase, cfg.stages)
 
 
+D_HALF = 64  # columns per TMA store box: 64 bf16 = 128 bytes, the swizzle's row
+
+
 def _epilogue(k, cfg, tiles, r):
-    with k.stage("epilogue: bf16 pairs straight from the accumulators, bounds-checked"):
-        row0, col = k.reg("u32", "row0"), k.reg("u32", "col")
-        k.mad(row0, tiles.m_block, BLOCK_M, r.row_in_tile, mode="lo")
-        k.and_(col, r.lane, 3)
-        k.shl(col, col, 1)
-        k.mad(col, tiles.n_block, cfg.block_n, col, mode="lo")
-        row_ptrs = k.regs("u64", 2, "d_row")
-        rows_ok = k.regs("pred", 2, "row_ok")
-        row = k.reg("u32", "row")
+    """The warpgroup's 64 x BLOCK_N slice of the tile, through shared memory, out by TMA."""
+    leader, barrier = r.wg_leader, r.wg_barrier
+    with k.stage("epilogue: wait for the previous store to have read the D tile"):
+        with k.guard(leader):
+            k.cp_async_bulk_wait_group(0, read=True)
+        k.bar_sync(barrier, 128)
+    with k.stage("epilogue: bf16 pairs into the swizzled D tile"):
+        # Row r of a 128-byte-swizzled half holds its 16-byte chunk c at chunk c ^ (r % 8).
+        row = k.reg("u32", "d_row")
+        rows = k.regs("u32", 2, "d_row_base")
+        swz = k.regs("u32", 2, "d_swizzle")
+        byte_in_chunk = k.reg("u32", "d_byte")
+        k.and_(byte_in_chunk, r.lane, 3)
+        k.shl(byte_in_chunk, byte_in_chunk, 2)
         for half in range(2):
-            k.add(row, row0, 8 * half)
-            k.setp("lt", rows_ok[half], row, r.m)
-            k.mad(row_ptrs[half], row, cfg.n * 2, r.d, mode="wide")
-            k.mad(row_ptrs[half], col, 2, row_ptrs[half], mode="wide")
-        packed, ok = k.reg("b32", "packed"), k.pred("store_ok")
-        col_ok = k.pred("col_ok")
-        c = k.reg("u32", "c")
+            k.add(row, r.row_in_tile, 8 * half)
+            k.and_(swz[half], row, 7)
+            k.mad(rows[half], row, D_HALF * 2, r.d_smem, mode="lo")
+            k.add(rows[half], rows[half], byte_in_chunk)
+        packed, at, chunk = k.reg("b32", "packed"), k.reg("u32", "d_at"), k.reg("u32", "d_chunk")
         for group in range(cfg.block_n // 8):
-            k.add(c, col, 8 * group)
-            k.setp("lt", col_ok, c, cfg.n)
+            sub, chunk_index = divmod(group, D_HALF // 8)
             for half in range(2):
                 i = 4 * group + 2 * half
                 k.cvt(packed, r.acc[i + 1], r.acc[i], dtype="bf16x2", rnd="rn")
-                k.and_pred(ok, col_ok, rows_ok[half])
-                with k.guard(ok):
-                    k.st(addr(row_ptrs[half], 16 * group), packed, type="b32")
+                k.xor(chunk, swz[half], chunk_index)
+                k.mad(at, chunk, 16, rows[half], mode="lo")
+                k.st(addr(at, sub * BLOCK_M * D_HALF * 2), packed, space="shared", type="b32")
+        k.fence_proxy_async()  # the TMA store reads what these ordinary stores wrote
+        k.bar_sync(barrier, 128)
+    with k.stage("epilogue: one thread stores the slice with TMA (clipped at the edges)"):
+        with k.if_(leader, "stored"):
+            x, y = k.reg("s32", "d_x"), k.reg("s32", "d_y")
+            k.mul(y, tiles.m_block, BLOCK_M, mode="lo", type="s32")
+            k.mad(y, r.wg, 64, y, mode="lo", type="s32")
+            src = k.reg("u32", "d_src")
+            for sub in range(cfg.block_n // D_HALF):
+                k.mad(x, tiles.n_block, cfg.block_n, sub * D_HALF, mode="lo", type="s32")
+                k.add(src, r.d_smem, sub * BLOCK_M * D_HALF * 2)
+                k.cp_async_bulk_tensor_store(r.tmap_d, [x, y], addr(src))
+            k.cp_async_bulk_commit_group()

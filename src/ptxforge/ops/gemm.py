@@ -63,7 +63,9 @@ def fp8_gemm_nt(a, b, d: torch.Tensor, c: torch.Tensor | None = None) -> None:
                           (gemm_kernel.BLOCK_K, cfg.block_n), swizzle=128)
     tmap_sa = encode_tiled(sa.data_ptr(), "float32", (m, groups), (4 * sa.stride(1),),
                            (gemm_kernel.BLOCK_M, 1))
+    tmap_d = encode_tiled(d_ptr, "bfloat16", (n, m), (2 * d_strides[0],),
+                          (gemm_kernel.D_HALF, 64), swizzle=128)
     m_tiles = ceil_div(m, gemm_kernel.BLOCK_M)
     grid = min(m_tiles * cfg.n_tiles, sm_count)  # persistent: one CTA per SM at most
     launcher((grid, 1, 1), current_stream(device),
-             (tmap_a, tmap_b, tmap_sa, sb_ptr, d_ptr, m, m_tiles, sb_strides[0]))
+             (tmap_a, tmap_b, tmap_sa, tmap_d, sb_ptr, m_tiles, sb_strides[0]))
