@@ -307,10 +307,10 @@ def _math(k, cfg, p, base, tid, warpgroup):
         k.shr(warp, tid, 5)
         k.and_(warp, warp, 3)
         # This thread's two accumulator rows within the tile: row_in_tile and row_in_tile + 8.
-        r.row_in_tile = k.reg("u32", "row_in_tile")
-        k.shr(r.row_in_tile, r.lane, 2)
-        k.mad(r.row_in_tile, warp, 16, r.row_in_tile, mode="lo")
-        k.mad(r.row_in_tile, r.wg, 64, r.row_in_tile, mode="lo")
+        r.row_in_wg, r.row_in_tile = k.reg("u32", "row_in_wg"), k.reg("u32", "row_in_tile")
+        k.shr(r.row_in_wg, r.lane, 2)
+        k.mad(r.row_in_wg, warp, 16, r.row_in_wg, mode="lo")
+        k.mad(r.row_in_tile, r.wg, 64, r.row_in_wg, mode="lo")
         r.acc = k.regs("f32", cfg.block_n // 2, "acc")
         r.part = k.regs("f32", cfg.block_n // 2, "part")
         r.sb_base, r.sb_ptr = k.reg("u64", "sb_base"), k.reg("u64", "sb_ptr")
@@ -412,8 +412,8 @@ def _epilogue(k, cfg, tiles, r):
         byte_in_chunk = k.reg("u32", "d_byte")
         k.and_(byte_in_chunk, r.lane, 3)
         k.shl(byte_in_chunk, byte_in_chunk, 2)
-        for half in range(2):
-            k.add(row, r.row_in_tile, 8 * half)
+        for half in range(2):  # rows within the warpgroup's slice: d_smem starts at its row 0
+            k.add(row, r.row_in_wg, 8 * half)
             k.and_(swz[half], row, 7)
             k.mad(rows[half], row, D_HALF * 2, r.d_smem, mode="lo")
             k.add(rows[half], rows[half], byte_in_chunk)
