@@ -69,8 +69,11 @@ def test_row_kernel_heuristic(normalize, quantize, hidden, threads_per_row, rows
 def test_gemm_uses_the_fp8_tensor_cores_and_warp_specialisation():
     from ptxforge.kernels import sm90_fp8_gemm_1d2d as gemm
 
-    cfg = gemm.choose_config(arch.get("sm_90a"), 7168, 2048)
-    assert (cfg.block_n, cfg.stages, cfg.k_blocks) == (128, 5, 16)
+    small = gemm.choose_config(arch.get("sm_90a"), 64, 7168, 2048)
+    assert (small.block_m, small.block_n, small.ctas_per_sm, small.math_registers) == (64, 64, 3, 128)
+    assert small.dynamic_shared_bytes * small.ctas_per_sm <= arch.get("sm_90a").shared_memory_per_sm
+    cfg = gemm.choose_config(arch.get("sm_90a"), 4096, 7168, 2048)
+    assert (cfg.block_m, cfg.block_n, cfg.stages, cfg.k_blocks) == (128, 128, 5, 16)
     assert cfg.dynamic_shared_bytes <= arch.get("sm_90a").max_shared_memory_per_block
     ptx = gemm.generate(cfg).ptx()
     assert ptx.count("wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3") == 4

@@ -48,10 +48,10 @@ REGISTRY = {
                    _ROW_VARIANTS, "fused RMSNorm + 1x128 FP8 quantization (option: hidden)"),
         KernelSpec("quantize_fp8_per_block", bf16_block_quant_fp8.choose_config,
                    bf16_block_quant_fp8.generate, ({},), "bf16 -> e4m3 + 128x128 scales"),
-        KernelSpec("fp8_gemm_nt", lambda arch, n=7168, k=2048: sm90_fp8_gemm_1d2d.choose_config(
-                       arch, int(n), int(k)), sm90_fp8_gemm_1d2d.generate,
-                   tuple({"n": n, "k": k} for n, k in GEMM_SHAPES),
-                   "FP8 GEMM, 1x128 x 128x128 scaling (options: n, k)"),
+        KernelSpec("fp8_gemm_nt", lambda arch, m=4096, n=7168, k=2048: sm90_fp8_gemm_1d2d.choose_config(
+                       arch, int(m), int(n), int(k)), sm90_fp8_gemm_1d2d.generate,
+                   tuple({"m": m, "n": n, "k": k} for m in (64, 4096) for n, k in GEMM_SHAPES),
+                   "FP8 GEMM, 1x128 x 128x128 scaling (options: m, n, k)"),
     )
 }
 

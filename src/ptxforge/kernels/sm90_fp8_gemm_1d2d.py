@@ -6,12 +6,15 @@ cores into its own f32 registers and then folded into the accumulators with
 ``sa[row] * sb[block]`` on the CUDA cores ("promotion"): the fp8 products never
 accumulate across scale blocks inside the tensor core.
 
-Warp roles (384 threads; a persistent CTA per SM walks the output tiles of BLOCK_M x BLOCK_N):
+Warp roles (persistent CTAs walk the output tiles of block_m x block_n):
 
-    warpgroup 0  producer   thread 0 streams A, B and sa tiles with TMA into the stage ring
-                            (registers lowered to 40 with setmaxnreg)
-    warpgroups 1-2  math    64 rows each: 4 x wgmma m64nNk32 per K block, wait, promote
-                            (registers raised to 232)
+    warpgroup 0     producer  thread 0 streams A, B and sa tiles with TMA into the stage ring
+                              (registers lowered to 40 with setmaxnreg)
+    warpgroups 1..  math      64 rows each: 4 x wgmma m64nNk32 per K block, wait, promote
+                              (registers raised to what the residency leaves)
+
+Two shapes: large M takes 128 x 128 tiles (2 math warpgroups, one CTA an SM); M <= 128
+takes 64 x 64 tiles (1 math warpgroup, three CTAs an SM), for enough tiles to fill the SMs.
 
 Pipeline, per K block kb (stage = kb % stages, phase flips each wrap):
 
@@ -20,8 +23,8 @@ Pipeline, per K block kb (stage = kb % stages, phase flips each wrap):
 
 Shared memory (A, B and D regions 1024-byte aligned for the 128-byte swizzle):
 
-    | A stages: S x BLOCK_M x 128 B | B stages: S x BLOCK_N x 128 B | D tile: BLOCK_M x BLOCK_N x 2 B |
-    | sa stages: S x BLOCK_M x 4 B | full barriers: S x 8 B | empty barriers: S x 8 B |
+    | A stages: S x block_m x 128 B | B stages: S x block_n x 128 B | D tile: block_m x block_n x 2 B |
+    | sa stages: S x block_m x 4 B | full barriers: S x 8 B | empty barriers: S x 8 B |
 
 Scales: sa comes by TMA from the MN-major TMA-aligned [M, ceil(K/128)] tensor the
 quantizer writes; sb (a few KB) is read by the math threads from global memory.
@@ -48,12 +51,9 @@ from ..arch import Arch
 from ..patterns.pipeline import BARRIER_BYTES
 from ..ptx import KernelBuilder, addr, sreg, vec
 
-BLOCK_M = 128
 BLOCK_K = 128            # one scale group of A and B per K block
-MATH_WARPGROUPS = 2
-THREADS = 128 * (1 + MATH_WARPGROUPS)
 PRODUCER_REGISTERS = 40
-MATH_REGISTERS = 232
+SMALL_M = 128            # M up to this takes the small-tile shape
 SWIZZLE_ATOM = 1024      # 8 rows x 128 bytes: the 128-byte swizzle repeats every 1024 bytes
 RASTER_GROUP = 16        # block rows per raster group: 16 A rows + ~8 B columns stay in L2
 
@@ -62,13 +62,25 @@ RASTER_GROUP = 16        # block rows per raster group: 16 A rows + ~8 B columns
 class Fp8GemmConfig:
     n: int
     k: int
+    math_warpgroups: int   # 64 rows of the tile each
     block_n: int
     stages: int
+    ctas_per_sm: int
+    math_registers: int
     target: str
 
     @property
     def name(self) -> str:
-        return f"sm90_fp8_gemm_1d2d_n{self.n}_k{self.k}_bn{self.block_n}_s{self.stages}"
+        return (f"sm90_fp8_gemm_1d2d_n{self.n}_k{self.k}_bm{self.block_m}_bn{self.block_n}"
+                f"_s{self.stages}")
+
+    @property
+    def block_m(self) -> int:
+        return 64 * self.math_warpgroups
+
+    @property
+    def threads(self) -> int:
+        return 128 * (1 + self.math_warpgroups)
 
     @property
     def k_blocks(self) -> int:
@@ -80,7 +92,7 @@ class Fp8GemmConfig:
 
     @property
     def a_stage_bytes(self) -> int:
-        return BLOCK_M * BLOCK_K
+        return self.block_m * BLOCK_K
 
     @property
     def b_stage_bytes(self) -> int:
@@ -88,7 +100,7 @@ class Fp8GemmConfig:
 
     @property
     def sa_stage_bytes(self) -> int:
-        return BLOCK_M * 4
+        return self.block_m * 4
 
     @property
     def b_offset(self) -> int:
@@ -100,7 +112,7 @@ class Fp8GemmConfig:
 
     @property
     def d_bytes(self) -> int:
-        return BLOCK_M * self.block_n * 2
+        return self.block_m * self.block_n * 2
 
     @property
     def sa_offset(self) -> int:
@@ -125,23 +137,31 @@ class Fp8GemmConfig:
         return self.a_stage_bytes + self.b_stage_bytes + self.sa_stage_bytes
 
 
-def choose_config(arch: Arch, n: int, k: int) -> Fp8GemmConfig:
-    """BLOCK_N 128 (one B scale block per tile); as many stages as shared memory holds."""
+def choose_config(arch: Arch, m: int, n: int, k: int) -> Fp8GemmConfig:
+    """128 x 128 tiles on one CTA an SM for large M; 64 x 64 tiles on three CTAs an SM for
+    M <= SMALL_M, where 128-wide tiles would leave most SMs idle. Then as many stages as
+    the CTA's share of shared memory holds; math registers are what residency leaves."""
     arch.require("wgmma", "the FP8 GEMM")
     arch.require("tma", "the FP8 GEMM")
     if n <= 0 or n % 8 or k <= 0 or k % 16:
         raise ValueError(f"the FP8 GEMM needs N a positive multiple of 8 and K of 16 "
                          f"(16-byte rows), got N={n}, K={k}")
-    block_n = 128
-    per_stage = BLOCK_M * BLOCK_K + block_n * BLOCK_K + BLOCK_M * 4 + 2 * BARRIER_BYTES
-    d_tile = BLOCK_M * block_n * 2
-    stages = (arch.max_shared_memory_per_block - SWIZZLE_ATOM - d_tile) // per_stage
-    stages = max(2, min(stages, 8))
-    return Fp8GemmConfig(n, k, block_n, stages, arch.target)
+    small = m <= SMALL_M
+    math_wgs, block_n, ctas = (1, 64, 3) if small else (2, 128, 1)
+    block_m = 64 * math_wgs
+    per_stage = block_m * BLOCK_K + block_n * BLOCK_K + block_m * 4 + 2 * BARRIER_BYTES
+    budget = (min(arch.shared_memory_per_sm // ctas - arch.shared_memory_reserved_per_block,
+                  arch.max_shared_memory_per_block) - SWIZZLE_ATOM - block_m * block_n * 2)
+    stages = max(2, min(budget // per_stage, 8))
+    threads = 128 * (1 + math_wgs)
+    per_cta = arch.registers_per_sm // ctas
+    math_registers = min(232, (per_cta - 128 * PRODUCER_REGISTERS) // (128 * math_wgs) // 8 * 8)
+    return Fp8GemmConfig(n, k, math_wgs, block_n, stages, ctas, math_registers, arch.target)
 
 
 def generate(cfg: Fp8GemmConfig) -> KernelBuilder:
-    k = KernelBuilder(cfg.name, target=cfg.target, max_threads=THREADS, min_blocks_per_sm=1)
+    k = KernelBuilder(cfg.name, target=cfg.target, max_threads=cfg.threads,
+                      min_blocks_per_sm=cfg.ctas_per_sm)
     p = _params(k)
     smem = k.dynamic_shared("smem", align=SWIZZLE_ATOM)
     base = k.reg("u32", "smem")
@@ -156,7 +176,8 @@ def generate(cfg: Fp8GemmConfig) -> KernelBuilder:
         with k.guard(thread0):
             for s in range(cfg.stages):
                 k.mbarrier_init(addr(base, cfg.full_offset + s * BARRIER_BYTES), 1)
-                k.mbarrier_init(addr(base, cfg.empty_offset + s * BARRIER_BYTES), 128 * MATH_WARPGROUPS)
+                k.mbarrier_init(addr(base, cfg.empty_offset + s * BARRIER_BYTES),
+                                128 * cfg.math_warpgroups)
             k.fence_mbarrier_init()
         k.fence_proxy_async()
         k.bar_sync(0)
@@ -258,7 +279,7 @@ def _producer(k, cfg, p, base, tid):
             dst_a, dst_b, dst_sa = (k.reg("u32", n) for n in ("dst_a", "dst_b", "dst_sa"))
             with tiles.loop() as tile:
                 tiles.coordinates(tile)
-                k.mul(m0, tiles.m_block, BLOCK_M, mode="lo", type="s32")
+                k.mul(m0, tiles.m_block, cfg.block_m, mode="lo", type="s32")
                 k.mul(n0, tiles.n_block, cfg.block_n, mode="lo", type="s32")
                 with k.loop(k.reg("u32", "p_kb"), cfg.k_blocks) as kb:
                     k.mad(bar_empty, stage, BARRIER_BYTES, base, mode="lo")
@@ -299,7 +320,7 @@ def _math(k, cfg, p, base, tid, warpgroup):
     """The math warpgroups: set up once, then for each tile the K loop and the epilogue."""
     r = SimpleNamespace()
     with k.stage("math warpgroups: registers, coordinates"):
-        k.setmaxnreg(MATH_REGISTERS, increase=True)
+        k.setmaxnreg(cfg.math_registers, increase=True)
         r.wg = k.reg("u32", "math_wg")
         k.sub(r.wg, warpgroup, 1)
         r.lane, warp = k.reg("u32", "lane"), k.reg("u32", "warp_in_wg")
@@ -352,8 +373,10 @@ def _k_loop(k, cfg, base, tiles, r):
     with k.stage("tile start: zero the accumulators, point at this tile's B scales"):
         for a in r.acc:
             k.mov(a, 0.0)
-        # BLOCK_N == 128: one row of B scales per tile.
-        k.mul(r.sb_index, tiles.n_block, r.sb_stride, mode="lo")
+        # block_n divides 128: the tile lies in one row of B scales, (n_block * block_n) / 128.
+        k.mul(r.sb_index, tiles.n_block, cfg.block_n, mode="lo")
+        k.shr(r.sb_index, r.sb_index, 7)
+        k.mul(r.sb_index, r.sb_index, r.sb_stride, mode="lo")
         k.mad(r.sb_ptr, r.sb_index, 4, r.sb_base, mode="wide")
     bar, a_addr, b_addr, sa_addr = (k.reg("u32", n) for n in ("bar", "a_addr", "b_addr", "sa_addr"))
     desc_a, desc_b, lo = k.reg("b64", "desc_a"), k.reg("b64", "desc_b"), k.reg("b32", "desc_lo")
@@ -425,17 +448,17 @@ def _epilogue(k, cfg, tiles, r):
                 k.cvt(packed, r.acc[i + 1], r.acc[i], dtype="bf16x2", rnd="rn")
                 k.xor(chunk, swz[half], chunk_index)
                 k.mad(at, chunk, 16, rows[half], mode="lo")
-                k.st(addr(at, sub * BLOCK_M * D_HALF * 2), packed, space="shared", type="b32")
+                k.st(addr(at, sub * cfg.block_m * D_HALF * 2), packed, space="shared", type="b32")
         k.fence_proxy_async()  # the TMA store reads what these ordinary stores wrote
         k.bar_sync(barrier, 128)
     with k.stage("epilogue: one thread stores the slice with TMA (clipped at the edges)"):
         with k.if_(leader, "stored"):
             x, y = k.reg("s32", "d_x"), k.reg("s32", "d_y")
-            k.mul(y, tiles.m_block, BLOCK_M, mode="lo", type="s32")
+            k.mul(y, tiles.m_block, cfg.block_m, mode="lo", type="s32")
             k.mad(y, r.wg, 64, y, mode="lo", type="s32")
             src = k.reg("u32", "d_src")
             for sub in range(cfg.block_n // D_HALF):
                 k.mad(x, tiles.n_block, cfg.block_n, sub * D_HALF, mode="lo", type="s32")
-                k.add(src, r.d_smem, sub * BLOCK_M * D_HALF * 2)
+                k.add(src, r.d_smem, sub * cfg.block_m * D_HALF * 2)
                 k.cp_async_bulk_tensor_store(r.tmap_d, [x, y], addr(src))
             k.cp_async_bulk_commit_group()

@@ -14,13 +14,14 @@ from .layout import ceil_div, get_mn_major_tma_aligned_tensor, is_mn_major_tma_a
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(device_index: int, n: int, k: int):
-    """(config, launcher, SM count) for one device and (N, K)."""
+def _kernel(device_index: int, small_m: bool, n: int, k: int):
+    """(config, launcher, resident CTAs) for one device, M bucket and (N, K)."""
     arch = device_arch(device_index)
-    cfg = gemm_kernel.choose_config(arch, n, k)
+    cfg = gemm_kernel.choose_config(arch, gemm_kernel.SMALL_M if small_m else 2 * gemm_kernel.SMALL_M,
+                                    n, k)
     compiled = jit.build(gemm_kernel.generate(cfg))
-    launcher = compiled.load(device_index).launcher(gemm_kernel.THREADS, cfg.dynamic_shared_bytes)
-    return cfg, launcher, arch.sm_count
+    launcher = compiled.load(device_index).launcher(cfg.threads, cfg.dynamic_shared_bytes)
+    return cfg, launcher, arch.sm_count * cfg.ctas_per_sm
 
 
 def fp8_gemm_nt(a, b, d: torch.Tensor, c: torch.Tensor | None = None) -> None:
@@ -56,16 +57,16 @@ def fp8_gemm_nt(a, b, d: torch.Tensor, c: torch.Tensor | None = None) -> None:
     require_contiguous_rows("d", d_shape, d_strides)
     if m == 0:
         return
-    cfg, launcher, sm_count = _kernel(device, n, k)
+    cfg, launcher, resident = _kernel(device, m <= gemm_kernel.SMALL_M, n, k)
     tmap_a = encode_tiled(a_ptr, "float8_e4m3fn", (k, m), (a_strides[0],),
-                          (gemm_kernel.BLOCK_K, gemm_kernel.BLOCK_M), swizzle=128)
+                          (gemm_kernel.BLOCK_K, cfg.block_m), swizzle=128)
     tmap_b = encode_tiled(b_ptr, "float8_e4m3fn", (k, n), (b_strides[0],),
                           (gemm_kernel.BLOCK_K, cfg.block_n), swizzle=128)
     tmap_sa = encode_tiled(sa.data_ptr(), "float32", (m, groups), (4 * sa.stride(1),),
-                           (gemm_kernel.BLOCK_M, 1))
+                           (cfg.block_m, 1))
     tmap_d = encode_tiled(d_ptr, "bfloat16", (n, m), (2 * d_strides[0],),
                           (gemm_kernel.D_HALF, 64), swizzle=128)
-    m_tiles = ceil_div(m, gemm_kernel.BLOCK_M)
-    grid = min(m_tiles * cfg.n_tiles, sm_count)  # persistent: one CTA per SM at most
+    m_tiles = ceil_div(m, cfg.block_m)
+    grid = min(m_tiles * cfg.n_tiles, resident)  # persistent: no more CTAs than fit at once
     launcher((grid, 1, 1), current_stream(device),
              (tmap_a, tmap_b, tmap_sa, tmap_d, sb_ptr, m_tiles, sb_strides[0]))
