@@ -70,10 +70,13 @@ def test_gemm_uses_the_fp8_tensor_cores_and_warp_specialisation():
     from ptxforge.kernels import sm90_fp8_gemm_1d2d as gemm
 
     small = gemm.choose_config(arch.get("sm_90a"), 64, 7168, 2048)
-    assert (small.block_m, small.block_n, small.ctas_per_sm, small.math_registers) == (64, 64, 3, 128)
+    assert (small.block_m, small.block_n, small.ctas_per_sm, small.math_registers) == (64, 64, 3, 120)
     assert small.dynamic_shared_bytes * small.ctas_per_sm <= arch.get("sm_90a").shared_memory_per_sm
     cfg = gemm.choose_config(arch.get("sm_90a"), 4096, 7168, 2048)
     assert (cfg.block_m, cfg.block_n, cfg.stages, cfg.k_blocks) == (128, 128, 5, 16)
+    for c in (small, cfg):  # setmaxnreg only redistributes the CTA's launch allocation
+        at_launch = 65536 // (c.ctas_per_sm * c.threads) // 8 * 8
+        assert 128 * 40 + 128 * c.math_warpgroups * c.math_registers <= at_launch * c.threads
     assert cfg.dynamic_shared_bytes <= arch.get("sm_90a").max_shared_memory_per_block
     ptx = gemm.generate(cfg).ptx()
     assert ptx.count("wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3") == 4

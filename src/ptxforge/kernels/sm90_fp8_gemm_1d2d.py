@@ -153,9 +153,13 @@ def choose_config(arch: Arch, m: int, n: int, k: int) -> Fp8GemmConfig:
     budget = (min(arch.shared_memory_per_sm // ctas - arch.shared_memory_reserved_per_block,
                   arch.max_shared_memory_per_block) - SWIZZLE_ATOM - block_m * block_n * 2)
     stages = max(2, min(budget // per_stage, 8))
+    # setmaxnreg moves registers between the warps of one CTA: the math warpgroups can gain
+    # only what the producer gives up from the CTA's allocation at launch (a larger request
+    # waits forever).
     threads = 128 * (1 + math_wgs)
-    per_cta = arch.registers_per_sm // ctas
-    math_registers = min(232, (per_cta - 128 * PRODUCER_REGISTERS) // (128 * math_wgs) // 8 * 8)
+    at_launch = min(arch.max_registers_per_thread, arch.registers_per_sm // (ctas * threads)) // 8 * 8
+    math_registers = (at_launch * threads - 128 * PRODUCER_REGISTERS) // (128 * math_wgs) // 8 * 8
+    math_registers = min(math_registers, 256)
     return Fp8GemmConfig(n, k, math_wgs, block_n, stages, ctas, math_registers, arch.target)
 
 
