@@ -123,3 +123,61 @@ def memory_table(result: dict) -> str:
              f"(read + write), kernel times median of 30, L2 flushed")
     return title + "\n" + format_table(
         ["kernel", "shape", "us", "GB/s", "of copy", "torch us", "speedup"], rows)
+
+
+# DeepGEMM's dense benchmark table (M, N, K).
+GEMM_SHAPES = [(m, n, k) for m in (64, 128, 4096) for n, k in
+               ((2112, 7168), (24576, 1536), (32768, 512), (7168, 16384), (4096, 7168), (7168, 2048))]
+
+
+def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
+    """DeepGEMM's similarity measure: 1 - 2<x,y> / (|x|^2 + |y|^2)."""
+    x, y = x.double(), y.double()
+    return float(1 - 2 * (x * y).sum() / (x * x + y * y).sum())
+
+
+def _torch_blockwise(qa, sa, qb, sb):
+    """torch's blockwise-scaled FP8 GEMM (cuBLAS): the 1x128 x 128x128 recipe."""
+    F = torch.nn.functional
+    return lambda: F.scaled_mm(qa, qb.t(), sa, F.ScalingType.BlockWise1x128, sb,
+                               F.ScalingType.BlockWise128x128, output_dtype=torch.bfloat16)
+
+
+def gemm_suite(shapes=None, timer: Timer | None = None) -> dict:
+    """The FP8 GEMM beside cuBLAS blockwise (torch.nn.functional.scaled_mm) and bf16 cuBLAS."""
+    timer = timer or Timer()
+    rows = []
+    for m, n, k in shapes or GEMM_SHAPES:
+        a = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+        b = torch.randn(n, k, device="cuda").to(torch.bfloat16)
+        qa, sa = ops.quantize_fp8_per_token(a)
+        qb, sb = ops.quantize_fp8_per_block(b)
+        d = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        ops.fp8_gemm_nt((qa, sa), (qb, sb), d)
+        ref = (reference.dequantize_per_token(qa, sa).double()
+               @ reference.dequantize_per_block(qb, sb).double().t())
+        peer = _torch_blockwise(qa, sa, qb, sb)
+        flops = 2 * m * n * k
+        ms = timer(lambda: ops.fp8_gemm_nt((qa, sa), (qb, sb), d))
+        peer_ms, bf16_ms = timer(peer), timer(lambda: a @ b.t())
+        nbytes = m * k + n * k + 2 * m * n
+        rows.append({"m": m, "n": n, "k": k, "ms": ms, "tflops": flops / ms / 1e9,
+                     "gbs": nbytes / ms / 1e6, "blockwise_tflops": flops / peer_ms / 1e9,
+                     "bf16_tflops": flops / bf16_ms / 1e9, "speedup_vs_blockwise": peer_ms / ms,
+                     "calc_diff": calc_diff(d, ref), "peer_calc_diff": calc_diff(peer(), ref)})
+    speedups = [r["speedup_vs_blockwise"] for r in rows]
+    geomean = float(torch.tensor(speedups).log().mean().exp())
+    return {"suite": "fp8-gemm", "gpu": torch.cuda.get_device_name(), "rows": rows,
+            "geomean_speedup_vs_blockwise": geomean}
+
+
+def gemm_table(result: dict) -> str:
+    rows = [[r["m"], r["n"], r["k"], f"{r['tflops']:.0f}", f"{r['gbs']:.0f}",
+             f"{r['blockwise_tflops']:.0f}", f"{r['bf16_tflops']:.0f}",
+             f"{r['speedup_vs_blockwise']:.2f}x", f"{r['calc_diff']:.1e}"] for r in result["rows"]]
+    title = (f"{result['gpu']}: FP8 GEMM (1x128 x 128x128 scaling), TFLOPS = 2MNK / kernel time "
+             f"(median of 30, L2 flushed); geomean vs cuBLAS blockwise "
+             f"{result['geomean_speedup_vs_blockwise']:.2f}x")
+    return title + "\n" + format_table(
+        ["M", "N", "K", "TFLOPS", "GB/s", "cuBLAS blockwise", "bf16 cuBLAS", "speedup", "calc_diff"],
+        rows)

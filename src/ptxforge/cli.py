@@ -137,23 +137,26 @@ def cmd_bench(args) -> int:
         return 2
     from . import bench
 
-    if args.suite != "memory":
-        raise SystemExit(f"unknown suite {args.suite!r}; suites: memory")
-    result = bench.memory_suite(args.m, args.k)
-    result["host_overhead_us"] = bench.host_overhead()
-    text = bench.memory_table(result)
-    text += "\n\nhost time per call (1000 back-to-back calls):\n" + "\n".join(
-        f"  {name:<44} {us:6.1f} us" for name, us in result["host_overhead_us"].items())
+    if args.suite == "memory":
+        result = bench.memory_suite(args.m, args.k)
+        result["host_overhead_us"] = bench.host_overhead()
+        text = bench.memory_table(result)
+        text += "\n\nhost time per call (1000 back-to-back calls):\n" + "\n".join(
+            f"  {name:<44} {us:6.1f} us" for name, us in result["host_overhead_us"].items())
+        plot = _plot_memory
+    else:
+        result = bench.gemm_suite()
+        text, plot = bench.gemm_table(result), _plot_gemm
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
     if args.plot:
-        _plot_memory(result, args.plot)
+        plot(result, args.plot)
     print(text)
     return 0
 
 
-def _plot_memory(result: dict, path: str) -> None:
+def _pyplot():
     try:
         import matplotlib
 
@@ -161,6 +164,33 @@ def _plot_memory(result: dict, path: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         print("(matplotlib is not installed: no plot)")
+        return None
+    return plt
+
+
+def _plot_gemm(result: dict, path: str) -> None:
+    """Roofline-style: TFLOPS against arithmetic intensity, ours beside cuBLAS blockwise."""
+    plt = _pyplot()
+    if plt is None:
+        return
+    rows = result["rows"]
+    intensity = [2 * r["m"] * r["n"] * r["k"] / (r["m"] * r["k"] + r["n"] * r["k"] + 2 * r["m"] * r["n"])
+                 for r in rows]
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    ax.scatter(intensity, [r["tflops"] for r in rows], label="ptxforge", marker="o")
+    ax.scatter(intensity, [r["blockwise_tflops"] for r in rows], label="cuBLAS blockwise", marker="x")
+    ax.set_xscale("log")
+    ax.set_xlabel("FLOP per byte (A + B read, D written once)")
+    ax.set_ylabel("TFLOPS")
+    ax.set_title(f"{result['gpu']}: FP8 GEMM on DeepGEMM's shape table")
+    ax.legend(loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def _plot_memory(result: dict, path: str) -> None:
+    plt = _pyplot()
+    if plt is None:
         return
     names = [r["kernel"] for r in result["rows"]]
     fig, ax = plt.subplots(figsize=(8, 3.5))
@@ -222,7 +252,7 @@ def main(argv=None) -> int:
     p = sub.add_parser("precompile", help="assemble every kernel variant in parallel")
     p.add_argument("--workers", type=int, default=None)
     p = sub.add_parser("bench", help="GPU benchmark side by side with torch")
-    p.add_argument("suite", choices=["memory"])
+    p.add_argument("suite", choices=["memory", "fp8-gemm"])
     p.add_argument("--m", type=int, default=16384)
     p.add_argument("--k", type=int, default=7168)
     p.add_argument("--json", help="write the full results here")

@@ -57,3 +57,28 @@ def test_rejects_mismatched_k():
     d = torch.empty(128, 128, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="share K"):
         ptxforge.fp8_gemm_nt(a, (b[0][:, :128], b[1][:, :1]), d)
+
+
+def test_deep_gemm_names_and_set_num_sms():
+    import ptxforge.deep_gemm as deep_gemm
+
+    a, b, ref = make_operands(256, 512, 1024)
+    d = torch.empty(256, 512, device="cuda", dtype=torch.bfloat16)
+    full = deep_gemm.get_num_sms()
+    try:
+        deep_gemm.set_num_sms(7)
+        assert deep_gemm.get_num_sms() == 7
+        deep_gemm.fp8_gemm_nt(a, b, d)  # fewer persistent CTAs: the same result
+    finally:
+        deep_gemm.set_num_sms(full)
+    assert calc_diff(d, ref) < 1e-3
+    assert deep_gemm.get_tma_aligned_size(5, 4) == 8 and deep_gemm.ceil_div(7, 2) == 4
+    with pytest.raises(ValueError, match="num_sms"):
+        deep_gemm.set_num_sms(0)
+
+
+def test_row_major_scales_are_converted():
+    a, b, ref = make_operands(200, 256, 384)
+    d = torch.empty(200, 256, device="cuda", dtype=torch.bfloat16)
+    ptxforge.fp8_gemm_nt((a[0], a[1].contiguous()), b, d)
+    assert calc_diff(d, ref) < 1e-3

@@ -13,15 +13,30 @@ from ._common import current_stream, device_arch, inspect, require_contiguous_ro
 from .layout import ceil_div, get_mn_major_tma_aligned_tensor, is_mn_major_tma_aligned
 
 
+_num_sms: int | None = None  # set_num_sms: leave SMs free for other work (DeepGEMM's knob)
+
+
+def set_num_sms(num_sms: int) -> None:
+    """Run the GEMM's persistent CTAs on at most ``num_sms`` SMs."""
+    global _num_sms
+    sm_count = device_arch(torch.cuda.current_device()).sm_count
+    if not 1 <= num_sms <= sm_count:
+        raise ValueError(f"num_sms must be in [1, {sm_count}], got {num_sms}")
+    _num_sms = num_sms
+
+
+def get_num_sms() -> int:
+    return _num_sms or device_arch(torch.cuda.current_device()).sm_count
+
+
 @functools.lru_cache(maxsize=None)
 def _kernel(device_index: int, small_m: bool, n: int, k: int):
-    """(config, launcher, resident CTAs) for one device, M bucket and (N, K)."""
+    """(config, launcher) for one device, M bucket and (N, K)."""
     arch = device_arch(device_index)
     cfg = gemm_kernel.choose_config(arch, gemm_kernel.SMALL_M if small_m else 2 * gemm_kernel.SMALL_M,
                                     n, k)
     compiled = jit.build(gemm_kernel.generate(cfg))
-    launcher = compiled.load(device_index).launcher(cfg.threads, cfg.dynamic_shared_bytes)
-    return cfg, launcher, arch.sm_count * cfg.ctas_per_sm
+    return cfg, compiled.load(device_index).launcher(cfg.threads, cfg.dynamic_shared_bytes)
 
 
 def fp8_gemm_nt(a, b, d: torch.Tensor, c: torch.Tensor | None = None) -> None:
@@ -57,7 +72,8 @@ def fp8_gemm_nt(a, b, d: torch.Tensor, c: torch.Tensor | None = None) -> None:
     require_contiguous_rows("d", d_shape, d_strides)
     if m == 0:
         return
-    cfg, launcher, resident = _kernel(device, m <= gemm_kernel.SMALL_M, n, k)
+    cfg, launcher = _kernel(device, m <= gemm_kernel.SMALL_M, n, k)
+    resident = (_num_sms or device_arch(device).sm_count) * cfg.ctas_per_sm
     tmap_a = encode_tiled(a_ptr, "float8_e4m3fn", (k, m), (a_strides[0],),
                           (gemm_kernel.BLOCK_K, cfg.block_m), swizzle=128)
     tmap_b = encode_tiled(b_ptr, "float8_e4m3fn", (k, n), (b_strides[0],),

@@ -1,0 +1,19 @@
+"""DeepGEMM's names for what ptxforge implements, so a DeepGEMM caller switches by
+changing one import:
+
+    import ptxforge.deep_gemm as deep_gemm
+    deep_gemm.fp8_gemm_nt((a, sa), (b, sb), d)
+
+Implemented: ``fp8_gemm_nt`` (without ``c`` for now), ``get_num_sms``/``set_num_sms``,
+``get_tma_aligned_size``, ``get_mn_major_tma_aligned_tensor`` (and its older name
+``get_col_major_tma_aligned_tensor``), ``ceil_div``. The grouped entry points come with
+the MoE kernels.
+"""
+
+from .ops.gemm import fp8_gemm_nt, get_num_sms, set_num_sms
+from .ops.layout import ceil_div, get_mn_major_tma_aligned_tensor, get_tma_aligned_size
+
+get_col_major_tma_aligned_tensor = get_mn_major_tma_aligned_tensor
+
+__all__ = ["ceil_div", "fp8_gemm_nt", "get_col_major_tma_aligned_tensor",
+           "get_mn_major_tma_aligned_tensor", "get_num_sms", "get_tma_aligned_size", "set_num_sms"]
