@@ -120,6 +120,21 @@ def check_rms_norm_quantize(m: int, k: int, device="cuda") -> list[CheckResult]:
                         relative_error(reference.dequantize_per_token(q, s), ref), 5e-2)]
 
 
+def check_fp8_gemm(m: int, n: int, k: int, device="cuda") -> list[CheckResult]:
+    from .bench import calc_diff
+
+    qa, sa = ops.quantize_fp8_per_token(_randn((m, k), device))
+    qb, sb = ops.quantize_fp8_per_block(_randn((n, k), device))
+    d = torch.full((m, n), float("nan"), device=device, dtype=torch.bfloat16)
+    ops.fp8_gemm_nt((qa, sa), (qb, sb), d)
+    ref = (reference.dequantize_per_token(qa, sa).double()
+           @ reference.dequantize_per_block(qb, sb).double().t())
+    name = "fp8_gemm_nt"
+    return [CheckResult(name, (m, n, k), "calc_diff vs fp64", calc_diff(d, ref), 1e-3),
+            CheckResult(name, (m, n, k), "rel. error vs fp64", relative_error(d, ref), 2e-3),
+            CheckResult(name, (m, n, k), "unwritten outputs", float(torch.isnan(d).sum()), 0)]
+
+
 def run_all(device="cuda", big: bool = True) -> list[CheckResult]:
     results = []
     shapes = [(1, 128), (7, 576), (33, 200), (129, 2112), (512, 7168), (3, 8), (65, 16384)]
@@ -133,4 +148,6 @@ def run_all(device="cuda", big: bool = True) -> list[CheckResult]:
     results += check_quantize_per_token(64, 7168, "mn_major", device, with_nan=True)
     for n, k in [(1, 8), (129, 136), (300, 200), (7168, 2048), (4096, 7168)]:
         results += check_quantize_per_block(n, k, device)
+    for m, n, k in [(1, 128, 256), (64, 2112, 7168), (129, 1544, 1040), (4096, 7168, 2048)]:
+        results += check_fp8_gemm(m, n, k, device)
     return results

@@ -220,8 +220,10 @@ def cmd_demo(args) -> int:
                              [r.row() for r in results]))
     failed = [r for r in results if not r.passed]
     print(f"\n{len(results) - len(failed)} of {len(results)} checks passed\n")
-    result = bench.memory_suite()
-    print(bench.memory_table(result))
+    print(bench.memory_table(bench.memory_suite()))
+    print()
+    print(bench.gemm_table(bench.gemm_suite([(64, 7168, 2048), (128, 24576, 1536),
+                                             (4096, 7168, 16384)])))
     return 1 if failed else 0
 
 
