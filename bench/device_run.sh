@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: test, build, check and time everything. Full log and results under $OUT
-# (log.txt, jit.json, memory.json, memory.png); the short tables come last.
+# (log.txt, jit.json, memory.json, memory.png, gemm.json, gemm.png); short tables last.
 #   run from the repository root: bash bench/device_run.sh
 set -u -o pipefail
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
@@ -14,13 +14,14 @@ step() { echo; echo "### $*"; "$@"; } 2>&1
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv
   $py -c "import torch, cuda.bindings; print('torch', torch.__version__, 'cuda-bindings', cuda.bindings.__version__)"
   step $py -m ptxforge.cli info
-  step $py -m pytest tests -q -p no:cacheprovider
+  step timeout 300 $py -m pytest tests -q -p no:cacheprovider
   step $py bench/jit_timing.py "$OUT/jit.json"
   step $py bench/host_breakdown.py
-  step $py bench/row_experiments.py
   step $py -m ptxforge.cli asm quantize_fp8_per_token hidden=7168 --sass
+  step $py -m ptxforge.cli asm fp8_gemm_nt m=4096 n=7168 k=16384 --sass
   step $py -m ptxforge.cli demo
   step $py -m ptxforge.cli bench memory --json "$OUT/memory.json" --plot "$OUT/memory.png"
+  step $py -m ptxforge.cli bench fp8-gemm --json "$OUT/gemm.json" --plot "$OUT/gemm.png"
 } > "$log" 2>&1
 grep -E "passed|failed|error" "$log" | grep -v "^|" | tail -5
 sed -n "/### .*jit_timing/,/### .*asm/p" "$log" | grep -v "^\[" | tail -40
