@@ -137,10 +137,21 @@ def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 def _torch_blockwise(qa, sa, qb, sb):
-    """torch's blockwise-scaled FP8 GEMM (cuBLAS): the 1x128 x 128x128 recipe."""
+    """torch's blockwise-scaled FP8 GEMM (cuBLAS): the 1x128 x 128x128 recipe. torch wants
+    B's scales as [K/128, N/128] (its B is [K, N]); the strides it accepts are probed."""
     F = torch.nn.functional
-    return lambda: F.scaled_mm(qa, qb.t(), sa, F.ScalingType.BlockWise1x128, sb,
+    failures = []
+    for scale_a, scale_b in ((sa, sb.t()), (sa.contiguous(), sb.t()), (sa, sb.t().contiguous()),
+                             (sa.contiguous(), sb.t().contiguous())):
+        def call(scale_a=scale_a, scale_b=scale_b):
+            return F.scaled_mm(qa, qb.t(), scale_a, F.ScalingType.BlockWise1x128, scale_b,
                                F.ScalingType.BlockWise128x128, output_dtype=torch.bfloat16)
+        try:
+            call()
+            return call
+        except (RuntimeError, ValueError) as exc:
+            failures.append(str(exc).splitlines()[0])
+    raise RuntimeError("torch's blockwise scaled_mm refused every scale layout: " + "; ".join(failures))
 
 
 def gemm_suite(shapes=None, timer: Timer | None = None) -> dict:
