@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 from ..arch import Arch
-from ..patterns.pipeline import BARRIER_BYTES
+from ..patterns.pipeline import BARRIER_BYTES, wait_parity
 from ..ptx import KernelBuilder, addr, sreg, vec
 
 BLOCK_K = 128            # one scale group of A and B per K block
@@ -250,14 +250,6 @@ def _advance(k, stage, phase, stages):
         k.xor(phase, phase, 1)
 
 
-def _wait(k, bar, parity, hint):
-    done, again = k.pred(hint + "_ok"), k.label(hint)
-    k.place(again)
-    k.mbarrier_try_wait_parity(done, bar, parity)
-    with k.guard(~done):
-        k.bra(again)
-
-
 def _producer(k, cfg, p, base, tid):
     with k.stage("producer: thread 0 streams A, B and sa into the stage ring, tile after tile"):
         k.setmaxnreg(PRODUCER_REGISTERS, increase=False)
@@ -289,7 +281,7 @@ def _producer(k, cfg, p, base, tid):
                     k.mad(bar_empty, stage, BARRIER_BYTES, base, mode="lo")
                     k.add(bar_empty, bar_empty, cfg.empty_offset)
                     k.xor(empty_parity, phase, 1)  # a fresh barrier passes a wait on parity 1
-                    _wait(k, addr(bar_empty), empty_parity, "wait_empty")
+                    wait_parity(k, addr(bar_empty), empty_parity, "wait_empty")
                     k.mad(bar_full, stage, BARRIER_BYTES, base, mode="lo")
                     k.add(bar_full, bar_full, cfg.full_offset)
                     k.mbarrier_arrive_expect_tx(addr(bar_full), cfg.tx_bytes)
@@ -389,7 +381,7 @@ def _k_loop(k, cfg, base, tiles, r):
         with k.loop(k.reg("u32", "kb"), cfg.k_blocks):
             k.mad(bar, r.stage, BARRIER_BYTES, base, mode="lo")
             k.add(bar, bar, cfg.full_offset)
-            _wait(k, addr(bar), r.phase, "wait_full")
+            wait_parity(k, addr(bar), r.phase, "wait_full")
             k.mad(a_addr, r.stage, cfg.a_stage_bytes, base, mode="lo")
             k.mad(a_addr, r.wg, 64 * BLOCK_K, a_addr, mode="lo")
             k.mad(b_addr, r.stage, cfg.b_stage_bytes, base, mode="lo")

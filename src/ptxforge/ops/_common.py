@@ -90,3 +90,23 @@ def require_disjoint(name: str, span: tuple[int, int], *inputs: tuple[int, int])
 @functools.lru_cache(maxsize=None)
 def device_arch(device_index: int) -> _arch.Arch:
     return _arch.for_device(device_index)
+
+
+def inspect_quantized_out(out, shape, scale_shape, device: int, *input_spans) -> tuple:
+    """``out=(q, scales)`` given to a quantizer: q e4m3 of ``shape`` with contiguous rows,
+    scales f32 of ``scale_shape`` with any strides, overlapping neither the inputs nor
+    each other. Returns (q pointer, scales pointer, scales strides)."""
+    q, scales = out
+    q_shape, q_strides, q_ptr, _ = inspect("out[0]", q, torch.float8_e4m3fn, 2, align=8,
+                                           device=device)
+    require_shape("out[0]", q_shape, shape)
+    require_contiguous_rows("out[0]", q_shape, q_strides)
+    s_shape, s_strides, s_ptr, _ = inspect("out[1]", scales, torch.float32, 2, align=4,
+                                           device=device, rows=False)
+    require_shape("out[1]", s_shape, scale_shape)
+    q_span = (q_ptr, shape[0] * shape[1])
+    require_disjoint("out[0]", q_span, *input_spans)
+    rows, cols = scale_shape
+    s_bytes = 4 * (1 + (rows - 1) * s_strides[0] + (cols - 1) * s_strides[1]) if rows and cols else 0
+    require_disjoint("out[1]", (s_ptr, s_bytes), q_span, *input_spans)
+    return q_ptr, s_ptr, s_strides

@@ -8,8 +8,7 @@ import torch
 
 from .. import jit
 from ..kernels import bf16_block_quant_fp8 as block_kernel
-from ._common import (current_stream, device_arch, inspect, require_contiguous_rows,
-                      require_disjoint, require_shape, row_span)
+from ._common import current_stream, device_arch, inspect, inspect_quantized_out, row_span
 from .layout import ceil_div
 
 
@@ -41,19 +40,10 @@ def quantize_fp8_per_block(w: torch.Tensor, *, out=None):
         q_ptr, s_ptr, s_row_stride = q.data_ptr(), scales.data_ptr(), scale_shape[1]
     else:
         q, scales = out
-        q_shape, q_strides, q_ptr, _ = inspect("out[0]", q, torch.float8_e4m3fn, 2, align=8,
-                                               device=device)
-        require_shape("out[0]", q_shape, shape)
-        require_contiguous_rows("out[0]", q_shape, q_strides)
-        s_shape, s_strides, s_ptr, _ = inspect("out[1]", scales, torch.float32, 2, align=4,
-                                               device=device, rows=False)
-        require_shape("out[1]", s_shape, scale_shape)
+        q_ptr, s_ptr, s_strides = inspect_quantized_out(out, shape, scale_shape, device,
+                                                        row_span(w_ptr, n, row_stride, k, 2))
         if s_strides[1] != 1:
             raise ValueError(f"out[1] must have unit column stride, got strides {tuple(s_strides)}")
-        w_span = row_span(w_ptr, n, row_stride, k, 2)
-        require_disjoint("out[0]", (q_ptr, n * k), w_span)
-        require_disjoint("out[1]", row_span(s_ptr, scale_shape[0], s_strides[0], scale_shape[1], 4),
-                         w_span, (q_ptr, n * k))
         s_row_stride = s_strides[0]
     if n and k:
         _launcher(device)((scale_shape[1], scale_shape[0], 1), current_stream(device),

@@ -12,8 +12,8 @@ import torch
 
 from .. import jit
 from ..kernels import bf16_row_rmsnorm_fp8quant as row_kernel
-from ._common import (current_stream, device_arch, inspect, require_contiguous_rows,
-                      require_disjoint, require_shape, row_span)
+from ._common import (current_stream, device_arch, inspect, inspect_quantized_out,
+                      require_contiguous_rows, require_disjoint, require_shape, row_span)
 from .layout import empty_mn_major_scales
 
 SCALE_LAYOUTS = ("mn_major", "row_major")
@@ -126,17 +126,8 @@ def _quantize(x, shape, row_stride: int, x_ptr: int, device: int, normalize: boo
         q_ptr, s_ptr, s_strides = q.data_ptr(), scales.data_ptr(), scales.stride()
     else:
         q, scales = out
-        q_shape, q_strides, q_ptr, _ = inspect("out[0]", q, torch.float8_e4m3fn, 2, align=8,
-                                               device=device)
-        require_shape("out[0]", q_shape, shape)
-        require_contiguous_rows("out[0]", q_shape, q_strides)
-        s_shape, s_strides, s_ptr, _ = inspect("out[1]", scales, torch.float32, 2, align=4,
-                                               device=device, rows=False)
-        require_shape("out[1]", s_shape, (m, groups))
-        x_span = row_span(x_ptr, m, row_stride, k, 2)
-        require_disjoint("out[0]", (q_ptr, m * k), x_span, *weight_spans)
-        s_bytes = 4 * (1 + (m - 1) * s_strides[0] + (groups - 1) * s_strides[1]) if m else 0
-        require_disjoint("out[1]", (s_ptr, s_bytes), x_span, (q_ptr, m * k), *weight_spans)
+        q_ptr, s_ptr, s_strides = inspect_quantized_out(
+            out, shape, (m, groups), device, row_span(x_ptr, m, row_stride, k, 2), *weight_spans)
     if m:
         _launch(m, k, device, (x_ptr, row_stride, m) + weight_args
                 + (q_ptr, s_ptr, s_strides[0], s_strides[1]), normalize, True)

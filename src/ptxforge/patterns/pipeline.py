@@ -44,11 +44,17 @@ class StageRing:
         k.bar_sync(0)
 
     def wait(self, bar: Address, phase) -> None:
-        """Spin until phase ``phase`` of the barrier at ``bar`` completed (2 instructions
-        and a label)."""
-        k = self.k
-        done, again = k.pred("stage_ready"), k.label("wait_stage")
-        k.place(again)
-        k.mbarrier_try_wait_parity(done, bar, phase)
-        with k.guard(~done):
-            k.bra(again, uniform=True)
+        """Every thread of the CTA waits: the spin branch is uniform."""
+        wait_parity(self.k, bar, phase, "wait_stage", uniform=True)
+
+
+def wait_parity(k: KernelBuilder, bar: Address, parity, hint: str = "wait", *,
+                uniform: bool = False) -> None:
+    """Spin until the phase with ``parity`` of the mbarrier at ``bar`` completed
+    (try_wait, then a branch back while it has not; 2 instructions and a label).
+    ``uniform``: all threads of each warp wait together (``bra.uni``)."""
+    done, again = k.pred(hint + "_done"), k.label(hint)
+    k.place(again)
+    k.mbarrier_try_wait_parity(done, bar, parity)
+    with k.guard(~done):
+        k.bra(again, uniform=uniform)
