@@ -82,3 +82,19 @@ def test_row_major_scales_are_converted():
     d = torch.empty(200, 256, device="cuda", dtype=torch.bfloat16)
     ptxforge.fp8_gemm_nt((a[0], a[1].contiguous()), b, d)
     assert calc_diff(d, ref) < 1e-3
+
+
+def test_output_aliasing_an_input_is_refused():
+    a, b, _ = make_operands(128, 128, 256)
+    alias = a[0].view(torch.bfloat16)  # a bf16 [128, 128] over A's bytes
+    with pytest.raises(ValueError, match="overlaps an input"):
+        ptxforge.fp8_gemm_nt(a, b, alias)
+
+
+def test_nan_in_an_operand_propagates():
+    a, b, _ = make_operands(128, 256, 512)
+    qa = a[0].clone()
+    qa.view(torch.uint8)[5, 7] = 0x7F  # an e4m3 NaN in row 5
+    d = torch.empty(128, 256, device="cuda", dtype=torch.bfloat16)
+    ptxforge.fp8_gemm_nt((qa, a[1]), b, d)
+    assert torch.isnan(d[5]).all() and not torch.isnan(d[:5]).any() and not torch.isnan(d[6:]).any()

@@ -9,7 +9,8 @@ import torch
 from .. import jit
 from ..jit.tensormap import encode_tiled
 from ..kernels import sm90_fp8_gemm_1d2d as gemm_kernel
-from ._common import current_stream, device_arch, inspect, require_contiguous_rows, require_shape
+from ._common import (current_stream, device_arch, inspect, require_contiguous_rows,
+                      require_disjoint, require_shape, row_span)
 from .layout import ceil_div, get_mn_major_tma_aligned_tensor, is_mn_major_tma_aligned
 
 
@@ -70,6 +71,10 @@ def fp8_gemm_nt(a, b, d: torch.Tensor, c: torch.Tensor | None = None) -> None:
     d_shape, d_strides, d_ptr, _ = inspect("d", d, torch.bfloat16, 2, device=device)
     require_shape("d", d_shape, (m, n))
     require_contiguous_rows("d", d_shape, d_strides)
+    require_disjoint("d", (d_ptr, 2 * m * n), row_span(a_ptr, m, a_strides[0], k, 1),
+                     row_span(b_ptr, n, b_strides[0], k, 1),
+                     row_span(sa.data_ptr(), groups, sa.stride(1), m, 4),
+                     row_span(sb_ptr, sb_shape[0], sb_strides[0], groups, 4))
     if m == 0:
         return
     cfg, launcher = _kernel(device, m <= gemm_kernel.SMALL_M, n, k)
