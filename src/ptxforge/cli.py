@@ -49,7 +49,7 @@ def _options(pairs: list[str]) -> dict:
 def _resource_rows(compiled_kernels) -> str:
     from .bench import format_table
 
-    rows = [[c.name, c.target, c.resources.registers, c.resources.spill_stores + c.resources.spill_loads,
+    rows = [[c.name, c.target, c.resources.registers, c.resources.spills,
              c.resources.stack_frame, c.resources.static_shared, f"{c.seconds * 1e3:.0f}", c.source]
             for c in compiled_kernels]
     return format_table(["kernel", "target", "regs", "spill B", "stack B", "static smem B", "ms",

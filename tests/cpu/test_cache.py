@@ -232,3 +232,23 @@ def test_concurrent_writers_install_one_whole_entry(tmp_path):
     assert sorted(p.name for p in cache_dir.iterdir()) == [f"{key}.cubin"]
     assert not [p for p in cache_dir.rglob("*") if p.name.endswith(".tmp")]
     assert DiskCache(cache_dir).get(key) is not None
+
+
+def test_unwritable_cache_directory_warns_and_builds(tmp_path, monkeypatch):
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("a file where the cache directory should be")
+    monkeypatch.setenv("PTXFORGE_CACHE_DIR", str(blocker / "cache"))
+    monkeypatch.setattr(jit, "_cache_write_warned", False)
+    jit._memory.clear()
+    with pytest.warns(UserWarning, match="cannot write the kernel cache"):
+        compiled = jit.build(store_constant_kernel("unwritable_cache"))
+    assert compiled.source == "assembled" and compiled.cubin[:4] == b"\x7fELF"
+
+
+def test_entry_without_a_resource_report_is_rebuilt(cache_dir):
+    jit._memory.clear()
+    first = jit.build(store_constant_kernel("no_report"))
+    DiskCache(cache_dir).put(first.key, first.cubin, {"name": "no_report"})  # valid, but no report
+    jit._memory.clear()
+    again = jit.build(store_constant_kernel("no_report"))
+    assert again.source == "assembled" and again.resources == first.resources

@@ -126,3 +126,27 @@ def test_out_arguments_are_written_and_checked():
         ptxforge.rms_norm(x, w, out=y[:32])
     with pytest.raises(TypeError, match="out\\[1\\] must have dtype torch.float32"):
         ptxforge.quantize_fp8_per_token(x, out=(q, s.to(torch.bfloat16)))
+
+
+def test_launch_from_another_thread():
+    """A new thread may have no CUDA context current: the launch must still land."""
+    import threading
+
+    x = torch.randn(64, 1024, device="cuda").to(torch.bfloat16)
+    w = torch.randn(1024, device="cuda").to(torch.bfloat16)
+    expected = ptxforge.rms_norm(x, w)
+    y = torch.full_like(x, float("nan"))
+    errors = []
+
+    def work():
+        try:
+            ptxforge.rms_norm(x, w, out=y)
+            torch.cuda.synchronize()
+        except Exception as exc:  # reported below, with the thread's traceback lost
+            errors.append(exc)
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    assert not errors, errors
+    assert torch.equal(y, expected)

@@ -15,6 +15,7 @@ import os
 import sys
 import threading
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -73,16 +74,16 @@ def build(kernel, *, assembler: str | None = None) -> CompiledKernel:
         return hit
     disk = None if settings.cache_disabled() else DiskCache(settings.cache_dir())
     cached = disk.get(key) if disk is not None else None
-    if cached is not None:
-        cubin, meta = cached
-        resources, log, source = Resources(**meta["resources"]), meta.get("log", ""), "disk"
+    resources = _cached_resources(cached)
+    if resources is not None:
+        cubin, log, source = cached[0], cached[1].get("log", ""), "disk"
     else:
         cubin, log = asm.assemble(ptx, kernel.target)
         resources, source = Resources.from_log(log), "assembled"
         if disk is not None:
-            disk.put(key, cubin, {"name": kernel.name, "target": kernel.target,
-                                  "assembler": repr(asm), "resources": resources.as_dict(),
-                                  "log": log})
+            _write_cache(disk, key, cubin, {"name": kernel.name, "target": kernel.target,
+                                            "assembler": repr(asm),
+                                            "resources": resources.as_dict(), "log": log})
     _refuse_spills_in_debug(kernel.name, resources)
     if settings.debug():
         _keep_ptx(kernel.name, key, ptx)
@@ -92,6 +93,29 @@ def build(kernel, *, assembler: str | None = None) -> CompiledKernel:
         seconds=time.perf_counter() - start, log=log)
     with _memory_lock:
         return _memory.setdefault(key, compiled)
+
+
+def _cached_resources(cached) -> Resources | None:
+    """The resource report of a disk-cache hit; None for a miss or an entry without one."""
+    if cached is None:
+        return None
+    try:
+        return Resources(**cached[1]["resources"])
+    except (KeyError, TypeError):
+        return None
+
+
+_cache_write_warned = False
+
+
+def _write_cache(disk: DiskCache, key: str, cubin: bytes, meta: dict) -> None:
+    global _cache_write_warned
+    try:
+        disk.put(key, cubin, meta)
+    except OSError as exc:  # a read-only or full cache directory must not fail the op
+        if not _cache_write_warned:
+            warnings.warn(f"ptxforge: cannot write the kernel cache ({exc}); going on without it")
+            _cache_write_warned = True
 
 
 def _refuse_spills_in_debug(name: str, resources: Resources) -> None:

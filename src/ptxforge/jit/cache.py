@@ -42,7 +42,7 @@ class DiskCache:
             with open(self.path(key), "rb") as f:
                 header_line = f.readline(65536)
                 payload = f.read()
-        except FileNotFoundError:
+        except OSError:  # absent, unreadable, not a file: a miss either way
             return None
         try:
             header = json.loads(header_line)
@@ -50,11 +50,14 @@ class DiskCache:
             return None
         if (not isinstance(header, dict) or header.get("format") != FORMAT
                 or header.get("size") != len(payload)
-                or header.get("sha256") != hashlib.sha256(payload).hexdigest()):
+                or header.get("sha256") != hashlib.sha256(payload).hexdigest()
+                or not isinstance(header.get("meta"), dict)):
             return None
-        return payload, header.get("meta", {})
+        return payload, header["meta"]
 
     def put(self, key: str, cubin: bytes, meta: dict) -> None:
+        """Write an entry; raises OSError when the directory cannot be written (the JIT
+        then goes on without the disk cache)."""
         self.directory.mkdir(parents=True, exist_ok=True)
         header = {"format": FORMAT, "size": len(cubin),
                   "sha256": hashlib.sha256(cubin).hexdigest(), "meta": meta}

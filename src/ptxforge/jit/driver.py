@@ -99,7 +99,8 @@ def link_ptx(ptx: str, target: str) -> tuple[bytes, str]:
 
 # ---------------------------------------------------------------------------- launch
 class _LaunchAttribute(ctypes.Structure):
-    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_uint * 16)]
+    # CUlaunchAttribute: an id padded to 8 bytes, then a 64-byte, 8-aligned value union.
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_uint64 * 8)]
 
 
 class _LaunchConfig(ctypes.Structure):
@@ -112,6 +113,7 @@ class _LaunchConfig(ctypes.Structure):
 
 
 _CLUSTER_DIMENSION = 4  # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+_WRONG_CONTEXT = (201, 400)  # CUDA_ERROR_INVALID_CONTEXT, CUDA_ERROR_INVALID_HANDLE
 
 
 @functools.lru_cache(maxsize=None)
@@ -150,9 +152,10 @@ class Launcher:
     releases the GIL during the call."""
 
     def __init__(self, function, params, name: str, *, block: int, shared_bytes: int = 0,
-                 cluster: int = 1):
+                 cluster: int = 1, context=None):
         self.function = ctypes.c_void_p(int(function))  # converted once, not per call
         self.name = name
+        self.context = context  # the primary context the function was loaded into
         self.block, self.shared_bytes, self.cluster = block, shared_bytes, cluster
         self.format, self.offsets, self.size = argument_layout(params)
         self._pack = struct.Struct(self.format).pack_into
@@ -167,9 +170,9 @@ class Launcher:
         config, attr = _LaunchConfig(), _LaunchAttribute()
         config.blockDimX, config.blockDimY, config.blockDimZ = self.block, 1, 1
         config.sharedMemBytes = self.shared_bytes
-        if self.cluster > 1:
+        if self.cluster > 1:  # value.clusterDim = {x, y, z} as three uint32
             attr.id = _CLUSTER_DIMENSION
-            attr.value[0], attr.value[1], attr.value[2] = self.cluster, 1, 1
+            attr.value[0], attr.value[1] = self.cluster | (1 << 32), 1
             config.attrs, config.numAttrs = ctypes.pointer(attr), 1
         state = (view, config, ctypes.byref(config), ctypes.addressof(argv), (buf, argv, attr))
         self._local.state = state
@@ -182,6 +185,15 @@ class Launcher:
         config.gridDimX, config.gridDimY, config.gridDimZ = grid
         config.hStream = stream
         err = self._launch(config_ref, self.function, argv_address, None)
+        if err in _WRONG_CONTEXT and self.context is not None:
+            # This thread has no context, or another device's: launch again inside the
+            # function's own, then restore the caller's. Checking first would cost every
+            # launch a driver call.
+            call("cuCtxPushCurrent", self.context)
+            try:
+                err = self._launch(config_ref, self.function, argv_address, None)
+            finally:
+                call("cuCtxPopCurrent")
         if err:
             _check(_cu(), _cu().CUresult(err), f"launch of {self.name}")
 
@@ -206,7 +218,8 @@ class LoadedModule:
         """A launcher for one launch shape (raising the shared-memory limit if it needs to)."""
         self.allow_dynamic_shared(shared_bytes)
         return Launcher(self.function, self._params, self._entry, block=block,
-                        shared_bytes=shared_bytes, cluster=cluster)
+                        shared_bytes=shared_bytes, cluster=cluster,
+                        context=primary_context(self.device_index))
 
     def allow_dynamic_shared(self, nbytes: int) -> None:
         """Raise the function's dynamic shared-memory limit (needed above 48 KiB)."""

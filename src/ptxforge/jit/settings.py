@@ -2,7 +2,7 @@
 
 | variable                | meaning                                                          | default                      |
 |-------------------------|------------------------------------------------------------------|------------------------------|
-| PTXFORGE_ARCH           | target (and device) to build for: ``sm_90a`` or ``sm_90a:H200``    | the current GPU              |
+| PTXFORGE_ARCH           | target (and device) for the CLI and ``arch.current()`` without a GPU: ``sm_90a`` or ``sm_90a:H200``; the ops always build for the GPU they run on | the current GPU |
 | PTXFORGE_ASSEMBLER      | ``ptxas``, ``nvjitlink`` or ``driver``                            | first available, that order  |
 | PTXFORGE_PTXAS          | path of the ptxas to use                                         | PATH, CUDA_HOME, pip wheel   |
 | PTXFORGE_CACHE_DIR      | on-disk cubin cache                                              | $XDG_CACHE_HOME/ptxforge     |

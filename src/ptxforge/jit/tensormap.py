@@ -8,24 +8,25 @@ encodes (address, shape, strides, box, swizzle), so a hit is always the same byt
 from __future__ import annotations
 
 import struct
+import threading
 from collections import OrderedDict
 
 from .driver import call
 
-_DTYPE_CODES = {
-    # torch dtype name -> (CUtensorMapDataType name, element bytes)
-    "float8_e4m3fn": ("CU_TENSOR_MAP_DATA_TYPE_UINT8", 1),
-    "float8_e5m2": ("CU_TENSOR_MAP_DATA_TYPE_UINT8", 1),
-    "uint8": ("CU_TENSOR_MAP_DATA_TYPE_UINT8", 1),
-    "bfloat16": ("CU_TENSOR_MAP_DATA_TYPE_BFLOAT16", 2),
-    "float16": ("CU_TENSOR_MAP_DATA_TYPE_FLOAT16", 2),
-    "float32": ("CU_TENSOR_MAP_DATA_TYPE_FLOAT32", 4),
-    "int32": ("CU_TENSOR_MAP_DATA_TYPE_INT32", 4),
+_DTYPE_CODES = {  # torch dtype name -> CUtensorMapDataType name
+    "float8_e4m3fn": "CU_TENSOR_MAP_DATA_TYPE_UINT8",
+    "float8_e5m2": "CU_TENSOR_MAP_DATA_TYPE_UINT8",
+    "uint8": "CU_TENSOR_MAP_DATA_TYPE_UINT8",
+    "bfloat16": "CU_TENSOR_MAP_DATA_TYPE_BFLOAT16",
+    "float16": "CU_TENSOR_MAP_DATA_TYPE_FLOAT16",
+    "float32": "CU_TENSOR_MAP_DATA_TYPE_FLOAT32",
+    "int32": "CU_TENSOR_MAP_DATA_TYPE_INT32",
 }
 _SWIZZLE = {0: "CU_TENSOR_MAP_SWIZZLE_NONE", 32: "CU_TENSOR_MAP_SWIZZLE_32B",
             64: "CU_TENSOR_MAP_SWIZZLE_64B", 128: "CU_TENSOR_MAP_SWIZZLE_128B"}
 
 _cache: OrderedDict = OrderedDict()
+_lock = threading.Lock()
 _CACHE_ENTRIES = 4096
 
 
@@ -34,10 +35,11 @@ def encode_tiled(address: int, dtype_name: str, shape: tuple, strides_bytes: tup
     """The 128-byte descriptor of a tiled view. ``shape``/``box`` innermost first; ``strides_bytes``
     are the byte strides of dimensions 1.. (dimension 0 is contiguous)."""
     key = (address, dtype_name, shape, strides_bytes, box, swizzle, oob_fill_nan)
-    blob = _cache.get(key)
-    if blob is not None:
-        _cache.move_to_end(key)
-        return blob
+    with _lock:
+        blob = _cache.get(key)
+        if blob is not None:
+            _cache.move_to_end(key)
+            return blob
     if dtype_name not in _DTYPE_CODES:
         raise ValueError(f"no TMA data type for {dtype_name}; supported: {sorted(_DTYPE_CODES)}")
     if address % 16:
@@ -46,7 +48,7 @@ def encode_tiled(address: int, dtype_name: str, shape: tuple, strides_bytes: tup
         raise ValueError(f"TMA needs 16-byte multiple strides, got {strides_bytes}")
     from cuda.bindings import driver as cu
 
-    dtype_code, _ = _DTYPE_CODES[dtype_name]
+    dtype_code = _DTYPE_CODES[dtype_name]
     rank = len(shape)
     tmap = call(
         "cuTensorMapEncodeTiled",
@@ -60,11 +62,8 @@ def encode_tiled(address: int, dtype_name: str, shape: tuple, strides_bytes: tup
          if oob_fill_nan else cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE),
     )
     blob = struct.pack("<16Q", *[int(v) for v in tmap.opaque])
-    _cache[key] = blob
-    if len(_cache) > _CACHE_ENTRIES:
-        _cache.popitem(last=False)
+    with _lock:
+        _cache[key] = blob
+        if len(_cache) > _CACHE_ENTRIES:
+            _cache.popitem(last=False)
     return blob
-
-
-def element_bytes(dtype_name: str) -> int:
-    return _DTYPE_CODES[dtype_name][1]

@@ -148,11 +148,13 @@ def choose_config(arch: Arch, m: int, n: int, k: int) -> Fp8GemmConfig:
                          f"(16-byte rows), got N={n}, K={k}")
     small = m <= SMALL_M
     math_wgs, block_n, ctas = (1, 64, 3) if small else (2, 128, 1)
-    block_m = 64 * math_wgs
-    per_stage = block_m * BLOCK_K + block_n * BLOCK_K + block_m * 4 + 2 * BARRIER_BYTES
-    budget = (min(arch.shared_memory_per_sm // ctas - arch.shared_memory_reserved_per_block,
-                  arch.max_shared_memory_per_block) - SWIZZLE_ATOM - block_m * block_n * 2)
-    stages = max(2, min(budget // per_stage, 8))
+    budget = min(arch.shared_memory_per_sm // ctas - arch.shared_memory_reserved_per_block,
+                 arch.max_shared_memory_per_block)
+    # The shared-memory plan (the config's offsets) decides the stages: as many as fit.
+    plan = lambda stages: Fp8GemmConfig(n, k, math_wgs, block_n, stages, ctas, 0, arch.target)
+    stages = max((s for s in range(1, 9) if plan(s).dynamic_shared_bytes <= budget), default=0)
+    if stages < 2:
+        raise ValueError(f"the FP8 GEMM's tiles do not fit twice in {budget} bytes of shared memory")
     # setmaxnreg moves registers between the warps of one CTA: the math warpgroups can gain
     # only what the producer gives up from the CTA's allocation at launch (a larger request
     # waits forever).

@@ -20,8 +20,7 @@ except AttributeError:  # CPU-only builds of torch
         return torch.cuda.current_stream(device_index).cuda_stream
 
 
-def current_stream(device_index: int) -> int:
-    return _raw_stream(device_index)
+current_stream = _raw_stream  # (device index) -> the cudaStream_t torch is using there
 
 
 def inspect(name: str, t, dtype: torch.dtype, ndim, *, align: int = 16,
@@ -58,6 +57,8 @@ def inspect(name: str, t, dtype: torch.dtype, ndim, *, align: int = 16,
     if len(shape) > 1 and (strides[-2] * t.itemsize) % align:
         raise ValueError(f"{name}'s row stride must be a multiple of {align} bytes, got "
                          f"{strides[-2]} elements of {t.itemsize} bytes")
+    if len(shape) > 1 and strides[-2] * t.itemsize >= 1 << 31:  # the kernels' strides are 32-bit
+        raise ValueError(f"{name}'s row stride must be under 2 GiB, got {strides[-2]} elements")
     return shape, strides, ptr, index
 
 
@@ -108,5 +109,7 @@ def inspect_quantized_out(out, shape, scale_shape, device: int, *input_spans) ->
     require_disjoint("out[0]", q_span, *input_spans)
     rows, cols = scale_shape
     s_bytes = 4 * (1 + (rows - 1) * s_strides[0] + (cols - 1) * s_strides[1]) if rows and cols else 0
+    if s_bytes > 4 << 32:  # the kernels index scales with 32-bit element offsets
+        raise ValueError(f"out[1] must span fewer than 2**32 elements, got strides {tuple(s_strides)}")
     require_disjoint("out[1]", (s_ptr, s_bytes), q_span, *input_spans)
     return q_ptr, s_ptr, s_strides

@@ -12,6 +12,9 @@ from ._common import current_stream, device_arch, inspect, inspect_quantized_out
 from .layout import ceil_div
 
 
+MAX_GRID_Y = 65535
+
+
 @functools.lru_cache(maxsize=None)
 def _launcher(device_index: int):
     cfg = block_kernel.choose_config(device_arch(device_index))
@@ -34,6 +37,8 @@ def quantize_fp8_per_block(w: torch.Tensor, *, out=None):
         raise ValueError(f"w.shape[1] must be a multiple of {block_kernel.VECTOR}, got {k}")
     block = block_kernel.BLOCK
     scale_shape = (ceil_div(n, block), ceil_div(k, block))
+    if scale_shape[0] > MAX_GRID_Y:  # the blocks' rows are the grid's y dimension
+        raise ValueError(f"w may have at most {MAX_GRID_Y * block} rows, got {n}")
     if out is None:
         q = torch.empty((n, k), dtype=torch.float8_e4m3fn, device=w.device)
         scales = torch.empty(scale_shape, dtype=torch.float32, device=w.device)

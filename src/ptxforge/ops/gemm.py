@@ -11,7 +11,8 @@ from ..jit.tensormap import encode_tiled
 from ..kernels import sm90_fp8_gemm_1d2d as gemm_kernel
 from ._common import (current_stream, device_arch, inspect, require_contiguous_rows,
                       require_disjoint, require_shape, row_span)
-from .layout import ceil_div, get_mn_major_tma_aligned_tensor, is_mn_major_tma_aligned
+from .layout import (ceil_div, get_mn_major_tma_aligned_tensor, get_tma_aligned_size,
+                     is_mn_major_tma_aligned)
 
 
 _num_sms: int | None = None  # set_num_sms: leave SMs free for other work (DeepGEMM's knob)
@@ -73,17 +74,18 @@ def fp8_gemm_nt(a, b, d: torch.Tensor, c: torch.Tensor | None = None) -> None:
     require_contiguous_rows("d", d_shape, d_strides)
     require_disjoint("d", (d_ptr, 2 * m * n), row_span(a_ptr, m, a_strides[0], k, 1),
                      row_span(b_ptr, n, b_strides[0], k, 1),
-                     row_span(sa.data_ptr(), groups, sa.stride(1), m, 4),
+                     row_span(sa.data_ptr(), groups, get_tma_aligned_size(m, 4), m, 4),
                      row_span(sb_ptr, sb_shape[0], sb_strides[0], groups, 4))
     if m == 0:
         return
     cfg, launcher = _kernel(device, m <= gemm_kernel.SMALL_M, n, k)
-    resident = (_num_sms or device_arch(device).sm_count) * cfg.ctas_per_sm
+    resident = (_num_sms or device_arch(device).sm_count) * cfg.ctas_per_sm  # set_num_sms caps it
     tmap_a = encode_tiled(a_ptr, "float8_e4m3fn", (k, m), (a_strides[0],),
                           (gemm_kernel.BLOCK_K, cfg.block_m), swizzle=128)
     tmap_b = encode_tiled(b_ptr, "float8_e4m3fn", (k, n), (b_strides[0],),
                           (gemm_kernel.BLOCK_K, cfg.block_n), swizzle=128)
-    tmap_sa = encode_tiled(sa.data_ptr(), "float32", (m, groups), (4 * sa.stride(1),),
+    # The column stride of a one-column sa is never used, but TMA wants a valid one.
+    tmap_sa = encode_tiled(sa.data_ptr(), "float32", (m, groups), (4 * get_tma_aligned_size(m, 4),),
                            (cfg.block_m, 1))
     tmap_d = encode_tiled(d_ptr, "bfloat16", (n, m), (2 * d_strides[0],),
                           (gemm_kernel.D_HALF, 64), swizzle=128)

@@ -32,13 +32,15 @@ def empty_mn_major_scales(rows: int, groups: int, device) -> torch.Tensor:
 
 
 def is_mn_major_tma_aligned(s: torch.Tensor) -> bool:
+    """MN-major with TMA-aligned columns, starting on a 16-byte boundary."""
     rows = s.shape[0]
-    return s.stride(0) == 1 and (s.shape[1] == 1 or s.stride(1) == get_tma_aligned_size(rows, 4))
+    return (s.stride(0) == 1 and s.data_ptr() % TMA_ALIGNMENT_BYTES == 0
+            and (s.shape[1] == 1 or s.stride(1) == get_tma_aligned_size(rows, 4)))
 
 
 def get_mn_major_tma_aligned_tensor(s: torch.Tensor) -> torch.Tensor:
-    """``s`` [M, G] (or [B, M, G]) fp32 in the MN-major TMA-aligned layout (a copy unless it
-    already is)."""
+    """``s`` [M, G] (or [B, M, G]) fp32 in the MN-major TMA-aligned layout: a 2-D ``s``
+    already in it is returned as it is, anything else is copied."""
     if s.dtype != torch.float32:
         raise TypeError(f"scales must be float32, got {s.dtype}")
     if s.dim() == 2:

@@ -43,7 +43,8 @@ class TensorOps:
     def wgmma_mma_async(self, acc: list[Reg], a_desc: Operand, b_desc: Operand, *, n: int,
                         ab_type: str, scale_d: Operand = 1, trans_a: int = 0,
                         trans_b: int = 0) -> None:
-        """``wgmma.mma_async.sync.aligned.m64n{n}k{K}.f32.T.T``: acc (+)= A(smem desc) x B(smem desc).
+        """``wgmma.mma_async.sync.aligned.m64n{n}k{K}.f32.{ab_type}.{ab_type}``:
+        acc (+)= A (shared-memory descriptor) x B (shared-memory descriptor).
 
         ``scale_d`` 0 overwrites the accumulators, 1 (or a predicate) accumulates. fp8 types
         take no transpose immediates: both operands must be K-major."""
@@ -54,6 +55,8 @@ class TensorOps:
             raise ValueError(f"wgmma n must be a multiple of 8 in [8, 256], got {n}")
         opcode = f"wgmma.mma_async.sync.aligned.m64n{n}k{k}.f32.{ab_type}.{ab_type}"
         if ab_type in ("e4m3", "e5m2"):
+            if trans_a or trans_b:
+                raise ValueError("fp8 wgmma has no transpose: both operands must be K-major")
             self.emit(opcode, vec(acc), a_desc, b_desc, scale_d, 1, 1)
         else:
             self.emit(opcode, vec(acc), a_desc, b_desc, scale_d, 1, 1, trans_a, trans_b)
