@@ -67,13 +67,12 @@ class Fp8GemmConfig:
     stages: int
     ctas_per_sm: int
     math_registers: int
-    wgmma_depth: int       # K blocks in flight per math warpgroup: 2 overlaps promotion
     target: str
 
     @property
     def name(self) -> str:
         return (f"sm90_fp8_gemm_1d2d_n{self.n}_k{self.k}_bm{self.block_m}_bn{self.block_n}"
-                f"_s{self.stages}_d{self.wgmma_depth}")
+                f"_s{self.stages}")
 
     @property
     def block_m(self) -> int:
@@ -152,7 +151,7 @@ def choose_config(arch: Arch, m: int, n: int, k: int) -> Fp8GemmConfig:
     budget = min(arch.shared_memory_per_sm // ctas - arch.shared_memory_reserved_per_block,
                  arch.max_shared_memory_per_block)
     # The shared-memory plan (the config's offsets) decides the stages: as many as fit.
-    plan = lambda stages: Fp8GemmConfig(n, k, math_wgs, block_n, stages, ctas, 0, 1, arch.target)
+    plan = lambda stages: Fp8GemmConfig(n, k, math_wgs, block_n, stages, ctas, 0, arch.target)
     stages = max((s for s in range(1, 9) if plan(s).dynamic_shared_bytes <= budget), default=0)
     if stages < 2:
         raise ValueError(f"the FP8 GEMM's tiles do not fit twice in {budget} bytes of shared memory")
@@ -163,10 +162,7 @@ def choose_config(arch: Arch, m: int, n: int, k: int) -> Fp8GemmConfig:
     at_launch = min(arch.max_registers_per_thread, arch.registers_per_sm // (ctas * threads)) // 8 * 8
     math_registers = (at_launch * threads - 128 * PRODUCER_REGISTERS) // (128 * math_wgs) // 8 * 8
     math_registers = min(math_registers, 256)
-    # Two `part` buffers beside `acc` (3 x block_n / 2 registers) fit only the large shape.
-    depth = 2 if 3 * block_n // 2 + 40 <= math_registers else 1
-    return Fp8GemmConfig(n, k, math_wgs, block_n, stages, ctas, math_registers, depth,
-                         arch.target)
+    return Fp8GemmConfig(n, k, math_wgs, block_n, stages, ctas, math_registers, arch.target)
 
 
 def generate(cfg: Fp8GemmConfig) -> KernelBuilder:
@@ -335,7 +331,7 @@ def _math(k, cfg, p, base, tid, warpgroup):
         k.mad(r.row_in_wg, warp, 16, r.row_in_wg, mode="lo")
         k.mad(r.row_in_tile, r.wg, 64, r.row_in_wg, mode="lo")
         r.acc = k.regs("f32", cfg.block_n // 2, "acc")
-        r.part = [k.regs("f32", cfg.block_n // 2, f"part{b}_") for b in range(cfg.wgmma_depth)]
+        r.part = k.regs("f32", cfg.block_n // 2, "part")
         r.sb_base, r.sb_ptr = k.reg("u64", "sb_base"), k.reg("u64", "sb_ptr")
         r.sb_stride, r.sb_index = k.reg("u32", "sb_stride"), k.reg("u32", "sb_index")
         k.ld_param(r.sb_base, p.sb)
@@ -380,88 +376,43 @@ def _k_loop(k, cfg, base, tiles, r):
         k.shr(r.sb_index, r.sb_index, 7)
         k.mul(r.sb_index, r.sb_index, r.sb_stride, mode="lo")
         k.mad(r.sb_ptr, r.sb_index, 4, r.sb_base, mode="wide")
-    blocks = _KBlocks(k, cfg, base, r)
-    if cfg.wgmma_depth == 1:
-        with k.stage("K loop: wgmma a K block into `part`, wait, promote into `acc`"):
-            with k.loop(k.reg("u32", "kb"), cfg.k_blocks):
-                blocks.issue(0)
-                blocks.retire(0, pending=0)
-        return
-    # Depth 2: the next block's wgmma runs while this block is promoted. Two `part` buffers
-    # alternate, so the loop body covers two K blocks.
-    with k.stage("K loop, depth 2: block 0 into part 0"):
-        blocks.issue(0)
-    pairs, odd = divmod(cfg.k_blocks - 1, 2)
-    with k.stage("K loop, depth 2: two blocks an iteration, each promoted under the next's wgmma"):
-        with k.loop(k.reg("u32", "kb_pair"), pairs):
-            blocks.issue(1)
-            blocks.retire(0, pending=1)
-            blocks.issue(0)
-            blocks.retire(1, pending=1)
-    with k.stage("K loop, depth 2: the last block(s)"):
-        if odd:
-            blocks.issue(1)
-            blocks.retire(0, pending=1)
-            blocks.retire(1, pending=0)
-        else:
-            blocks.retire(0, pending=0)
-
-
-class _KBlocks:
-    """Issue a K block's wgmmas into a `part` buffer; retire it: wait, release its stage,
-    promote it into `acc` with sa * sb. Retirement follows issue order."""
-
-    def __init__(self, k, cfg, base, r):
-        self.k, self.cfg, self.base, self.r = k, cfg, base, r
-        self.bar, self.a_addr, self.b_addr, self.sa_addr = (
-            k.reg("u32", n) for n in ("bar", "a_addr", "b_addr", "sa_addr"))
-        self.desc_a, self.desc_b = k.reg("b64", "desc_a"), k.reg("b64", "desc_b")
-        self.lo = k.reg("b32", "desc_lo")
-        self.sa0, self.sa1, self.sb, self.s0, self.s1 = (
-            k.reg("f32", n) for n in ("sa0", "sa1", "sb", "s0", "s1"))
-        # The stage each buffer's block came from, to read its sa and release it later.
-        self.stage_of = k.regs("u32", cfg.wgmma_depth, "stage_of_part")
-
-    def issue(self, buf: int) -> None:
-        k, cfg, r = self.k, self.cfg, self.r
-        k.mad(self.bar, r.stage, BARRIER_BYTES, self.base, mode="lo")
-        k.add(self.bar, self.bar, cfg.full_offset)
-        wait_parity(k, addr(self.bar), r.phase, "wait_full")
-        k.mad(self.a_addr, r.stage, cfg.a_stage_bytes, self.base, mode="lo")
-        k.mad(self.a_addr, r.wg, 64 * BLOCK_K, self.a_addr, mode="lo")
-        k.mad(self.b_addr, r.stage, cfg.b_stage_bytes, self.base, mode="lo")
-        k.add(self.b_addr, self.b_addr, cfg.b_offset)
-        k.wgmma_fence()  # the buffer was last read by the promotion's FMAs
-        for step in range(BLOCK_K // 32):
-            _descriptor(k, self.desc_a, self.a_addr, self.lo, r.hi)
-            _descriptor(k, self.desc_b, self.b_addr, self.lo, r.hi)
-            k.wgmma_mma_async(r.part[buf], self.desc_a, self.desc_b, n=cfg.block_n,
-                              ab_type="e4m3", scale_d=r.overwrite if step == 0 else r.accumulate)
-            if step + 1 < BLOCK_K // 32:
-                k.add(self.a_addr, self.a_addr, 32)  # the next 32 bytes of K in the swizzle atom
-                k.add(self.b_addr, self.b_addr, 32)
-        k.wgmma_commit_group()
-        k.mov(self.stage_of[buf], r.stage)
-        _advance(k, r.stage, r.phase, cfg.stages)
-
-    def retire(self, buf: int, *, pending: int) -> None:
-        k, cfg, r = self.k, self.cfg, self.r
-        k.wgmma_wait_group(pending)  # this buffer's group done; `pending` newer may still run
-        stage = self.stage_of[buf]
-        k.mad(self.sa_addr, stage, cfg.sa_stage_bytes, self.base, mode="lo")
-        k.add(self.sa_addr, self.sa_addr, cfg.sa_offset)
-        k.mad(self.sa_addr, r.row_in_tile, 4, self.sa_addr, mode="lo")
-        k.ld(self.sa0, addr(self.sa_addr), space="shared")
-        k.ld(self.sa1, addr(self.sa_addr, 8 * 4), space="shared")
-        k.mad(self.bar, stage, BARRIER_BYTES, self.base, mode="lo")
-        k.add(self.bar, self.bar, cfg.empty_offset)
-        k.mbarrier_arrive(addr(self.bar))  # this thread is done with the stage
-        k.ld(self.sb, addr(r.sb_ptr), nc=True)
-        k.add(r.sb_ptr, r.sb_ptr, 4)
-        k.mul(self.s0, self.sa0, self.sb)
-        k.mul(self.s1, self.sa1, self.sb)
-        for i, (a, part) in enumerate(zip(r.acc, r.part[buf])):
-            k.fma(a, part, self.s1 if (i >> 1) & 1 else self.s0, a)  # registers 2, 3 of 4: row + 8
+    bar, a_addr, b_addr, sa_addr = (k.reg("u32", n) for n in ("bar", "a_addr", "b_addr", "sa_addr"))
+    desc_a, desc_b, lo = k.reg("b64", "desc_a"), k.reg("b64", "desc_b"), k.reg("b32", "desc_lo")
+    sa0, sa1, sb, s0, s1 = (k.reg("f32", n) for n in ("sa0", "sa1", "sb", "s0", "s1"))
+    with k.stage("K loop: wgmma a K block into `part`, then promote into `acc`"):
+        with k.loop(k.reg("u32", "kb"), cfg.k_blocks):
+            k.mad(bar, r.stage, BARRIER_BYTES, base, mode="lo")
+            k.add(bar, bar, cfg.full_offset)
+            wait_parity(k, addr(bar), r.phase, "wait_full")
+            k.mad(a_addr, r.stage, cfg.a_stage_bytes, base, mode="lo")
+            k.mad(a_addr, r.wg, 64 * BLOCK_K, a_addr, mode="lo")
+            k.mad(b_addr, r.stage, cfg.b_stage_bytes, base, mode="lo")
+            k.add(b_addr, b_addr, cfg.b_offset)
+            k.wgmma_fence()
+            for step in range(BLOCK_K // 32):
+                _descriptor(k, desc_a, a_addr, lo, r.hi)
+                _descriptor(k, desc_b, b_addr, lo, r.hi)
+                k.wgmma_mma_async(r.part, desc_a, desc_b, n=cfg.block_n, ab_type="e4m3",
+                                  scale_d=r.overwrite if step == 0 else r.accumulate)
+                if step + 1 < BLOCK_K // 32:
+                    k.add(a_addr, a_addr, 32)  # the next 32 bytes of K inside the swizzle atom
+                    k.add(b_addr, b_addr, 32)
+            k.wgmma_commit_group()
+            k.wgmma_wait_group(0)
+            k.mad(sa_addr, r.stage, cfg.sa_stage_bytes, base, mode="lo")
+            k.add(sa_addr, sa_addr, cfg.sa_offset)
+            k.mad(sa_addr, r.row_in_tile, 4, sa_addr, mode="lo")
+            k.ld(sa0, addr(sa_addr), space="shared")
+            k.ld(sa1, addr(sa_addr, 8 * 4), space="shared")
+            k.add(bar, bar, cfg.empty_offset - cfg.full_offset)
+            k.mbarrier_arrive(addr(bar))  # this thread is done with the stage
+            k.ld(sb, addr(r.sb_ptr), nc=True)
+            k.add(r.sb_ptr, r.sb_ptr, 4)
+            k.mul(s0, sa0, sb)
+            k.mul(s1, sa1, sb)
+            for i, (a, part) in enumerate(zip(r.acc, r.part)):
+                k.fma(a, part, s1 if (i >> 1) & 1 else s0, a)  # registers 2, 3 of 4: row + 8
+            _advance(k, r.stage, r.phase, cfg.stages)
 
 
 D_HALF = 64  # columns per TMA store box: 64 bf16 = 128 bytes, the swizzle's row
