@@ -60,9 +60,7 @@ def _check_weight(weight: torch.Tensor, hidden: int, device: int) -> int:
 def _scales(rows: int, groups: int, layout: str, device) -> torch.Tensor:
     if layout == "mn_major":
         return empty_mn_major_scales(rows, groups, device)
-    if layout == "row_major":
-        return torch.empty((rows, groups), dtype=torch.float32, device=device)
-    raise ValueError(f"scale_layout must be one of {SCALE_LAYOUTS}, got {layout!r}")
+    return torch.empty((rows, groups), dtype=torch.float32, device=device)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
@@ -120,6 +118,8 @@ def _quantize(x, shape, row_stride: int, x_ptr: int, device: int, normalize: boo
               weight_args: tuple, weight_spans: tuple, scale_layout: str, out):
     m, k = shape
     groups = -(-k // row_kernel.GROUP)
+    if scale_layout not in SCALE_LAYOUTS:  # checked with out= too, where the strides decide
+        raise ValueError(f"scale_layout must be one of {SCALE_LAYOUTS}, got {scale_layout!r}")
     if out is None:
         scales = _scales(m, groups, scale_layout, x.device)
         q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
