@@ -98,3 +98,19 @@ def test_nan_in_an_operand_propagates():
     d = torch.empty(128, 256, device="cuda", dtype=torch.bfloat16)
     ptxforge.fp8_gemm_nt((qa, a[1]), b, d)
     assert torch.isnan(d[5]).all() and not torch.isnan(d[:5]).any() and not torch.isnan(d[6:]).any()
+
+
+def test_random_shapes():
+    """200 random (M, N, K): M in [1, 8192], N and K random multiples of 16 up to 8192
+    (many not multiples of 128), each against its fp64 reference with a poisoned output."""
+    gen = torch.Generator().manual_seed(2026)
+    failures = []
+    for _ in range(200):
+        m = int(torch.randint(1, 8193, (1,), generator=gen))
+        n, k = (16 * int(torch.randint(1, 513, (1,), generator=gen)) for _ in range(2))
+        d, ref, _, _ = run(m, n, k)
+        diff = calc_diff(d, ref)
+        if torch.isnan(d).any() or not diff < 1e-3:
+            failures.append((m, n, k, diff))
+        del d, ref
+    assert not failures, failures
