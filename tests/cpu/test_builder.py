@@ -279,3 +279,16 @@ def assert_assembles(k: KernelBuilder) -> str:
 def test_ptxas_accepts_every_family_without_warnings():
     log = assert_assembles(feature_tour())
     assert "0 bytes spill stores" in log
+
+
+def test_argument_layout_follows_the_parameter_list():
+    from ptxforge.jit.driver import argument_layout
+
+    k = KernelBuilder("layout")
+    k.param("n", "u32")
+    k.tensormap_param("tmap")
+    k.param("x", "u64")
+    k.param("eps", "f32")
+    fmt, offsets, size = argument_layout(k.params)
+    assert offsets == [0, 64, 192, 200]  # the tensor map aligned to 64, the pointer to 8
+    assert size == 204 and fmt.startswith("<I") and "128s" in fmt

@@ -158,6 +158,7 @@ class Launcher:
         self.context = context  # the primary context the function was loaded into
         self.block, self.shared_bytes, self.cluster = block, shared_bytes, cluster
         self.format, self.offsets, self.size = argument_layout(params)
+        self.param_names = [f"{p.name}: {p.type}" for p in params]
         self._pack = struct.Struct(self.format).pack_into
         self._local = threading.local()
         self._launch = _libcuda_launch()
@@ -181,7 +182,11 @@ class Launcher:
     def __call__(self, grid: tuple, stream: int, args: tuple) -> None:
         state = getattr(self._local, "state", None) or self._new_state()
         view, config, config_ref, argv_address, _ = state
-        self._pack(view, 0, *args)
+        try:
+            self._pack(view, 0, *args)
+        except struct.error as exc:  # the caller's tuple does not match the parameter list
+            raise TypeError(f"{self.name} takes ({', '.join(self.param_names)}); "
+                            f"packing {len(args)} arguments failed: {exc}") from None
         config.gridDimX, config.gridDimY, config.gridDimZ = grid
         config.hStream = stream
         err = self._launch(config_ref, self.function, argv_address, None)
