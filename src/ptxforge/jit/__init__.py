@@ -85,6 +85,10 @@ def build(kernel, *, assembler: str | None = None) -> CompiledKernel:
                                             "assembler": repr(asm),
                                             "resources": resources.as_dict(), "log": log})
     _refuse_spills_in_debug(kernel.name, resources)
+    for line in log.splitlines():
+        # ptxas reports some slow paths only as "info" (e.g. C7514: wgmma serialised).
+        if "Potential Performance Loss" in line:
+            warnings.warn(f"{kernel.name}: {line.split(':', 1)[-1].strip()}")
     if settings.debug():
         _keep_ptx(kernel.name, key, ptx)
     compiled = CompiledKernel(
