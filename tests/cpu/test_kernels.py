@@ -86,14 +86,3 @@ def test_gemm_uses_the_fp8_tensor_cores_and_warp_specialisation():
     assert "setmaxnreg.dec.sync.aligned.u32 40" in ptx and "setmaxnreg.inc.sync.aligned.u32 232" in ptx
     compiled = jit.build(gemm.generate(cfg))
     assert compiled.resources.spills == 0 and "C7508" not in compiled.log  # setmaxnreg honoured
-
-
-@pytest.mark.parametrize("m, n, block_n", [(4096, 2112, 64), (4096, 7168, 128), (4096, 24576, 128),
-                                           (64, 7168, 64), (129, 2112, 64)])
-def test_gemm_block_n_follows_the_waves(m, n, block_n):
-    from ptxforge.kernels import sm90_fp8_gemm_1d2d as gemm
-
-    a = arch.get("sm_90a")
-    cfg = gemm.choose_config(a, m, n, 2048)
-    assert cfg.block_n == block_n
-    assert cfg == gemm.config_for_key(a, n, 2048, gemm.config_key(a, m, n))

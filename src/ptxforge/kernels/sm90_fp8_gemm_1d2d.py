@@ -137,40 +137,17 @@ class Fp8GemmConfig:
         return self.a_stage_bytes + self.b_stage_bytes + self.sa_stage_bytes
 
 
-def large_block_n(arch: Arch, m: int, n: int) -> int:
-    """BLOCK_N of the large-M shape: 128, or 64 where 128-wide tiles waste more of the last
-    wave and of the padded columns (N=2112: 17 x 32 tiles fill 4.1 waves of 132 SMs; 33 x 32
-    fill 8.0) by more than the smaller tiles' ~10% lower efficiency."""
-    def used(block_n):  # the fraction of the tile slots doing useful work
-        tiles = -(-m // 128) * -(-n // block_n)
-        waves = -(-tiles // arch.sm_count)
-        return m * n / (waves * arch.sm_count * 128 * block_n)
-    return 64 if used(64) * 0.9 > used(128) else 128
-
-
 def choose_config(arch: Arch, m: int, n: int, k: int) -> Fp8GemmConfig:
-    """128 x BLOCK_N tiles on one CTA an SM for large M (BLOCK_N from ``large_block_n``);
-    64 x 64 tiles on three CTAs an SM for M <= SMALL_M, where 128-wide tiles would leave
-    most SMs idle. Then as many stages as the CTA's share of shared memory holds; math
-    registers are what residency leaves. The config depends on M only through
-    ``config_key``, so one kernel serves every M with the same key."""
-    return config_for_key(arch, n, k, config_key(arch, m, n))
-
-
-def config_key(arch: Arch, m: int, n: int) -> tuple:
-    """What of M the config depends on: (small-M shape?, BLOCK_N)."""
-    small = m <= SMALL_M
-    return small, 64 if small else large_block_n(arch, m, n)
-
-
-def config_for_key(arch: Arch, n: int, k: int, key: tuple) -> Fp8GemmConfig:
+    """128 x 128 tiles on one CTA an SM for large M; 64 x 64 tiles on three CTAs an SM for
+    M <= SMALL_M, where 128-wide tiles would leave most SMs idle. Then as many stages as
+    the CTA's share of shared memory holds; math registers are what residency leaves."""
     arch.require("wgmma", "the FP8 GEMM")
     arch.require("tma", "the FP8 GEMM")
     if n <= 0 or n % 8 or k <= 0 or k % 16:
         raise ValueError(f"the FP8 GEMM needs N a positive multiple of 8 and K of 16 "
                          f"(16-byte rows), got N={n}, K={k}")
-    small, block_n = key
-    math_wgs, ctas = (1, 3) if small else (2, 1)
+    small = m <= SMALL_M
+    math_wgs, block_n, ctas = (1, 64, 3) if small else (2, 128, 1)
     budget = min(arch.shared_memory_per_sm // ctas - arch.shared_memory_reserved_per_block,
                  arch.max_shared_memory_per_block)
     # The shared-memory plan (the config's offsets) decides the stages: as many as fit.

@@ -32,9 +32,11 @@ def get_num_sms() -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(device_index: int, n: int, k: int, key: tuple):
-    """(config, launcher) for one device, (N, K) and the M-dependent config key."""
-    cfg = gemm_kernel.config_for_key(device_arch(device_index), n, k, key)
+def _kernel(device_index: int, small_m: bool, n: int, k: int):
+    """(config, launcher) for one device, M bucket and (N, K)."""
+    arch = device_arch(device_index)
+    cfg = gemm_kernel.choose_config(arch, gemm_kernel.SMALL_M if small_m else 2 * gemm_kernel.SMALL_M,
+                                    n, k)
     compiled = jit.build(gemm_kernel.generate(cfg))
     return cfg, compiled.load(device_index).launcher(cfg.threads, cfg.dynamic_shared_bytes)
 
@@ -76,7 +78,7 @@ def fp8_gemm_nt(a, b, d: torch.Tensor, c: torch.Tensor | None = None) -> None:
                      row_span(sb_ptr, sb_shape[0], sb_strides[0], groups, 4))
     if m == 0:
         return
-    cfg, launcher = _kernel(device, n, k, gemm_kernel.config_key(device_arch(device), m, n))
+    cfg, launcher = _kernel(device, m <= gemm_kernel.SMALL_M, n, k)
     resident = (_num_sms or device_arch(device).sm_count) * cfg.ctas_per_sm  # set_num_sms caps it
     tmap_a = encode_tiled(a_ptr, "float8_e4m3fn", (k, m), (a_strides[0],),
                           (gemm_kernel.BLOCK_K, cfg.block_m), swizzle=128)
