@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 from ..arch import Arch
-from ..patterns.pipeline import BARRIER_BYTES, wait_parity
+from ..patterns.pipeline import BARRIER_BYTES, next_stage, wait_parity
 from ..ptx import KernelBuilder, addr, sreg, vec
 
 BLOCK_K = 128            # one scale group of A and B per K block
@@ -242,16 +242,6 @@ class _Tiles:
         k.div(self.n_block, group, rows, type="u32")
 
 
-def _advance(k, stage, phase, stages):
-    """stage += 1, wrapping to 0 and flipping the phase bit."""
-    wrapped = k.pred("wrapped")
-    k.add(stage, stage, 1)
-    k.setp("eq", wrapped, stage, stages)
-    k.selp(stage, 0, stage, wrapped)
-    with k.guard(wrapped):
-        k.xor(phase, phase, 1)
-
-
 def _producer(k, cfg, p, base, tid):
     with k.stage("producer: thread 0 streams A, B and sa into the stage ring, tile after tile"):
         k.setmaxnreg(PRODUCER_REGISTERS, increase=False)
@@ -296,7 +286,7 @@ def _producer(k, cfg, p, base, tid):
                     k.cp_async_bulk_tensor_load(addr(dst_a), tmap_a, [kx, m0], addr(bar_full))
                     k.cp_async_bulk_tensor_load(addr(dst_b), tmap_b, [kx, n0], addr(bar_full))
                     k.cp_async_bulk_tensor_load(addr(dst_sa), tmap_sa, [m0, kb], addr(bar_full))
-                    _advance(k, stage, phase, cfg.stages)
+                    next_stage(k, stage, phase, cfg.stages)
 
 
 # The upper word of every descriptor: stride offset 1024 B (8 rows of 128 B) >> 4, and
@@ -412,7 +402,7 @@ def _k_loop(k, cfg, base, tiles, r):
             k.mul(s1, sa1, sb)
             for i, (a, part) in enumerate(zip(r.acc, r.part)):
                 k.fma(a, part, s1 if (i >> 1) & 1 else s0, a)  # registers 2, 3 of 4: row + 8
-            _advance(k, r.stage, r.phase, cfg.stages)
+            next_stage(k, r.stage, r.phase, cfg.stages)
 
 
 D_HALF = 64  # columns per TMA store box: 64 bf16 = 128 bytes, the swizzle's row

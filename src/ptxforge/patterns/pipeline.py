@@ -58,3 +58,14 @@ def wait_parity(k: KernelBuilder, bar: Address, parity, hint: str = "wait", *,
     k.mbarrier_try_wait_parity(done, bar, parity)
     with k.guard(~done):
         k.bra(again, uniform=uniform)
+
+
+def next_stage(k: KernelBuilder, stage: Reg, phase: Reg, stages: int) -> None:
+    """Step a ring position: stage += 1, wrapping to 0 and flipping the phase bit that
+    mbarrier waits compare against (4 instructions)."""
+    wrapped = k.pred("ring_wrapped")
+    k.add(stage, stage, 1)
+    k.setp("eq", wrapped, stage, stages)
+    k.selp(stage, 0, stage, wrapped)
+    with k.guard(wrapped):
+        k.xor(phase, phase, 1)
