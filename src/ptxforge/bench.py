@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import ops, reference
+from .checks import calc_diff
 
 
 @dataclass
@@ -128,12 +129,6 @@ def memory_table(result: dict) -> str:
 # DeepGEMM's dense benchmark table (M, N, K).
 GEMM_SHAPES = [(m, n, k) for m in (64, 128, 4096) for n, k in
                ((2112, 7168), (24576, 1536), (32768, 512), (7168, 16384), (4096, 7168), (7168, 2048))]
-
-
-def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
-    """DeepGEMM's similarity measure: 1 - 2<x,y> / (|x|^2 + |y|^2)."""
-    x, y = x.double(), y.double()
-    return float(1 - 2 * (x * y).sum() / (x * x + y * y).sum())
 
 
 def _torch_blockwise(qa, sa, qb, sb):

@@ -60,6 +60,12 @@ def f32_ulps(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(diff.max()) if diff.numel() else 0.0
 
 
+def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
+    """DeepGEMM's similarity measure: 1 - 2<x,y> / (|x|^2 + |y|^2)."""
+    x, y = x.double(), y.double()
+    return float(1 - 2 * (x * y).sum() / (x * x + y * y).sum())
+
+
 def relative_error(y: torch.Tensor, ref: torch.Tensor) -> float:
     y64, r64 = y.double(), ref.double()
     return float((y64 - r64).norm() / r64.norm().clamp_min(1e-300))
@@ -121,8 +127,6 @@ def check_rms_norm_quantize(m: int, k: int, device="cuda") -> list[CheckResult]:
 
 
 def check_fp8_gemm(m: int, n: int, k: int, device="cuda") -> list[CheckResult]:
-    from .bench import calc_diff
-
     qa, sa = ops.quantize_fp8_per_token(_randn((m, k), device))
     qb, sb = ops.quantize_fp8_per_block(_randn((n, k), device))
     d = torch.full((m, n), float("nan"), device=device, dtype=torch.bfloat16)

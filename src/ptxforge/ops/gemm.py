@@ -27,8 +27,11 @@ def set_num_sms(num_sms: int) -> None:
     _num_sms = num_sms
 
 
-def get_num_sms() -> int:
-    return _num_sms or device_arch(torch.cuda.current_device()).sm_count
+def get_num_sms(device_index: int | None = None) -> int:
+    """SMs the GEMM may use on a device (the current one by default)."""
+    if device_index is None:
+        device_index = torch.cuda.current_device()
+    return _num_sms or device_arch(device_index).sm_count
 
 
 @functools.lru_cache(maxsize=None)
@@ -61,11 +64,13 @@ def fp8_gemm_nt(a, b, d: torch.Tensor, c: torch.Tensor | None = None) -> None:
     if kb_ != k:
         raise ValueError(f"a[0] and b[0] must share K, got a[0] {tuple(A.shape)} and b[0] "
                          f"{tuple(B.shape)}")
-    groups = ceil_div(k, 128)
+    groups = ceil_div(k, gemm_kernel.BLOCK_K)  # one scale per 128 of K
     sa_shape, _, _, _ = inspect("a[1]", sa, torch.float32, 2, align=4, device=device, rows=False)
     require_shape("a[1]", sa_shape, (m, groups))
     if not is_mn_major_tma_aligned(sa):
         sa = get_mn_major_tma_aligned_tensor(sa)
+    # The column stride TMA reads sa with; for a one-column sa it is never used but must be valid.
+    sa_ptr, sa_column = sa.data_ptr(), get_tma_aligned_size(m, 4)
     sb_shape, sb_strides, sb_ptr, _ = inspect("b[1]", sb, torch.float32, 2, align=4,
                                               device=device)
     require_shape("b[1]", sb_shape, (ceil_div(n, 128), groups))
@@ -74,19 +79,17 @@ def fp8_gemm_nt(a, b, d: torch.Tensor, c: torch.Tensor | None = None) -> None:
     require_contiguous_rows("d", d_shape, d_strides)
     require_disjoint("d", (d_ptr, 2 * m * n), row_span(a_ptr, m, a_strides[0], k, 1),
                      row_span(b_ptr, n, b_strides[0], k, 1),
-                     row_span(sa.data_ptr(), groups, get_tma_aligned_size(m, 4), m, 4),
+                     row_span(sa_ptr, groups, sa_column, m, 4),
                      row_span(sb_ptr, sb_shape[0], sb_strides[0], groups, 4))
     if m == 0:
         return
     cfg, launcher = _kernel(device, m <= gemm_kernel.SMALL_M, n, k)
-    resident = (_num_sms or device_arch(device).sm_count) * cfg.ctas_per_sm  # set_num_sms caps it
+    resident = get_num_sms(device) * cfg.ctas_per_sm
     tmap_a = encode_tiled(a_ptr, "float8_e4m3fn", (k, m), (a_strides[0],),
                           (gemm_kernel.BLOCK_K, cfg.block_m), swizzle=128)
     tmap_b = encode_tiled(b_ptr, "float8_e4m3fn", (k, n), (b_strides[0],),
                           (gemm_kernel.BLOCK_K, cfg.block_n), swizzle=128)
-    # The column stride of a one-column sa is never used, but TMA wants a valid one.
-    tmap_sa = encode_tiled(sa.data_ptr(), "float32", (m, groups), (4 * get_tma_aligned_size(m, 4),),
-                           (cfg.block_m, 1))
+    tmap_sa = encode_tiled(sa_ptr, "float32", (m, groups), (4 * sa_column,), (cfg.block_m, 1))
     tmap_d = encode_tiled(d_ptr, "bfloat16", (n, m), (2 * d_strides[0],),
                           (gemm_kernel.D_HALF, 64), swizzle=128)
     m_tiles = ceil_div(m, cfg.block_m)
