@@ -70,19 +70,48 @@ def test_row_kernel_heuristic(normalize, quantize, hidden, threads_per_row, rows
 def test_gemm_uses_the_fp8_tensor_cores_and_warp_specialisation():
     from ptxforge.kernels import sm90_fp8_gemm_1d2d as gemm
 
-    small = gemm.choose_config(arch.get("sm_90a"), 64, 7168, 2048)
-    assert (small.block_m, small.block_n, small.ctas_per_sm, small.math_registers) == (64, 64, 3, 120)
-    assert small.dynamic_shared_bytes * small.ctas_per_sm <= arch.get("sm_90a").shared_memory_per_sm
-    cfg = gemm.choose_config(arch.get("sm_90a"), 4096, 7168, 2048)
-    assert (cfg.block_m, cfg.block_n, cfg.stages, cfg.k_blocks) == (128, 128, 5, 16)
+    sm90 = arch.get("sm_90a")
+    small = gemm.choose_config(sm90, 64, 2112, 7168)
+    # Small M: one 64-row block of tiles, narrow enough to give every SM a tile.
+    assert small.block_m == 64 and small.n_tiles == sm90.sm_count
+    cfg = gemm.choose_config(sm90, 4096, 7168, 2048)
+    assert (cfg.block_m, cfg.k_blocks) == (128, 16)
     for c in (small, cfg):  # setmaxnreg only redistributes the CTA's launch allocation
-        at_launch = 65536 // (c.ctas_per_sm * c.threads) // 8 * 8
+        at_launch = min(255, 65536 // (c.ctas_per_sm * c.threads)) // 8 * 8
         assert 128 * 40 + 128 * c.math_warpgroups * c.math_registers <= at_launch * c.threads
-    assert cfg.dynamic_shared_bytes <= arch.get("sm_90a").max_shared_memory_per_block
+        assert c.dynamic_shared_bytes <= sm90.max_shared_memory_per_block
+    cfg = gemm.make_config(sm90, 7168, 2048, 128, 128)
+    assert cfg.stages == 5
     ptx = gemm.generate(cfg).ptx()
     assert ptx.count("wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3") == 4
     assert ptx.count("cp.async.bulk.tensor.2d.shared::cluster.global.tile") == 3  # A, B, sa
-    assert ptx.count("cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group") == 2  # D halves
+    assert ptx.count("cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group") == 2  # 64-col boxes
     assert "setmaxnreg.dec.sync.aligned.u32 40" in ptx and "setmaxnreg.inc.sync.aligned.u32 232" in ptx
     compiled = jit.build(gemm.generate(cfg))
     assert compiled.resources.spills == 0 and "C7508" not in compiled.log  # setmaxnreg honoured
+
+
+def test_gemm_tile_widths_cover_at_most_two_scale_rows():
+    from ptxforge.kernels import sm90_fp8_gemm_1d2d as gemm
+
+    candidates = gemm.block_n_candidates(arch.get("sm_90a"))
+    assert {16, 56, 112, 128, 136, 144, 160, 192, 256} <= set(candidates)
+    assert not {8, 152, 168, 176} & set(candidates)
+    for bn in candidates:  # every tile start j * bn, as far as the pattern repeats
+        assert all((j * bn) % 128 + bn <= 256 for j in range(128))
+
+
+@pytest.mark.parametrize("block_m, block_n", [(64, 16), (64, 24), (64, 56), (128, 112), (128, 144),
+                                              (128, 192)])
+def test_gemm_tile_shapes_assemble_without_spills(block_m, block_n):
+    from ptxforge.kernels import sm90_fp8_gemm_1d2d as gemm
+
+    cfg = gemm.make_config(arch.get("sm_90a"), 2112, 7168, block_m, block_n)
+    ptx = gemm.generate(cfg).ptx()
+    assert f"m64n{block_n}k32.f32.e4m3.e4m3" in ptx
+    # One TMA store per box of the widest of 64/32/16/8 columns dividing block_n.
+    boxes = block_n // cfg.d_box_cols
+    assert ptx.count("cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group") == boxes
+    assert ("selp.f32" in ptx) == cfg.straddles  # a B scale per 8-column group
+    compiled = jit.build(gemm.generate(cfg))
+    assert compiled.resources.spills == 0 and compiled.resources.stack_frame == 0

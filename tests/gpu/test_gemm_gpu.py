@@ -110,3 +110,27 @@ def test_random_shapes():
             failures.append((m, n, k, diff, rel))
         del d, ref
     assert not failures, failures
+
+
+def test_every_tile_shape(monkeypatch):
+    """Each tile shape the heuristic may pick (straddling B-scale rows, every store-box
+    width), forced on shapes whose edges cut the tiles, against the fp64 reference."""
+    from ptxforge.kernels import sm90_fp8_gemm_1d2d as gemm
+    from ptxforge.ops import _common
+    from ptxforge.ops import gemm as gemm_ops
+
+    arch = _common.device_arch(torch.cuda.current_device())
+    failures = []
+    for block_m in (64, 128):
+        for block_n in gemm.block_n_candidates(arch):
+            try:
+                cfg = gemm.make_config(arch, 1000, 640, block_m, block_n)
+            except ValueError:
+                continue  # does not fit the registers
+            monkeypatch.setattr(gemm_ops, "_config", lambda *args, cfg=cfg: cfg)
+            for m in (1, 200):
+                d, ref, _, _ = run(m, 1000, 640)
+                diff = calc_diff(d, ref)
+                if torch.isnan(d).any() or not diff < 1e-3 or not relative_error(d, ref) <= 2e-3:
+                    failures.append((block_m, block_n, m, diff))
+    assert not failures, failures

@@ -44,6 +44,7 @@ Compile-time: N, K, BLOCK_N, stages. Run-time: M (one kernel serves every M).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -53,7 +54,6 @@ from ..ptx import KernelBuilder, addr, sreg, vec
 
 BLOCK_K = 128            # one scale group of A and B per K block
 PRODUCER_REGISTERS = 40
-SMALL_M = 128            # M up to this takes the small-tile shape
 SWIZZLE_ATOM = 1024      # 8 rows x 128 bytes: the 128-byte swizzle repeats every 1024 bytes
 RASTER_GROUP = 16        # block rows per raster group: 16 A rows + ~8 B columns stay in L2
 
@@ -62,8 +62,8 @@ RASTER_GROUP = 16        # block rows per raster group: 16 A rows + ~8 B columns
 class Fp8GemmConfig:
     n: int
     k: int
-    math_warpgroups: int   # 64 rows of the tile each
-    block_n: int
+    block_m: int           # 64 or 128: one math warpgroup per 64 rows
+    block_n: int           # a multiple of 8 (wgmma's n step), see block_n_candidates
     stages: int
     ctas_per_sm: int
     math_registers: int
@@ -72,11 +72,11 @@ class Fp8GemmConfig:
     @property
     def name(self) -> str:
         return (f"sm90_fp8_gemm_1d2d_n{self.n}_k{self.k}_bm{self.block_m}_bn{self.block_n}"
-                f"_s{self.stages}")
+                f"_s{self.stages}_c{self.ctas_per_sm}")
 
     @property
-    def block_m(self) -> int:
-        return 64 * self.math_warpgroups
+    def math_warpgroups(self) -> int:
+        return self.block_m // 64
 
     @property
     def threads(self) -> int:
@@ -89,6 +89,23 @@ class Fp8GemmConfig:
     @property
     def n_tiles(self) -> int:
         return -(-self.n // self.block_n)
+
+    @property
+    def straddles(self) -> bool:
+        """Whether a tile can cover two 128-column blocks of B scales (block_n does not
+        divide 128); block_n_candidates keeps it to at most two."""
+        return BLOCK_K % self.block_n != 0
+
+    @property
+    def d_box_cols(self) -> int:
+        """Columns of one TMA store box: the widest of 64/32/16/8 dividing block_n."""
+        return next(c for c in (64, 32, 16, 8) if self.block_n % c == 0)
+
+    @property
+    def d_swizzle(self) -> int:
+        """The store boxes' swizzle: a box row is 2 * d_box_cols bytes; 16-byte rows need none."""
+        row = 2 * self.d_box_cols
+        return row if row >= 32 else 0
 
     @property
     def a_stage_bytes(self) -> int:
@@ -137,32 +154,95 @@ class Fp8GemmConfig:
         return self.a_stage_bytes + self.b_stage_bytes + self.sa_stage_bytes
 
 
-def choose_config(arch: Arch, m: int, n: int, k: int) -> Fp8GemmConfig:
-    """128 x 128 tiles on one CTA an SM for large M; 64 x 64 tiles on three CTAs an SM for
-    M <= SMALL_M, where 128-wide tiles would leave most SMs idle. Then as many stages as
-    the CTA's share of shared memory holds; math registers are what residency leaves."""
+MAX_STAGES = 16
+# Registers a math thread needs besides the accumulators (acc and part: block_n of them).
+MATH_REGISTERS_BESIDES_ACCUMULATORS = 40
+
+
+def block_n_candidates(arch: Arch, max_block_n: int = 256) -> tuple[int, ...]:
+    """Tile widths: wgmma's n steps (multiples of 8) from 16 up, such that a tile starting
+    at any multiple of itself covers at most two 128-column blocks of B scales."""
+    mma = arch.mma
+    return tuple(bn for bn in range(max(16, mma["n_min"]), min(mma["n_max"], max_block_n) + 1,
+                                    mma["n_step"])
+                 if bn <= BLOCK_K + math.gcd(bn, BLOCK_K))
+
+
+def _require_problem(arch: Arch, n: int, k: int) -> None:
     arch.require("wgmma", "the FP8 GEMM")
     arch.require("tma", "the FP8 GEMM")
     if n <= 0 or n % 8 or k <= 0 or k % 16:
         raise ValueError(f"the FP8 GEMM needs N a positive multiple of 8 and K of 16 "
                          f"(16-byte rows), got N={n}, K={k}")
-    small = m <= SMALL_M
-    math_wgs, block_n, ctas = (1, 64, 3) if small else (2, 128, 1)
-    budget = min(arch.shared_memory_per_sm // ctas - arch.shared_memory_reserved_per_block,
+
+
+def make_config(arch: Arch, n: int, k: int, block_m: int, block_n: int,
+                ctas_per_sm: int = 1) -> Fp8GemmConfig:
+    """A config for one tile shape: as many stages as the CTA's share of shared memory
+    holds, and the math registers that residency leaves."""
+    _require_problem(arch, n, k)
+    if block_m not in (64, 128) or block_n not in block_n_candidates(arch):
+        raise ValueError(f"no FP8 GEMM tile {block_m} x {block_n}: block_m is 64 or 128, "
+                         f"block_n one of {block_n_candidates(arch)}")
+    math_wgs = block_m // 64
+    budget = min(arch.shared_memory_per_sm // ctas_per_sm - arch.shared_memory_reserved_per_block,
                  arch.max_shared_memory_per_block)
     # The shared-memory plan (the config's offsets) decides the stages: as many as fit.
-    plan = lambda stages: Fp8GemmConfig(n, k, math_wgs, block_n, stages, ctas, 0, arch.target)
-    stages = max((s for s in range(1, 9) if plan(s).dynamic_shared_bytes <= budget), default=0)
+    plan = lambda stages: Fp8GemmConfig(n, k, block_m, block_n, stages, ctas_per_sm, 0, arch.target)
+    stages = max((s for s in range(1, MAX_STAGES + 1) if plan(s).dynamic_shared_bytes <= budget),
+                 default=0)
     if stages < 2:
-        raise ValueError(f"the FP8 GEMM's tiles do not fit twice in {budget} bytes of shared memory")
+        raise ValueError(f"the FP8 GEMM's {block_m} x {block_n} tiles do not fit twice in "
+                         f"{budget} bytes of shared memory")
     # setmaxnreg moves registers between the warps of one CTA: the math warpgroups can gain
     # only what the producer gives up from the CTA's allocation at launch (a larger request
     # waits forever).
     threads = 128 * (1 + math_wgs)
-    at_launch = min(arch.max_registers_per_thread, arch.registers_per_sm // (ctas * threads)) // 8 * 8
+    at_launch = min(arch.max_registers_per_thread,
+                    arch.registers_per_sm // (ctas_per_sm * threads)) // 8 * 8
     math_registers = (at_launch * threads - 128 * PRODUCER_REGISTERS) // (128 * math_wgs) // 8 * 8
     math_registers = min(math_registers, 256)
-    return Fp8GemmConfig(n, k, math_wgs, block_n, stages, ctas, math_registers, arch.target)
+    if block_n + MATH_REGISTERS_BESIDES_ACCUMULATORS > math_registers:
+        raise ValueError(f"the FP8 GEMM's {block_m} x {block_n} tiles need more than the "
+                         f"{math_registers} registers a math thread gets at {ctas_per_sm} CTA(s) an SM")
+    return Fp8GemmConfig(n, k, block_m, block_n, stages, ctas_per_sm, math_registers, arch.target)
+
+
+# The tile-choice model, in tensor-core clocks per 128-wide K block of one tile:
+# the MMA itself (block_m * block_n * 128 * 2 flops at 8192 fp8 flops a clock an SM), a
+# fixed cost (barrier wait, wgmma latency, promotion not hidden), and the tile's operand
+# bytes at the L2 -> SM bandwidth an SM gets when all of them stream.
+MMA_FLOPS_PER_CLOCK = 8192
+FIXED_CLOCKS_PER_K_BLOCK = 160
+L2_BYTES_PER_CLOCK_PER_SM = 48
+
+
+def tile_clocks(block_m: int, block_n: int) -> float:
+    """The model's clocks per K block of one block_m x block_n tile."""
+    mma = block_m * block_n * BLOCK_K * 2 / MMA_FLOPS_PER_CLOCK
+    load = (block_m + block_n) * BLOCK_K / L2_BYTES_PER_CLOCK_PER_SM
+    return max(mma + FIXED_CLOCKS_PER_K_BLOCK, load)
+
+
+def choose_config(arch: Arch, m: int, n: int, k: int, sms: int | None = None) -> Fp8GemmConfig:
+    """The tile shape whose waves of persistent tiles finish first by the model above
+    (ties: the narrower tile), on ``sms`` SMs (the device's by default)."""
+    _require_problem(arch, n, k)
+    sms = sms or arch.sm_count
+    best = None
+    for block_m in (64,) if m <= 64 else (64, 128):
+        for block_n in block_n_candidates(arch):
+            try:
+                cfg = make_config(arch, n, k, block_m, block_n)
+            except ValueError:
+                continue
+            tiles = -(-m // block_m) * cfg.n_tiles
+            estimate = -(-tiles // (sms * cfg.ctas_per_sm)) * tile_clocks(block_m, block_n)
+            if best is None or estimate < best[0]:
+                best = (estimate, cfg)
+    if best is None:
+        raise ValueError(f"no FP8 GEMM tile fits N={n}, K={k} on {arch.target}")
+    return best[1]
 
 
 def generate(cfg: Fp8GemmConfig) -> KernelBuilder:
@@ -323,6 +403,10 @@ def _math(k, cfg, p, base, tid, warpgroup):
         r.acc = k.regs("f32", cfg.block_n // 2, "acc")
         r.part = k.regs("f32", cfg.block_n // 2, "part")
         r.sb_base, r.sb_ptr = k.reg("u64", "sb_base"), k.reg("u64", "sb_ptr")
+        r.sb_ptrs = [r.sb_ptr]
+        if cfg.straddles:
+            r.sb_ptr_hi, r.low_groups = k.reg("u64", "sb_ptr_hi"), k.reg("u32", "low_groups")
+            r.sb_ptrs.append(r.sb_ptr_hi)
         r.sb_stride, r.sb_index = k.reg("u32", "sb_stride"), k.reg("u32", "sb_index")
         k.ld_param(r.sb_base, p.sb)
         k.ld_param(r.sb_stride, p.sb_row_stride)
@@ -334,9 +418,9 @@ def _math(k, cfg, p, base, tid, warpgroup):
         k.mov(r.phase, 0)
         r.hi = k.reg("b32", "desc_hi")
         k.mov(r.hi, DESCRIPTOR_HI)
-        # The warpgroup's slice of the D tile: 64 rows of each 64-column half.
+        # The warpgroup's slice of the D tile: its 64 rows of each store box.
         r.d_smem = k.reg("u32", "d_smem")
-        k.mad(r.d_smem, r.wg, 64 * D_HALF * 2, base, mode="lo")
+        k.mad(r.d_smem, r.wg, 64 * cfg.d_box_cols * 2, base, mode="lo")
         k.add(r.d_smem, r.d_smem, cfg.d_offset)
         r.wg_leader = k.pred("wg_leader")
         wg_thread = k.reg("u32", "wg_thread")
@@ -358,17 +442,32 @@ def _math(k, cfg, p, base, tid, warpgroup):
 
 
 def _k_loop(k, cfg, base, tiles, r):
+    sb_row = k.reg("u32", "sb_row")
     with k.stage("tile start: zero the accumulators, point at this tile's B scales"):
         for a in r.acc:
             k.mov(a, 0.0)
-        # block_n divides 128: the tile lies in one row of B scales, (n_block * block_n) / 128.
-        k.mul(r.sb_index, tiles.n_block, cfg.block_n, mode="lo")
-        k.shr(r.sb_index, r.sb_index, 7)
-        k.mul(r.sb_index, r.sb_index, r.sb_stride, mode="lo")
+        # The tile's first column n0 lies in row n0 / 128 of B scales; a straddling tile's
+        # columns from 128 - n0 % 128 on lie in the next row (clamped at the last row,
+        # where those columns are past N and never stored).
+        n0 = k.reg("u32", "sb_n0")
+        k.mul(n0, tiles.n_block, cfg.block_n, mode="lo")
+        k.shr(sb_row, n0, 7)
+        k.mul(r.sb_index, sb_row, r.sb_stride, mode="lo")
         k.mad(r.sb_ptr, r.sb_index, 4, r.sb_base, mode="wide")
+        if cfg.straddles:
+            k.add(sb_row, sb_row, 1)
+            k.min(sb_row, sb_row, -(-cfg.n // BLOCK_K) - 1)
+            k.mul(r.sb_index, sb_row, r.sb_stride, mode="lo")
+            k.mad(r.sb_ptr_hi, r.sb_index, 4, r.sb_base, mode="wide")
+            k.and_(n0, n0, BLOCK_K - 1)
+            k.sub(r.low_groups, BLOCK_K, n0)
+            k.shr(r.low_groups, r.low_groups, 3)   # 8-column groups in the first scale row
     bar, a_addr, b_addr, sa_addr = (k.reg("u32", n) for n in ("bar", "a_addr", "b_addr", "sa_addr"))
     desc_a, desc_b, lo = k.reg("b64", "desc_a"), k.reg("b64", "desc_b"), k.reg("b32", "desc_lo")
-    sa0, sa1, sb, s0, s1 = (k.reg("f32", n) for n in ("sa0", "sa1", "sb", "s0", "s1"))
+    sa0, sa1 = k.reg("f32", "sa0"), k.reg("f32", "sa1")
+    sb = k.regs("f32", 1 + cfg.straddles, "sb")
+    # scale[block][h]: sa of the thread's row (h = 0) or row + 8 (h = 1) times sb of scale row `block`
+    scale = [k.regs("f32", 2, f"scale{block}_") for block in range(1 + cfg.straddles)]
     with k.stage("K loop: wgmma a K block into `part`, then promote into `acc`"):
         with k.loop(k.reg("u32", "kb"), cfg.k_blocks):
             k.mad(bar, r.stage, BARRIER_BYTES, base, mode="lo")
@@ -388,35 +487,58 @@ def _k_loop(k, cfg, base, tiles, r):
                     k.add(a_addr, a_addr, 32)  # the next 32 bytes of K inside the swizzle atom
                     k.add(b_addr, b_addr, 32)
             k.wgmma_commit_group()
-            k.wgmma_wait_group(0)
+            # The scales load while the wgmma runs.
             k.mad(sa_addr, r.stage, cfg.sa_stage_bytes, base, mode="lo")
             k.add(sa_addr, sa_addr, cfg.sa_offset)
             k.mad(sa_addr, r.row_in_tile, 4, sa_addr, mode="lo")
             k.ld(sa0, addr(sa_addr), space="shared")
             k.ld(sa1, addr(sa_addr, 8 * 4), space="shared")
+            for block, ptr in enumerate(r.sb_ptrs):
+                k.ld(sb[block], addr(ptr), nc=True)
+                k.add(ptr, ptr, 4)
+                k.mul(scale[block][0], sa0, sb[block])
+                k.mul(scale[block][1], sa1, sb[block])
+            k.wgmma_wait_group(0)
             k.add(bar, bar, cfg.empty_offset - cfg.full_offset)
             k.mbarrier_arrive(addr(bar))  # this thread is done with the stage
-            k.ld(sb, addr(r.sb_ptr), nc=True)
-            k.add(r.sb_ptr, r.sb_ptr, 4)
-            k.mul(s0, sa0, sb)
-            k.mul(s1, sa1, sb)
-            for i, (a, part) in enumerate(zip(r.acc, r.part)):
-                k.fma(a, part, s1 if (i >> 1) & 1 else s0, a)  # registers 2, 3 of 4: row + 8
+            _promote(k, cfg, r, scale)
             next_stage(k, r.stage, r.phase, cfg.stages)
 
 
-D_HALF = 64  # columns per TMA store box: 64 bf16 = 128 bytes, the swizzle's row
+def _promote(k, cfg, r, scale):
+    """acc += part * sa * sb. The thread's accumulators come in 8-column groups of 4:
+    (row, 2 columns) then (row + 8, the same 2 columns). A straddling tile picks each
+    group's B scale by comparing the group with the tile's first group in the next scale row."""
+    low = k.pred("low_scale_row")
+    chosen = k.regs("f32", 2, "group_scale")
+    for group in range(cfg.block_n // 8):
+        if cfg.straddles:
+            k.setp("gt", low, r.low_groups, group, type="u32")
+            for h in range(2):
+                k.selp(chosen[h], scale[0][h], scale[1][h], low)
+            row_scales = chosen
+        else:
+            row_scales = scale[0]
+        for i in range(4 * group, 4 * group + 4):
+            k.fma(r.acc[i], r.part[i], row_scales[(i >> 1) & 1], r.acc[i])
 
 
 def _epilogue(k, cfg, tiles, r):
-    """The warpgroup's 64 x BLOCK_N slice of the tile, through shared memory, out by TMA."""
+    """The warpgroup's 64 x BLOCK_N slice of the tile, through shared memory, out by TMA.
+
+    The D tile is a row of store boxes, each block_m rows x d_box_cols columns
+    (2 * d_box_cols bytes a row), the warpgroup's 64 rows at r.d_smem within each."""
     leader, barrier = r.wg_leader, r.wg_barrier
+    cols = cfg.d_box_cols
+    chunks = 2 * cols // 16                 # 16-byte chunks in a box row: 8, 4, 2 or 1
+    box_bytes = cfg.block_m * cols * 2
     with k.stage("epilogue: wait for the previous store to have read the D tile"):
         with k.guard(leader):
             k.cp_async_bulk_wait_group(0, read=True)
         k.bar_sync(barrier, 128)
     with k.stage("epilogue: bf16 pairs into the swizzled D tile"):
-        # Row r of a 128-byte-swizzled half holds its 16-byte chunk c at chunk c ^ (r % 8).
+        # TMA's swizzle of 2 * cols-byte rows: chunk c of row r sits at chunk c ^ (r / (8 / chunks))
+        # % chunks (the swizzle pattern repeats every 8 rows of 128 bytes): conflict-free stores.
         row = k.reg("u32", "d_row")
         rows = k.regs("u32", 2, "d_row_base")
         swz = k.regs("u32", 2, "d_swizzle")
@@ -425,18 +547,23 @@ def _epilogue(k, cfg, tiles, r):
         k.shl(byte_in_chunk, byte_in_chunk, 2)
         for half in range(2):  # rows within the warpgroup's slice: d_smem starts at its row 0
             k.add(row, r.row_in_wg, 8 * half)
-            k.and_(swz[half], row, 7)
-            k.mad(rows[half], row, D_HALF * 2, r.d_smem, mode="lo")
+            if chunks > 1:
+                k.shr(swz[half], row, (8 // chunks).bit_length() - 1)
+                k.and_(swz[half], swz[half], chunks - 1)
+            k.mad(rows[half], row, cols * 2, r.d_smem, mode="lo")
             k.add(rows[half], rows[half], byte_in_chunk)
         packed, at, chunk = k.reg("b32", "packed"), k.reg("u32", "d_at"), k.reg("u32", "d_chunk")
         for group in range(cfg.block_n // 8):
-            sub, chunk_index = divmod(group, D_HALF // 8)
+            box, chunk_index = divmod(group, chunks)
             for half in range(2):
                 i = 4 * group + 2 * half
                 k.cvt(packed, r.acc[i + 1], r.acc[i], dtype="bf16x2", rnd="rn")
-                k.xor(chunk, swz[half], chunk_index)
-                k.mad(at, chunk, 16, rows[half], mode="lo")
-                k.st(addr(at, sub * cfg.block_m * D_HALF * 2), packed, space="shared", type="b32")
+                if chunks > 1:
+                    k.xor(chunk, swz[half], chunk_index)
+                    k.mad(at, chunk, 16, rows[half], mode="lo")
+                    k.st(addr(at, box * box_bytes), packed, space="shared", type="b32")
+                else:
+                    k.st(addr(rows[half], box * box_bytes), packed, space="shared", type="b32")
         k.fence_proxy_async()  # the TMA store reads what these ordinary stores wrote
         k.bar_sync(barrier, 128)
     with k.stage("epilogue: one thread stores the slice with TMA (clipped at the edges)"):
@@ -445,8 +572,8 @@ def _epilogue(k, cfg, tiles, r):
             k.mul(y, tiles.m_block, cfg.block_m, mode="lo", type="s32")
             k.mad(y, r.wg, 64, y, mode="lo", type="s32")
             src = k.reg("u32", "d_src")
-            for sub in range(cfg.block_n // D_HALF):
-                k.mad(x, tiles.n_block, cfg.block_n, sub * D_HALF, mode="lo", type="s32")
-                k.add(src, r.d_smem, sub * cfg.block_m * D_HALF * 2)
+            for box in range(cfg.block_n // cols):
+                k.mad(x, tiles.n_block, cfg.block_n, box * cols, mode="lo", type="s32")
+                k.add(src, r.d_smem, box * box_bytes)
                 k.cp_async_bulk_tensor_store(r.tmap_d, [x, y], addr(src))
             k.cp_async_bulk_commit_group()

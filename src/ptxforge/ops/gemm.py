@@ -34,14 +34,17 @@ def get_num_sms(device_index: int | None = None) -> int:
     return _num_sms or device_arch(device_index).sm_count
 
 
+@functools.lru_cache(maxsize=4096)
+def _config(device_index: int, m: int, n: int, k: int, sms: int):
+    """The tile shape for one problem (M is a run-time argument of the kernel, but the
+    best tile depends on it)."""
+    return gemm_kernel.choose_config(device_arch(device_index), m, n, k, sms)
+
+
 @functools.lru_cache(maxsize=None)
-def _kernel(device_index: int, small_m: bool, n: int, k: int):
-    """(config, launcher) for one device, M bucket and (N, K)."""
-    arch = device_arch(device_index)
-    cfg = gemm_kernel.choose_config(arch, gemm_kernel.SMALL_M if small_m else 2 * gemm_kernel.SMALL_M,
-                                    n, k)
+def _launcher(device_index: int, cfg):
     compiled = jit.build(gemm_kernel.generate(cfg))
-    return cfg, compiled.load(device_index).launcher(cfg.threads, cfg.dynamic_shared_bytes)
+    return compiled.load(device_index).launcher(cfg.threads, cfg.dynamic_shared_bytes)
 
 
 def fp8_gemm_nt(a, b, d: torch.Tensor, c: torch.Tensor | None = None) -> None:
@@ -83,16 +86,17 @@ def fp8_gemm_nt(a, b, d: torch.Tensor, c: torch.Tensor | None = None) -> None:
                      row_span(sb_ptr, sb_shape[0], sb_strides[0], groups, 4))
     if m == 0:
         return
-    cfg, launcher = _kernel(device, m <= gemm_kernel.SMALL_M, n, k)
-    resident = get_num_sms(device) * cfg.ctas_per_sm
+    sms = get_num_sms(device)
+    cfg = _config(device, m, n, k, sms)
+    launcher = _launcher(device, cfg)
     tmap_a = encode_tiled(a_ptr, "float8_e4m3fn", (k, m), (a_strides[0],),
                           (gemm_kernel.BLOCK_K, cfg.block_m), swizzle=128)
     tmap_b = encode_tiled(b_ptr, "float8_e4m3fn", (k, n), (b_strides[0],),
                           (gemm_kernel.BLOCK_K, cfg.block_n), swizzle=128)
     tmap_sa = encode_tiled(sa_ptr, "float32", (m, groups), (4 * sa_column,), (cfg.block_m, 1))
     tmap_d = encode_tiled(d_ptr, "bfloat16", (n, m), (2 * d_strides[0],),
-                          (gemm_kernel.D_HALF, 64), swizzle=128)
+                          (cfg.d_box_cols, 64), swizzle=cfg.d_swizzle)
     m_tiles = ceil_div(m, cfg.block_m)
-    grid = min(m_tiles * cfg.n_tiles, resident)  # persistent: no more CTAs than fit at once
+    grid = min(m_tiles * cfg.n_tiles, sms * cfg.ctas_per_sm)  # persistent: no more CTAs than fit at once
     launcher((grid, 1, 1), current_stream(device),
              (tmap_a, tmap_b, tmap_sa, tmap_d, sb_ptr, m_tiles, sb_strides[0]))

@@ -1,0 +1,79 @@
+"""FP8 GEMM tile shapes on DeepGEMM's 18 dense shapes: every shape under the heuristic's
+choice and a set of alternatives, each checked against fp64 and timed (median of 30, L2
+flushed), beside cuBLAS blockwise. The data the tile-choice model is fitted to.
+
+    python bench/gemm_sweep.py [out.json]
+"""
+
+import json
+import sys
+
+import torch
+
+from ptxforge import ops, reference
+from ptxforge.bench import GEMM_SHAPES, Timer, _torch_blockwise
+from ptxforge.checks import calc_diff
+from ptxforge.kernels import sm90_fp8_gemm_1d2d as gemm
+from ptxforge.ops import _common
+from ptxforge.ops import gemm as gemm_ops
+
+arch = _common.device_arch(0)
+sms = arch.sm_count
+timer = Timer()
+chosen_config = gemm_ops._config
+
+
+def alternatives(m, n, k):
+    shapes = {(64, bn) for bn in (16, 32, 48, 64, 96, 128)} if m <= 128 else set()
+    if m > 64:
+        shapes |= {(128, bn) for bn in (64, 96, 112, 128, 144, 160, 192)}
+    for block_m, block_n in sorted(shapes):
+        try:
+            yield gemm.make_config(arch, n, k, block_m, block_n)
+        except ValueError:
+            pass
+
+
+rows = []
+for m, n, k in GEMM_SHAPES:
+    a = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+    b = torch.randn(n, k, device="cuda").to(torch.bfloat16)
+    qa, sa = ops.quantize_fp8_per_token(a)
+    qb, sb = ops.quantize_fp8_per_block(b)
+    ref = (reference.dequantize_per_token(qa, sa).double()
+           @ reference.dequantize_per_block(qb, sb).double().t())
+    flops = 2 * m * n * k
+    peer_ms = timer(_torch_blockwise(qa, sa, qb, sb))
+    choice = chosen_config(0, m, n, k, sms)
+    results = []
+    for cfg in [choice] + [c for c in alternatives(m, n, k) if c != choice]:
+        gemm_ops._config = lambda *args, cfg=cfg: cfg
+        d = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        ops.fp8_gemm_nt((qa, sa), (qb, sb), d)
+        diff = calc_diff(d, ref)
+        ok = diff < 1e-3 and not torch.isnan(d).any()
+        ms = timer(lambda: ops.fp8_gemm_nt((qa, sa), (qb, sb), d))
+        tiles = -(-m // cfg.block_m) * cfg.n_tiles
+        results.append({"block_m": cfg.block_m, "block_n": cfg.block_n, "stages": cfg.stages,
+                        "tiles": tiles, "ms": ms, "tflops": flops / ms / 1e9, "ok": bool(ok),
+                        "calc_diff": diff, "model": -(-tiles // sms) * gemm.tile_clocks(
+                            cfg.block_m, cfg.block_n) * cfg.k_blocks})
+    gemm_ops._config = chosen_config
+    best = max((r for r in results if r["ok"]), key=lambda r: r["tflops"])
+    rows.append({"m": m, "n": n, "k": k, "blockwise_tflops": flops / peer_ms / 1e9,
+                 "chosen": results[0], "best": best, "all": results})
+    bad = [f"{r['block_m']}x{r['block_n']}" for r in results if not r["ok"]]
+    print(f"{m:5d} {n:6d} {k:6d} cuBLAS {flops / peer_ms / 1e9:6.0f} | chosen "
+          f"{results[0]['block_m']}x{results[0]['block_n']:<3d} {results[0]['tflops']:6.0f} | best "
+          f"{best['block_m']}x{best['block_n']:<3d} {best['tflops']:6.0f} | "
+          + " ".join(f"{r['block_m']}x{r['block_n']}:{r['tflops']:.0f}" for r in results[1:])
+          + (f" | WRONG: {bad}" if bad else ""), flush=True)
+    del a, b, qa, qb, ref
+
+chosen = [r["blockwise_tflops"] / r["chosen"]["tflops"] for r in rows]
+best = [r["blockwise_tflops"] / r["best"]["tflops"] for r in rows]
+geo = lambda xs: float(torch.tensor(xs).log().mean().neg().exp())
+print(f"geomean speedup vs cuBLAS blockwise: chosen {geo(chosen):.3f}x, best per shape {geo(best):.3f}x")
+if len(sys.argv) > 1:
+    with open(sys.argv[1], "w") as f:
+        json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
