@@ -24,12 +24,13 @@ chosen_config = gemm_ops._config
 
 
 def alternatives(m, n, k):
-    shapes = {(64, bn) for bn in (16, 32, 48, 64, 96, 128)} if m <= 128 else set()
-    if m > 64:
-        shapes |= {(128, bn) for bn in (64, 96, 112, 128, 144, 160, 192)}
-    for block_m, block_n in sorted(shapes):
+    if m <= 128:
+        shapes = {(64, bn, 1) for bn in (16, 32, 64, 128)} | {(128, bn, 1) for bn in (64, 128)}
+    else:
+        shapes = {(128, bn, mc) for bn in (64, 128, 144, 160, 192) for mc in (1, 2)}
+    for block_m, block_n, multicast in sorted(shapes):
         try:
-            yield gemm.make_config(arch, n, k, block_m, block_n)
+            yield gemm.make_config(arch, n, k, block_m, block_n, multicast=multicast)
         except ValueError:
             pass
 
@@ -55,18 +56,19 @@ for m, n, k in GEMM_SHAPES:
         ms = timer(lambda: ops.fp8_gemm_nt((qa, sa), (qb, sb), d))
         tiles = -(-m // cfg.block_m) * cfg.n_tiles
         results.append({"block_m": cfg.block_m, "block_n": cfg.block_n, "stages": cfg.stages,
+                        "multicast": cfg.multicast, "resident_clusters": gemm_ops._launcher(0, cfg)[1],
                         "tiles": tiles, "ms": ms, "tflops": flops / ms / 1e9, "ok": bool(ok),
-                        "calc_diff": diff, "model": -(-tiles // sms) * gemm.tile_clocks(
-                            cfg.block_m, cfg.block_n) * cfg.k_blocks})
+                        "calc_diff": diff, "model_clocks": gemm.estimate_clocks(cfg, m, sms)})
     gemm_ops._config = chosen_config
-    best = max((r for r in results if r["ok"]), key=lambda r: r["tflops"])
+    best = max((r for r in results if r["ok"]), key=lambda r: r["tflops"], default=results[0])
     rows.append({"m": m, "n": n, "k": k, "blockwise_tflops": flops / peer_ms / 1e9,
                  "chosen": results[0], "best": best, "all": results})
-    bad = [f"{r['block_m']}x{r['block_n']}" for r in results if not r["ok"]]
-    print(f"{m:5d} {n:6d} {k:6d} cuBLAS {flops / peer_ms / 1e9:6.0f} | chosen "
-          f"{results[0]['block_m']}x{results[0]['block_n']:<3d} {results[0]['tflops']:6.0f} | best "
-          f"{best['block_m']}x{best['block_n']:<3d} {best['tflops']:6.0f} | "
-          + " ".join(f"{r['block_m']}x{r['block_n']}:{r['tflops']:.0f}" for r in results[1:])
+    tag = lambda r: f"{r['block_m']}x{r['block_n']}" + (
+        f"m{r['resident_clusters']}" if r["multicast"] > 1 else "")
+    bad = [tag(r) for r in results if not r["ok"]]
+    print(f"{m:5d} {n:6d} {k:6d} cuBLAS {flops / peer_ms / 1e9:5.0f} | chosen {tag(results[0]):8s}"
+          f"{results[0]['tflops']:5.0f} | best {tag(best):8s}{best['tflops']:5.0f} | "
+          + " ".join(f"{tag(r)}:{r['tflops']:.0f}" for r in results[1:])
           + (f" | WRONG: {bad}" if bad else ""), flush=True)
     del a, b, qa, qb, ref
 

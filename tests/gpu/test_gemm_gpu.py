@@ -121,16 +121,17 @@ def test_every_tile_shape(monkeypatch):
 
     arch = _common.device_arch(torch.cuda.current_device())
     failures = []
-    for block_m in (64, 128):
-        for block_n in gemm.block_n_candidates(arch):
-            try:
-                cfg = gemm.make_config(arch, 1000, 640, block_m, block_n)
-            except ValueError:
-                continue  # does not fit the registers
-            monkeypatch.setattr(gemm_ops, "_config", lambda *args, cfg=cfg: cfg)
-            for m in (1, 200):
-                d, ref, _, _ = run(m, 1000, 640)
-                diff = calc_diff(d, ref)
-                if torch.isnan(d).any() or not diff < 1e-3 or not relative_error(d, ref) <= 2e-3:
-                    failures.append((block_m, block_n, m, diff))
+    shapes = [(bm, bn, 1) for bm in (64, 128) for bn in gemm.block_n_candidates(arch)]
+    shapes += [(128, bn, 2) for bn in (64, 128, 144, 160)]  # 2-CTA clusters sharing A
+    for block_m, block_n, multicast in shapes:
+        try:
+            cfg = gemm.make_config(arch, 1000, 640, block_m, block_n, multicast=multicast)
+        except ValueError:
+            continue  # does not fit the registers, or an odd tile count for multicast
+        monkeypatch.setattr(gemm_ops, "_config", lambda *args, cfg=cfg: cfg)
+        for m in (1, 200, 700):
+            d, ref, _, _ = run(m, 1000, 640)
+            diff = calc_diff(d, ref)
+            if torch.isnan(d).any() or not diff < 1e-3 or not relative_error(d, ref) <= 2e-3:
+                failures.append((block_m, block_n, multicast, m, diff))
     assert not failures, failures

@@ -226,6 +226,22 @@ class LoadedModule:
                         shared_bytes=shared_bytes, cluster=cluster,
                         context=primary_context(self.device_index))
 
+    def max_active_clusters(self, block: int, shared_bytes: int, cluster: int) -> int:
+        """How many clusters of ``cluster`` CTAs can run at once on the device: SMs of a
+        GPC that cannot hold a whole cluster stay out, so this can be less than SMs / cluster."""
+        cu = _cu()
+        self.allow_dynamic_shared(shared_bytes)
+        config = cu.CUlaunchConfig()
+        config.gridDimX, config.gridDimY, config.gridDimZ = cluster, 1, 1
+        config.blockDimX, config.blockDimY, config.blockDimZ = block, 1, 1
+        config.sharedMemBytes = shared_bytes
+        attr = cu.CUlaunchAttribute()
+        attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+        attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster, 1, 1
+        config.attrs, config.numAttrs = [attr], 1
+        with _ContextScope(self.device_index):
+            return call("cuOccupancyMaxActiveClusters", self.function, config)
+
     def allow_dynamic_shared(self, nbytes: int) -> None:
         """Raise the function's dynamic shared-memory limit (needed above 48 KiB)."""
         if nbytes > self._dynamic_shared_limit:

@@ -13,13 +13,17 @@ Warp roles (persistent CTAs walk the output tiles of block_m x block_n):
     warpgroups 1..  math      64 rows each: 4 x wgmma m64nNk32 per K block, wait, promote
                               (registers raised to what the residency leaves)
 
-Two shapes: large M takes 128 x 128 tiles (2 math warpgroups, one CTA an SM); M <= 128
-takes 64 x 64 tiles (1 math warpgroup, three CTAs an SM), for enough tiles to fill the SMs.
+Tiles are block_m (64 or 128: one math warpgroup per 64 rows) x block_n (16..256 in steps
+of 8); choose_config picks the shape by a model of waves x clocks per K block fitted to
+measurements (bench/gemm_sweep.py). From M = 512 on, two CTAs of a cluster may share the A
+tile of neighbouring tiles along N: each loads half of it with a TMA multicast into both.
 
 Pipeline, per K block kb (stage = kb % stages, phase flips each wrap):
 
-    producer:  wait empty[stage] -> expect_tx(full[stage]) -> TMA A, B, sa -> full[stage]
-    math:      wait full[stage] -> wgmma x4 -> wait -> read sa, arrive empty[stage] -> promote
+    producer:  wait empty[stage] -> expect_tx(full[stage]) -> TMA A (or its half, multicast),
+               B, sa -> full[stage]
+    math:      wait full[stage] -> wgmma x4 -> load sa, sb -> wait -> one lane per warp arrives
+               on empty[stage] of every CTA of the cluster -> promote
 
 Shared memory (A, B and D regions 1024-byte aligned for the 128-byte swizzle):
 
@@ -68,11 +72,12 @@ class Fp8GemmConfig:
     ctas_per_sm: int
     math_registers: int
     target: str
+    multicast: int = 1     # CTAs of a cluster sharing each A tile (neighbours along N)
 
     @property
     def name(self) -> str:
         return (f"sm90_fp8_gemm_1d2d_n{self.n}_k{self.k}_bm{self.block_m}_bn{self.block_n}"
-                f"_s{self.stages}_c{self.ctas_per_sm}")
+                f"_s{self.stages}_c{self.ctas_per_sm}_mc{self.multicast}")
 
     @property
     def math_warpgroups(self) -> int:
@@ -106,6 +111,11 @@ class Fp8GemmConfig:
         """The store boxes' swizzle: a box row is 2 * d_box_cols bytes; 16-byte rows need none."""
         row = 2 * self.d_box_cols
         return row if row >= 32 else 0
+
+    @property
+    def a_box_rows(self) -> int:
+        """Rows of A one CTA loads per stage (and multicasts to the cluster)."""
+        return self.block_m // self.multicast
 
     @property
     def a_stage_bytes(self) -> int:
@@ -177,18 +187,25 @@ def _require_problem(arch: Arch, n: int, k: int) -> None:
 
 
 def make_config(arch: Arch, n: int, k: int, block_m: int, block_n: int,
-                ctas_per_sm: int = 1) -> Fp8GemmConfig:
+                ctas_per_sm: int = 1, multicast: int = 1) -> Fp8GemmConfig:
     """A config for one tile shape: as many stages as the CTA's share of shared memory
-    holds, and the math registers that residency leaves."""
+    holds, and the math registers that residency leaves. ``multicast`` 2: clusters of two
+    CTAs on neighbouring tiles of one block row, each loading half of the shared A tile."""
     _require_problem(arch, n, k)
     if block_m not in (64, 128) or block_n not in block_n_candidates(arch):
         raise ValueError(f"no FP8 GEMM tile {block_m} x {block_n}: block_m is 64 or 128, "
                          f"block_n one of {block_n_candidates(arch)}")
+    if multicast not in (1, 2) or -(-n // block_n) % multicast:
+        raise ValueError(f"multicast {multicast} needs 1 or 2 and a tile count along N "
+                         f"({-(-n // block_n)}) it divides")
+    if multicast > 1:
+        arch.require("clusters", "the FP8 GEMM's TMA multicast")
     math_wgs = block_m // 64
     budget = min(arch.shared_memory_per_sm // ctas_per_sm - arch.shared_memory_reserved_per_block,
                  arch.max_shared_memory_per_block)
     # The shared-memory plan (the config's offsets) decides the stages: as many as fit.
-    plan = lambda stages: Fp8GemmConfig(n, k, block_m, block_n, stages, ctas_per_sm, 0, arch.target)
+    plan = lambda stages: Fp8GemmConfig(n, k, block_m, block_n, stages, ctas_per_sm, 0, arch.target,
+                                        multicast)
     stages = max((s for s in range(1, MAX_STAGES + 1) if plan(s).dynamic_shared_bytes <= budget),
                  default=0)
     if stages < 2:
@@ -205,41 +222,55 @@ def make_config(arch: Arch, n: int, k: int, block_m: int, block_n: int,
     if block_n + MATH_REGISTERS_BESIDES_ACCUMULATORS > math_registers:
         raise ValueError(f"the FP8 GEMM's {block_m} x {block_n} tiles need more than the "
                          f"{math_registers} registers a math thread gets at {ctas_per_sm} CTA(s) an SM")
-    return Fp8GemmConfig(n, k, block_m, block_n, stages, ctas_per_sm, math_registers, arch.target)
+    return Fp8GemmConfig(n, k, block_m, block_n, stages, ctas_per_sm, math_registers, arch.target,
+                         multicast)
 
 
-# The tile-choice model, in tensor-core clocks per 128-wide K block of one tile:
-# the MMA itself (block_m * block_n * 128 * 2 flops at 8192 fp8 flops a clock an SM), a
-# fixed cost (barrier wait, wgmma latency, promotion not hidden), and the tile's operand
-# bytes at the L2 -> SM bandwidth an SM gets when all of them stream.
+# The tile-choice model, fitted to `bench/gemm_sweep.py` on an H200 (docs/performance.md).
+# A K block of one tile costs the longest of: one math warpgroup's dependent chain (wait
+# for the stage, wgmma, wait, promote: what bounds the small tiles), the MMA plus the
+# promotion of every math warpgroup (what bounds 128-row tiles: measured, the tensor cores
+# idle while the warpgroups promote), and the tile's operand bytes at what one SM takes in
+# from L2 (~37 bytes a clock measured). A tile straddling two B-scale rows pays for its
+# per-group scale choice; each tile adds the pipeline fill and the epilogue.
+CHAIN_CLOCKS = 500
+PROMOTE_CLOCKS_PER_COLUMN = 1.35   # per math warpgroup
+L2_BYTES_PER_CLOCK_PER_SM = 37
+STRADDLE_CLOCKS = 400
+TILE_CLOCKS = 3000
 MMA_FLOPS_PER_CLOCK = 8192
-FIXED_CLOCKS_PER_K_BLOCK = 160
-L2_BYTES_PER_CLOCK_PER_SM = 48
 
 
-def tile_clocks(block_m: int, block_n: int) -> float:
-    """The model's clocks per K block of one block_m x block_n tile."""
-    mma = block_m * block_n * BLOCK_K * 2 / MMA_FLOPS_PER_CLOCK
-    load = (block_m + block_n) * BLOCK_K / L2_BYTES_PER_CLOCK_PER_SM
-    return max(mma + FIXED_CLOCKS_PER_K_BLOCK, load)
+def estimate_clocks(cfg: Fp8GemmConfig, m: int, sms: int) -> float:
+    """The model's clocks for the whole problem on ``sms`` SMs: waves of tiles."""
+    mma = cfg.block_m * cfg.block_n * BLOCK_K * 2 / MMA_FLOPS_PER_CLOCK
+    promote = PROMOTE_CLOCKS_PER_COLUMN * cfg.block_n * cfg.math_warpgroups
+    load = (cfg.a_box_rows + cfg.block_n) * BLOCK_K / L2_BYTES_PER_CLOCK_PER_SM
+    k_block = max(CHAIN_CLOCKS, mma + promote, load) + STRADDLE_CLOCKS * cfg.straddles
+    tiles = -(-m // cfg.block_m) * cfg.n_tiles
+    waves = -(-tiles // (sms * cfg.ctas_per_sm))
+    return waves * (cfg.k_blocks * k_block + TILE_CLOCKS)
+
+
+MULTICAST_MIN_M = 512  # below, the tiles of a block row are too few to pair up
 
 
 def choose_config(arch: Arch, m: int, n: int, k: int, sms: int | None = None) -> Fp8GemmConfig:
-    """The tile shape whose waves of persistent tiles finish first by the model above
-    (ties: the narrower tile), on ``sms`` SMs (the device's by default)."""
+    """The config the model above finishes first on ``sms`` SMs (the device's by default);
+    ties go to the smaller tile."""
     _require_problem(arch, n, k)
     sms = sms or arch.sm_count
     best = None
     for block_m in (64,) if m <= 64 else (64, 128):
         for block_n in block_n_candidates(arch):
-            try:
-                cfg = make_config(arch, n, k, block_m, block_n)
-            except ValueError:
-                continue
-            tiles = -(-m // block_m) * cfg.n_tiles
-            estimate = -(-tiles // (sms * cfg.ctas_per_sm)) * tile_clocks(block_m, block_n)
-            if best is None or estimate < best[0]:
-                best = (estimate, cfg)
+            for multicast in (1, 2) if m >= MULTICAST_MIN_M and sms % 2 == 0 else (1,):
+                try:
+                    cfg = make_config(arch, n, k, block_m, block_n, multicast=multicast)
+                except ValueError:
+                    continue
+                estimate = estimate_clocks(cfg, m, sms)
+                if best is None or estimate < best[0]:
+                    best = (estimate, cfg)
     if best is None:
         raise ValueError(f"no FP8 GEMM tile fits N={n}, K={k} on {arch.target}")
     return best[1]
@@ -262,20 +293,31 @@ def generate(cfg: Fp8GemmConfig) -> KernelBuilder:
         with k.guard(thread0):
             for s in range(cfg.stages):
                 k.mbarrier_init(addr(base, cfg.full_offset + s * BARRIER_BYTES), 1)
+                # One arrival per math warp of every CTA whose loads fill this stage.
                 k.mbarrier_init(addr(base, cfg.empty_offset + s * BARRIER_BYTES),
-                                128 * cfg.math_warpgroups)
+                                4 * cfg.math_warpgroups * cfg.multicast)
             k.fence_mbarrier_init()
         k.fence_proxy_async()
-        k.bar_sync(0)
+        if cfg.multicast > 1:  # the peer's barriers exist before anything lands there
+            k.barrier_cluster_arrive(sem="release")
+            k.barrier_cluster_wait()
+        else:
+            k.bar_sync(0)
         warpgroup = k.reg("u32", "warpgroup")
         k.shr(warpgroup, tid, 7)
         is_producer = k.pred("is_producer")
         k.setp("eq", is_producer, warpgroup, 0)
 
+    finish = k.label("finish")
     with k.if_(is_producer, "producer_done", uniform=True):
         _producer(k, cfg, p, base, tid)
-        k.exit()
+        k.bra(finish, uniform=True)
     _math(k, cfg, p, base, tid, warpgroup)
+    k.place(finish)
+    if cfg.multicast > 1:
+        with k.stage("finish: no CTA leaves while its peer may still signal its barriers"):
+            k.barrier_cluster_arrive(sem="release")
+            k.barrier_cluster_wait()
     return k
 
 
@@ -290,17 +332,26 @@ def _params(k):
 
 
 class _Tiles:
-    """The persistent tile loop: tile = ctaid.x, ctaid.x + nctaid.x, ... < m_tiles * n_tiles,
-    mapped to (m_block, n_block) in raster groups of RASTER_GROUP block rows."""
+    """The persistent tile loop. A cluster of ``multicast`` CTAs takes tile groups
+    g = cluster, cluster + clusters, ... < m_tiles * n_tiles / multicast; group g is
+    (m_block, n_group) in raster groups of RASTER_GROUP block rows, and the CTA of rank r
+    takes n_block = n_group * multicast + r (so the cluster shares m_block: A)."""
 
     def __init__(self, k, cfg, p):
         self.k, self.cfg = k, cfg
+        self.n_groups = cfg.n_tiles // cfg.multicast
         self.m_tiles, self.count = k.reg("u32", "m_tiles"), k.reg("u32", "tiles")
         k.ld_param(self.m_tiles, p.m_tiles)
-        k.mul(self.count, self.m_tiles, cfg.n_tiles, mode="lo")
+        k.mul(self.count, self.m_tiles, self.n_groups, mode="lo")
         self.first, self.step = k.reg("u32", "first_tile"), k.reg("u32", "tile_step")
-        k.mov(self.first, sreg.ctaid.x)
-        k.mov(self.step, sreg.nctaid.x)
+        if cfg.multicast > 1:
+            self.rank = k.reg("u32", "cta_rank")
+            k.mov(self.rank, sreg.cluster_ctarank)
+            k.mov(self.first, sreg.clusterid.x)
+            k.mov(self.step, sreg.nclusterid.x)
+        else:
+            k.mov(self.first, sreg.ctaid.x)
+            k.mov(self.step, sreg.nctaid.x)
         self.m_block, self.n_block = k.reg("u32", "m_block"), k.reg("u32", "n_block")
         self._rows, self._group = k.reg("u32", "group_rows"), k.reg("u32", "group")
 
@@ -311,7 +362,7 @@ class _Tiles:
     def coordinates(self, tile) -> None:
         """m_block, n_block of ``tile`` (about 30 instructions, once per tile)."""
         k, group, rows = self.k, self._group, self._rows
-        tiles_per_group = RASTER_GROUP * self.cfg.n_tiles
+        tiles_per_group = RASTER_GROUP * self.n_groups
         k.div(group, tile, tiles_per_group, type="u32")
         k.mul(self.m_block, group, RASTER_GROUP, mode="lo")      # the group's first block row
         k.sub(rows, self.m_tiles, self.m_block)
@@ -320,6 +371,8 @@ class _Tiles:
         k.rem(self.n_block, group, rows)
         k.add(self.m_block, self.m_block, self.n_block)
         k.div(self.n_block, group, rows, type="u32")
+        if self.cfg.multicast > 1:
+            k.mad(self.n_block, self.n_block, self.cfg.multicast, self.rank, mode="lo")
 
 
 def _producer(k, cfg, p, base, tid):
@@ -339,6 +392,9 @@ def _producer(k, cfg, p, base, tid):
             tmap_a, tmap_b, tmap_sa = maps
             tiles = _Tiles(k, cfg, p)
             m0, n0 = k.reg("s32", "m0"), k.reg("s32", "n0")
+            if cfg.multicast > 1:
+                m0_share, everyone = k.reg("s32", "m0_share"), k.reg("b16", "cluster_mask")
+                k.mov(everyone, (1 << cfg.multicast) - 1)
             stage, phase = k.reg("u32", "p_stage"), k.reg("u32", "p_phase")
             k.mov(stage, 0)
             k.mov(phase, 0)
@@ -349,6 +405,8 @@ def _producer(k, cfg, p, base, tid):
                 tiles.coordinates(tile)
                 k.mul(m0, tiles.m_block, cfg.block_m, mode="lo", type="s32")
                 k.mul(n0, tiles.n_block, cfg.block_n, mode="lo", type="s32")
+                if cfg.multicast > 1:
+                    k.mad(m0_share, tiles.rank, cfg.a_box_rows, m0, mode="lo", type="s32")
                 with k.loop(k.reg("u32", "p_kb"), cfg.k_blocks) as kb:
                     k.mad(bar_empty, stage, BARRIER_BYTES, base, mode="lo")
                     k.add(bar_empty, bar_empty, cfg.empty_offset)
@@ -358,12 +416,18 @@ def _producer(k, cfg, p, base, tid):
                     k.add(bar_full, bar_full, cfg.full_offset)
                     k.mbarrier_arrive_expect_tx(addr(bar_full), cfg.tx_bytes)
                     k.mad(dst_a, stage, cfg.a_stage_bytes, base, mode="lo")
+                    if cfg.multicast > 1:
+                        k.mad(dst_a, tiles.rank, cfg.a_box_rows * BLOCK_K, dst_a, mode="lo")
                     k.mad(dst_b, stage, cfg.b_stage_bytes, base, mode="lo")
                     k.add(dst_b, dst_b, cfg.b_offset)
                     k.mad(dst_sa, stage, cfg.sa_stage_bytes, base, mode="lo")
                     k.add(dst_sa, dst_sa, cfg.sa_offset)
                     k.mul(kx, kb, BLOCK_K, mode="lo", type="s32")
-                    k.cp_async_bulk_tensor_load(addr(dst_a), tmap_a, [kx, m0], addr(bar_full))
+                    if cfg.multicast > 1:  # this CTA's share of A, into every CTA of the cluster
+                        k.cp_async_bulk_tensor_load(addr(dst_a), tmap_a, [kx, m0_share],
+                                                    addr(bar_full), multicast_mask=everyone)
+                    else:
+                        k.cp_async_bulk_tensor_load(addr(dst_a), tmap_a, [kx, m0], addr(bar_full))
                     k.cp_async_bulk_tensor_load(addr(dst_b), tmap_b, [kx, n0], addr(bar_full))
                     k.cp_async_bulk_tensor_load(addr(dst_sa), tmap_sa, [m0, kb], addr(bar_full))
                     next_stage(k, stage, phase, cfg.stages)
@@ -422,6 +486,8 @@ def _math(k, cfg, p, base, tid, warpgroup):
         r.d_smem = k.reg("u32", "d_smem")
         k.mad(r.d_smem, r.wg, 64 * cfg.d_box_cols * 2, base, mode="lo")
         k.add(r.d_smem, r.d_smem, cfg.d_offset)
+        r.arrive_lane = k.pred("arrive_lane")
+        k.setp("lt", r.arrive_lane, r.lane, cfg.multicast)
         r.wg_leader = k.pred("wg_leader")
         wg_thread = k.reg("u32", "wg_thread")
         k.and_(wg_thread, tid, 127)
@@ -463,6 +529,7 @@ def _k_loop(k, cfg, base, tiles, r):
             k.sub(r.low_groups, BLOCK_K, n0)
             k.shr(r.low_groups, r.low_groups, 3)   # 8-column groups in the first scale row
     bar, a_addr, b_addr, sa_addr = (k.reg("u32", n) for n in ("bar", "a_addr", "b_addr", "sa_addr"))
+    remote_bar = k.reg("u32", "remote_bar") if cfg.multicast > 1 else None
     desc_a, desc_b, lo = k.reg("b64", "desc_a"), k.reg("b64", "desc_b"), k.reg("b32", "desc_lo")
     sa0, sa1 = k.reg("f32", "sa0"), k.reg("f32", "sa1")
     sb = k.regs("f32", 1 + cfg.straddles, "sb")
@@ -500,7 +567,13 @@ def _k_loop(k, cfg, base, tiles, r):
                 k.mul(scale[block][1], sa1, sb[block])
             k.wgmma_wait_group(0)
             k.add(bar, bar, cfg.empty_offset - cfg.full_offset)
-            k.mbarrier_arrive(addr(bar))  # this thread is done with the stage
+            # The warp is done with the stage: lane r tells CTA r of the cluster.
+            with k.guard(r.arrive_lane):
+                if cfg.multicast > 1:
+                    k.mapa(remote_bar, bar, r.lane)
+                    k.mbarrier_arrive(addr(remote_bar), remote=True)
+                else:
+                    k.mbarrier_arrive(addr(bar))
             _promote(k, cfg, r, scale)
             next_stage(k, r.stage, r.phase, cfg.stages)
 

@@ -43,8 +43,12 @@ def _config(device_index: int, m: int, n: int, k: int, sms: int):
 
 @functools.lru_cache(maxsize=None)
 def _launcher(device_index: int, cfg):
-    compiled = jit.build(gemm_kernel.generate(cfg))
-    return compiled.load(device_index).launcher(cfg.threads, cfg.dynamic_shared_bytes)
+    """(launcher, clusters that fit on the device at once)."""
+    module = jit.build(gemm_kernel.generate(cfg)).load(device_index)
+    launcher = module.launcher(cfg.threads, cfg.dynamic_shared_bytes, cluster=cfg.multicast)
+    if cfg.multicast == 1:
+        return launcher, None
+    return launcher, module.max_active_clusters(cfg.threads, cfg.dynamic_shared_bytes, cfg.multicast)
 
 
 def fp8_gemm_nt(a, b, d: torch.Tensor, c: torch.Tensor | None = None) -> None:
@@ -88,15 +92,19 @@ def fp8_gemm_nt(a, b, d: torch.Tensor, c: torch.Tensor | None = None) -> None:
         return
     sms = get_num_sms(device)
     cfg = _config(device, m, n, k, sms)
-    launcher = _launcher(device, cfg)
+    launcher, resident_clusters = _launcher(device, cfg)
     tmap_a = encode_tiled(a_ptr, "float8_e4m3fn", (k, m), (a_strides[0],),
-                          (gemm_kernel.BLOCK_K, cfg.block_m), swizzle=128)
+                          (gemm_kernel.BLOCK_K, cfg.a_box_rows), swizzle=128)
     tmap_b = encode_tiled(b_ptr, "float8_e4m3fn", (k, n), (b_strides[0],),
                           (gemm_kernel.BLOCK_K, cfg.block_n), swizzle=128)
     tmap_sa = encode_tiled(sa_ptr, "float32", (m, groups), (4 * sa_column,), (cfg.block_m, 1))
     tmap_d = encode_tiled(d_ptr, "bfloat16", (n, m), (2 * d_strides[0],),
                           (cfg.d_box_cols, 64), swizzle=cfg.d_swizzle)
     m_tiles = ceil_div(m, cfg.block_m)
-    grid = min(m_tiles * cfg.n_tiles, sms * cfg.ctas_per_sm)  # persistent: no more CTAs than fit at once
+    # Persistent: no more CTAs (whole clusters) than run at once.
+    clusters = min(m_tiles * cfg.n_tiles, sms * cfg.ctas_per_sm) // cfg.multicast
+    if resident_clusters is not None:
+        clusters = min(clusters, resident_clusters)
+    grid = clusters * cfg.multicast
     launcher((grid, 1, 1), current_stream(device),
              (tmap_a, tmap_b, tmap_sa, tmap_d, sb_ptr, m_tiles, sb_strides[0]))
