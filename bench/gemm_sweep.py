@@ -10,9 +10,9 @@ import sys
 
 import torch
 
-from ptxforge import ops, reference
+from ptxforge import ops
 from ptxforge.bench import GEMM_SHAPES, Timer, _torch_blockwise
-from ptxforge.checks import calc_diff
+from ptxforge.checks import calc_diff, fp8_gemm_operands
 from ptxforge.kernels import sm90_fp8_gemm_1d2d as gemm
 from ptxforge.ops import _common
 from ptxforge.ops import gemm as gemm_ops
@@ -37,12 +37,7 @@ def alternatives(m, n, k):
 
 rows = []
 for m, n, k in GEMM_SHAPES:
-    a = torch.randn(m, k, device="cuda").to(torch.bfloat16)
-    b = torch.randn(n, k, device="cuda").to(torch.bfloat16)
-    qa, sa = ops.quantize_fp8_per_token(a)
-    qb, sb = ops.quantize_fp8_per_block(b)
-    ref = (reference.dequantize_per_token(qa, sa).double()
-           @ reference.dequantize_per_block(qb, sb).double().t())
+    (qa, sa), (qb, sb), ref = fp8_gemm_operands(m, n, k)
     flops = 2 * m * n * k
     peer_ms = timer(_torch_blockwise(qa, sa, qb, sb))
     choice = chosen_config(0, m, n, k, sms)
@@ -70,7 +65,7 @@ for m, n, k in GEMM_SHAPES:
           f"{results[0]['tflops']:5.0f} | best {tag(best):8s}{best['tflops']:5.0f} | "
           + " ".join(f"{tag(r)}:{r['tflops']:.0f}" for r in results[1:])
           + (f" | WRONG: {bad}" if bad else ""), flush=True)
-    del a, b, qa, qb, ref
+    del qa, qb, ref
 
 chosen = [r["blockwise_tflops"] / r["chosen"]["tflops"] for r in rows]
 best = [r["blockwise_tflops"] / r["best"]["tflops"] for r in rows]

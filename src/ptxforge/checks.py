@@ -126,13 +126,20 @@ def check_rms_norm_quantize(m: int, k: int, device="cuda") -> list[CheckResult]:
                         relative_error(reference.dequantize_per_token(q, s), ref), 5e-2)]
 
 
-def check_fp8_gemm(m: int, n: int, k: int, device="cuda") -> list[CheckResult]:
+def fp8_gemm_operands(m: int, n: int, k: int, device="cuda"):
+    """Fresh random GEMM operands, quantized as DeepGEMM's recipe does, and the fp64
+    product of their dequantized values: ``(qa, sa), (qb, sb), reference``."""
     qa, sa = ops.quantize_fp8_per_token(_randn((m, k), device))
     qb, sb = ops.quantize_fp8_per_block(_randn((n, k), device))
-    d = torch.full((m, n), float("nan"), device=device, dtype=torch.bfloat16)
-    ops.fp8_gemm_nt((qa, sa), (qb, sb), d)
     ref = (reference.dequantize_per_token(qa, sa).double()
            @ reference.dequantize_per_block(qb, sb).double().t())
+    return (qa, sa), (qb, sb), ref
+
+
+def check_fp8_gemm(m: int, n: int, k: int, device="cuda") -> list[CheckResult]:
+    (qa, sa), (qb, sb), ref = fp8_gemm_operands(m, n, k, device)
+    d = torch.full((m, n), float("nan"), device=device, dtype=torch.bfloat16)
+    ops.fp8_gemm_nt((qa, sa), (qb, sb), d)
     name = "fp8_gemm_nt"
     return [CheckResult(name, (m, n, k), "calc_diff vs fp64", calc_diff(d, ref), 1e-3),
             CheckResult(name, (m, n, k), "rel. error vs fp64", relative_error(d, ref), 2e-3),

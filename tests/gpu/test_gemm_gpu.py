@@ -4,24 +4,13 @@ import pytest
 import torch
 
 import ptxforge
-from ptxforge import reference
-from ptxforge.checks import calc_diff, relative_error
+from ptxforge.checks import calc_diff, fp8_gemm_operands, relative_error
 
 pytestmark = pytest.mark.gpu
 
 
-def make_operands(m: int, n: int, k: int):
-    a = torch.randn(m, k, device="cuda").to(torch.bfloat16)
-    b = torch.randn(n, k, device="cuda").to(torch.bfloat16)
-    qa, sa = ptxforge.quantize_fp8_per_token(a)
-    qb, sb = ptxforge.quantize_fp8_per_block(b)
-    ref = (reference.dequantize_per_token(qa, sa).double()
-           @ reference.dequantize_per_block(qb, sb).double().t())
-    return (qa, sa), (qb, sb), ref
-
-
 def run(m, n, k):
-    a, b, ref = make_operands(m, n, k)
+    a, b, ref = fp8_gemm_operands(m, n, k)
     d = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
     ptxforge.fp8_gemm_nt(a, b, d)
     torch.cuda.synchronize()
@@ -48,7 +37,7 @@ def test_bitwise_repeatable():
 
 
 def test_rejects_mismatched_k():
-    a, b, _ = make_operands(128, 128, 256)
+    a, b, _ = fp8_gemm_operands(128, 128, 256)
     d = torch.empty(128, 128, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="share K"):
         ptxforge.fp8_gemm_nt(a, (b[0][:, :128], b[1][:, :1]), d)
@@ -57,7 +46,7 @@ def test_rejects_mismatched_k():
 def test_deep_gemm_names_and_set_num_sms():
     import ptxforge.deep_gemm as deep_gemm
 
-    a, b, ref = make_operands(256, 512, 1024)
+    a, b, ref = fp8_gemm_operands(256, 512, 1024)
     d = torch.empty(256, 512, device="cuda", dtype=torch.bfloat16)
     full = deep_gemm.get_num_sms()
     try:
@@ -73,21 +62,21 @@ def test_deep_gemm_names_and_set_num_sms():
 
 
 def test_row_major_scales_are_converted():
-    a, b, ref = make_operands(200, 256, 384)
+    a, b, ref = fp8_gemm_operands(200, 256, 384)
     d = torch.empty(200, 256, device="cuda", dtype=torch.bfloat16)
     ptxforge.fp8_gemm_nt((a[0], a[1].contiguous()), b, d)
     assert calc_diff(d, ref) < 1e-3
 
 
 def test_output_aliasing_an_input_is_refused():
-    a, b, _ = make_operands(128, 128, 256)
+    a, b, _ = fp8_gemm_operands(128, 128, 256)
     alias = a[0].view(torch.bfloat16)  # a bf16 [128, 128] over A's bytes
     with pytest.raises(ValueError, match="overlaps an input"):
         ptxforge.fp8_gemm_nt(a, b, alias)
 
 
 def test_nan_in_an_operand_propagates():
-    a, b, _ = make_operands(128, 256, 512)
+    a, b, _ = fp8_gemm_operands(128, 256, 512)
     qa = a[0].clone()
     qa.view(torch.uint8)[5, 7] = 0x7F  # an e4m3 NaN in row 5
     d = torch.empty(128, 256, device="cuda", dtype=torch.bfloat16)
