@@ -466,11 +466,11 @@ def _math(k, cfg, p, base, tid, warpgroup):
         k.mad(r.row_in_tile, r.wg, 64, r.row_in_wg, mode="lo")
         r.acc = k.regs("f32", cfg.block_n // 2, "acc")
         r.part = k.regs("f32", cfg.block_n // 2, "part")
-        r.sb_base, r.sb_ptr = k.reg("u64", "sb_base"), k.reg("u64", "sb_ptr")
-        r.sb_ptrs = [r.sb_ptr]
+        r.sb_base = k.reg("u64", "sb_base")
+        # This tile's B scales: the row of its first column, and for a straddling tile the next.
+        r.sb_ptrs = k.regs("u64", 1 + cfg.straddles, "sb_ptr")
         if cfg.straddles:
-            r.sb_ptr_hi, r.low_groups = k.reg("u64", "sb_ptr_hi"), k.reg("u32", "low_groups")
-            r.sb_ptrs.append(r.sb_ptr_hi)
+            r.low_groups = k.reg("u32", "low_groups")
         r.sb_stride, r.sb_index = k.reg("u32", "sb_stride"), k.reg("u32", "sb_index")
         k.ld_param(r.sb_base, p.sb)
         k.ld_param(r.sb_stride, p.sb_row_stride)
@@ -519,12 +519,12 @@ def _k_loop(k, cfg, base, tiles, r):
         k.mul(n0, tiles.n_block, cfg.block_n, mode="lo")
         k.shr(sb_row, n0, 7)
         k.mul(r.sb_index, sb_row, r.sb_stride, mode="lo")
-        k.mad(r.sb_ptr, r.sb_index, 4, r.sb_base, mode="wide")
+        k.mad(r.sb_ptrs[0], r.sb_index, 4, r.sb_base, mode="wide")
         if cfg.straddles:
             k.add(sb_row, sb_row, 1)
             k.min(sb_row, sb_row, -(-cfg.n // BLOCK_K) - 1)
             k.mul(r.sb_index, sb_row, r.sb_stride, mode="lo")
-            k.mad(r.sb_ptr_hi, r.sb_index, 4, r.sb_base, mode="wide")
+            k.mad(r.sb_ptrs[1], r.sb_index, 4, r.sb_base, mode="wide")
             k.and_(n0, n0, BLOCK_K - 1)
             k.sub(r.low_groups, BLOCK_K, n0)
             k.shr(r.low_groups, r.low_groups, 3)   # 8-column groups in the first scale row
