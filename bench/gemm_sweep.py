@@ -44,6 +44,7 @@ for m, n, k in GEMM_SHAPES:
     results = []
     for cfg in [choice] + [c for c in alternatives(m, n, k) if c != choice]:
         gemm_ops._config = lambda *args, cfg=cfg: cfg
+        gemm_ops._plan.cache_clear()
         d = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
         ops.fp8_gemm_nt((qa, sa), (qb, sb), d)
         diff = calc_diff(d, ref)
@@ -55,6 +56,7 @@ for m, n, k in GEMM_SHAPES:
                         "tiles": tiles, "ms": ms, "tflops": flops / ms / 1e9, "ok": bool(ok),
                         "calc_diff": diff, "model_clocks": gemm.estimate_clocks(cfg, m, sms)})
     gemm_ops._config = chosen_config
+    gemm_ops._plan.cache_clear()
     best = max((r for r in results if r["ok"]), key=lambda r: r["tflops"], default=results[0])
     rows.append({"m": m, "n": n, "k": k, "blockwise_tflops": flops / peer_ms / 1e9,
                  "chosen": results[0], "best": best, "all": results})

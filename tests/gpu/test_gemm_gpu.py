@@ -101,7 +101,7 @@ def test_random_shapes():
     assert not failures, failures
 
 
-def test_every_tile_shape(monkeypatch):
+def test_every_tile_shape(monkeypatch, request):
     """Each tile shape the heuristic may pick (straddling B-scale rows, every store-box
     width), forced on shapes whose edges cut the tiles, against the fp64 reference."""
     from ptxforge.kernels import sm90_fp8_gemm_1d2d as gemm
@@ -109,6 +109,7 @@ def test_every_tile_shape(monkeypatch):
     from ptxforge.ops import gemm as gemm_ops
 
     arch = _common.device_arch(torch.cuda.current_device())
+    request.addfinalizer(gemm_ops._plan.cache_clear)  # no forced plan outlives the test
     failures = []
     shapes = [(bm, bn, 1) for bm in (64, 128) for bn in gemm.block_n_candidates(arch)]
     shapes += [(128, bn, 2) for bn in (64, 128, 144, 160)]  # 2-CTA clusters sharing A
@@ -118,6 +119,7 @@ def test_every_tile_shape(monkeypatch):
         except ValueError:
             continue  # does not fit the registers, or an odd tile count for multicast
         monkeypatch.setattr(gemm_ops, "_config", lambda *args, cfg=cfg: cfg)
+        gemm_ops._plan.cache_clear()  # plans hold the config they were made with
         for m in (1, 200, 700):
             d, ref, _, _ = run(m, 1000, 640)
             diff = calc_diff(d, ref)

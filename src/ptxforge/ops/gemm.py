@@ -34,10 +34,9 @@ def get_num_sms(device_index: int | None = None) -> int:
     return _num_sms or device_arch(device_index).sm_count
 
 
-@functools.lru_cache(maxsize=4096)
 def _config(device_index: int, m: int, n: int, k: int, sms: int):
     """The tile shape for one problem (M is a run-time argument of the kernel, but the
-    best tile depends on it)."""
+    best tile depends on it); _plan keeps the result."""
     return gemm_kernel.choose_config(device_arch(device_index), m, n, k, sms)
 
 
@@ -49,6 +48,20 @@ def _launcher(device_index: int, cfg):
     if cfg.multicast == 1:
         return launcher, None
     return launcher, module.max_active_clusters(cfg.threads, cfg.dynamic_shared_bytes, cfg.multicast)
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(device_index: int, m: int, n: int, k: int, sms: int):
+    """(config, launcher, grid, m_tiles): all a launch needs besides the tensors, worked
+    out once per problem so a call pays one cache lookup."""
+    cfg = _config(device_index, m, n, k, sms)
+    launcher, resident_clusters = _launcher(device_index, cfg)
+    m_tiles = ceil_div(m, cfg.block_m)
+    # Persistent: no more CTAs (whole clusters) than run at once.
+    clusters = min(m_tiles * cfg.n_tiles, sms * cfg.ctas_per_sm) // cfg.multicast
+    if resident_clusters is not None:
+        clusters = min(clusters, resident_clusters)
+    return cfg, launcher, clusters * cfg.multicast, m_tiles
 
 
 def fp8_gemm_nt(a, b, d: torch.Tensor, c: torch.Tensor | None = None) -> None:
@@ -90,9 +103,7 @@ def fp8_gemm_nt(a, b, d: torch.Tensor, c: torch.Tensor | None = None) -> None:
                      row_span(sb_ptr, sb_shape[0], sb_strides[0], groups, 4))
     if m == 0:
         return
-    sms = get_num_sms(device)
-    cfg = _config(device, m, n, k, sms)
-    launcher, resident_clusters = _launcher(device, cfg)
+    cfg, launcher, grid, m_tiles = _plan(device, m, n, k, get_num_sms(device))
     tmap_a = encode_tiled(a_ptr, "float8_e4m3fn", (k, m), (a_strides[0],),
                           (gemm_kernel.BLOCK_K, cfg.a_box_rows), swizzle=128)
     tmap_b = encode_tiled(b_ptr, "float8_e4m3fn", (k, n), (b_strides[0],),
@@ -100,11 +111,5 @@ def fp8_gemm_nt(a, b, d: torch.Tensor, c: torch.Tensor | None = None) -> None:
     tmap_sa = encode_tiled(sa_ptr, "float32", (m, groups), (4 * sa_column,), (cfg.block_m, 1))
     tmap_d = encode_tiled(d_ptr, "bfloat16", (n, m), (2 * d_strides[0],),
                           (cfg.d_box_cols, 64), swizzle=cfg.d_swizzle)
-    m_tiles = ceil_div(m, cfg.block_m)
-    # Persistent: no more CTAs (whole clusters) than run at once.
-    clusters = min(m_tiles * cfg.n_tiles, sms * cfg.ctas_per_sm) // cfg.multicast
-    if resident_clusters is not None:
-        clusters = min(clusters, resident_clusters)
-    grid = clusters * cfg.multicast
     launcher((grid, 1, 1), current_stream(device),
              (tmap_a, tmap_b, tmap_sa, tmap_d, sb_ptr, m_tiles, sb_strides[0]))
