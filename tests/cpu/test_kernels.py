@@ -101,8 +101,8 @@ def test_gemm_tile_widths_cover_at_most_two_scale_rows():
         assert all((j * bn) % 128 + bn <= 256 for j in range(128))
 
 
-@pytest.mark.parametrize("block_m, block_n", [(64, 16), (64, 24), (64, 56), (128, 112), (128, 144),
-                                              (128, 192)])
+@pytest.mark.parametrize("block_m, block_n", [(64, 16), (64, 24), (64, 56), (64, 192), (128, 112),
+                                              (128, 144), (128, 160)])
 def test_gemm_tile_shapes_assemble_without_spills(block_m, block_n):
     from ptxforge.kernels import sm90_fp8_gemm_1d2d as gemm
 
@@ -115,6 +115,15 @@ def test_gemm_tile_shapes_assemble_without_spills(block_m, block_n):
     assert ("selp.f32" in ptx) == cfg.straddles  # a B scale per 8-column group
     compiled = jit.build(gemm.generate(cfg))
     assert compiled.resources.spills == 0 and compiled.resources.stack_frame == 0
+
+
+def test_gemm_tiles_wider_than_the_registers_are_refused():
+    from ptxforge.kernels import sm90_fp8_gemm_1d2d as gemm
+
+    # 128-row tiles: two math warpgroups at 232 registers; 192 columns of acc and part
+    # leave too few for the rest (it spilled).
+    with pytest.raises(ValueError, match="registers"):
+        gemm.make_config(arch.get("sm_90a"), 2112, 7168, 128, 192)
 
 def test_gemm_multicast_shares_a_across_a_cluster_pair():
     from ptxforge.kernels import sm90_fp8_gemm_1d2d as gemm

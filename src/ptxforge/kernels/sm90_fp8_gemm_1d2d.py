@@ -166,7 +166,7 @@ class Fp8GemmConfig:
 
 MAX_STAGES = 16
 # Registers a math thread needs besides the accumulators (acc and part: block_n of them).
-MATH_REGISTERS_BESIDES_ACCUMULATORS = 40
+MATH_REGISTERS_BESIDES_ACCUMULATORS = 48
 
 
 def block_n_candidates(arch: Arch, max_block_n: int = 256) -> tuple[int, ...]:
@@ -455,6 +455,9 @@ def _math(k, cfg, p, base, tid, warpgroup):
         k.setmaxnreg(cfg.math_registers, increase=True)
         r.wg = k.reg("u32", "math_wg")
         k.sub(r.wg, warpgroup, 1)
+        # From lane 0: ptxas then knows it is the same in the whole warp and keeps what
+        # derives from it (the descriptors) in uniform registers.
+        k.shfl_sync(r.wg, r.wg, 0, mode="idx")
         r.lane, warp = k.reg("u32", "lane"), k.reg("u32", "warp_in_wg")
         k.and_(r.lane, tid, 31)
         k.shr(warp, tid, 5)
@@ -480,14 +483,28 @@ def _math(k, cfg, p, base, tid, warpgroup):
         r.stage, r.phase = k.reg("u32", "stage"), k.reg("u32", "phase")
         k.mov(r.stage, 0)
         k.mov(r.phase, 0)
-        r.hi = k.reg("b32", "desc_hi")
-        k.mov(r.hi, DESCRIPTOR_HI)
+        # Descriptors of stage 0 (this warpgroup's 64 rows of A; B): a stage and a K step
+        # only add a constant to them.
+        r.desc_a, r.desc_b = k.reg("b64", "desc_a0"), k.reg("b64", "desc_b0")
+        at, lo, hi = k.reg("u32", "desc_at"), k.reg("b32", "desc_lo"), k.reg("b32", "desc_hi")
+        k.mov(hi, DESCRIPTOR_HI)
+        k.mad(at, r.wg, 64 * BLOCK_K, base, mode="lo")
+        _descriptor(k, r.desc_a, at, lo, hi)
+        k.add(at, base, cfg.b_offset)
+        _descriptor(k, r.desc_b, at, lo, hi)
+        r.sa_row = k.reg("u32", "sa_row")       # the thread's row of sa in stage 0
+        k.mad(r.sa_row, r.row_in_tile, 4, base, mode="lo")
+        k.add(r.sa_row, r.sa_row, cfg.sa_offset)
         # The warpgroup's slice of the D tile: its 64 rows of each store box.
         r.d_smem = k.reg("u32", "d_smem")
         k.mad(r.d_smem, r.wg, 64 * cfg.d_box_cols * 2, base, mode="lo")
         k.add(r.d_smem, r.d_smem, cfg.d_offset)
         r.arrive_lane = k.pred("arrive_lane")
         k.setp("lt", r.arrive_lane, r.lane, cfg.multicast)
+        r.empty = base             # the empty barriers this thread arrives on (lane r: CTA r's)
+        if cfg.multicast > 1:
+            r.empty = k.reg("u32", "empty_bars")
+            k.mapa(r.empty, base, r.lane)
         r.wg_leader = k.pred("wg_leader")
         wg_thread = k.reg("u32", "wg_thread")
         k.and_(wg_thread, tid, 127)
@@ -528,52 +545,50 @@ def _k_loop(k, cfg, base, tiles, r):
             k.and_(n0, n0, BLOCK_K - 1)
             k.sub(r.low_groups, BLOCK_K, n0)
             k.shr(r.low_groups, r.low_groups, 3)   # 8-column groups in the first scale row
-    bar, a_addr, b_addr, sa_addr = (k.reg("u32", n) for n in ("bar", "a_addr", "b_addr", "sa_addr"))
-    remote_bar = k.reg("u32", "remote_bar") if cfg.multicast > 1 else None
-    desc_a, desc_b, lo = k.reg("b64", "desc_a"), k.reg("b64", "desc_b"), k.reg("b32", "desc_lo")
+    desc_a, desc_b = k.reg("b64", "desc_a"), k.reg("b64", "desc_b")
     sa0, sa1 = k.reg("f32", "sa0"), k.reg("f32", "sa1")
+    # sb of the next K block (one load ahead: its latency hides behind a K block).
     sb = k.regs("f32", 1 + cfg.straddles, "sb")
+    for block, ptr in enumerate(r.sb_ptrs):
+        k.ld(sb[block], addr(ptr), nc=True)
     # scale[block][h]: sa of the thread's row (h = 0) or row + 8 (h = 1) times sb of scale row `block`
     scale = [k.regs("f32", 2, f"scale{block}_") for block in range(1 + cfg.straddles)]
+
+    stage_a, stage_b = k.reg("b64", "stage_desc_a"), k.reg("b64", "stage_desc_b")
+    offset, at = k.reg("u64", "stage_desc_offset"), k.reg("u32", "stage_at")
+    more = k.pred("more")
     with k.stage("K loop: wgmma a K block into `part`, then promote into `acc`"):
-        with k.loop(k.reg("u32", "kb"), cfg.k_blocks):
-            k.mad(bar, r.stage, BARRIER_BYTES, base, mode="lo")
-            k.add(bar, bar, cfg.full_offset)
-            wait_parity(k, addr(bar), r.phase, "wait_full")
-            k.mad(a_addr, r.stage, cfg.a_stage_bytes, base, mode="lo")
-            k.mad(a_addr, r.wg, 64 * BLOCK_K, a_addr, mode="lo")
-            k.mad(b_addr, r.stage, cfg.b_stage_bytes, base, mode="lo")
-            k.add(b_addr, b_addr, cfg.b_offset)
+        with k.loop(k.reg("u32", "kb"), cfg.k_blocks, uniform=True) as kb:
+            k.mad(at, r.stage, BARRIER_BYTES, base, mode="lo")
+            wait_parity(k, addr(at, cfg.full_offset), r.phase, "wait_full")
+            k.mad(at, r.stage, cfg.sa_stage_bytes, r.sa_row, mode="lo")
+            k.ld(sa0, addr(at), space="shared")
+            k.ld(sa1, addr(at, 8 * 4), space="shared")
+            # The stage's descriptors; a K step of 32 bytes (inside the swizzle atom) adds 2.
+            k.mul(offset, r.stage, cfg.a_stage_bytes >> 4, mode="wide")
+            k.add(stage_a, r.desc_a, offset, type="s64")
+            k.mul(offset, r.stage, cfg.b_stage_bytes >> 4, mode="wide")
+            k.add(stage_b, r.desc_b, offset, type="s64")
             k.wgmma_fence()
             for step in range(BLOCK_K // 32):
-                _descriptor(k, desc_a, a_addr, lo, r.hi)
-                _descriptor(k, desc_b, b_addr, lo, r.hi)
+                k.add(desc_a, stage_a, 2 * step, type="s64")
+                k.add(desc_b, stage_b, 2 * step, type="s64")
                 k.wgmma_mma_async(r.part, desc_a, desc_b, n=cfg.block_n, ab_type="e4m3",
                                   scale_d=r.overwrite if step == 0 else r.accumulate)
-                if step + 1 < BLOCK_K // 32:
-                    k.add(a_addr, a_addr, 32)  # the next 32 bytes of K inside the swizzle atom
-                    k.add(b_addr, b_addr, 32)
             k.wgmma_commit_group()
-            # The scales load while the wgmma runs.
-            k.mad(sa_addr, r.stage, cfg.sa_stage_bytes, base, mode="lo")
-            k.add(sa_addr, sa_addr, cfg.sa_offset)
-            k.mad(sa_addr, r.row_in_tile, 4, sa_addr, mode="lo")
-            k.ld(sa0, addr(sa_addr), space="shared")
-            k.ld(sa1, addr(sa_addr, 8 * 4), space="shared")
+            # While the wgmma runs: this block's scales, the next block's sb.
+            k.setp("lt", more, kb, cfg.k_blocks - 1, type="u32")
             for block, ptr in enumerate(r.sb_ptrs):
-                k.ld(sb[block], addr(ptr), nc=True)
-                k.add(ptr, ptr, 4)
                 k.mul(scale[block][0], sa0, sb[block])
                 k.mul(scale[block][1], sa1, sb[block])
+                with k.guard(more):
+                    k.add(ptr, ptr, 4)
+                    k.ld(sb[block], addr(ptr), nc=True)
             k.wgmma_wait_group(0)
-            k.add(bar, bar, cfg.empty_offset - cfg.full_offset)
             # The warp is done with the stage: lane r tells CTA r of the cluster.
+            k.mad(at, r.stage, BARRIER_BYTES, r.empty, mode="lo")
             with k.guard(r.arrive_lane):
-                if cfg.multicast > 1:
-                    k.mapa(remote_bar, bar, r.lane)
-                    k.mbarrier_arrive(addr(remote_bar), remote=True)
-                else:
-                    k.mbarrier_arrive(addr(bar))
+                k.mbarrier_arrive(addr(at, cfg.empty_offset), remote=cfg.multicast > 1)
             _promote(k, cfg, r, scale)
             next_stage(k, r.stage, r.phase, cfg.stages)
 
