@@ -112,7 +112,13 @@ def test_gemm_tile_shapes_assemble_without_spills(block_m, block_n):
     # One TMA store per box of the widest of 64/32/16/8 columns dividing block_n.
     boxes = block_n // cfg.d_box_cols
     assert ptx.count("cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group") == boxes
-    assert ("selp.f32" in ptx) == cfg.straddles  # a B scale per 8-column group
+    # A straddling tile selects a B scale per 8-column group, or where its width allows few
+    # splits of its groups between two scale rows, branches to a promotion per split.
+    dispatched = len(cfg.scale_row_splits) <= gemm.MAX_PROMOTION_VARIANTS
+    assert ("selp.f32" in ptx) == (cfg.straddles and not dispatched)
+    promotions = cfg.part_buffers + cfg.k_blocks % cfg.part_buffers  # emitted K-block bodies
+    assert ptx.count("not_split_") == (2 * (len(cfg.scale_row_splits) - 1) * promotions
+                                       if cfg.straddles and dispatched else 0)
     compiled = jit.build(gemm.generate(cfg))
     assert compiled.resources.spills == 0 and compiled.resources.stack_frame == 0
 

@@ -73,11 +73,12 @@ class Fp8GemmConfig:
     math_registers: int
     target: str
     multicast: int = 1     # CTAs of a cluster sharing each A tile (neighbours along N)
+    part_buffers: int = 1  # 2: a K block's wgmma runs while the one before it promotes
 
     @property
     def name(self) -> str:
         return (f"sm90_fp8_gemm_1d2d_n{self.n}_k{self.k}_bm{self.block_m}_bn{self.block_n}"
-                f"_s{self.stages}_c{self.ctas_per_sm}_mc{self.multicast}")
+                f"_s{self.stages}_c{self.ctas_per_sm}_mc{self.multicast}_p{self.part_buffers}")
 
     @property
     def math_warpgroups(self) -> int:
@@ -100,6 +101,14 @@ class Fp8GemmConfig:
         """Whether a tile can cover two 128-column blocks of B scales (block_n does not
         divide 128); block_n_candidates keeps it to at most two."""
         return BLOCK_K % self.block_n != 0
+
+    @property
+    def scale_row_splits(self) -> tuple[int, ...]:
+        """The counts of a tile's 8-column groups in its first B-scale row, over all tile
+        starts (a tile not straddling has all its groups there)."""
+        groups = self.block_n // 8
+        return tuple(sorted({min((BLOCK_K - j * self.block_n % BLOCK_K) // 8, groups)
+                             for j in range(BLOCK_K)}))
 
     @property
     def d_box_cols(self) -> int:
@@ -165,6 +174,8 @@ class Fp8GemmConfig:
 
 
 MAX_STAGES = 16
+# A straddling tile width with at most this many scale-row splits gets a promotion per split.
+MAX_PROMOTION_VARIANTS = 4
 # Registers a math thread needs besides the accumulators (acc and part: block_n of them).
 MATH_REGISTERS_BESIDES_ACCUMULATORS = 48
 
@@ -187,10 +198,13 @@ def _require_problem(arch: Arch, n: int, k: int) -> None:
 
 
 def make_config(arch: Arch, n: int, k: int, block_m: int, block_n: int,
-                ctas_per_sm: int = 1, multicast: int = 1) -> Fp8GemmConfig:
+                ctas_per_sm: int = 1, multicast: int = 1,
+                part_buffers: int | None = None) -> Fp8GemmConfig:
     """A config for one tile shape: as many stages as the CTA's share of shared memory
     holds, and the math registers that residency leaves. ``multicast`` 2: clusters of two
-    CTAs on neighbouring tiles of one block row, each loading half of the shared A tile."""
+    CTAs on neighbouring tiles of one block row, each loading half of the shared A tile.
+    ``part_buffers``: 1 or 2 registers sets a K block's wgmma accumulates into (2 overlap
+    a K block's promotion with the next one's wgmma); by default 2 where they fit."""
     _require_problem(arch, n, k)
     if block_m not in (64, 128) or block_n not in block_n_candidates(arch):
         raise ValueError(f"no FP8 GEMM tile {block_m} x {block_n}: block_m is 64 or 128, "
@@ -219,11 +233,17 @@ def make_config(arch: Arch, n: int, k: int, block_m: int, block_n: int,
                     arch.registers_per_sm // (ctas_per_sm * threads)) // 8 * 8
     math_registers = (at_launch * threads - 128 * PRODUCER_REGISTERS) // (128 * math_wgs) // 8 * 8
     math_registers = min(math_registers, 256)
-    if block_n + MATH_REGISTERS_BESIDES_ACCUMULATORS > math_registers:
-        raise ValueError(f"the FP8 GEMM's {block_m} x {block_n} tiles need more than the "
-                         f"{math_registers} registers a math thread gets at {ctas_per_sm} CTA(s) an SM")
+    # acc and each part buffer hold block_n / 2 registers.
+    fits = lambda buffers: (block_n // 2 * (1 + buffers) + MATH_REGISTERS_BESIDES_ACCUMULATORS
+                            <= math_registers)
+    if part_buffers is None:
+        part_buffers = 2 if fits(2) else 1
+    if part_buffers not in (1, 2) or not fits(part_buffers):
+        raise ValueError(f"the FP8 GEMM's {block_m} x {block_n} tiles with {part_buffers} part "
+                         f"buffer(s) need more than the {math_registers} registers a math thread "
+                         f"gets at {ctas_per_sm} CTA(s) an SM")
     return Fp8GemmConfig(n, k, block_m, block_n, stages, ctas_per_sm, math_registers, arch.target,
-                         multicast)
+                         multicast, part_buffers)
 
 
 # The tile-choice model, fitted to `bench/gemm_sweep.py` on an H200 (docs/performance.md).
@@ -468,7 +488,7 @@ def _math(k, cfg, p, base, tid, warpgroup):
         k.mad(r.row_in_wg, warp, 16, r.row_in_wg, mode="lo")
         k.mad(r.row_in_tile, r.wg, 64, r.row_in_wg, mode="lo")
         r.acc = k.regs("f32", cfg.block_n // 2, "acc")
-        r.part = k.regs("f32", cfg.block_n // 2, "part")
+        r.parts = [k.regs("f32", cfg.block_n // 2, f"part{b}_") for b in range(cfg.part_buffers)]
         r.sb_base = k.reg("u64", "sb_base")
         # This tile's B scales: the row of its first column, and for a straddling tile the next.
         r.sb_ptrs = k.regs("u64", 1 + cfg.straddles, "sb_ptr")
@@ -545,6 +565,7 @@ def _k_loop(k, cfg, base, tiles, r):
             k.and_(n0, n0, BLOCK_K - 1)
             k.sub(r.low_groups, BLOCK_K, n0)
             k.shr(r.low_groups, r.low_groups, 3)   # 8-column groups in the first scale row
+            k.min(r.low_groups, r.low_groups, cfg.block_n // 8)
     desc_a, desc_b = k.reg("b64", "desc_a"), k.reg("b64", "desc_b")
     sa0, sa1 = k.reg("f32", "sa0"), k.reg("f32", "sa1")
     # sb of the next K block (one load ahead: its latency hides behind a K block).
@@ -556,59 +577,104 @@ def _k_loop(k, cfg, base, tiles, r):
 
     stage_a, stage_b = k.reg("b64", "stage_desc_a"), k.reg("b64", "stage_desc_b")
     offset, at = k.reg("u64", "stage_desc_offset"), k.reg("u32", "stage_at")
-    more = k.pred("more")
-    with k.stage("K loop: wgmma a K block into `part`, then promote into `acc`"):
-        with k.loop(k.reg("u32", "kb"), cfg.k_blocks, uniform=True) as kb:
-            k.mad(at, r.stage, BARRIER_BYTES, base, mode="lo")
-            wait_parity(k, addr(at, cfg.full_offset), r.phase, "wait_full")
-            k.mad(at, r.stage, cfg.sa_stage_bytes, r.sa_row, mode="lo")
-            k.ld(sa0, addr(at), space="shared")
-            k.ld(sa1, addr(at, 8 * 4), space="shared")
-            # The stage's descriptors; a K step of 32 bytes (inside the swizzle atom) adds 2.
-            k.mul(offset, r.stage, cfg.a_stage_bytes >> 4, mode="wide")
-            k.add(stage_a, r.desc_a, offset, type="s64")
-            k.mul(offset, r.stage, cfg.b_stage_bytes >> 4, mode="wide")
-            k.add(stage_b, r.desc_b, offset, type="s64")
-            k.wgmma_fence()
-            for step in range(BLOCK_K // 32):
-                k.add(desc_a, stage_a, 2 * step, type="s64")
-                k.add(desc_b, stage_b, 2 * step, type="s64")
-                k.wgmma_mma_async(r.part, desc_a, desc_b, n=cfg.block_n, ab_type="e4m3",
-                                  scale_d=r.overwrite if step == 0 else r.accumulate)
-            k.wgmma_commit_group()
-            # While the wgmma runs: this block's scales, the next block's sb.
-            k.setp("lt", more, kb, cfg.k_blocks - 1, type="u32")
-            for block, ptr in enumerate(r.sb_ptrs):
-                k.mul(scale[block][0], sa0, sb[block])
-                k.mul(scale[block][1], sa1, sb[block])
-                with k.guard(more):
-                    k.add(ptr, ptr, 4)
-                    k.ld(sb[block], addr(ptr), nc=True)
-            k.wgmma_wait_group(0)
-            # The warp is done with the stage: lane r tells CTA r of the cluster.
-            k.mad(at, r.stage, BARRIER_BYTES, r.empty, mode="lo")
-            with k.guard(r.arrive_lane):
-                k.mbarrier_arrive(addr(at, cfg.empty_offset), remote=cfg.multicast > 1)
-            _promote(k, cfg, r, scale)
-            next_stage(k, r.stage, r.phase, cfg.stages)
+    held, kb = k.reg("u32", "held_stage"), k.reg("u32", "kb")
+    more, wrapped = k.pred("more"), k.pred("held_wrapped")
+
+    def issue(part):
+        """wgmma the K block in stage r.stage into ``part``; step the ring."""
+        k.mad(at, r.stage, BARRIER_BYTES, base, mode="lo")
+        wait_parity(k, addr(at, cfg.full_offset), r.phase, "wait_full")
+        # The stage's descriptors; a K step of 32 bytes (inside the swizzle atom) adds 2.
+        k.mul(offset, r.stage, cfg.a_stage_bytes >> 4, mode="wide")
+        k.add(stage_a, r.desc_a, offset, type="s64")
+        k.mul(offset, r.stage, cfg.b_stage_bytes >> 4, mode="wide")
+        k.add(stage_b, r.desc_b, offset, type="s64")
+        k.wgmma_fence()
+        for step in range(BLOCK_K // 32):
+            k.add(desc_a, stage_a, 2 * step, type="s64")
+            k.add(desc_b, stage_b, 2 * step, type="s64")
+            k.wgmma_mma_async(part, desc_a, desc_b, n=cfg.block_n, ab_type="e4m3",
+                              scale_d=r.overwrite if step == 0 else r.accumulate)
+        k.wgmma_commit_group()
+        next_stage(k, r.stage, r.phase, cfg.stages)
+
+    def retire(part, pending):
+        """The oldest K block in flight (stage `held`): wait until at most ``pending``
+        later ones are, release its stage, promote ``part``."""
+        k.mad(at, held, cfg.sa_stage_bytes, r.sa_row, mode="lo")
+        k.ld(sa0, addr(at), space="shared")
+        k.ld(sa1, addr(at, 8 * 4), space="shared")
+        k.add(kb, kb, 1)
+        k.setp("lt", more, kb, cfg.k_blocks, type="u32")
+        for block, ptr in enumerate(r.sb_ptrs):  # this block's scales, the next block's sb
+            k.mul(scale[block][0], sa0, sb[block])
+            k.mul(scale[block][1], sa1, sb[block])
+            k.add(ptr, ptr, 4)
+            with k.guard(more):
+                k.ld(sb[block], addr(ptr), nc=True)
+        k.wgmma_wait_group(pending)
+        # The warp is done with the stage: lane r tells CTA r of the cluster.
+        k.mad(at, held, BARRIER_BYTES, r.empty, mode="lo")
+        with k.guard(r.arrive_lane):
+            k.mbarrier_arrive(addr(at, cfg.empty_offset), remote=cfg.multicast > 1)
+        _promote(k, cfg, r, part, scale)
+        k.add(held, held, 1)
+        k.setp("eq", wrapped, held, cfg.stages)
+        k.selp(held, 0, held, wrapped)
+
+    # With two part buffers, K blocks go in pairs: both wgmma issued, then the first
+    # promotes while the second's wgmma runs. (A pipeline across loop iterations, with a
+    # wgmma in flight at the back edge, makes ptxas serialize every wgmma: C7514.)
+    buffers, blocks = cfg.part_buffers, cfg.k_blocks
+    with k.stage("K loop: wgmma K blocks into `part`, promote each into `acc`"):
+        k.mov(held, r.stage)
+        k.mov(kb, 0)
+        with k.loop(k.reg("u32", "kb_group"), blocks // buffers, uniform=True):
+            for part in r.parts:
+                issue(part)
+            for j, part in enumerate(r.parts):
+                retire(part, buffers - 1 - j)
+        if blocks % buffers:
+            issue(r.parts[0])
+            retire(r.parts[0], 0)
 
 
-def _promote(k, cfg, r, scale):
+def _promote(k, cfg, r, part, scale):
     """acc += part * sa * sb. The thread's accumulators come in 8-column groups of 4:
-    (row, 2 columns) then (row + 8, the same 2 columns). A straddling tile picks each
-    group's B scale by comparing the group with the tile's first group in the next scale row."""
-    low = k.pred("low_scale_row")
-    chosen = k.regs("f32", 2, "group_scale")
-    for group in range(cfg.block_n // 8):
-        if cfg.straddles:
+    (row, 2 columns) then (row + 8, the same 2 columns). A straddling tile's first
+    r.low_groups groups take the B scale of its first scale row, the others the next row's.
+    Where a tile width allows few splits, each has its own code and a K block branches to
+    its tile's (no per-group choice); otherwise every group selects its scale."""
+    groups = cfg.block_n // 8
+
+    def fma_groups(first, stop, row_scales):
+        for i in range(4 * first, 4 * stop):
+            k.fma(r.acc[i], part[i], row_scales[(i >> 1) & 1], r.acc[i])
+
+    if not cfg.straddles:
+        fma_groups(0, groups, scale[0])
+    elif len(cfg.scale_row_splits) <= MAX_PROMOTION_VARIANTS:
+        done, other = k.label("promoted"), k.pred("other_split")
+        *tested, fallthrough = cfg.scale_row_splits
+        for split in tested:
+            next_split = k.label(f"not_split_{split}")
+            k.setp("ne", other, r.low_groups, split, type="u32")
+            with k.guard(other):
+                k.bra(next_split, uniform=True)
+            fma_groups(0, split, scale[0])
+            fma_groups(split, groups, scale[1])
+            k.bra(done, uniform=True)
+            k.place(next_split)
+        fma_groups(0, fallthrough, scale[0])
+        fma_groups(fallthrough, groups, scale[1])
+        k.place(done)
+    else:
+        low, chosen = k.pred("low_scale_row"), k.regs("f32", 2, "group_scale")
+        for group in range(groups):
             k.setp("gt", low, r.low_groups, group, type="u32")
             for h in range(2):
                 k.selp(chosen[h], scale[0][h], scale[1][h], low)
-            row_scales = chosen
-        else:
-            row_scales = scale[0]
-        for i in range(4 * group, 4 * group + 4):
-            k.fma(r.acc[i], r.part[i], row_scales[(i >> 1) & 1], r.acc[i])
+            fma_groups(group, group + 1, chosen)
 
 
 def _epilogue(k, cfg, tiles, r):
