@@ -40,7 +40,7 @@ for m, n, k in GEMM_SHAPES:
     (qa, sa), (qb, sb), ref = fp8_gemm_operands(m, n, k)
     flops = 2 * m * n * k
     peer_ms = timer(_torch_blockwise(qa, sa, qb, sb))
-    choice = chosen_config(0, m, n, k, sms)
+    choice = chosen_config(0, m, n, k, sms, False)
     results = []
     for cfg in [choice] + [c for c in alternatives(m, n, k) if c != choice]:
         gemm_ops._config = lambda *args, cfg=cfg: cfg

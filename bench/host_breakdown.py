@@ -25,6 +25,8 @@ _, _, launcher = rowwise._kernel(0, 1024, True, False)
 args = (x.data_ptr(), x.stride(0), 4, w.data_ptr(), 1e-6, y.data_ptr())
 stream = _common.current_stream(0)
 device = x.device
+ga, gb = ptxforge.quantize_fp8_per_token(x), ptxforge.quantize_fp8_per_block(torch.randn((256, 1024), device="cuda").to(torch.bfloat16))
+gd = torch.empty((4, 256), dtype=torch.bfloat16, device="cuda")
 
 steps = {
     "x.data_ptr()": lambda: x.data_ptr(),
@@ -41,6 +43,7 @@ steps = {
     "ptxforge.rms_norm [launches]": lambda: ptxforge.rms_norm(x, w),
     "ptxforge.quantize_fp8_per_token(out=) [launches]": lambda: ptxforge.quantize_fp8_per_token(x, out=(q, s)),
     "ptxforge.quantize_fp8_per_token [launches]": lambda: ptxforge.quantize_fp8_per_token(x),
+    "ptxforge.fp8_gemm_nt [4x256x1024, launches]": lambda: ptxforge.fp8_gemm_nt(ga, gb, gd),
     "torch F.rms_norm [launches]": lambda: torch.nn.functional.rms_norm(x, (1024,), w, 1e-6),
     "torch x.add_(0) [launches]": lambda: x.add_(0),
 }

@@ -26,7 +26,9 @@ for name in ("nvjitlink", "ptxas", "driver"):
         continue
     for spec_name, options in (("quantize_fp8_per_token", {"hidden": 7168}),
                                ("rms_norm_quantize_fp8", {"hidden": 7168}),
-                               ("quantize_fp8_per_block", {})):
+                               ("quantize_fp8_per_block", {}),
+                               ("fp8_gemm_nt", {"m": 4096, "n": 7168, "k": 16384}),
+                               ("fp8_gemm_nt", {"m": 64, "n": 2112, "k": 7168})):
         spec = kernels.get(spec_name)
         samples = []
         for sample in range(3):  # median of three cold builds

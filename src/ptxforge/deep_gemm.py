@@ -4,7 +4,7 @@ changing one import:
     import ptxforge.deep_gemm as deep_gemm
     deep_gemm.fp8_gemm_nt((a, sa), (b, sb), d)
 
-Implemented: ``fp8_gemm_nt`` (without ``c`` for now), ``get_num_sms``/``set_num_sms``,
+Implemented: ``fp8_gemm_nt`` (with ``c``: f32 ``d = c + a @ b.T``), ``get_num_sms``/``set_num_sms``,
 ``get_tma_aligned_size``, ``get_mn_major_tma_aligned_tensor`` (and its older name
 ``get_col_major_tma_aligned_tensor``), ``ceil_div``. The grouped entry points come with
 the MoE kernels.

@@ -170,6 +170,7 @@ def _instruction_calls(k):
         "cp_async_bulk_load": lambda: k.cp_async_bulk_load(addr(u), a, 256, addr(u)),
         "cp_async_bulk_tensor_store": lambda: k.cp_async_bulk_tensor_store(d64, [v, w], addr(u)),
         "cp_async_bulk_prefetch_tensor": lambda: k.cp_async_bulk_prefetch_tensor(d64, [v, w]),
+        "cp_reduce_async_bulk_tensor": lambda: k.cp_reduce_async_bulk_tensor(d64, [v, w], addr(u)),
         "cp_async_bulk_commit_group": lambda: k.cp_async_bulk_commit_group(),
         "cp_async_bulk_wait_group": lambda: k.cp_async_bulk_wait_group(0),
         "bra": lambda: k.bra(k.label("x")), "exit": lambda: k.exit(), "trap": lambda: k.trap(),
@@ -242,6 +243,7 @@ def feature_tour() -> KernelBuilder:
     k.fence_proxy_async()
     k.bar_sync(1, 128)
     k.cp_async_bulk_tensor_store(tmap, [c0, c0], addr(base))
+    k.cp_reduce_async_bulk_tensor(tmap, [c0, c0], addr(base), op="add")
     k.cp_async_bulk_commit_group()
     k.cp_async_bulk_wait_group(0, read=True)
     r = k.reg("u32", "r")

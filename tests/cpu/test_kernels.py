@@ -123,6 +123,21 @@ def test_gemm_tile_shapes_assemble_without_spills(block_m, block_n):
     assert compiled.resources.spills == 0 and compiled.resources.stack_frame == 0
 
 
+@pytest.mark.parametrize("block_m, block_n", [(64, 24), (64, 16), (128, 128), (128, 160)])
+def test_gemm_accumulating_epilogue_adds_f32_boxes(block_m, block_n):
+    from ptxforge.kernels import sm90_fp8_gemm_1d2d as gemm
+
+    cfg = gemm.make_config(arch.get("sm_90a"), 2112, 7168, block_m, block_n, accumulate=True)
+    ptx = gemm.generate(cfg).ptx()
+    # f32 boxes of 128-, 64- or 32-byte rows, each added into D by a TMA reduction.
+    assert cfg.d_box_cols * 4 in (128, 64, 32) and block_n % cfg.d_box_cols == 0
+    assert ptx.count("cp.reduce.async.bulk.tensor.2d.global.shared::cta.add.tile") == \
+        block_n // cfg.d_box_cols
+    assert "cp.async.bulk.tensor.2d.global.shared::cta.tile" not in ptx
+    compiled = jit.build(gemm.generate(cfg))
+    assert compiled.resources.spills == 0
+
+
 def test_gemm_tiles_wider_than_the_registers_are_refused():
     from ptxforge.kernels import sm90_fp8_gemm_1d2d as gemm
 

@@ -126,3 +126,86 @@ def test_every_tile_shape(monkeypatch, request):
             if torch.isnan(d).any() or not diff < 1e-3 or not relative_error(d, ref) <= 2e-3:
                 failures.append((block_m, block_n, multicast, m, diff))
     assert not failures, failures
+
+
+@pytest.mark.parametrize("m, n, k", [(1, 128, 256), (200, 1000, 640), (4096, 7168, 2048)])
+def test_accumulates_into_c(m, n, k):
+    """d = c + a @ b.T into an f32 d: in place (c is d) and from a separate c; the same
+    bits every run; NaN in c comes through."""
+    a, b, ref = fp8_gemm_operands(m, n, k)
+    c = torch.randn(m, n, device="cuda", dtype=torch.float32)
+    expected = c.double() + ref
+    d = torch.full((m, n), float("nan"), device="cuda", dtype=torch.float32)
+    ptxforge.fp8_gemm_nt(a, b, d, c=c)
+    in_place = c.clone()
+    ptxforge.fp8_gemm_nt(a, b, in_place, c=in_place)
+    torch.cuda.synchronize()
+    assert calc_diff(d, expected) < 1e-3 and relative_error(d, expected) <= 2e-3
+    assert torch.equal(d, in_place)
+    again = torch.empty_like(d)
+    ptxforge.fp8_gemm_nt(a, b, again, c=c)
+    assert torch.equal(d, again)
+    c[0, 0] = float("nan")
+    ptxforge.fp8_gemm_nt(a, b, d, c=c)
+    assert torch.isnan(d[0, 0]) and not torch.isnan(d[1:]).any()
+
+
+def test_rejects_bad_accumulation_arguments():
+    a, b, _ = fp8_gemm_operands(128, 256, 256)
+    c = torch.zeros(128, 256, device="cuda", dtype=torch.float32)
+    with pytest.raises(TypeError, match="d must have dtype torch.float32"):
+        ptxforge.fp8_gemm_nt(a, b, torch.empty(128, 256, device="cuda", dtype=torch.bfloat16), c=c)
+    with pytest.raises(TypeError, match="c must have dtype torch.float32"):
+        ptxforge.fp8_gemm_nt(a, b, c, c=c.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="c must have shape"):
+        ptxforge.fp8_gemm_nt(a, b, c, c=c[:64])
+    with pytest.raises(ValueError, match="overlaps"):  # c partly overlapping d
+        big = torch.zeros(129 * 256, device="cuda", dtype=torch.float32)
+        ptxforge.fp8_gemm_nt(a, b, big[:128 * 256].view(128, 256), c=big[256:].view(128, 256))
+
+
+def test_accumulates_with_every_store_box(monkeypatch, request):
+    """The f32 epilogue's boxes of 128-, 64- and 32-byte rows (tile widths 32k, 16k, 8k)."""
+    from ptxforge.kernels import sm90_fp8_gemm_1d2d as gemm
+    from ptxforge.ops import _common
+    from ptxforge.ops import gemm as gemm_ops
+
+    arch = _common.device_arch(torch.cuda.current_device())
+    request.addfinalizer(gemm_ops._plan.cache_clear)
+    failures = []
+    for block_m, block_n in [(64, 16), (64, 24), (64, 32), (128, 56), (128, 128), (128, 160)]:
+        cfg = gemm.make_config(arch, 1000, 640, block_m, block_n, accumulate=True)
+        monkeypatch.setattr(gemm_ops, "_config", lambda *args, cfg=cfg: cfg)
+        gemm_ops._plan.cache_clear()
+        a, b, ref = fp8_gemm_operands(200, 1000, 640)
+        c = torch.randn(200, 1000, device="cuda", dtype=torch.float32)
+        d = torch.full_like(c, float("nan"))
+        ptxforge.fp8_gemm_nt(a, b, d, c=c)
+        expected = c.double() + ref
+        if not (calc_diff(d, expected) < 1e-3 and relative_error(d, expected) <= 2e-3):
+            failures.append((block_m, block_n, calc_diff(d, expected)))
+    assert not failures, failures
+
+
+def test_cuda_graph_capture_allocates_nothing():
+    """A cached call allocates no device memory and needs no host synchronization: it is
+    captured in a CUDA graph and each replay computes the current inputs' product."""
+    (qa, sa), (qb, sb), _ = fp8_gemm_operands(256, 512, 1024)
+    d = torch.empty(256, 512, device="cuda", dtype=torch.bfloat16)
+    ptxforge.fp8_gemm_nt((qa, sa), (qb, sb), d)  # build and load the kernel first
+    torch.cuda.synchronize()
+    allocations = torch.cuda.memory_stats()["allocation.all.allocated"]
+    ptxforge.fp8_gemm_nt((qa, sa), (qb, sb), d)
+    assert torch.cuda.memory_stats()["allocation.all.allocated"] == allocations
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph, stream=stream):
+            ptxforge.fp8_gemm_nt((qa, sa), (qb, sb), d)
+    for _ in range(2):  # new inputs into the captured buffers, then replay
+        (na, nsa), (nb, nsb), ref = fp8_gemm_operands(256, 512, 1024)
+        for dst, src in ((qa, na), (sa, nsa), (qb, nb), (sb, nsb)):
+            dst.copy_(src)
+        d.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert calc_diff(d, ref) < 1e-3

@@ -74,11 +74,13 @@ class Fp8GemmConfig:
     target: str
     multicast: int = 1     # CTAs of a cluster sharing each A tile (neighbours along N)
     part_buffers: int = 1  # 2: a K block's wgmma runs while the one before it promotes
+    accumulate: bool = False  # D is f32 and the tile is added into it (d = c + a.b^T)
 
     @property
     def name(self) -> str:
         return (f"sm90_fp8_gemm_1d2d_n{self.n}_k{self.k}_bm{self.block_m}_bn{self.block_n}"
-                f"_s{self.stages}_c{self.ctas_per_sm}_mc{self.multicast}_p{self.part_buffers}")
+                f"_s{self.stages}_c{self.ctas_per_sm}_mc{self.multicast}_p{self.part_buffers}"
+                + ("_acc" if self.accumulate else ""))
 
     @property
     def math_warpgroups(self) -> int:
@@ -111,14 +113,21 @@ class Fp8GemmConfig:
                              for j in range(BLOCK_K)}))
 
     @property
+    def d_element_bytes(self) -> int:
+        """bf16 D, or f32 when the tile is added into it."""
+        return 4 if self.accumulate else 2
+
+    @property
     def d_box_cols(self) -> int:
-        """Columns of one TMA store box: the widest of 64/32/16/8 dividing block_n."""
-        return next(c for c in (64, 32, 16, 8) if self.block_n % c == 0)
+        """Columns of one TMA store box: the widest whose rows are 128, 64, 32 or 16 bytes and
+        that divides block_n."""
+        return next(c for c in (row // self.d_element_bytes for row in (128, 64, 32, 16))
+                    if self.block_n % c == 0)
 
     @property
     def d_swizzle(self) -> int:
-        """The store boxes' swizzle: a box row is 2 * d_box_cols bytes; 16-byte rows need none."""
-        row = 2 * self.d_box_cols
+        """The store boxes' swizzle: the box row's bytes; 16-byte rows need none."""
+        row = self.d_element_bytes * self.d_box_cols
         return row if row >= 32 else 0
 
     @property
@@ -148,7 +157,7 @@ class Fp8GemmConfig:
 
     @property
     def d_bytes(self) -> int:
-        return self.block_m * self.block_n * 2
+        return self.block_m * self.block_n * self.d_element_bytes
 
     @property
     def sa_offset(self) -> int:
@@ -199,12 +208,14 @@ def _require_problem(arch: Arch, n: int, k: int) -> None:
 
 def make_config(arch: Arch, n: int, k: int, block_m: int, block_n: int,
                 ctas_per_sm: int = 1, multicast: int = 1,
-                part_buffers: int | None = None) -> Fp8GemmConfig:
+                part_buffers: int | None = None, accumulate: bool = False) -> Fp8GemmConfig:
     """A config for one tile shape: as many stages as the CTA's share of shared memory
     holds, and the math registers that residency leaves. ``multicast`` 2: clusters of two
     CTAs on neighbouring tiles of one block row, each loading half of the shared A tile.
     ``part_buffers``: 1 or 2 registers sets a K block's wgmma accumulates into (2 overlap
-    a K block's promotion with the next one's wgmma); by default 2 where they fit."""
+    a K block's promotion with the next one's wgmma); by default 2 where they fit.
+    ``accumulate``: D is f32 and each tile is added into it by a TMA reduction (the f32 D
+    tile takes shared memory from the stages)."""
     _require_problem(arch, n, k)
     if block_m not in (64, 128) or block_n not in block_n_candidates(arch):
         raise ValueError(f"no FP8 GEMM tile {block_m} x {block_n}: block_m is 64 or 128, "
@@ -219,7 +230,7 @@ def make_config(arch: Arch, n: int, k: int, block_m: int, block_n: int,
                  arch.max_shared_memory_per_block)
     # The shared-memory plan (the config's offsets) decides the stages: as many as fit.
     plan = lambda stages: Fp8GemmConfig(n, k, block_m, block_n, stages, ctas_per_sm, 0, arch.target,
-                                        multicast)
+                                        multicast, accumulate=accumulate)
     stages = max((s for s in range(1, MAX_STAGES + 1) if plan(s).dynamic_shared_bytes <= budget),
                  default=0)
     if stages < 2:
@@ -243,7 +254,7 @@ def make_config(arch: Arch, n: int, k: int, block_m: int, block_n: int,
                          f"buffer(s) need more than the {math_registers} registers a math thread "
                          f"gets at {ctas_per_sm} CTA(s) an SM")
     return Fp8GemmConfig(n, k, block_m, block_n, stages, ctas_per_sm, math_registers, arch.target,
-                         multicast, part_buffers)
+                         multicast, part_buffers, accumulate)
 
 
 # The tile-choice model, fitted to `bench/gemm_sweep.py` on an H200 (docs/performance.md).
@@ -276,7 +287,8 @@ def estimate_clocks(cfg: Fp8GemmConfig, m: int, sms: int) -> float:
 MULTICAST_MIN_M = 512  # below, the tiles of a block row are too few to pair up
 
 
-def choose_config(arch: Arch, m: int, n: int, k: int, sms: int | None = None) -> Fp8GemmConfig:
+def choose_config(arch: Arch, m: int, n: int, k: int, sms: int | None = None,
+                  accumulate: bool = False) -> Fp8GemmConfig:
     """The config the model above finishes first on ``sms`` SMs (the device's by default);
     ties go to multicast (fewer L2 reads: measured 0-3% faster), then to the smaller tile."""
     _require_problem(arch, n, k)
@@ -286,7 +298,8 @@ def choose_config(arch: Arch, m: int, n: int, k: int, sms: int | None = None) ->
         for block_n in block_n_candidates(arch):
             for multicast in (1, 2) if m >= MULTICAST_MIN_M and sms % 2 == 0 else (1,):
                 try:
-                    cfg = make_config(arch, n, k, block_m, block_n, multicast=multicast)
+                    cfg = make_config(arch, n, k, block_m, block_n, multicast=multicast,
+                                      accumulate=accumulate)
                 except ValueError:
                     continue
                 estimate = (estimate_clocks(cfg, m, sms), -multicast)
@@ -518,7 +531,7 @@ def _math(k, cfg, p, base, tid, warpgroup):
         k.add(r.sa_row, r.sa_row, cfg.sa_offset)
         # The warpgroup's slice of the D tile: its 64 rows of each store box.
         r.d_smem = k.reg("u32", "d_smem")
-        k.mad(r.d_smem, r.wg, 64 * cfg.d_box_cols * 2, base, mode="lo")
+        k.mad(r.d_smem, r.wg, 64 * cfg.d_box_cols * cfg.d_element_bytes, base, mode="lo")
         k.add(r.d_smem, r.d_smem, cfg.d_offset)
         r.arrive_lane = k.pred("arrive_lane")
         k.setp("lt", r.arrive_lane, r.lane, cfg.multicast)
@@ -679,46 +692,60 @@ def _promote(k, cfg, r, part, scale):
 
 
 def _epilogue(k, cfg, tiles, r):
-    """The warpgroup's 64 x BLOCK_N slice of the tile, through shared memory, out by TMA.
+    """The warpgroup's 64 x BLOCK_N slice of the tile, through shared memory, out by TMA
+    (stored, or with ``accumulate`` added into D).
 
-    The D tile is a row of store boxes, each block_m rows x d_box_cols columns
-    (2 * d_box_cols bytes a row), the warpgroup's 64 rows at r.d_smem within each."""
+    The D tile is a row of store boxes, each block_m rows x d_box_cols columns, the
+    warpgroup's 64 rows at r.d_smem within each. A thread holds column pairs: in each
+    8-column group, the pair at columns 2 * (lane % 4), of rows row_in_wg and + 8."""
     leader, barrier = r.wg_leader, r.wg_barrier
-    cols = cfg.d_box_cols
-    chunks = 2 * cols // 16                 # 16-byte chunks in a box row: 8, 4, 2 or 1
-    box_bytes = cfg.block_m * cols * 2
+    cols, size = cfg.d_box_cols, cfg.d_element_bytes
+    row_bytes = cols * size
+    chunks = row_bytes // 16                # 16-byte chunks in a box row: 8, 4, 2 or 1
+    group_chunks = 8 * size // 16           # chunks an 8-column group spans: 1 (bf16), 2 (f32)
+    box_bytes = cfg.block_m * row_bytes
     with k.stage("epilogue: wait for the previous store to have read the D tile"):
         with k.guard(leader):
             k.cp_async_bulk_wait_group(0, read=True)
         k.bar_sync(barrier, 128)
-    with k.stage("epilogue: bf16 pairs into the swizzled D tile"):
-        # TMA's swizzle of 2 * cols-byte rows: chunk c of row r sits at chunk c ^ (r / (8 / chunks))
-        # % chunks (the swizzle pattern repeats every 8 rows of 128 bytes): conflict-free stores.
+    with k.stage("epilogue: the accumulators into the swizzled D tile"):
+        # TMA's swizzle of row_bytes-byte rows: chunk c of row r sits at chunk
+        # c ^ (r / (8 / chunks)) % chunks (the pattern repeats every 8 rows of 128 bytes):
+        # conflict-free stores. The thread's pair is byte (lane % 4) * 2 * size of its group.
         row = k.reg("u32", "d_row")
         rows = k.regs("u32", 2, "d_row_base")
         swz = k.regs("u32", 2, "d_swizzle")
-        byte_in_chunk = k.reg("u32", "d_byte")
-        k.and_(byte_in_chunk, r.lane, 3)
-        k.shl(byte_in_chunk, byte_in_chunk, 2)
+        pair, pair_chunk = k.reg("u32", "d_pair"), k.reg("u32", "d_pair_chunk")
+        k.and_(pair, r.lane, 3)
+        k.mul(pair, pair, 2 * size, mode="lo")
+        if group_chunks > 1:
+            k.shr(pair_chunk, pair, 4)          # the chunk of the group it lies in
+            k.and_(pair, pair, 15)              # its byte in that chunk
         for half in range(2):  # rows within the warpgroup's slice: d_smem starts at its row 0
             k.add(row, r.row_in_wg, 8 * half)
             if chunks > 1:
                 k.shr(swz[half], row, (8 // chunks).bit_length() - 1)
                 k.and_(swz[half], swz[half], chunks - 1)
-            k.mad(rows[half], row, cols * 2, r.d_smem, mode="lo")
-            k.add(rows[half], rows[half], byte_in_chunk)
+                if group_chunks > 1:
+                    k.xor(swz[half], swz[half], pair_chunk)
+            k.mad(rows[half], row, row_bytes, r.d_smem, mode="lo")
+            k.add(rows[half], rows[half], pair)
         packed, at, chunk = k.reg("b32", "packed"), k.reg("u32", "d_at"), k.reg("u32", "d_chunk")
         for group in range(cfg.block_n // 8):
-            box, chunk_index = divmod(group, chunks)
+            box, group_in_box = divmod(group, cols // 8)
             for half in range(2):
                 i = 4 * group + 2 * half
-                k.cvt(packed, r.acc[i + 1], r.acc[i], dtype="bf16x2", rnd="rn")
                 if chunks > 1:
-                    k.xor(chunk, swz[half], chunk_index)
+                    k.xor(chunk, swz[half], group_in_box * group_chunks)
                     k.mad(at, chunk, 16, rows[half], mode="lo")
-                    k.st(addr(at, box * box_bytes), packed, space="shared", type="b32")
+                    where = addr(at, box * box_bytes)
                 else:
-                    k.st(addr(rows[half], box * box_bytes), packed, space="shared", type="b32")
+                    where = addr(rows[half], box * box_bytes)
+                if cfg.accumulate:
+                    k.st(where, r.acc[i:i + 2], space="shared")
+                else:
+                    k.cvt(packed, r.acc[i + 1], r.acc[i], dtype="bf16x2", rnd="rn")
+                    k.st(where, packed, space="shared", type="b32")
         k.fence_proxy_async()  # the TMA store reads what these ordinary stores wrote
         k.bar_sync(barrier, 128)
     with k.stage("epilogue: one thread stores the slice with TMA (clipped at the edges)"):
@@ -730,5 +757,8 @@ def _epilogue(k, cfg, tiles, r):
             for box in range(cfg.block_n // cols):
                 k.mad(x, tiles.n_block, cfg.block_n, box * cols, mode="lo", type="s32")
                 k.add(src, r.d_smem, box * box_bytes)
-                k.cp_async_bulk_tensor_store(r.tmap_d, [x, y], addr(src))
+                if cfg.accumulate:
+                    k.cp_reduce_async_bulk_tensor(r.tmap_d, [x, y], addr(src), op="add")
+                else:
+                    k.cp_async_bulk_tensor_store(r.tmap_d, [x, y], addr(src))
             k.cp_async_bulk_commit_group()

@@ -101,6 +101,13 @@ class TensorOps:
         self.emit(f"cp.async.bulk.tensor.{len(coords)}d.global.shared::cta.tile.bulk_group",
                   TensorCoords(tensormap, tuple(coords)), src)
 
+    def cp_reduce_async_bulk_tensor(self, tensormap: Operand, coords: list, src: Address, *,
+                                    op: str = "add") -> None:
+        """Shared -> global tile reduction (``op``: add, min, max, ...; the element type is the
+        tensor map's): global = global op tile, element by element. Tracked by bulk groups."""
+        self.emit(f"cp.reduce.async.bulk.tensor.{len(coords)}d.global.shared::cta.{op}.tile"
+                  ".bulk_group", TensorCoords(tensormap, tuple(coords)), src)
+
     def cp_async_bulk_prefetch_tensor(self, tensormap: Operand, coords: list) -> None:
         """Pull a tile into L2 without a destination in shared memory."""
         self.emit(f"cp.async.bulk.prefetch.tensor.{len(coords)}d.L2.global.tile",
