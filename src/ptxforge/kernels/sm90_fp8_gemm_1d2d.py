@@ -75,12 +75,14 @@ class Fp8GemmConfig:
     multicast: int = 1     # CTAs of a cluster sharing each A tile (neighbours along N)
     part_buffers: int = 1  # 2: a K block's wgmma runs while the one before it promotes
     accumulate: bool = False  # D is f32 and the tile is added into it (d = c + a.b^T)
+    groups: int = 0        # > 0: MoE, contiguous layout: B holds `groups` matrices, each row
+                           # of A names its group in m_indices (see _tile_group)
 
     @property
     def name(self) -> str:
         return (f"sm90_fp8_gemm_1d2d_n{self.n}_k{self.k}_bm{self.block_m}_bn{self.block_n}"
                 f"_s{self.stages}_c{self.ctas_per_sm}_mc{self.multicast}_p{self.part_buffers}"
-                + ("_acc" if self.accumulate else ""))
+                + ("_acc" if self.accumulate else "") + (f"_g{self.groups}" if self.groups else ""))
 
     @property
     def math_warpgroups(self) -> int:
@@ -208,14 +210,16 @@ def _require_problem(arch: Arch, n: int, k: int) -> None:
 
 def make_config(arch: Arch, n: int, k: int, block_m: int, block_n: int,
                 ctas_per_sm: int = 1, multicast: int = 1,
-                part_buffers: int | None = None, accumulate: bool = False) -> Fp8GemmConfig:
+                part_buffers: int | None = None, accumulate: bool = False,
+                groups: int = 0) -> Fp8GemmConfig:
     """A config for one tile shape: as many stages as the CTA's share of shared memory
     holds, and the math registers that residency leaves. ``multicast`` 2: clusters of two
     CTAs on neighbouring tiles of one block row, each loading half of the shared A tile.
     ``part_buffers``: 1 or 2 registers sets a K block's wgmma accumulates into (2 overlap
     a K block's promotion with the next one's wgmma); by default 2 where they fit.
     ``accumulate``: D is f32 and each tile is added into it by a TMA reduction (the f32 D
-    tile takes shared memory from the stages)."""
+    tile takes shared memory from the stages). ``groups`` > 0: the MoE contiguous layout,
+    B holding that many [N, K] matrices (not with ``accumulate``)."""
     _require_problem(arch, n, k)
     if block_m not in (64, 128) or block_n not in block_n_candidates(arch):
         raise ValueError(f"no FP8 GEMM tile {block_m} x {block_n}: block_m is 64 or 128, "
@@ -225,12 +229,15 @@ def make_config(arch: Arch, n: int, k: int, block_m: int, block_n: int,
                          f"({-(-n // block_n)}) it divides")
     if multicast > 1:
         arch.require("clusters", "the FP8 GEMM's TMA multicast")
+    if groups < 0 or (groups and accumulate):
+        raise ValueError(f"groups must be >= 0 (0: not grouped) and is not combined with "
+                         f"accumulate, got groups={groups}, accumulate={accumulate}")
     math_wgs = block_m // 64
     budget = min(arch.shared_memory_per_sm // ctas_per_sm - arch.shared_memory_reserved_per_block,
                  arch.max_shared_memory_per_block)
     # The shared-memory plan (the config's offsets) decides the stages: as many as fit.
     plan = lambda stages: Fp8GemmConfig(n, k, block_m, block_n, stages, ctas_per_sm, 0, arch.target,
-                                        multicast, accumulate=accumulate)
+                                        multicast, accumulate=accumulate, groups=groups)
     stages = max((s for s in range(1, MAX_STAGES + 1) if plan(s).dynamic_shared_bytes <= budget),
                  default=0)
     if stages < 2:
@@ -254,7 +261,7 @@ def make_config(arch: Arch, n: int, k: int, block_m: int, block_n: int,
                          f"buffer(s) need more than the {math_registers} registers a math thread "
                          f"gets at {ctas_per_sm} CTA(s) an SM")
     return Fp8GemmConfig(n, k, block_m, block_n, stages, ctas_per_sm, math_registers, arch.target,
-                         multicast, part_buffers, accumulate)
+                         multicast, part_buffers, accumulate, groups)
 
 
 # The tile-choice model, fitted to `bench/gemm_sweep.py` on an H200 (docs/performance.md).
@@ -288,7 +295,7 @@ MULTICAST_MIN_M = 512  # below, the tiles of a block row are too few to pair up
 
 
 def choose_config(arch: Arch, m: int, n: int, k: int, sms: int | None = None,
-                  accumulate: bool = False) -> Fp8GemmConfig:
+                  accumulate: bool = False, groups: int = 0) -> Fp8GemmConfig:
     """The config the model above finishes first on ``sms`` SMs (the device's by default);
     ties go to multicast (fewer L2 reads: measured 0-3% faster), then to the smaller tile."""
     _require_problem(arch, n, k)
@@ -299,7 +306,7 @@ def choose_config(arch: Arch, m: int, n: int, k: int, sms: int | None = None,
             for multicast in (1, 2) if m >= MULTICAST_MIN_M and sms % 2 == 0 else (1,):
                 try:
                     cfg = make_config(arch, n, k, block_m, block_n, multicast=multicast,
-                                      accumulate=accumulate)
+                                      accumulate=accumulate, groups=groups)
                 except ValueError:
                     continue
                 estimate = (estimate_clocks(cfg, m, sms), -multicast)
@@ -313,7 +320,7 @@ def choose_config(arch: Arch, m: int, n: int, k: int, sms: int | None = None,
 def generate(cfg: Fp8GemmConfig) -> KernelBuilder:
     k = KernelBuilder(cfg.name, target=cfg.target, max_threads=cfg.threads,
                       min_blocks_per_sm=cfg.ctas_per_sm)
-    p = _params(k)
+    p = _params(k, cfg)
     smem = k.dynamic_shared("smem", align=SWIZZLE_ATOM)
     base = k.reg("u32", "smem")
     with k.stage("shared memory base (rounded up to a swizzle atom) and barriers"):
@@ -355,14 +362,29 @@ def generate(cfg: Fp8GemmConfig) -> KernelBuilder:
     return k
 
 
-def _params(k):
+def _params(k, cfg):
     p = type("Params", (), {})()
     p.tmap_a, p.tmap_b, p.tmap_sa, p.tmap_d = (
         k.tensormap_param(n) for n in ("tmap_a", "tmap_b", "tmap_sa", "tmap_d"))
     p.sb = k.param("sb", "u64")
     p.m_tiles = k.param("m_tiles", "u32")
     p.sb_row_stride = k.param("sb_row_stride", "u32")
+    if cfg.groups:
+        p.m_indices = k.param("m_indices", "u64")   # int32 [M]: each row's group, -1: padding
+        p.m_rows = k.param("m_rows", "u32")
     return p
+
+
+def _tile_group(k, cfg, m_indices, m_block, group, at):
+    """Grouped (contiguous layout): the group of the tile's first row, clamped into
+    [0, groups): the B matrix and B scales the tile reads. Rows whose m_indices differ
+    from it (padding -1, an index out of range, a segment not aligned to the tile) are
+    written as zeros by the epilogue: never a read outside B."""
+    k.mul(at, m_block, cfg.block_m * 4, mode="wide")
+    k.add(at, at, m_indices)
+    k.ld(group, addr(at), nc=True)
+    k.max(group, group, 0)
+    k.min(group, group, cfg.groups - 1)
 
 
 class _Tiles:
@@ -435,10 +457,18 @@ def _producer(k, cfg, p, base, tid):
             empty_parity, kx = k.reg("u32", "empty_parity"), k.reg("s32", "k0")
             bar_full, bar_empty = k.reg("u32", "bar_full"), k.reg("u32", "bar_empty")
             dst_a, dst_b, dst_sa = (k.reg("u32", n) for n in ("dst_a", "dst_b", "dst_sa"))
+            b_row = n0   # the tile's first row of B: in a grouped B, its group's matrix's
+            if cfg.groups:
+                m_indices, at = k.reg("u64", "p_m_indices"), k.reg("u64", "p_group_at")
+                group, b_row = k.reg("s32", "p_group"), k.reg("s32", "b_row")
+                k.ld_param(m_indices, p.m_indices)
             with tiles.loop() as tile:
                 tiles.coordinates(tile)
                 k.mul(m0, tiles.m_block, cfg.block_m, mode="lo", type="s32")
                 k.mul(n0, tiles.n_block, cfg.block_n, mode="lo", type="s32")
+                if cfg.groups:
+                    _tile_group(k, cfg, m_indices, tiles.m_block, group, at)
+                    k.mad(b_row, group, cfg.n, n0, mode="lo", type="s32")
                 if cfg.multicast > 1:
                     k.mad(m0_share, tiles.rank, cfg.a_box_rows, m0, mode="lo", type="s32")
                 with k.loop(k.reg("u32", "p_kb"), cfg.k_blocks) as kb:
@@ -462,7 +492,7 @@ def _producer(k, cfg, p, base, tid):
                                                     addr(bar_full), multicast_mask=everyone)
                     else:
                         k.cp_async_bulk_tensor_load(addr(dst_a), tmap_a, [kx, m0], addr(bar_full))
-                    k.cp_async_bulk_tensor_load(addr(dst_b), tmap_b, [kx, n0], addr(bar_full))
+                    k.cp_async_bulk_tensor_load(addr(dst_b), tmap_b, [kx, b_row], addr(bar_full))
                     k.cp_async_bulk_tensor_load(addr(dst_sa), tmap_sa, [m0, kb], addr(bar_full))
                     next_stage(k, stage, phase, cfg.stages)
 
@@ -548,6 +578,11 @@ def _math(k, cfg, p, base, tid, warpgroup):
         r.tmap_d = k.reg("u64", "tmap_d_ptr")
         k.mov(r.tmap_d, p.tmap_d)
         k.cvta(r.tmap_d, r.tmap_d, space="param")
+        if cfg.groups:
+            r.m_indices, r.m_rows = k.reg("u64", "m_indices"), k.reg("u32", "m_rows")
+            k.ld_param(r.m_indices, p.m_indices)
+            k.ld_param(r.m_rows, p.m_rows)
+            r.group, r.valid = k.reg("s32", "group"), [k.pred("row_valid"), k.pred("row8_valid")]
     tiles = _Tiles(k, cfg, p)
     with tiles.loop() as tile:
         tiles.coordinates(tile)
@@ -556,6 +591,23 @@ def _math(k, cfg, p, base, tid, warpgroup):
     with k.stage("drain: the last TMA stores complete before the CTA exits"):
         with k.guard(r.wg_leader):
             k.cp_async_bulk_wait_group(0)
+
+
+def _group_rows(k, cfg, tiles, r):
+    """Grouped: the tile's group, and whether each of the thread's two rows belongs to it
+    (inside M, with that m_indices): rows that do not are written as zeros."""
+    at, row, index = k.reg("u64", "group_at"), k.reg("u32", "group_row"), k.reg("s32", "row_group")
+    _tile_group(k, cfg, r.m_indices, tiles.m_block, r.group, at)
+    for half, valid in enumerate(r.valid):
+        k.mad(row, tiles.m_block, cfg.block_m, r.row_in_tile, mode="lo")
+        if half:
+            k.add(row, row, 8)
+        k.setp("lt", valid, row, r.m_rows, type="u32")
+        k.mov(index, -1)
+        with k.guard(valid):
+            k.mad(at, row, 4, r.m_indices, mode="wide")
+            k.ld(index, addr(at), nc=True)
+        k.setp("eq", valid, index, r.group, type="s32")
 
 
 def _k_loop(k, cfg, base, tiles, r):
@@ -568,12 +620,20 @@ def _k_loop(k, cfg, base, tiles, r):
         # where those columns are past N and never stored).
         n0 = k.reg("u32", "sb_n0")
         k.mul(n0, tiles.n_block, cfg.block_n, mode="lo")
+        scale_rows = -(-cfg.n // BLOCK_K)
+        first_row = 0   # of the tile's B scales: a grouped B's are its group's rows
+        if cfg.groups:
+            _group_rows(k, cfg, tiles, r)
+            first_row = k.reg("u32", "sb_first_row")
+            k.mul(first_row, r.group, scale_rows, mode="lo")
         k.shr(sb_row, n0, 7)
-        k.mul(r.sb_index, sb_row, r.sb_stride, mode="lo")
+        k.add(r.sb_index, sb_row, first_row)
+        k.mul(r.sb_index, r.sb_index, r.sb_stride, mode="lo")
         k.mad(r.sb_ptrs[0], r.sb_index, 4, r.sb_base, mode="wide")
         if cfg.straddles:
             k.add(sb_row, sb_row, 1)
-            k.min(sb_row, sb_row, -(-cfg.n // BLOCK_K) - 1)
+            k.min(sb_row, sb_row, scale_rows - 1)
+            k.add(sb_row, sb_row, first_row)
             k.mul(r.sb_index, sb_row, r.sb_stride, mode="lo")
             k.mad(r.sb_ptrs[1], r.sb_index, 4, r.sb_base, mode="wide")
             k.and_(n0, n0, BLOCK_K - 1)
@@ -745,6 +805,8 @@ def _epilogue(k, cfg, tiles, r):
                     k.st(where, r.acc[i:i + 2], space="shared")
                 else:
                     k.cvt(packed, r.acc[i + 1], r.acc[i], dtype="bf16x2", rnd="rn")
+                    if cfg.groups:  # rows outside the tile's group: zeros
+                        k.selp(packed, packed, 0, r.valid[half], type="b32")
                     k.st(where, packed, space="shared", type="b32")
         k.fence_proxy_async()  # the TMA store reads what these ordinary stores wrote
         k.bar_sync(barrier, 128)

@@ -1,4 +1,5 @@
-"""The FP8 GEMM with fine-grained scaling, on torch tensors (DeepGEMM's ``fp8_gemm_nt``)."""
+"""The FP8 GEMMs with fine-grained scaling, on torch tensors: DeepGEMM's ``fp8_gemm_nt``
+and the MoE grouped ``m_grouped_fp8_gemm_nt_contiguous``."""
 
 from __future__ import annotations
 
@@ -34,10 +35,12 @@ def get_num_sms(device_index: int | None = None) -> int:
     return _num_sms or device_arch(device_index).sm_count
 
 
-def _config(device_index: int, m: int, n: int, k: int, sms: int, accumulate: bool):
+def _config(device_index: int, m: int, n: int, k: int, sms: int, accumulate: bool,
+            groups: int):
     """The tile shape for one problem (M is a run-time argument of the kernel, but the
     best tile depends on it); _plan keeps the result."""
-    return gemm_kernel.choose_config(device_arch(device_index), m, n, k, sms, accumulate)
+    return gemm_kernel.choose_config(device_arch(device_index), m, n, k, sms, accumulate,
+                                     groups)
 
 
 @functools.lru_cache(maxsize=None)
@@ -51,10 +54,11 @@ def _launcher(device_index: int, cfg):
 
 
 @functools.lru_cache(maxsize=4096)
-def _plan(device_index: int, m: int, n: int, k: int, sms: int, accumulate: bool):
+def _plan(device_index: int, m: int, n: int, k: int, sms: int, accumulate: bool = False,
+          groups: int = 0):
     """(config, launcher, grid, m_tiles): all a launch needs besides the tensors, worked
     out once per problem so a call pays one cache lookup."""
-    cfg = _config(device_index, m, n, k, sms, accumulate)
+    cfg = _config(device_index, m, n, k, sms, accumulate, groups)
     launcher, resident_clusters = _launcher(device_index, cfg)
     m_tiles = ceil_div(m, cfg.block_m)
     # Persistent: no more CTAs (whole clusters) than run at once.
@@ -62,6 +66,44 @@ def _plan(device_index: int, m: int, n: int, k: int, sms: int, accumulate: bool)
     if resident_clusters is not None:
         clusters = min(clusters, resident_clusters)
     return cfg, launcher, clusters * cfg.multicast, m_tiles
+
+
+def _scaled_a(a, device: int | None = None):
+    """Check ``a = (A, sa)``: A e4m3 [M, K], sa f32 [M, ceil(K/128)], converted to the
+    MN-major TMA-aligned layout when it is not in it. Returns (m, k, A's row stride,
+    A's pointer, device, sa's pointer)."""
+    A, sa = a
+    (m, k), a_strides, a_ptr, device = inspect("a[0]", A, torch.float8_e4m3fn, 2, device=device)
+    sa_shape, _, _, _ = inspect("a[1]", sa, torch.float32, 2, align=4, device=device, rows=False)
+    require_shape("a[1]", sa_shape, (m, ceil_div(k, gemm_kernel.BLOCK_K)))
+    if not is_mn_major_tma_aligned(sa):
+        sa = get_mn_major_tma_aligned_tensor(sa)
+    return m, k, a_strides[0], a_ptr, device, sa.data_ptr()
+
+
+def _launch(device: int, m: int, n: int, k: int, a_row, a_ptr, sa_ptr, b_rows, b_row, b_ptr,
+            sb_ptr, sb_row, d_ptr, d_row, *, accumulate=False, groups=0, extra=()):
+    """Plan (cached), encode the four tensor maps (cached) and launch. ``b_rows``: rows of
+    B as one matrix (N, or groups x N); strides in elements of one byte (A, B) or four
+    (sa column, sb row); D's row stride in elements."""
+    cfg, launcher, grid, m_tiles = _plan(device, m, n, k, get_num_sms(device), accumulate, groups)
+    scale_groups = ceil_div(k, gemm_kernel.BLOCK_K)
+    tmap_a = encode_tiled(a_ptr, "float8_e4m3fn", (k, m), (a_row,),
+                          (gemm_kernel.BLOCK_K, cfg.a_box_rows), swizzle=128)
+    tmap_b = encode_tiled(b_ptr, "float8_e4m3fn", (k, b_rows), (b_row,),
+                          (gemm_kernel.BLOCK_K, cfg.block_n), swizzle=128)
+    # The column stride TMA reads sa with; for a one-column sa it is never used but must be valid.
+    tmap_sa = encode_tiled(sa_ptr, "float32", (m, scale_groups), (4 * get_tma_aligned_size(m, 4),),
+                           (cfg.block_m, 1))
+    d_size = 4 if accumulate else 2
+    tmap_d = encode_tiled(d_ptr, "float32" if accumulate else "bfloat16", (n, m),
+                          (d_size * d_row,), (cfg.d_box_cols, 64), swizzle=cfg.d_swizzle)
+    launcher((grid, 1, 1), current_stream(device),
+             (tmap_a, tmap_b, tmap_sa, tmap_d, sb_ptr, m_tiles, sb_row) + extra)
+
+
+def _sa_span(sa_ptr: int, m: int, k: int) -> tuple[int, int]:
+    return row_span(sa_ptr, ceil_div(k, gemm_kernel.BLOCK_K), get_tma_aligned_size(m, 4), m, 4)
 
 
 def fp8_gemm_nt(a, b, d: torch.Tensor, c: torch.Tensor | None = None) -> None:
@@ -78,23 +120,16 @@ def fp8_gemm_nt(a, b, d: torch.Tensor, c: torch.Tensor | None = None) -> None:
     Fast path: sa in the MN-major TMA-aligned layout that ``quantize_fp8_per_token``
     writes by default. A row-major sa is converted (one copy) on every call.
     """
-    A, sa = a
+    m, k, a_row, a_ptr, device, sa_ptr = _scaled_a(a)
     B, sb = b
-    (m, k), a_strides, a_ptr, device = inspect("a[0]", A, torch.float8_e4m3fn, 2)
     (n, kb_), b_strides, b_ptr, _ = inspect("b[0]", B, torch.float8_e4m3fn, 2, device=device)
     if kb_ != k:
-        raise ValueError(f"a[0] and b[0] must share K, got a[0] {tuple(A.shape)} and b[0] "
+        raise ValueError(f"a[0] and b[0] must share K, got a[0] {tuple(a[0].shape)} and b[0] "
                          f"{tuple(B.shape)}")
-    groups = ceil_div(k, gemm_kernel.BLOCK_K)  # one scale per 128 of K
-    sa_shape, _, _, _ = inspect("a[1]", sa, torch.float32, 2, align=4, device=device, rows=False)
-    require_shape("a[1]", sa_shape, (m, groups))
-    if not is_mn_major_tma_aligned(sa):
-        sa = get_mn_major_tma_aligned_tensor(sa)
-    # The column stride TMA reads sa with; for a one-column sa it is never used but must be valid.
-    sa_ptr, sa_column = sa.data_ptr(), get_tma_aligned_size(m, 4)
+    k_groups = ceil_div(k, gemm_kernel.BLOCK_K)  # one scale per 128 of K
     sb_shape, sb_strides, sb_ptr, _ = inspect("b[1]", sb, torch.float32, 2, align=4,
                                               device=device)
-    require_shape("b[1]", sb_shape, (ceil_div(n, 128), groups))
+    require_shape("b[1]", sb_shape, (ceil_div(n, 128), k_groups))
     accumulate = c is not None
     d_dtype = torch.float32 if accumulate else torch.bfloat16
     if accumulate and d.dtype is not torch.float32:
@@ -103,10 +138,9 @@ def fp8_gemm_nt(a, b, d: torch.Tensor, c: torch.Tensor | None = None) -> None:
     require_shape("d", d_shape, (m, n))
     require_contiguous_rows("d", d_shape, d_strides)
     d_span = (d_ptr, d.itemsize * m * n)
-    require_disjoint("d", d_span, row_span(a_ptr, m, a_strides[0], k, 1),
-                     row_span(b_ptr, n, b_strides[0], k, 1),
-                     row_span(sa_ptr, groups, sa_column, m, 4),
-                     row_span(sb_ptr, sb_shape[0], sb_strides[0], groups, 4))
+    require_disjoint("d", d_span, row_span(a_ptr, m, a_row, k, 1),
+                     row_span(b_ptr, n, b_strides[0], k, 1), _sa_span(sa_ptr, m, k),
+                     row_span(sb_ptr, sb_shape[0], sb_strides[0], k_groups, 4))
     if accumulate:
         c_shape, c_strides, c_ptr, _ = inspect("c", c, torch.float32, 2, device=device)
         require_shape("c", c_shape, (m, n))
@@ -115,14 +149,58 @@ def fp8_gemm_nt(a, b, d: torch.Tensor, c: torch.Tensor | None = None) -> None:
             d.copy_(c)
     if m == 0:
         return
-    cfg, launcher, grid, m_tiles = _plan(device, m, n, k, get_num_sms(device), accumulate)
-    tmap_a = encode_tiled(a_ptr, "float8_e4m3fn", (k, m), (a_strides[0],),
-                          (gemm_kernel.BLOCK_K, cfg.a_box_rows), swizzle=128)
-    tmap_b = encode_tiled(b_ptr, "float8_e4m3fn", (k, n), (b_strides[0],),
-                          (gemm_kernel.BLOCK_K, cfg.block_n), swizzle=128)
-    tmap_sa = encode_tiled(sa_ptr, "float32", (m, groups), (4 * sa_column,), (cfg.block_m, 1))
-    tmap_d = encode_tiled(d_ptr, "float32" if accumulate else "bfloat16", (n, m),
-                          (d.itemsize * d_strides[0],), (cfg.d_box_cols, 64),
-                          swizzle=cfg.d_swizzle)
-    launcher((grid, 1, 1), current_stream(device),
-             (tmap_a, tmap_b, tmap_sa, tmap_d, sb_ptr, m_tiles, sb_strides[0]))
+    _launch(device, m, n, k, a_row, a_ptr, sa_ptr, n, b_strides[0], b_ptr, sb_ptr,
+            sb_strides[0], d_ptr, d_strides[0], accumulate=accumulate)
+
+
+def get_mk_alignment_for_contiguous_layout() -> int:
+    """The row alignment of each group's segment in the contiguous layout: the tallest tile,
+    so that no tile spans two groups."""
+    return 128
+
+
+def m_grouped_fp8_gemm_nt_contiguous(a, b, d: torch.Tensor, m_indices: torch.Tensor) -> None:
+    """MoE, contiguous layout: row i of ``d`` = row i of ``a`` times group ``m_indices[i]``
+    of ``b``, transposed, with DeepGEMM's fine-grained FP8 scaling.
+
+    a: ``(A, sa)``, A e4m3 [M, K] (the groups' rows one segment after another), sa f32
+    [M, ceil(K/128)]. b: ``(B, sb)``, B e4m3 [G, N, K], sb f32 [G, ceil(N/128), ceil(K/128)],
+    both contiguous. d: bf16 [M, N], contiguous. m_indices: int32 [M] on the GPU, each row's
+    group; -1 marks padding. Each group's segment starts at a multiple of
+    ``get_mk_alignment_for_contiguous_layout()`` rows.
+
+    Rows the GPU finds padding, an index outside [0, G), or a segment not aligned (a
+    tile's row whose group differs from its first row's) are written as zeros; nothing is
+    read outside B. Nothing is read back to the host: the call can be captured in a graph.
+    """
+    m, k, a_row, a_ptr, device, sa_ptr = _scaled_a(a)
+    B, sb = b
+    (num_groups, n, kb_), b_strides, b_ptr, _ = inspect("b[0]", B, torch.float8_e4m3fn, 3,
+                                                        device=device)
+    if kb_ != k:
+        raise ValueError(f"a[0] and b[0] must share K, got a[0] {tuple(a[0].shape)} and b[0] "
+                         f"{tuple(B.shape)}")
+    if num_groups < 1 or b_strides[0] != n * b_strides[1]:
+        raise ValueError(f"b[0] must hold at least one group, its [N, K] matrices back to back, "
+                         f"got shape {tuple(B.shape)} and strides {tuple(b_strides)}")
+    scale_rows, k_groups = ceil_div(n, 128), ceil_div(k, gemm_kernel.BLOCK_K)
+    sb_shape, sb_strides, sb_ptr, _ = inspect("b[1]", sb, torch.float32, 3, align=4,
+                                              device=device)
+    require_shape("b[1]", sb_shape, (num_groups, scale_rows, k_groups))
+    if sb_strides[0] != scale_rows * sb_strides[1]:
+        raise ValueError(f"b[1] must hold its groups' scales back to back, got strides "
+                         f"{tuple(sb_strides)}")
+    (mi,), _, mi_ptr, _ = inspect("m_indices", m_indices, torch.int32, 1, align=4, device=device)
+    if mi != m:
+        raise ValueError(f"m_indices must have one entry per row of a[0] ({m}), got {mi}")
+    d_shape, d_strides, d_ptr, _ = inspect("d", d, torch.bfloat16, 2, device=device)
+    require_shape("d", d_shape, (m, n))
+    require_contiguous_rows("d", d_shape, d_strides)
+    require_disjoint("d", (d_ptr, 2 * m * n), row_span(a_ptr, m, a_row, k, 1),
+                     row_span(b_ptr, num_groups * n, b_strides[1], k, 1), _sa_span(sa_ptr, m, k),
+                     row_span(sb_ptr, num_groups * scale_rows, sb_strides[1], k_groups, 4),
+                     (mi_ptr, 4 * m))
+    if m == 0:
+        return
+    _launch(device, m, n, k, a_row, a_ptr, sa_ptr, num_groups * n, b_strides[1], b_ptr, sb_ptr,
+            sb_strides[1], d_ptr, d_strides[0], groups=num_groups, extra=(mi_ptr, m))
