@@ -138,6 +138,24 @@ def test_gemm_accumulating_epilogue_adds_f32_boxes(block_m, block_n):
     assert compiled.resources.spills == 0
 
 
+@pytest.mark.parametrize("block_m, block_n, multicast", [(128, 128, 2), (64, 24, 1), (128, 160, 1)])
+def test_grouped_gemm_reads_each_tile_group_and_zeroes_foreign_rows(block_m, block_n, multicast):
+    from ptxforge.kernels import sm90_fp8_gemm_1d2d as gemm
+
+    cfg = gemm.make_config(arch.get("sm_90a"), 4096, 7168, block_m, block_n,
+                           multicast=multicast, groups=8)
+    ptx = gemm.generate(cfg).ptx()
+    assert ".param .u64 m_indices" in ptx and ".param .u32 m_rows" in ptx
+    # The tile's group is clamped into [0, 8) before it picks B rows and B-scale rows.
+    assert "max.s32" in ptx and "min.s32" in ptx and ", 7;" in ptx
+    # Each bf16 pair of a row outside the tile's group is replaced by zeros.
+    assert ptx.count("selp.b32") == block_n // 8 * 2
+    compiled = jit.build(gemm.generate(cfg))
+    assert compiled.resources.spills == 0
+    with pytest.raises(ValueError, match="groups"):
+        gemm.make_config(arch.get("sm_90a"), 4096, 7168, 128, 128, groups=8, accumulate=True)
+
+
 def test_gemm_tiles_wider_than_the_registers_are_refused():
     from ptxforge.kernels import sm90_fp8_gemm_1d2d as gemm
 
