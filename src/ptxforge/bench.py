@@ -8,6 +8,7 @@ device-to-device copy ceiling in the same run and state every bandwidth against 
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -203,3 +204,82 @@ def gemm_table(result: dict) -> str:
     return title + "\n" + format_table(
         ["M", "N", "K", "TFLOPS", "GB/s", "cuBLAS blockwise", "bf16 cuBLAS", "speedup", "calc_diff"],
         rows)
+
+
+# DeepGEMM's contiguous MoE rows: (groups, expected rows per group, N, K).
+GROUPED_CONTIGUOUS = [(4, 8192, 4096, 7168), (4, 8192, 7168, 2048),
+                      (8, 4096, 4096, 7168), (8, 4096, 7168, 2048)]
+
+
+def grouped_operands(sizes, n: int, k: int):
+    """A contiguous-layout MoE problem: each group's rows padded with -1 rows to the
+    alignment, quantized as DeepGEMM's recipe does, and the fp64 reference (padding rows
+    zero): ``(qa, sa), (qb, sb), m_indices, reference``."""
+    align = ops.get_mk_alignment_for_contiguous_layout()
+    rows = []
+    for group, size in enumerate(sizes):
+        rows += [group] * size + [-1] * (-(-size // align) * align - size)
+    m_indices = torch.tensor(rows, dtype=torch.int32, device="cuda")
+    qa, sa = ops.quantize_fp8_per_token(torch.randn(len(rows), k, device="cuda").to(torch.bfloat16))
+    weights = [ops.quantize_fp8_per_block(torch.randn(n, k, device="cuda").to(torch.bfloat16))
+               for _ in sizes]
+    a = reference.dequantize_per_token(qa, sa).double()
+    ref = torch.zeros(len(rows), n, dtype=torch.float64, device="cuda")
+    for group, (qb, sb) in enumerate(weights):
+        mine = m_indices == group
+        ref[mine] = a[mine] @ reference.dequantize_per_block(qb, sb).double().t()
+    qb = torch.stack([w[0] for w in weights])
+    sb = torch.stack([w[1] for w in weights])
+    return (qa, sa), (qb, sb), m_indices, ref
+
+
+def _torch_grouped(qa, qb, sizes):
+    """torch._scaled_grouped_mm on the same e4m3 operands with row-wise unit scales (the
+    coarser recipe torch offers for grouped FP8), or None where it does not run."""
+    align = ops.get_mk_alignment_for_contiguous_layout()
+    ends = torch.tensor(sizes, device="cuda").add(align - 1).div(align, rounding_mode="floor")
+    offs = ends.mul(align).cumsum(0).to(torch.int32)
+    scale_a = torch.ones(qa.shape[0], device="cuda")
+    scale_b = torch.ones(qb.shape[0], qb.shape[1], device="cuda")
+
+    def call():
+        return torch._scaled_grouped_mm(qa, qb.transpose(-2, -1), scale_a, scale_b, offs=offs,
+                                        out_dtype=torch.bfloat16)
+    try:
+        call()
+        return call
+    except (RuntimeError, AttributeError, TypeError):
+        return None
+
+
+def grouped_gemm_suite(timer: Timer | None = None, seed: int = 0) -> dict:
+    """The MoE grouped FP8 GEMM on DeepGEMM's contiguous rows (group sizes drawn 0.7-1.3x
+    the expected size), beside torch._scaled_grouped_mm where it runs."""
+    timer = timer or Timer()
+    rng = random.Random(seed)
+    rows = []
+    for groups, expected, n, k in GROUPED_CONTIGUOUS:
+        sizes = [int(expected * rng.uniform(0.7, 1.3)) for _ in range(groups)]
+        a, b, m_indices, ref = grouped_operands(sizes, n, k)
+        d = torch.full((a[0].shape[0], n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        ops.m_grouped_fp8_gemm_nt_contiguous(a, b, d, m_indices)
+        flops = 2 * sum(sizes) * n * k
+        ms = timer(lambda: ops.m_grouped_fp8_gemm_nt_contiguous(a, b, d, m_indices))
+        peer = _torch_grouped(a[0], b[0], sizes)
+        rows.append({"layout": "contiguous", "groups": groups, "m_per_group": expected,
+                     "m_sum": sum(sizes), "n": n, "k": k, "ms": ms, "tflops": flops / ms / 1e9,
+                     "torch_tflops": flops / timer(peer) / 1e9 if peer else None,
+                     "calc_diff": calc_diff(d, ref)})
+        del a, b, ref
+    return {"suite": "grouped-gemm", "gpu": torch.cuda.get_device_name(), "rows": rows}
+
+
+def grouped_gemm_table(result: dict) -> str:
+    rows = [[r["layout"], r["groups"], r["m_per_group"], r["n"], r["k"], f"{r['tflops']:.0f}",
+             f"{r['torch_tflops']:.0f}" if r["torch_tflops"] else "n/a", f"{r['calc_diff']:.1e}"]
+            for r in result["rows"]]
+    title = (f"{result['gpu']}: MoE grouped FP8 GEMM (1x128 x 128x128 scaling), TFLOPS = "
+             f"2 * valid rows * N * K / kernel time (profiler, median of 30, L2 flushed); torch: "
+             f"_scaled_grouped_mm, row-wise scales")
+    return title + "\n" + format_table(
+        ["layout", "groups", "M per group", "N", "K", "TFLOPS", "torch", "calc_diff"], rows)
