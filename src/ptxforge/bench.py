@@ -209,6 +209,10 @@ def gemm_table(result: dict) -> str:
 # DeepGEMM's contiguous MoE rows: (groups, expected rows per group, N, K).
 GROUPED_CONTIGUOUS = [(4, 8192, 4096, 7168), (4, 8192, 7168, 2048),
                       (8, 4096, 4096, 7168), (8, 4096, 7168, 2048)]
+# DeepGEMM's masked rows: (groups, valid rows per group, M_max, N, K).
+GROUPED_MASKED = [(1, 1024, 4096, 4096, 7168), (1, 1024, 4096, 7168, 2048),
+                  (2, 512, 1024, 4096, 7168), (2, 512, 1024, 7168, 2048),
+                  (4, 256, 512, 4096, 7168), (4, 256, 512, 7168, 2048)]
 
 
 def grouped_operands(sizes, n: int, k: int):
@@ -233,6 +237,28 @@ def grouped_operands(sizes, n: int, k: int):
     return (qa, sa), (qb, sb), m_indices, ref
 
 
+def masked_operands(counts, m_max: int, n: int, k: int):
+    """A masked-layout MoE problem: A [G, M_max, K] quantized as one [G * M_max, K] matrix
+    (its scales viewed [G, M_max, K/128]), B [G, N, K] per group, and the fp64 reference of
+    each group's first counts[g] rows (clamped into [0, M_max]): ``(qa, sa), (qb, sb),
+    masked_m, reference``."""
+    groups = len(counts)
+    qa, sa = ops.quantize_fp8_per_token(
+        torch.randn(groups * m_max, k, device="cuda").to(torch.bfloat16))
+    weights = [ops.quantize_fp8_per_block(torch.randn(n, k, device="cuda").to(torch.bfloat16))
+               for _ in counts]
+    a = reference.dequantize_per_token(qa, sa).double().view(groups, m_max, k)
+    ref = torch.zeros(groups, m_max, n, dtype=torch.float64, device="cuda")
+    for group, ((qb, sb), count) in enumerate(zip(weights, counts)):
+        rows = min(max(count, 0), m_max)
+        ref[group, :rows] = a[group, :rows] @ reference.dequantize_per_block(qb, sb).double().t()
+    qb = torch.stack([w[0] for w in weights])
+    sb = torch.stack([w[1] for w in weights])
+    masked_m = torch.tensor(counts, dtype=torch.int32, device="cuda")
+    return ((qa.view(groups, m_max, k), sa.view(groups, m_max, sa.shape[1])), (qb, sb),
+            masked_m, ref)
+
+
 def _torch_grouped(qa, qb, sizes):
     """torch._scaled_grouped_mm on the same e4m3 operands with row-wise unit scales (the
     coarser recipe torch offers for grouped FP8), or None where it does not run."""
@@ -254,7 +280,8 @@ def _torch_grouped(qa, qb, sizes):
 
 def grouped_gemm_suite(timer: Timer | None = None, seed: int = 0) -> dict:
     """The MoE grouped FP8 GEMM on DeepGEMM's contiguous rows (group sizes drawn 0.7-1.3x
-    the expected size), beside torch._scaled_grouped_mm where it runs."""
+    the expected size; beside torch._scaled_grouped_mm where it runs) and masked rows
+    (TFLOPS over the valid rows)."""
     timer = timer or Timer()
     rng = random.Random(seed)
     rows = []
@@ -270,6 +297,17 @@ def grouped_gemm_suite(timer: Timer | None = None, seed: int = 0) -> dict:
                      "m_sum": sum(sizes), "n": n, "k": k, "ms": ms, "tflops": flops / ms / 1e9,
                      "torch_tflops": flops / timer(peer) / 1e9 if peer else None,
                      "calc_diff": calc_diff(d, ref)})
+        del a, b, ref
+    for groups, count, m_max, n, k in GROUPED_MASKED:
+        a, b, masked_m, ref = masked_operands([count] * groups, m_max, n, k)
+        d = torch.full((groups, m_max, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        call = lambda: ops.m_grouped_fp8_gemm_nt_masked(a, b, d, masked_m, count)
+        call()
+        flops = 2 * groups * count * n * k
+        ms = timer(call)
+        rows.append({"layout": "masked", "groups": groups, "m_per_group": count, "m_max": m_max,
+                     "n": n, "k": k, "ms": ms, "tflops": flops / ms / 1e9, "torch_tflops": None,
+                     "calc_diff": calc_diff(d[:, :count], ref[:, :count])})
         del a, b, ref
     return {"suite": "grouped-gemm", "gpu": torch.cuda.get_device_name(), "rows": rows}
 

@@ -156,6 +156,22 @@ def test_grouped_gemm_reads_each_tile_group_and_zeroes_foreign_rows(block_m, blo
         gemm.make_config(arch.get("sm_90a"), 4096, 7168, 128, 128, groups=8, accumulate=True)
 
 
+@pytest.mark.parametrize("block_m, block_n, multicast", [(128, 128, 2), (64, 24, 1)])
+def test_masked_grouped_gemm_walks_valid_tiles_with_3d_maps(block_m, block_n, multicast):
+    from ptxforge.kernels import sm90_fp8_gemm_1d2d as gemm
+
+    cfg = gemm.make_config(arch.get("sm_90a"), 4096, 7168, block_m, block_n,
+                           multicast=multicast, groups=4, masked=True)
+    ptx = gemm.generate(cfg).ptx()
+    assert ".param .u64 masked_m" in ptx and "m_indices" not in ptx
+    # A and sa load per group (3-D maps), D stores per group; B is one [G*N, K] matrix.
+    assert ptx.count("cp.async.bulk.tensor.3d.shared::cluster.global.tile") == 2
+    assert ptx.count("cp.async.bulk.tensor.2d.shared::cluster.global.tile") == 1
+    assert ptx.count("cp.async.bulk.tensor.3d.global.shared::cta.tile") == block_n // cfg.d_box_cols
+    assert "$L_find_group" in ptx  # the tile's group: a scan over the groups' valid tiles
+    assert jit.build(gemm.generate(cfg)).resources.spills == 0
+
+
 def test_gemm_tiles_wider_than_the_registers_are_refused():
     from ptxforge.kernels import sm90_fp8_gemm_1d2d as gemm
 

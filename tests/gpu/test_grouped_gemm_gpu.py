@@ -75,3 +75,76 @@ def test_rejects_bad_arguments():
         ptxforge.m_grouped_fp8_gemm_nt_contiguous(a, b, d, m_indices[:128])
     with pytest.raises(ValueError, match="share K"):
         ptxforge.m_grouped_fp8_gemm_nt_contiguous(a, (b[0][:, :, :128], b[1]), d, m_indices)
+
+
+def run_masked(a, b, masked_m, expected_m):
+    groups, m_max, _ = a[0].shape
+    d = torch.full((groups, m_max, b[0].shape[1]), float("nan"), device="cuda",
+                   dtype=torch.bfloat16)
+    ptxforge.m_grouped_fp8_gemm_nt_masked(a, b, d, masked_m, expected_m)
+    torch.cuda.synchronize()
+    return d
+
+
+def check_masked(d, ref, counts):
+    for group, count in enumerate(counts):
+        rows = min(max(count, 0), d.shape[1])
+        assert not torch.isnan(d[group, :rows]).any(), "valid rows were not written"
+        if rows:
+            assert calc_diff(d[group, :rows], ref[group, :rows]) < 1e-3
+            assert relative_error(d[group, :rows], ref[group, :rows]) <= 2e-3
+
+
+@pytest.mark.parametrize("counts, m_max, n, k", [([100, 0, 512, 37], 512, 1000, 640),
+                                                 ([129], 129, 256, 1024),       # scales copied
+                                                 ([1024, 700], 1024, 4096, 7168),
+                                                 ([-3, 5000, 64], 200, 512, 256)])  # clamped
+def test_masked_matches_fp64_reference(counts, m_max, n, k):
+    from ptxforge.bench import masked_operands
+
+    a, b, masked_m, ref = masked_operands(counts, m_max, n, k)
+    d = run_masked(a, b, masked_m, max(1, max(counts) // 2))
+    check_masked(d, ref, counts)
+    again = run_masked(a, b, masked_m, max(1, max(counts) // 2))
+    valid = ~torch.isnan(d)
+    assert torch.equal(d[valid], again[valid])  # the same bits every run
+
+
+def test_masked_graph_replays_new_counts():
+    """Captured once; masked_m changes on the GPU between replays: each replay's valid rows
+    are those of a call over every row."""
+    from ptxforge.bench import masked_operands
+
+    a, b, masked_m, _ = masked_operands([64, 64, 64], 256, 512, 512)
+    full = torch.empty(3, 256, 512, device="cuda", dtype=torch.bfloat16)
+    ptxforge.m_grouped_fp8_gemm_nt_masked(a, b, full, torch.full_like(masked_m, 256), 64)
+    d = torch.empty_like(full)
+    ptxforge.m_grouped_fp8_gemm_nt_masked(a, b, d, masked_m, 64)  # built before the capture
+    torch.cuda.synchronize()
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph, stream=stream):
+            ptxforge.m_grouped_fp8_gemm_nt_masked(a, b, d, masked_m, 64)
+    for counts in ([256, 0, 17], [1, 255, 128], [0, 0, 0], [300, 256, 256]):
+        masked_m.copy_(torch.tensor(counts, dtype=torch.int32))
+        d.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for group, count in enumerate(counts):
+            rows = min(count, 256)
+            assert torch.equal(d[group, :rows], full[group, :rows])
+
+
+def test_masked_rejects_bad_arguments():
+    from ptxforge.bench import masked_operands
+
+    a, b, masked_m, _ = masked_operands([64, 64], 128, 256, 256)
+    d = torch.empty(2, 128, 256, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="share G and K"):
+        ptxforge.m_grouped_fp8_gemm_nt_masked(a, (b[0][:1], b[1][:1]), d, masked_m, 64)
+    with pytest.raises(ValueError, match="one entry per group"):
+        ptxforge.m_grouped_fp8_gemm_nt_masked(a, b, d, masked_m[:1], 64)
+    with pytest.raises(ValueError, match="expected_m"):
+        ptxforge.m_grouped_fp8_gemm_nt_masked(a, b, d, masked_m, 0)
+    with pytest.raises(ValueError, match="d must have shape"):
+        ptxforge.m_grouped_fp8_gemm_nt_masked(a, b, d[:, :64], masked_m, 64)

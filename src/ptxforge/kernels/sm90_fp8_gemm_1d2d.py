@@ -75,14 +75,16 @@ class Fp8GemmConfig:
     multicast: int = 1     # CTAs of a cluster sharing each A tile (neighbours along N)
     part_buffers: int = 1  # 2: a K block's wgmma runs while the one before it promotes
     accumulate: bool = False  # D is f32 and the tile is added into it (d = c + a.b^T)
-    groups: int = 0        # > 0: MoE, contiguous layout: B holds `groups` matrices, each row
+    groups: int = 0        # > 0: MoE, B holds `groups` matrices; contiguous layout: each row
                            # of A names its group in m_indices (see _tile_group)
+    masked: bool = False   # MoE, masked layout: A and D [groups, M_max, ...], the valid rows
+                           # of each group in masked_m (read on the GPU)
 
     @property
     def name(self) -> str:
         return (f"sm90_fp8_gemm_1d2d_n{self.n}_k{self.k}_bm{self.block_m}_bn{self.block_n}"
                 f"_s{self.stages}_c{self.ctas_per_sm}_mc{self.multicast}_p{self.part_buffers}"
-                + ("_acc" if self.accumulate else "") + (f"_g{self.groups}" if self.groups else ""))
+                + ("_acc" if self.accumulate else "") + (f"_g{self.groups}" if self.groups else "") + ("m" if self.masked else ""))
 
     @property
     def math_warpgroups(self) -> int:
@@ -211,15 +213,16 @@ def _require_problem(arch: Arch, n: int, k: int) -> None:
 def make_config(arch: Arch, n: int, k: int, block_m: int, block_n: int,
                 ctas_per_sm: int = 1, multicast: int = 1,
                 part_buffers: int | None = None, accumulate: bool = False,
-                groups: int = 0) -> Fp8GemmConfig:
+                groups: int = 0, masked: bool = False) -> Fp8GemmConfig:
     """A config for one tile shape: as many stages as the CTA's share of shared memory
     holds, and the math registers that residency leaves. ``multicast`` 2: clusters of two
     CTAs on neighbouring tiles of one block row, each loading half of the shared A tile.
     ``part_buffers``: 1 or 2 registers sets a K block's wgmma accumulates into (2 overlap
     a K block's promotion with the next one's wgmma); by default 2 where they fit.
     ``accumulate``: D is f32 and each tile is added into it by a TMA reduction (the f32 D
-    tile takes shared memory from the stages). ``groups`` > 0: the MoE contiguous layout,
-    B holding that many [N, K] matrices (not with ``accumulate``)."""
+    tile takes shared memory from the stages). ``groups`` > 0: MoE, B holding that many
+    [N, K] matrices, in the contiguous layout or with ``masked`` the masked one (neither
+    with ``accumulate``)."""
     _require_problem(arch, n, k)
     if block_m not in (64, 128) or block_n not in block_n_candidates(arch):
         raise ValueError(f"no FP8 GEMM tile {block_m} x {block_n}: block_m is 64 or 128, "
@@ -229,15 +232,17 @@ def make_config(arch: Arch, n: int, k: int, block_m: int, block_n: int,
                          f"({-(-n // block_n)}) it divides")
     if multicast > 1:
         arch.require("clusters", "the FP8 GEMM's TMA multicast")
-    if groups < 0 or (groups and accumulate):
-        raise ValueError(f"groups must be >= 0 (0: not grouped) and is not combined with "
-                         f"accumulate, got groups={groups}, accumulate={accumulate}")
+    if groups < 0 or (groups and accumulate) or (masked and not groups):
+        raise ValueError(f"groups must be >= 0 (0: not grouped), is not combined with "
+                         f"accumulate, and masked needs groups; got groups={groups}, "
+                         f"accumulate={accumulate}, masked={masked}")
     math_wgs = block_m // 64
     budget = min(arch.shared_memory_per_sm // ctas_per_sm - arch.shared_memory_reserved_per_block,
                  arch.max_shared_memory_per_block)
     # The shared-memory plan (the config's offsets) decides the stages: as many as fit.
     plan = lambda stages: Fp8GemmConfig(n, k, block_m, block_n, stages, ctas_per_sm, 0, arch.target,
-                                        multicast, accumulate=accumulate, groups=groups)
+                                        multicast, accumulate=accumulate, groups=groups,
+                                        masked=masked)
     stages = max((s for s in range(1, MAX_STAGES + 1) if plan(s).dynamic_shared_bytes <= budget),
                  default=0)
     if stages < 2:
@@ -261,7 +266,7 @@ def make_config(arch: Arch, n: int, k: int, block_m: int, block_n: int,
                          f"buffer(s) need more than the {math_registers} registers a math thread "
                          f"gets at {ctas_per_sm} CTA(s) an SM")
     return Fp8GemmConfig(n, k, block_m, block_n, stages, ctas_per_sm, math_registers, arch.target,
-                         multicast, part_buffers, accumulate, groups)
+                         multicast, part_buffers, accumulate, groups, masked)
 
 
 # The tile-choice model, fitted to `bench/gemm_sweep.py` on an H200 (docs/performance.md).
@@ -295,7 +300,8 @@ MULTICAST_MIN_M = 512  # below, the tiles of a block row are too few to pair up
 
 
 def choose_config(arch: Arch, m: int, n: int, k: int, sms: int | None = None,
-                  accumulate: bool = False, groups: int = 0) -> Fp8GemmConfig:
+                  accumulate: bool = False, groups: int = 0,
+                  masked: bool = False) -> Fp8GemmConfig:
     """The config the model above finishes first on ``sms`` SMs (the device's by default);
     ties go to multicast (fewer L2 reads: measured 0-3% faster), then to the smaller tile."""
     _require_problem(arch, n, k)
@@ -306,7 +312,7 @@ def choose_config(arch: Arch, m: int, n: int, k: int, sms: int | None = None,
             for multicast in (1, 2) if m >= MULTICAST_MIN_M and sms % 2 == 0 else (1,):
                 try:
                     cfg = make_config(arch, n, k, block_m, block_n, multicast=multicast,
-                                      accumulate=accumulate, groups=groups)
+                                      accumulate=accumulate, groups=groups, masked=masked)
                 except ValueError:
                     continue
                 estimate = (estimate_clocks(cfg, m, sms), -multicast)
@@ -369,7 +375,10 @@ def _params(k, cfg):
     p.sb = k.param("sb", "u64")
     p.m_tiles = k.param("m_tiles", "u32")
     p.sb_row_stride = k.param("sb_row_stride", "u32")
-    if cfg.groups:
+    if cfg.masked:
+        p.masked_m = k.param("masked_m", "u64")     # int32 [groups]: each group's valid rows
+        p.m_rows = k.param("m_rows", "u32")         # M_max
+    elif cfg.groups:
         p.m_indices = k.param("m_indices", "u64")   # int32 [M]: each row's group, -1: padding
         p.m_rows = k.param("m_rows", "u32")
     return p
@@ -391,7 +400,9 @@ class _Tiles:
     """The persistent tile loop. A cluster of ``multicast`` CTAs takes tile groups
     g = cluster, cluster + clusters, ... < m_tiles * n_tiles / multicast; group g is
     (m_block, n_group) in raster groups of RASTER_GROUP block rows, and the CTA of rank r
-    takes n_block = n_group * multicast + r (so the cluster shares m_block: A)."""
+    takes n_block = n_group * multicast + r (so the cluster shares m_block: A). The masked
+    MoE layout walks only the tiles of each group's valid rows (masked_m, read on the GPU),
+    group after group, n_group fastest: the clusters share the real work evenly."""
 
     def __init__(self, k, cfg, p):
         self.k, self.cfg = k, cfg
@@ -399,6 +410,16 @@ class _Tiles:
         self.m_tiles, self.count = k.reg("u32", "m_tiles"), k.reg("u32", "tiles")
         k.ld_param(self.m_tiles, p.m_tiles)
         k.mul(self.count, self.m_tiles, self.n_groups, mode="lo")
+        if cfg.masked:
+            self.group, self._tiles_of = k.reg("u32", "moe_group"), k.reg("u32", "group_tiles")
+            self._masked_m, self._m_rows = k.reg("u64", "tiles_masked_m"), k.reg("u32", "tiles_m_rows")
+            self._at = k.reg("u64", "tiles_at")
+            k.ld_param(self._masked_m, p.masked_m)
+            k.ld_param(self._m_rows, p.m_rows)
+            k.mov(self.count, 0)
+            with k.loop(self.group, cfg.groups, uniform=True, hint="count_tiles"):
+                self._group_tiles()
+                k.add(self.count, self.count, self._tiles_of)
         self.first, self.step = k.reg("u32", "first_tile"), k.reg("u32", "tile_step")
         if cfg.multicast > 1:
             self.rank = k.reg("u32", "cta_rank")
@@ -415,8 +436,47 @@ class _Tiles:
         return self.k.loop(self.k.reg("u32", "tile"), self.count, start=self.first, step=self.step,
                            uniform=True, hint="tile")
 
+    def _group_tiles(self) -> None:
+        """Masked: the tile groups of group ``self.group``'s valid rows (masked_m[group]
+        clamped into [0, M_max]) into ``self._tiles_of``."""
+        k, rows = self.k, self._tiles_of
+        negative = k.pred("negative_count")
+        k.mad(self._at, self.group, 4, self._masked_m, mode="wide")
+        k.ld(rows, addr(self._at), nc=True)
+        k.setp("ge", negative, rows, 1 << 31, type="u32")   # a negative count: no rows
+        k.selp(rows, 0, rows, negative)
+        k.min(rows, rows, self._m_rows)
+        k.add(rows, rows, self.cfg.block_m - 1)
+        k.div(rows, rows, self.cfg.block_m, type="u32")
+        k.mul(rows, rows, self.n_groups, mode="lo")
+
+    def _masked_coordinates(self, tile) -> None:
+        """Masked: the group holding ``tile`` (a scan over the groups' tile counts), then
+        m_block, n_block within it, n fastest."""
+        k, local = self.k, self._group
+        found, scan, done = k.pred("found_group"), k.label("find_group"), k.label("found_group")
+        k.mov(self.group, 0)
+        k.mov(local, tile)
+        k.place(scan)
+        self._group_tiles()
+        k.setp("lt", found, local, self._tiles_of, type="u32")
+        with k.guard(found):
+            k.bra(done, uniform=True)
+        k.sub(local, local, self._tiles_of)
+        k.add(self.group, self.group, 1)
+        k.bra(scan, uniform=True)
+        k.place(done)
+        k.div(self.m_block, local, self.n_groups, type="u32")
+        k.rem(self.n_block, local, self.n_groups, type="u32")
+        if self.cfg.multicast > 1:
+            k.mad(self.n_block, self.n_block, self.cfg.multicast, self.rank, mode="lo")
+
     def coordinates(self, tile) -> None:
-        """m_block, n_block of ``tile`` (about 30 instructions, once per tile)."""
+        """m_block, n_block (and the masked layout's group) of ``tile`` (about 30
+        instructions, once per tile)."""
+        if self.cfg.masked:
+            self._masked_coordinates(tile)
+            return
         k, group, rows = self.k, self._group, self._rows
         tiles_per_group = RASTER_GROUP * self.n_groups
         k.div(group, tile, tiles_per_group, type="u32")
@@ -429,7 +489,6 @@ class _Tiles:
         k.div(self.n_block, group, rows, type="u32")
         if self.cfg.multicast > 1:
             k.mad(self.n_block, self.n_block, self.cfg.multicast, self.rank, mode="lo")
-
 
 def _producer(k, cfg, p, base, tid):
     with k.stage("producer: thread 0 streams A, B and sa into the stage ring, tile after tile"):
@@ -458,19 +517,17 @@ def _producer(k, cfg, p, base, tid):
             bar_full, bar_empty = k.reg("u32", "bar_full"), k.reg("u32", "bar_empty")
             dst_a, dst_b, dst_sa = (k.reg("u32", n) for n in ("dst_a", "dst_b", "dst_sa"))
             b_row = n0   # the tile's first row of B: in a grouped B, its group's matrix's
+            a_group = []   # the masked layout's third coordinate (A, sa): the group
             if cfg.groups:
-                m_indices, at = k.reg("u64", "p_m_indices"), k.reg("u64", "p_group_at")
                 group, b_row = k.reg("s32", "p_group"), k.reg("s32", "b_row")
+                at = k.reg("u64", "p_group_at")
+            if cfg.masked:
+                a_group = [group]
+            elif cfg.groups:
+                m_indices = k.reg("u64", "p_m_indices")
                 k.ld_param(m_indices, p.m_indices)
-            with tiles.loop() as tile:
-                tiles.coordinates(tile)
-                k.mul(m0, tiles.m_block, cfg.block_m, mode="lo", type="s32")
-                k.mul(n0, tiles.n_block, cfg.block_n, mode="lo", type="s32")
-                if cfg.groups:
-                    _tile_group(k, cfg, m_indices, tiles.m_block, group, at)
-                    k.mad(b_row, group, cfg.n, n0, mode="lo", type="s32")
-                if cfg.multicast > 1:
-                    k.mad(m0_share, tiles.rank, cfg.a_box_rows, m0, mode="lo", type="s32")
+
+            def load_tile():
                 with k.loop(k.reg("u32", "p_kb"), cfg.k_blocks) as kb:
                     k.mad(bar_empty, stage, BARRIER_BYTES, base, mode="lo")
                     k.add(bar_empty, bar_empty, cfg.empty_offset)
@@ -488,13 +545,29 @@ def _producer(k, cfg, p, base, tid):
                     k.add(dst_sa, dst_sa, cfg.sa_offset)
                     k.mul(kx, kb, BLOCK_K, mode="lo", type="s32")
                     if cfg.multicast > 1:  # this CTA's share of A, into every CTA of the cluster
-                        k.cp_async_bulk_tensor_load(addr(dst_a), tmap_a, [kx, m0_share],
+                        k.cp_async_bulk_tensor_load(addr(dst_a), tmap_a, [kx, m0_share] + a_group,
                                                     addr(bar_full), multicast_mask=everyone)
                     else:
-                        k.cp_async_bulk_tensor_load(addr(dst_a), tmap_a, [kx, m0], addr(bar_full))
+                        k.cp_async_bulk_tensor_load(addr(dst_a), tmap_a, [kx, m0] + a_group,
+                                                    addr(bar_full))
                     k.cp_async_bulk_tensor_load(addr(dst_b), tmap_b, [kx, b_row], addr(bar_full))
-                    k.cp_async_bulk_tensor_load(addr(dst_sa), tmap_sa, [m0, kb], addr(bar_full))
+                    k.cp_async_bulk_tensor_load(addr(dst_sa), tmap_sa, [m0, kb] + a_group,
+                                                addr(bar_full))
                     next_stage(k, stage, phase, cfg.stages)
+
+            with tiles.loop() as tile:
+                tiles.coordinates(tile)
+                k.mul(m0, tiles.m_block, cfg.block_m, mode="lo", type="s32")
+                k.mul(n0, tiles.n_block, cfg.block_n, mode="lo", type="s32")
+                if cfg.masked:
+                    k.mov(group, tiles.group)
+                elif cfg.groups:
+                    _tile_group(k, cfg, m_indices, tiles.m_block, group, at)
+                if cfg.groups:
+                    k.mad(b_row, group, cfg.n, n0, mode="lo", type="s32")
+                if cfg.multicast > 1:
+                    k.mad(m0_share, tiles.rank, cfg.a_box_rows, m0, mode="lo", type="s32")
+                load_tile()
 
 
 # The upper word of every descriptor: stride offset 1024 B (8 rows of 128 B) >> 4, and
@@ -578,7 +651,7 @@ def _math(k, cfg, p, base, tid, warpgroup):
         r.tmap_d = k.reg("u64", "tmap_d_ptr")
         k.mov(r.tmap_d, p.tmap_d)
         k.cvta(r.tmap_d, r.tmap_d, space="param")
-        if cfg.groups:
+        if cfg.groups and not cfg.masked:
             r.m_indices, r.m_rows = k.reg("u64", "m_indices"), k.reg("u32", "m_rows")
             k.ld_param(r.m_indices, p.m_indices)
             k.ld_param(r.m_rows, p.m_rows)
@@ -623,9 +696,11 @@ def _k_loop(k, cfg, base, tiles, r):
         scale_rows = -(-cfg.n // BLOCK_K)
         first_row = 0   # of the tile's B scales: a grouped B's are its group's rows
         if cfg.groups:
-            _group_rows(k, cfg, tiles, r)
+            group = tiles.group if cfg.masked else r.group
+            if not cfg.masked:
+                _group_rows(k, cfg, tiles, r)
             first_row = k.reg("u32", "sb_first_row")
-            k.mul(first_row, r.group, scale_rows, mode="lo")
+            k.mul(first_row, group, scale_rows, mode="lo")
         k.shr(sb_row, n0, 7)
         k.add(r.sb_index, sb_row, first_row)
         k.mul(r.sb_index, r.sb_index, r.sb_stride, mode="lo")
@@ -805,7 +880,7 @@ def _epilogue(k, cfg, tiles, r):
                     k.st(where, r.acc[i:i + 2], space="shared")
                 else:
                     k.cvt(packed, r.acc[i + 1], r.acc[i], dtype="bf16x2", rnd="rn")
-                    if cfg.groups:  # rows outside the tile's group: zeros
+                    if cfg.groups and not cfg.masked:  # rows outside the tile's group: zeros
                         k.selp(packed, packed, 0, r.valid[half], type="b32")
                     k.st(where, packed, space="shared", type="b32")
         k.fence_proxy_async()  # the TMA store reads what these ordinary stores wrote
@@ -819,8 +894,9 @@ def _epilogue(k, cfg, tiles, r):
             for box in range(cfg.block_n // cols):
                 k.mad(x, tiles.n_block, cfg.block_n, box * cols, mode="lo", type="s32")
                 k.add(src, r.d_smem, box * box_bytes)
+                coords = [x, y] + ([tiles.group] if cfg.masked else [])
                 if cfg.accumulate:
-                    k.cp_reduce_async_bulk_tensor(r.tmap_d, [x, y], addr(src), op="add")
+                    k.cp_reduce_async_bulk_tensor(r.tmap_d, coords, addr(src), op="add")
                 else:
-                    k.cp_async_bulk_tensor_store(r.tmap_d, [x, y], addr(src))
+                    k.cp_async_bulk_tensor_store(r.tmap_d, coords, addr(src))
             k.cp_async_bulk_commit_group()

@@ -1,5 +1,5 @@
 """The FP8 GEMMs with fine-grained scaling, on torch tensors: DeepGEMM's ``fp8_gemm_nt``
-and the MoE grouped ``m_grouped_fp8_gemm_nt_contiguous``."""
+and the MoE grouped ``m_grouped_fp8_gemm_nt_contiguous`` and ``_masked``."""
 
 from __future__ import annotations
 
@@ -36,11 +36,11 @@ def get_num_sms(device_index: int | None = None) -> int:
 
 
 def _config(device_index: int, m: int, n: int, k: int, sms: int, accumulate: bool,
-            groups: int):
+            groups: int, masked: bool):
     """The tile shape for one problem (M is a run-time argument of the kernel, but the
     best tile depends on it); _plan keeps the result."""
     return gemm_kernel.choose_config(device_arch(device_index), m, n, k, sms, accumulate,
-                                     groups)
+                                     groups, masked)
 
 
 @functools.lru_cache(maxsize=None)
@@ -55,14 +55,17 @@ def _launcher(device_index: int, cfg):
 
 @functools.lru_cache(maxsize=4096)
 def _plan(device_index: int, m: int, n: int, k: int, sms: int, accumulate: bool = False,
-          groups: int = 0):
+          groups: int = 0, masked: bool = False, expected_m: int = 0):
     """(config, launcher, grid, m_tiles): all a launch needs besides the tensors, worked
-    out once per problem so a call pays one cache lookup."""
-    cfg = _config(device_index, m, n, k, sms, accumulate, groups)
+    out once per problem so a call pays one cache lookup. The masked layout has ``groups``
+    matrices of ``m`` rows (M_max) and picks its tile for ``expected_m`` rows a group."""
+    choice_m = groups * expected_m if masked else m
+    cfg = _config(device_index, choice_m, n, k, sms, accumulate, groups, masked)
     launcher, resident_clusters = _launcher(device_index, cfg)
     m_tiles = ceil_div(m, cfg.block_m)
+    tiles = m_tiles * cfg.n_tiles * (groups if masked else 1)
     # Persistent: no more CTAs (whole clusters) than run at once.
-    clusters = min(m_tiles * cfg.n_tiles, sms * cfg.ctas_per_sm) // cfg.multicast
+    clusters = min(tiles, sms * cfg.ctas_per_sm) // cfg.multicast
     if resident_clusters is not None:
         clusters = min(clusters, resident_clusters)
     return cfg, launcher, clusters * cfg.multicast, m_tiles
@@ -100,6 +103,13 @@ def _launch(device: int, m: int, n: int, k: int, a_row, a_ptr, sa_ptr, b_rows, b
                           (d_size * d_row,), (cfg.d_box_cols, 64), swizzle=cfg.d_swizzle)
     launcher((grid, 1, 1), current_stream(device),
              (tmap_a, tmap_b, tmap_sa, tmap_d, sb_ptr, m_tiles, sb_row) + extra)
+
+
+def _span(ptr: int, shape, strides, itemsize: int) -> tuple[int, int]:
+    """(first byte, byte count) a strided tensor's elements lie within."""
+    if not all(shape):
+        return ptr, 0
+    return ptr, (sum((size - 1) * stride for size, stride in zip(shape, strides)) + 1) * itemsize
 
 
 def _sa_span(sa_ptr: int, m: int, k: int) -> tuple[int, int]:
@@ -204,3 +214,78 @@ def m_grouped_fp8_gemm_nt_contiguous(a, b, d: torch.Tensor, m_indices: torch.Ten
         return
     _launch(device, m, n, k, a_row, a_ptr, sa_ptr, num_groups * n, b_strides[1], b_ptr, sb_ptr,
             sb_strides[1], d_ptr, d_strides[0], groups=num_groups, extra=(mi_ptr, m))
+
+
+def m_grouped_fp8_gemm_nt_masked(a, b, d: torch.Tensor, masked_m: torch.Tensor,
+                                 expected_m: int) -> None:
+    """MoE, masked layout (decoding under CUDA graphs): for each group g, the first
+    ``masked_m[g]`` rows of ``d[g]`` = those rows of ``a[g]`` times ``b[g]``, transposed,
+    with DeepGEMM's fine-grained FP8 scaling.
+
+    a: ``(A, sa)``, A e4m3 [G, M_max, K], sa f32 [G, M_max, ceil(K/128)] (MN-major, as
+    ``get_mn_major_tma_aligned_tensor`` makes it; another layout is copied on each call).
+    b: ``(B, sb)``, B e4m3 [G, N, K], sb f32 [G, ceil(N/128), ceil(K/128)], both contiguous.
+    d: bf16 [G, M_max, N], rows contiguous. masked_m: int32 [G] on the GPU, read there, never
+    by the host: a captured graph replays correctly when it changes. expected_m: a host-side
+    hint of the rows a group holds, for the tile choice.
+
+    A count above M_max is taken as M_max, a negative one as 0. Rows from masked_m[g] on
+    are not meaningful: a tile that starts before masked_m[g] is written whole.
+    """
+    A, sa = a
+    B, sb = b
+    (num_groups, m_max, k), a_strides, a_ptr, device = inspect("a[0]", A, torch.float8_e4m3fn, 3)
+    (b_groups, n, kb_), b_strides, b_ptr, _ = inspect("b[0]", B, torch.float8_e4m3fn, 3,
+                                                      device=device)
+    if (b_groups, kb_) != (num_groups, k):
+        raise ValueError(f"a[0] [G, M_max, K] and b[0] [G, N, K] must share G and K, got a[0] "
+                         f"{tuple(A.shape)} and b[0] {tuple(B.shape)}")
+    if b_strides[0] != n * b_strides[1]:
+        raise ValueError(f"b[0] must hold its [N, K] matrices back to back, got strides "
+                         f"{tuple(b_strides)}")
+    if a_strides[0] % 16:
+        raise ValueError(f"a[0]'s group stride must be a multiple of 16 bytes, got {a_strides[0]}")
+    scale_rows, k_groups = ceil_div(n, 128), ceil_div(k, gemm_kernel.BLOCK_K)
+    sa_shape, _, _, _ = inspect("a[1]", sa, torch.float32, 3, align=4, device=device, rows=False)
+    require_shape("a[1]", sa_shape, (num_groups, m_max, k_groups))
+    sa_strides = sa.stride()
+    if sa_strides[1] != 1 or sa_strides[0] % 4 or sa_strides[2] % 4 or sa.data_ptr() % 16:
+        sa = get_mn_major_tma_aligned_tensor(sa)
+        sa_strides = sa.stride()
+    sb_shape, sb_strides, sb_ptr, _ = inspect("b[1]", sb, torch.float32, 3, align=4,
+                                              device=device)
+    require_shape("b[1]", sb_shape, (num_groups, scale_rows, k_groups))
+    if sb_strides[0] != scale_rows * sb_strides[1]:
+        raise ValueError(f"b[1] must hold its groups' scales back to back, got strides "
+                         f"{tuple(sb_strides)}")
+    (mm,), _, mm_ptr, _ = inspect("masked_m", masked_m, torch.int32, 1, align=4, device=device)
+    if mm != num_groups:
+        raise ValueError(f"masked_m must have one entry per group ({num_groups}), got {mm}")
+    if not isinstance(expected_m, int) or expected_m < 1:
+        raise ValueError(f"expected_m must be a positive int, got {expected_m!r}")
+    d_shape, d_strides, d_ptr, _ = inspect("d", d, torch.bfloat16, 3, device=device)
+    require_shape("d", d_shape, (num_groups, m_max, n))
+    if (d_strides[0] * 2) % 16:
+        raise ValueError(f"d's group stride must be a multiple of 16 bytes, got {d_strides[0]}")
+    require_disjoint("d", _span(d_ptr, d_shape, d_strides, 2), _span(a_ptr, A.shape, a_strides, 1),
+                     row_span(b_ptr, num_groups * n, b_strides[1], k, 1),
+                     _span(sa.data_ptr(), sa_shape, sa_strides, 4),
+                     row_span(sb_ptr, num_groups * scale_rows, sb_strides[1], k_groups, 4),
+                     (mm_ptr, 4 * num_groups))
+    if m_max == 0:
+        return
+    cfg, launcher, grid, m_tiles = _plan(device, m_max, n, k, get_num_sms(device),
+                                         groups=num_groups, masked=True,
+                                         expected_m=min(expected_m, m_max))
+    tmap_a = encode_tiled(a_ptr, "float8_e4m3fn", (k, m_max, num_groups),
+                          (a_strides[1], a_strides[0]), (gemm_kernel.BLOCK_K, cfg.a_box_rows, 1),
+                          swizzle=128)
+    tmap_b = encode_tiled(b_ptr, "float8_e4m3fn", (k, num_groups * n), (b_strides[1],),
+                          (gemm_kernel.BLOCK_K, cfg.block_n), swizzle=128)
+    tmap_sa = encode_tiled(sa.data_ptr(), "float32", (m_max, k_groups, num_groups),
+                           (4 * sa_strides[2], 4 * sa_strides[0]), (cfg.block_m, 1, 1))
+    tmap_d = encode_tiled(d_ptr, "bfloat16", (n, m_max, num_groups),
+                          (2 * d_strides[1], 2 * d_strides[0]), (cfg.d_box_cols, 64, 1),
+                          swizzle=cfg.d_swizzle)
+    launcher((grid, 1, 1), current_stream(device),
+             (tmap_a, tmap_b, tmap_sa, tmap_d, sb_ptr, m_tiles, sb_strides[1], mm_ptr, m_max))
