@@ -169,6 +169,31 @@ def get_mk_alignment_for_contiguous_layout() -> int:
     return 128
 
 
+def _grouped_b(a_shape, b, k: int, device: int):
+    """Check a grouped ``b = (B, sb)``: B e4m3 [G, N, K] and sb f32 [G, ceil(N/128),
+    ceil(K/128)], each group's matrix right after the previous one. Returns (G, N, B's row
+    stride, B's pointer, sb's pointer, sb's row stride, spans of B and sb)."""
+    B, sb = b
+    (num_groups, n, kb_), b_strides, b_ptr, _ = inspect("b[0]", B, torch.float8_e4m3fn, 3,
+                                                        device=device)
+    if kb_ != k:
+        raise ValueError(f"a[0] and b[0] must share K, got a[0] {tuple(a_shape)} and b[0] "
+                         f"{tuple(B.shape)}")
+    if num_groups < 1 or b_strides[0] != n * b_strides[1]:
+        raise ValueError(f"b[0] must hold at least one group, its [N, K] matrices back to back, "
+                         f"got shape {tuple(B.shape)} and strides {tuple(b_strides)}")
+    scale_rows, k_groups = ceil_div(n, 128), ceil_div(k, gemm_kernel.BLOCK_K)
+    sb_shape, sb_strides, sb_ptr, _ = inspect("b[1]", sb, torch.float32, 3, align=4,
+                                              device=device)
+    require_shape("b[1]", sb_shape, (num_groups, scale_rows, k_groups))
+    if sb_strides[0] != scale_rows * sb_strides[1]:
+        raise ValueError(f"b[1] must hold its groups' scales back to back, got strides "
+                         f"{tuple(sb_strides)}")
+    spans = (row_span(b_ptr, num_groups * n, b_strides[1], k, 1),
+             row_span(sb_ptr, num_groups * scale_rows, sb_strides[1], k_groups, 4))
+    return num_groups, n, b_strides[1], b_ptr, sb_ptr, sb_strides[1], spans
+
+
 def m_grouped_fp8_gemm_nt_contiguous(a, b, d: torch.Tensor, m_indices: torch.Tensor) -> None:
     """MoE, contiguous layout: row i of ``d`` = row i of ``a`` times group ``m_indices[i]``
     of ``b``, transposed, with DeepGEMM's fine-grained FP8 scaling.
@@ -184,22 +209,7 @@ def m_grouped_fp8_gemm_nt_contiguous(a, b, d: torch.Tensor, m_indices: torch.Ten
     read outside B. Nothing is read back to the host: the call can be captured in a graph.
     """
     m, k, a_row, a_ptr, device, sa_ptr = _scaled_a(a)
-    B, sb = b
-    (num_groups, n, kb_), b_strides, b_ptr, _ = inspect("b[0]", B, torch.float8_e4m3fn, 3,
-                                                        device=device)
-    if kb_ != k:
-        raise ValueError(f"a[0] and b[0] must share K, got a[0] {tuple(a[0].shape)} and b[0] "
-                         f"{tuple(B.shape)}")
-    if num_groups < 1 or b_strides[0] != n * b_strides[1]:
-        raise ValueError(f"b[0] must hold at least one group, its [N, K] matrices back to back, "
-                         f"got shape {tuple(B.shape)} and strides {tuple(b_strides)}")
-    scale_rows, k_groups = ceil_div(n, 128), ceil_div(k, gemm_kernel.BLOCK_K)
-    sb_shape, sb_strides, sb_ptr, _ = inspect("b[1]", sb, torch.float32, 3, align=4,
-                                              device=device)
-    require_shape("b[1]", sb_shape, (num_groups, scale_rows, k_groups))
-    if sb_strides[0] != scale_rows * sb_strides[1]:
-        raise ValueError(f"b[1] must hold its groups' scales back to back, got strides "
-                         f"{tuple(sb_strides)}")
+    num_groups, n, b_row, b_ptr, sb_ptr, sb_row, b_spans = _grouped_b(a[0].shape, b, k, device)
     (mi,), _, mi_ptr, _ = inspect("m_indices", m_indices, torch.int32, 1, align=4, device=device)
     if mi != m:
         raise ValueError(f"m_indices must have one entry per row of a[0] ({m}), got {mi}")
@@ -207,13 +217,11 @@ def m_grouped_fp8_gemm_nt_contiguous(a, b, d: torch.Tensor, m_indices: torch.Ten
     require_shape("d", d_shape, (m, n))
     require_contiguous_rows("d", d_shape, d_strides)
     require_disjoint("d", (d_ptr, 2 * m * n), row_span(a_ptr, m, a_row, k, 1),
-                     row_span(b_ptr, num_groups * n, b_strides[1], k, 1), _sa_span(sa_ptr, m, k),
-                     row_span(sb_ptr, num_groups * scale_rows, sb_strides[1], k_groups, 4),
-                     (mi_ptr, 4 * m))
+                     _sa_span(sa_ptr, m, k), (mi_ptr, 4 * m), *b_spans)
     if m == 0:
         return
-    _launch(device, m, n, k, a_row, a_ptr, sa_ptr, num_groups * n, b_strides[1], b_ptr, sb_ptr,
-            sb_strides[1], d_ptr, d_strides[0], groups=num_groups, extra=(mi_ptr, m))
+    _launch(device, m, n, k, a_row, a_ptr, sa_ptr, num_groups * n, b_row, b_ptr, sb_ptr,
+            sb_row, d_ptr, d_strides[0], groups=num_groups, extra=(mi_ptr, m))
 
 
 def m_grouped_fp8_gemm_nt_masked(a, b, d: torch.Tensor, masked_m: torch.Tensor,
@@ -233,31 +241,20 @@ def m_grouped_fp8_gemm_nt_masked(a, b, d: torch.Tensor, masked_m: torch.Tensor,
     are not meaningful: a tile that starts before masked_m[g] is written whole.
     """
     A, sa = a
-    B, sb = b
     (num_groups, m_max, k), a_strides, a_ptr, device = inspect("a[0]", A, torch.float8_e4m3fn, 3)
-    (b_groups, n, kb_), b_strides, b_ptr, _ = inspect("b[0]", B, torch.float8_e4m3fn, 3,
-                                                      device=device)
-    if (b_groups, kb_) != (num_groups, k):
-        raise ValueError(f"a[0] [G, M_max, K] and b[0] [G, N, K] must share G and K, got a[0] "
-                         f"{tuple(A.shape)} and b[0] {tuple(B.shape)}")
-    if b_strides[0] != n * b_strides[1]:
-        raise ValueError(f"b[0] must hold its [N, K] matrices back to back, got strides "
-                         f"{tuple(b_strides)}")
+    b_groups, n, b_row, b_ptr, sb_ptr, sb_row, b_spans = _grouped_b(A.shape, b, k, device)
+    if b_groups != num_groups:
+        raise ValueError(f"a[0] [G, M_max, K] and b[0] [G, N, K] must share G, got a[0] "
+                         f"{tuple(A.shape)} and b[0] {tuple(b[0].shape)}")
     if a_strides[0] % 16:
         raise ValueError(f"a[0]'s group stride must be a multiple of 16 bytes, got {a_strides[0]}")
-    scale_rows, k_groups = ceil_div(n, 128), ceil_div(k, gemm_kernel.BLOCK_K)
+    k_groups = ceil_div(k, gemm_kernel.BLOCK_K)
     sa_shape, _, _, _ = inspect("a[1]", sa, torch.float32, 3, align=4, device=device, rows=False)
     require_shape("a[1]", sa_shape, (num_groups, m_max, k_groups))
     sa_strides = sa.stride()
     if sa_strides[1] != 1 or sa_strides[0] % 4 or sa_strides[2] % 4 or sa.data_ptr() % 16:
         sa = get_mn_major_tma_aligned_tensor(sa)
         sa_strides = sa.stride()
-    sb_shape, sb_strides, sb_ptr, _ = inspect("b[1]", sb, torch.float32, 3, align=4,
-                                              device=device)
-    require_shape("b[1]", sb_shape, (num_groups, scale_rows, k_groups))
-    if sb_strides[0] != scale_rows * sb_strides[1]:
-        raise ValueError(f"b[1] must hold its groups' scales back to back, got strides "
-                         f"{tuple(sb_strides)}")
     (mm,), _, mm_ptr, _ = inspect("masked_m", masked_m, torch.int32, 1, align=4, device=device)
     if mm != num_groups:
         raise ValueError(f"masked_m must have one entry per group ({num_groups}), got {mm}")
@@ -268,10 +265,8 @@ def m_grouped_fp8_gemm_nt_masked(a, b, d: torch.Tensor, masked_m: torch.Tensor,
     if (d_strides[0] * 2) % 16:
         raise ValueError(f"d's group stride must be a multiple of 16 bytes, got {d_strides[0]}")
     require_disjoint("d", _span(d_ptr, d_shape, d_strides, 2), _span(a_ptr, A.shape, a_strides, 1),
-                     row_span(b_ptr, num_groups * n, b_strides[1], k, 1),
-                     _span(sa.data_ptr(), sa_shape, sa_strides, 4),
-                     row_span(sb_ptr, num_groups * scale_rows, sb_strides[1], k_groups, 4),
-                     (mm_ptr, 4 * num_groups))
+                     _span(sa.data_ptr(), sa_shape, sa_strides, 4), (mm_ptr, 4 * num_groups),
+                     *b_spans)
     if m_max == 0:
         return
     cfg, launcher, grid, m_tiles = _plan(device, m_max, n, k, get_num_sms(device),
@@ -280,7 +275,7 @@ def m_grouped_fp8_gemm_nt_masked(a, b, d: torch.Tensor, masked_m: torch.Tensor,
     tmap_a = encode_tiled(a_ptr, "float8_e4m3fn", (k, m_max, num_groups),
                           (a_strides[1], a_strides[0]), (gemm_kernel.BLOCK_K, cfg.a_box_rows, 1),
                           swizzle=128)
-    tmap_b = encode_tiled(b_ptr, "float8_e4m3fn", (k, num_groups * n), (b_strides[1],),
+    tmap_b = encode_tiled(b_ptr, "float8_e4m3fn", (k, num_groups * n), (b_row,),
                           (gemm_kernel.BLOCK_K, cfg.block_n), swizzle=128)
     tmap_sa = encode_tiled(sa.data_ptr(), "float32", (m_max, k_groups, num_groups),
                            (4 * sa_strides[2], 4 * sa_strides[0]), (cfg.block_m, 1, 1))
@@ -288,4 +283,4 @@ def m_grouped_fp8_gemm_nt_masked(a, b, d: torch.Tensor, masked_m: torch.Tensor,
                           (2 * d_strides[1], 2 * d_strides[0]), (cfg.d_box_cols, 64, 1),
                           swizzle=cfg.d_swizzle)
     launcher((grid, 1, 1), current_stream(device),
-             (tmap_a, tmap_b, tmap_sa, tmap_d, sb_ptr, m_tiles, sb_strides[1], mm_ptr, m_max))
+             (tmap_a, tmap_b, tmap_sa, tmap_d, sb_ptr, m_tiles, sb_row, mm_ptr, m_max))
