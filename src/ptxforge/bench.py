@@ -321,3 +321,34 @@ def grouped_gemm_table(result: dict) -> str:
              f"_scaled_grouped_mm, row-wise scales")
     return title + "\n" + format_table(
         ["layout", "groups", "M per group", "N", "K", "TFLOPS", "torch", "calc_diff"], rows)
+
+
+def bf16_gemm_suite(shapes=None, timer: Timer | None = None) -> dict:
+    """The BF16 GEMM beside torch's ``a @ b.t()`` (cuBLAS) on DeepGEMM's dense shapes."""
+    timer = timer or Timer()
+    rows = []
+    for m, n, k in shapes or GEMM_SHAPES:
+        a = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+        b = torch.randn(n, k, device="cuda").to(torch.bfloat16)
+        d = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        ops.bf16_gemm_nt(a, b, d)
+        ref = a.double() @ b.double().t()
+        flops = 2 * m * n * k
+        ms = timer(lambda: ops.bf16_gemm_nt(a, b, d))
+        peer_ms = timer(lambda: a @ b.t())
+        rows.append({"m": m, "n": n, "k": k, "ms": ms, "tflops": flops / ms / 1e9,
+                     "cublas_tflops": flops / peer_ms / 1e9, "speedup": peer_ms / ms,
+                     "calc_diff": calc_diff(d, ref)})
+    geomean = float(torch.tensor([r["speedup"] for r in rows]).log().mean().exp())
+    return {"suite": "bf16-gemm", "gpu": torch.cuda.get_device_name(), "rows": rows,
+            "geomean_speedup_vs_cublas": geomean}
+
+
+def bf16_gemm_table(result: dict) -> str:
+    rows = [[r["m"], r["n"], r["k"], f"{r['tflops']:.0f}", f"{r['cublas_tflops']:.0f}",
+             f"{r['speedup']:.2f}x", f"{r['calc_diff']:.1e}"] for r in result["rows"]]
+    title = (f"{result['gpu']}: BF16 GEMM, TFLOPS = 2MNK / kernel time (profiler, median of 30, "
+             f"L2 flushed); geomean vs cuBLAS (torch a @ b.t()) "
+             f"{result['geomean_speedup_vs_cublas']:.2f}x")
+    return title + "\n" + format_table(["M", "N", "K", "TFLOPS", "cuBLAS", "speedup", "calc_diff"],
+                                       rows)

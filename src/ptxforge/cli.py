@@ -144,6 +144,9 @@ def cmd_bench(args) -> int:
         text += "\n\nhost time per call (1000 back-to-back calls):\n" + "\n".join(
             f"  {name:<44} {us:6.1f} us" for name, us in result["host_overhead_us"].items())
         plot = _plot_memory
+    elif args.suite == "bf16-gemm":
+        result = bench.bf16_gemm_suite()
+        text, plot = bench.bf16_gemm_table(result), None
     elif args.suite == "grouped-gemm":
         result = bench.grouped_gemm_suite()
         text, plot = bench.grouped_gemm_table(result), None
@@ -257,7 +260,7 @@ def main(argv=None) -> int:
     p = sub.add_parser("precompile", help="assemble every kernel variant in parallel")
     p.add_argument("--workers", type=int, default=None)
     p = sub.add_parser("bench", help="GPU benchmark side by side with torch")
-    p.add_argument("suite", choices=["memory", "fp8-gemm", "grouped-gemm"])
+    p.add_argument("suite", choices=["memory", "fp8-gemm", "grouped-gemm", "bf16-gemm"])
     p.add_argument("--m", type=int, default=16384)
     p.add_argument("--k", type=int, default=7168)
     p.add_argument("--json", help="write the full results here")

@@ -172,6 +172,20 @@ def test_masked_grouped_gemm_walks_valid_tiles_with_3d_maps(block_m, block_n, mu
     assert jit.build(gemm.generate(cfg)).resources.spills == 0
 
 
+@pytest.mark.parametrize("block_m, block_n", [(128, 256), (128, 128), (64, 24)])
+def test_bf16_gemm_is_the_same_kernel_without_scales(block_m, block_n):
+    from ptxforge.kernels import sm90_fp8_gemm_1d2d as gemm
+
+    cfg = gemm.make_config(arch.get("sm_90a"), 7168, 2048, block_m, block_n, dtype="bf16")
+    assert cfg.k_blocks == 2048 // 64 and cfg.part_buffers == 1 and cfg.sa_stage_bytes == 0
+    ptx = gemm.generate(cfg).ptx()
+    assert ptx.count(f"wgmma.mma_async.sync.aligned.m64n{block_n}k16.f32.bf16.bf16") == 8
+    assert "tmap_sa" not in ptx and "fma.rn.f32" not in ptx      # no scales, no promotion
+    assert ptx.count("cp.async.bulk.tensor.2d.shared::cluster.global.tile") == 2  # A, B
+    compiled = jit.build(gemm.generate(cfg))  # 128 x 256: acc alone fits the registers
+    assert compiled.resources.spills == 0 and "C7514" not in compiled.log
+
+
 def test_gemm_tiles_wider_than_the_registers_are_refused():
     from ptxforge.kernels import sm90_fp8_gemm_1d2d as gemm
 

@@ -56,7 +56,8 @@ from ..arch import Arch
 from ..patterns.pipeline import BARRIER_BYTES, next_stage, wait_parity
 from ..ptx import KernelBuilder, addr, sreg, vec
 
-BLOCK_K = 128            # one scale group of A and B per K block
+BLOCK_K = 128            # one scale group of A and B per K block (e4m3)
+ROW_BYTES = 128          # a stage row of A or B: K = 128 e4m3 or 64 bf16 (one swizzle row)
 PRODUCER_REGISTERS = 40
 SWIZZLE_ATOM = 1024      # 8 rows x 128 bytes: the 128-byte swizzle repeats every 1024 bytes
 RASTER_GROUP = 16        # block rows per raster group: 16 A rows + ~8 B columns stay in L2
@@ -79,10 +80,12 @@ class Fp8GemmConfig:
                            # of A names its group in m_indices (see _tile_group)
     masked: bool = False   # MoE, masked layout: A and D [groups, M_max, ...], the valid rows
                            # of each group in masked_m (read on the GPU)
+    dtype: str = "e4m3"    # of A and B: e4m3 with DeepGEMM's scales, or bf16 (no scales)
 
     @property
     def name(self) -> str:
-        return (f"sm90_fp8_gemm_1d2d_n{self.n}_k{self.k}_bm{self.block_m}_bn{self.block_n}"
+        kind = "fp8_gemm_1d2d" if self.scaled else "bf16_gemm"
+        return (f"sm90_{kind}_n{self.n}_k{self.k}_bm{self.block_m}_bn{self.block_n}"
                 f"_s{self.stages}_c{self.ctas_per_sm}_mc{self.multicast}_p{self.part_buffers}"
                 + ("_acc" if self.accumulate else "") + (f"_g{self.groups}" if self.groups else "") + ("m" if self.masked else ""))
 
@@ -95,8 +98,18 @@ class Fp8GemmConfig:
         return 128 * (1 + self.math_warpgroups)
 
     @property
+    def scaled(self) -> bool:
+        """e4m3 operands with 1x128 / 128x128 scales, promoted per K block."""
+        return self.dtype == "e4m3"
+
+    @property
+    def k_per_block(self) -> int:
+        """K of one stage: a 128-byte row of A and B."""
+        return ROW_BYTES // (1 if self.scaled else 2)
+
+    @property
     def k_blocks(self) -> int:
-        return -(-self.k // BLOCK_K)
+        return -(-self.k // self.k_per_block)
 
     @property
     def n_tiles(self) -> int:
@@ -106,7 +119,7 @@ class Fp8GemmConfig:
     def straddles(self) -> bool:
         """Whether a tile can cover two 128-column blocks of B scales (block_n does not
         divide 128); block_n_candidates keeps it to at most two."""
-        return BLOCK_K % self.block_n != 0
+        return self.scaled and BLOCK_K % self.block_n != 0
 
     @property
     def scale_row_splits(self) -> tuple[int, ...]:
@@ -141,15 +154,15 @@ class Fp8GemmConfig:
 
     @property
     def a_stage_bytes(self) -> int:
-        return self.block_m * BLOCK_K
+        return self.block_m * ROW_BYTES
 
     @property
     def b_stage_bytes(self) -> int:
-        return self.block_n * BLOCK_K
+        return self.block_n * ROW_BYTES
 
     @property
     def sa_stage_bytes(self) -> int:
-        return self.block_m * 4
+        return self.block_m * 4 if self.scaled else 0
 
     @property
     def b_offset(self) -> int:
@@ -213,7 +226,7 @@ def _require_problem(arch: Arch, n: int, k: int) -> None:
 def make_config(arch: Arch, n: int, k: int, block_m: int, block_n: int,
                 ctas_per_sm: int = 1, multicast: int = 1,
                 part_buffers: int | None = None, accumulate: bool = False,
-                groups: int = 0, masked: bool = False) -> Fp8GemmConfig:
+                groups: int = 0, masked: bool = False, dtype: str = "e4m3") -> Fp8GemmConfig:
     """A config for one tile shape: as many stages as the CTA's share of shared memory
     holds, and the math registers that residency leaves. ``multicast`` 2: clusters of two
     CTAs on neighbouring tiles of one block row, each loading half of the shared A tile.
@@ -222,7 +235,7 @@ def make_config(arch: Arch, n: int, k: int, block_m: int, block_n: int,
     ``accumulate``: D is f32 and each tile is added into it by a TMA reduction (the f32 D
     tile takes shared memory from the stages). ``groups`` > 0: MoE, B holding that many
     [N, K] matrices, in the contiguous layout or with ``masked`` the masked one (neither
-    with ``accumulate``)."""
+    with ``accumulate``). ``dtype`` "bf16": bf16 A and B, no scales, K blocks of 64."""
     _require_problem(arch, n, k)
     if block_m not in (64, 128) or block_n not in block_n_candidates(arch):
         raise ValueError(f"no FP8 GEMM tile {block_m} x {block_n}: block_m is 64 or 128, "
@@ -232,6 +245,8 @@ def make_config(arch: Arch, n: int, k: int, block_m: int, block_n: int,
                          f"({-(-n // block_n)}) it divides")
     if multicast > 1:
         arch.require("clusters", "the FP8 GEMM's TMA multicast")
+    if dtype not in ("e4m3", "bf16"):
+        raise ValueError(f"dtype must be e4m3 or bf16, got {dtype!r}")
     if groups < 0 or (groups and accumulate) or (masked and not groups):
         raise ValueError(f"groups must be >= 0 (0: not grouped), is not combined with "
                          f"accumulate, and masked needs groups; got groups={groups}, "
@@ -242,7 +257,7 @@ def make_config(arch: Arch, n: int, k: int, block_m: int, block_n: int,
     # The shared-memory plan (the config's offsets) decides the stages: as many as fit.
     plan = lambda stages: Fp8GemmConfig(n, k, block_m, block_n, stages, ctas_per_sm, 0, arch.target,
                                         multicast, accumulate=accumulate, groups=groups,
-                                        masked=masked)
+                                        masked=masked, dtype=dtype)
     stages = max((s for s in range(1, MAX_STAGES + 1) if plan(s).dynamic_shared_bytes <= budget),
                  default=0)
     if stages < 2:
@@ -256,17 +271,18 @@ def make_config(arch: Arch, n: int, k: int, block_m: int, block_n: int,
                     arch.registers_per_sm // (ctas_per_sm * threads)) // 8 * 8
     math_registers = (at_launch * threads - 128 * PRODUCER_REGISTERS) // (128 * math_wgs) // 8 * 8
     math_registers = min(math_registers, 256)
-    # acc and each part buffer hold block_n / 2 registers.
-    fits = lambda buffers: (block_n // 2 * (1 + buffers) + MATH_REGISTERS_BESIDES_ACCUMULATORS
-                            <= math_registers)
+    # acc and each part buffer (e4m3 only: bf16 accumulates in acc) hold block_n / 2 registers.
+    scaled = dtype == "e4m3"
+    fits = lambda buffers: (block_n // 2 * (1 + buffers * scaled)
+                            + MATH_REGISTERS_BESIDES_ACCUMULATORS <= math_registers)
     if part_buffers is None:
-        part_buffers = 2 if fits(2) else 1
+        part_buffers = 2 if scaled and fits(2) else 1
     if part_buffers not in (1, 2) or not fits(part_buffers):
         raise ValueError(f"the FP8 GEMM's {block_m} x {block_n} tiles with {part_buffers} part "
                          f"buffer(s) need more than the {math_registers} registers a math thread "
                          f"gets at {ctas_per_sm} CTA(s) an SM")
     return Fp8GemmConfig(n, k, block_m, block_n, stages, ctas_per_sm, math_registers, arch.target,
-                         multicast, part_buffers, accumulate, groups, masked)
+                         multicast, part_buffers, accumulate, groups, masked, dtype)
 
 
 # The tile-choice model, fitted to `bench/gemm_sweep.py` on an H200 (docs/performance.md).
@@ -287,9 +303,11 @@ MMA_FLOPS_PER_CLOCK = 8192
 
 def estimate_clocks(cfg: Fp8GemmConfig, m: int, sms: int) -> float:
     """The model's clocks for the whole problem on ``sms`` SMs: waves of tiles."""
+    # A K block is one 128-byte row of A and B: the same MMA clocks in e4m3 (K = 128 at
+    # MMA_FLOPS_PER_CLOCK) and bf16 (K = 64 at half the rate); only e4m3 promotes.
     mma = cfg.block_m * cfg.block_n * BLOCK_K * 2 / MMA_FLOPS_PER_CLOCK
-    promote = PROMOTE_CLOCKS_PER_COLUMN * cfg.block_n * cfg.math_warpgroups
-    load = (cfg.a_box_rows + cfg.block_n) * BLOCK_K / L2_BYTES_PER_CLOCK_PER_SM
+    promote = PROMOTE_CLOCKS_PER_COLUMN * cfg.block_n * cfg.math_warpgroups * cfg.scaled
+    load = (cfg.a_box_rows + cfg.block_n) * ROW_BYTES / L2_BYTES_PER_CLOCK_PER_SM
     k_block = max(CHAIN_CLOCKS, mma + promote, load) + STRADDLE_CLOCKS * cfg.straddles
     tiles = -(-m // cfg.block_m) * cfg.n_tiles
     waves = -(-tiles // (sms * cfg.ctas_per_sm))
@@ -301,7 +319,7 @@ MULTICAST_MIN_M = 512  # below, the tiles of a block row are too few to pair up
 
 def choose_config(arch: Arch, m: int, n: int, k: int, sms: int | None = None,
                   accumulate: bool = False, groups: int = 0,
-                  masked: bool = False) -> Fp8GemmConfig:
+                  masked: bool = False, dtype: str = "e4m3") -> Fp8GemmConfig:
     """The config the model above finishes first on ``sms`` SMs (the device's by default);
     ties go to multicast (fewer L2 reads: measured 0-3% faster), then to the smaller tile."""
     _require_problem(arch, n, k)
@@ -312,7 +330,8 @@ def choose_config(arch: Arch, m: int, n: int, k: int, sms: int | None = None,
             for multicast in (1, 2) if m >= MULTICAST_MIN_M and sms % 2 == 0 else (1,):
                 try:
                     cfg = make_config(arch, n, k, block_m, block_n, multicast=multicast,
-                                      accumulate=accumulate, groups=groups, masked=masked)
+                                      accumulate=accumulate, groups=groups, masked=masked,
+                                      dtype=dtype)
                 except ValueError:
                     continue
                 estimate = (estimate_clocks(cfg, m, sms), -multicast)
@@ -370,11 +389,15 @@ def generate(cfg: Fp8GemmConfig) -> KernelBuilder:
 
 def _params(k, cfg):
     p = type("Params", (), {})()
-    p.tmap_a, p.tmap_b, p.tmap_sa, p.tmap_d = (
-        k.tensormap_param(n) for n in ("tmap_a", "tmap_b", "tmap_sa", "tmap_d"))
-    p.sb = k.param("sb", "u64")
+    p.tmap_a, p.tmap_b = k.tensormap_param("tmap_a"), k.tensormap_param("tmap_b")
+    if cfg.scaled:
+        p.tmap_sa = k.tensormap_param("tmap_sa")
+    p.tmap_d = k.tensormap_param("tmap_d")
+    if cfg.scaled:
+        p.sb = k.param("sb", "u64")
     p.m_tiles = k.param("m_tiles", "u32")
-    p.sb_row_stride = k.param("sb_row_stride", "u32")
+    if cfg.scaled:
+        p.sb_row_stride = k.param("sb_row_stride", "u32")
     if cfg.masked:
         p.masked_m = k.param("masked_m", "u64")     # int32 [groups]: each group's valid rows
         p.m_rows = k.param("m_rows", "u32")         # M_max
@@ -496,15 +519,15 @@ def _producer(k, cfg, p, base, tid):
         leader = k.pred("producer_leader")
         k.setp("eq", leader, tid, 0)
         with k.if_(leader, "producer_leader_done"):
-            maps = []
-            for name, param in (("tmap_a_ptr", p.tmap_a), ("tmap_b_ptr", p.tmap_b),
-                                ("tmap_sa_ptr", p.tmap_sa)):
+            def tensor_map(name, param):
                 r = k.reg("u64", name)
                 k.mov(r, param)
                 k.cvta(r, r, space="param")
                 k.prefetch_tensormap(addr(r))
-                maps.append(r)
-            tmap_a, tmap_b, tmap_sa = maps
+                return r
+
+            tmap_a, tmap_b = tensor_map("tmap_a_ptr", p.tmap_a), tensor_map("tmap_b_ptr", p.tmap_b)
+            tmap_sa = tensor_map("tmap_sa_ptr", p.tmap_sa) if cfg.scaled else None
             tiles = _Tiles(k, cfg, p)
             m0, n0 = k.reg("s32", "m0"), k.reg("s32", "n0")
             if cfg.multicast > 1:
@@ -538,12 +561,12 @@ def _producer(k, cfg, p, base, tid):
                     k.mbarrier_arrive_expect_tx(addr(bar_full), cfg.tx_bytes)
                     k.mad(dst_a, stage, cfg.a_stage_bytes, base, mode="lo")
                     if cfg.multicast > 1:
-                        k.mad(dst_a, tiles.rank, cfg.a_box_rows * BLOCK_K, dst_a, mode="lo")
+                        k.mad(dst_a, tiles.rank, cfg.a_box_rows * ROW_BYTES, dst_a, mode="lo")
                     k.mad(dst_b, stage, cfg.b_stage_bytes, base, mode="lo")
                     k.add(dst_b, dst_b, cfg.b_offset)
                     k.mad(dst_sa, stage, cfg.sa_stage_bytes, base, mode="lo")
                     k.add(dst_sa, dst_sa, cfg.sa_offset)
-                    k.mul(kx, kb, BLOCK_K, mode="lo", type="s32")
+                    k.mul(kx, kb, cfg.k_per_block, mode="lo", type="s32")
                     if cfg.multicast > 1:  # this CTA's share of A, into every CTA of the cluster
                         k.cp_async_bulk_tensor_load(addr(dst_a), tmap_a, [kx, m0_share] + a_group,
                                                     addr(bar_full), multicast_mask=everyone)
@@ -551,8 +574,9 @@ def _producer(k, cfg, p, base, tid):
                         k.cp_async_bulk_tensor_load(addr(dst_a), tmap_a, [kx, m0] + a_group,
                                                     addr(bar_full))
                     k.cp_async_bulk_tensor_load(addr(dst_b), tmap_b, [kx, b_row], addr(bar_full))
-                    k.cp_async_bulk_tensor_load(addr(dst_sa), tmap_sa, [m0, kb] + a_group,
-                                                addr(bar_full))
+                    if cfg.scaled:
+                        k.cp_async_bulk_tensor_load(addr(dst_sa), tmap_sa, [m0, kb] + a_group,
+                                                    addr(bar_full))
                     next_stage(k, stage, phase, cfg.stages)
 
             with tiles.loop() as tile:
@@ -605,15 +629,17 @@ def _math(k, cfg, p, base, tid, warpgroup):
         k.mad(r.row_in_wg, warp, 16, r.row_in_wg, mode="lo")
         k.mad(r.row_in_tile, r.wg, 64, r.row_in_wg, mode="lo")
         r.acc = k.regs("f32", cfg.block_n // 2, "acc")
-        r.parts = [k.regs("f32", cfg.block_n // 2, f"part{b}_") for b in range(cfg.part_buffers)]
-        r.sb_base = k.reg("u64", "sb_base")
-        # This tile's B scales: the row of its first column, and for a straddling tile the next.
-        r.sb_ptrs = k.regs("u64", 1 + cfg.straddles, "sb_ptr")
-        if cfg.straddles:
-            r.low_groups = k.reg("u32", "low_groups")
-        r.sb_stride, r.sb_index = k.reg("u32", "sb_stride"), k.reg("u32", "sb_index")
-        k.ld_param(r.sb_base, p.sb)
-        k.ld_param(r.sb_stride, p.sb_row_stride)
+        if cfg.scaled:
+            r.parts = [k.regs("f32", cfg.block_n // 2, f"part{b}_")
+                       for b in range(cfg.part_buffers)]
+            r.sb_base = k.reg("u64", "sb_base")
+            # This tile's B scales: the row of its first column, and for a straddling tile the next.
+            r.sb_ptrs = k.regs("u64", 1 + cfg.straddles, "sb_ptr")
+            if cfg.straddles:
+                r.low_groups = k.reg("u32", "low_groups")
+            r.sb_stride, r.sb_index = k.reg("u32", "sb_stride"), k.reg("u32", "sb_index")
+            k.ld_param(r.sb_base, p.sb)
+            k.ld_param(r.sb_stride, p.sb_row_stride)
         r.overwrite, r.accumulate = k.pred("overwrite"), k.pred("accumulate")
         k.setp("ne", r.overwrite, tid, tid)     # false: a K block's first wgmma overwrites
         k.setp("eq", r.accumulate, tid, tid)    # true: the rest accumulate
@@ -625,13 +651,14 @@ def _math(k, cfg, p, base, tid, warpgroup):
         r.desc_a, r.desc_b = k.reg("b64", "desc_a0"), k.reg("b64", "desc_b0")
         at, lo, hi = k.reg("u32", "desc_at"), k.reg("b32", "desc_lo"), k.reg("b32", "desc_hi")
         k.mov(hi, DESCRIPTOR_HI)
-        k.mad(at, r.wg, 64 * BLOCK_K, base, mode="lo")
+        k.mad(at, r.wg, 64 * ROW_BYTES, base, mode="lo")
         _descriptor(k, r.desc_a, at, lo, hi)
         k.add(at, base, cfg.b_offset)
         _descriptor(k, r.desc_b, at, lo, hi)
-        r.sa_row = k.reg("u32", "sa_row")       # the thread's row of sa in stage 0
-        k.mad(r.sa_row, r.row_in_tile, 4, base, mode="lo")
-        k.add(r.sa_row, r.sa_row, cfg.sa_offset)
+        if cfg.scaled:
+            r.sa_row = k.reg("u32", "sa_row")   # the thread's row of sa in stage 0
+            k.mad(r.sa_row, r.row_in_tile, 4, base, mode="lo")
+            k.add(r.sa_row, r.sa_row, cfg.sa_offset)
         # The warpgroup's slice of the D tile: its 64 rows of each store box.
         r.d_smem = k.reg("u32", "d_smem")
         k.mad(r.d_smem, r.wg, 64 * cfg.d_box_cols * cfg.d_element_bytes, base, mode="lo")
@@ -683,7 +710,76 @@ def _group_rows(k, cfg, tiles, r):
         k.setp("eq", valid, index, r.group, type="s32")
 
 
+class _Ring:
+    """The math warpgroup's side of the stage ring: ``issue`` the wgmma of the next full
+    stage, ``release`` the oldest stage in flight (``held``) to the producer(s)."""
+
+    def __init__(self, k, cfg, base, r):
+        self.k, self.cfg, self.base, self.r = k, cfg, base, r
+        self.desc_a, self.desc_b = k.reg("b64", "desc_a"), k.reg("b64", "desc_b")
+        self.stage_a, self.stage_b = k.reg("b64", "stage_desc_a"), k.reg("b64", "stage_desc_b")
+        self.offset, self.at = k.reg("u64", "stage_desc_offset"), k.reg("u32", "stage_at")
+        self.held, self.wrapped = k.reg("u32", "held_stage"), k.pred("held_wrapped")
+        k.mov(self.held, r.stage)
+
+    def issue(self, accumulator, first_scale_d):
+        """wgmma the K block in stage r.stage into ``accumulator`` (its first step
+        overwrites or adds by ``first_scale_d``); step the ring."""
+        k, cfg, r = self.k, self.cfg, self.r
+        k.mad(self.at, r.stage, BARRIER_BYTES, self.base, mode="lo")
+        wait_parity(k, addr(self.at, cfg.full_offset), r.phase, "wait_full")
+        # The stage's descriptors; a K step of 32 bytes (inside the swizzle atom) adds 2.
+        k.mul(self.offset, r.stage, cfg.a_stage_bytes >> 4, mode="wide")
+        k.add(self.stage_a, r.desc_a, self.offset, type="s64")
+        k.mul(self.offset, r.stage, cfg.b_stage_bytes >> 4, mode="wide")
+        k.add(self.stage_b, r.desc_b, self.offset, type="s64")
+        k.wgmma_fence()
+        for step in range(ROW_BYTES // 32):
+            k.add(self.desc_a, self.stage_a, 2 * step, type="s64")
+            k.add(self.desc_b, self.stage_b, 2 * step, type="s64")
+            k.wgmma_mma_async(accumulator, self.desc_a, self.desc_b, n=cfg.block_n,
+                              ab_type=cfg.dtype,
+                              scale_d=first_scale_d if step == 0 else r.accumulate)
+        k.wgmma_commit_group()
+        next_stage(k, r.stage, r.phase, cfg.stages)
+
+    def release(self):
+        """The warp is done with stage `held`: lane r tells CTA r of the cluster."""
+        k, r = self.k, self.r
+        k.mad(self.at, self.held, BARRIER_BYTES, r.empty, mode="lo")
+        with k.guard(r.arrive_lane):
+            k.mbarrier_arrive(addr(self.at, self.cfg.empty_offset), remote=self.cfg.multicast > 1)
+        k.add(self.held, self.held, 1)
+        k.setp("eq", self.wrapped, self.held, self.cfg.stages)
+        k.selp(self.held, 0, self.held, self.wrapped)
+
+
 def _k_loop(k, cfg, base, tiles, r):
+    if cfg.groups and not cfg.masked:
+        _group_rows(k, cfg, tiles, r)
+    if cfg.scaled:
+        _scaled_k_loop(k, cfg, base, tiles, r)
+    else:
+        _unscaled_k_loop(k, cfg, base, r)
+
+
+def _unscaled_k_loop(k, cfg, base, r):
+    """bf16: every K block's wgmma accumulates into `acc` (the first overwrites); one group
+    stays in flight while the next is issued, and each stage is released once its group is
+    done. Only wgmma touches `acc` inside the loop, so the group in flight across the loop's
+    back edge does not make ptxas serialize the wgmma (C7514 needs another reader)."""
+    ring = _Ring(k, cfg, base, r)
+    with k.stage("K loop (bf16): wgmma every K block into `acc`, one group in flight"):
+        ring.issue(r.acc, r.overwrite)
+        with k.loop(k.reg("u32", "kb"), cfg.k_blocks - 1, uniform=True):
+            ring.issue(r.acc, r.accumulate)
+            k.wgmma_wait_group(1)
+            ring.release()
+        k.wgmma_wait_group(0)
+        ring.release()
+
+
+def _scaled_k_loop(k, cfg, base, tiles, r):
     sb_row = k.reg("u32", "sb_row")
     with k.stage("tile start: zero the accumulators, point at this tile's B scales"):
         for a in r.acc:
@@ -696,11 +792,8 @@ def _k_loop(k, cfg, base, tiles, r):
         scale_rows = -(-cfg.n // BLOCK_K)
         first_row = 0   # of the tile's B scales: a grouped B's are its group's rows
         if cfg.groups:
-            group = tiles.group if cfg.masked else r.group
-            if not cfg.masked:
-                _group_rows(k, cfg, tiles, r)
             first_row = k.reg("u32", "sb_first_row")
-            k.mul(first_row, group, scale_rows, mode="lo")
+            k.mul(first_row, tiles.group if cfg.masked else r.group, scale_rows, mode="lo")
         k.shr(sb_row, n0, 7)
         k.add(r.sb_index, sb_row, first_row)
         k.mul(r.sb_index, r.sb_index, r.sb_stride, mode="lo")
@@ -715,7 +808,6 @@ def _k_loop(k, cfg, base, tiles, r):
             k.sub(r.low_groups, BLOCK_K, n0)
             k.shr(r.low_groups, r.low_groups, 3)   # 8-column groups in the first scale row
             k.min(r.low_groups, r.low_groups, cfg.block_n // 8)
-    desc_a, desc_b = k.reg("b64", "desc_a"), k.reg("b64", "desc_b")
     sa0, sa1 = k.reg("f32", "sa0"), k.reg("f32", "sa1")
     # sb of the next K block (one load ahead: its latency hides behind a K block).
     sb = k.regs("f32", 1 + cfg.straddles, "sb")
@@ -724,33 +816,13 @@ def _k_loop(k, cfg, base, tiles, r):
     # scale[block][h]: sa of the thread's row (h = 0) or row + 8 (h = 1) times sb of scale row `block`
     scale = [k.regs("f32", 2, f"scale{block}_") for block in range(1 + cfg.straddles)]
 
-    stage_a, stage_b = k.reg("b64", "stage_desc_a"), k.reg("b64", "stage_desc_b")
-    offset, at = k.reg("u64", "stage_desc_offset"), k.reg("u32", "stage_at")
-    held, kb = k.reg("u32", "held_stage"), k.reg("u32", "kb")
-    more, wrapped = k.pred("more"), k.pred("held_wrapped")
-
-    def issue(part):
-        """wgmma the K block in stage r.stage into ``part``; step the ring."""
-        k.mad(at, r.stage, BARRIER_BYTES, base, mode="lo")
-        wait_parity(k, addr(at, cfg.full_offset), r.phase, "wait_full")
-        # The stage's descriptors; a K step of 32 bytes (inside the swizzle atom) adds 2.
-        k.mul(offset, r.stage, cfg.a_stage_bytes >> 4, mode="wide")
-        k.add(stage_a, r.desc_a, offset, type="s64")
-        k.mul(offset, r.stage, cfg.b_stage_bytes >> 4, mode="wide")
-        k.add(stage_b, r.desc_b, offset, type="s64")
-        k.wgmma_fence()
-        for step in range(BLOCK_K // 32):
-            k.add(desc_a, stage_a, 2 * step, type="s64")
-            k.add(desc_b, stage_b, 2 * step, type="s64")
-            k.wgmma_mma_async(part, desc_a, desc_b, n=cfg.block_n, ab_type="e4m3",
-                              scale_d=r.overwrite if step == 0 else r.accumulate)
-        k.wgmma_commit_group()
-        next_stage(k, r.stage, r.phase, cfg.stages)
+    ring = _Ring(k, cfg, base, r)
+    at, kb, more = k.reg("u32", "sa_at"), k.reg("u32", "kb"), k.pred("more")
 
     def retire(part, pending):
         """The oldest K block in flight (stage `held`): wait until at most ``pending``
         later ones are, release its stage, promote ``part``."""
-        k.mad(at, held, cfg.sa_stage_bytes, r.sa_row, mode="lo")
+        k.mad(at, ring.held, cfg.sa_stage_bytes, r.sa_row, mode="lo")
         k.ld(sa0, addr(at), space="shared")
         k.ld(sa1, addr(at, 8 * 4), space="shared")
         k.add(kb, kb, 1)
@@ -762,29 +834,22 @@ def _k_loop(k, cfg, base, tiles, r):
             with k.guard(more):
                 k.ld(sb[block], addr(ptr), nc=True)
         k.wgmma_wait_group(pending)
-        # The warp is done with the stage: lane r tells CTA r of the cluster.
-        k.mad(at, held, BARRIER_BYTES, r.empty, mode="lo")
-        with k.guard(r.arrive_lane):
-            k.mbarrier_arrive(addr(at, cfg.empty_offset), remote=cfg.multicast > 1)
+        ring.release()
         _promote(k, cfg, r, part, scale)
-        k.add(held, held, 1)
-        k.setp("eq", wrapped, held, cfg.stages)
-        k.selp(held, 0, held, wrapped)
 
     # With two part buffers, K blocks go in pairs: both wgmma issued, then the first
     # promotes while the second's wgmma runs. (A pipeline across loop iterations, with a
     # wgmma in flight at the back edge, makes ptxas serialize every wgmma: C7514.)
     buffers, blocks = cfg.part_buffers, cfg.k_blocks
     with k.stage("K loop: wgmma K blocks into `part`, promote each into `acc`"):
-        k.mov(held, r.stage)
         k.mov(kb, 0)
         with k.loop(k.reg("u32", "kb_group"), blocks // buffers, uniform=True):
             for part in r.parts:
-                issue(part)
+                ring.issue(part, r.overwrite)
             for j, part in enumerate(r.parts):
                 retire(part, buffers - 1 - j)
         if blocks % buffers:
-            issue(r.parts[0])
+            ring.issue(r.parts[0], r.overwrite)
             retire(r.parts[0], 0)
 
 

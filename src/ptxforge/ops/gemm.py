@@ -36,11 +36,11 @@ def get_num_sms(device_index: int | None = None) -> int:
 
 
 def _config(device_index: int, m: int, n: int, k: int, sms: int, accumulate: bool,
-            groups: int, masked: bool):
+            groups: int, masked: bool, dtype: str):
     """The tile shape for one problem (M is a run-time argument of the kernel, but the
     best tile depends on it); _plan keeps the result."""
     return gemm_kernel.choose_config(device_arch(device_index), m, n, k, sms, accumulate,
-                                     groups, masked)
+                                     groups, masked, dtype)
 
 
 @functools.lru_cache(maxsize=None)
@@ -55,12 +55,12 @@ def _launcher(device_index: int, cfg):
 
 @functools.lru_cache(maxsize=4096)
 def _plan(device_index: int, m: int, n: int, k: int, sms: int, accumulate: bool = False,
-          groups: int = 0, masked: bool = False, expected_m: int = 0):
+          groups: int = 0, masked: bool = False, expected_m: int = 0, dtype: str = "e4m3"):
     """(config, launcher, grid, m_tiles): all a launch needs besides the tensors, worked
     out once per problem so a call pays one cache lookup. The masked layout has ``groups``
     matrices of ``m`` rows (M_max) and picks its tile for ``expected_m`` rows a group."""
     choice_m = groups * expected_m if masked else m
-    cfg = _config(device_index, choice_m, n, k, sms, accumulate, groups, masked)
+    cfg = _config(device_index, choice_m, n, k, sms, accumulate, groups, masked, dtype)
     launcher, resident_clusters = _launcher(device_index, cfg)
     m_tiles = ceil_div(m, cfg.block_m)
     tiles = m_tiles * cfg.n_tiles * (groups if masked else 1)
@@ -84,23 +84,29 @@ def _scaled_a(a, device: int | None = None):
     return m, k, a_strides[0], a_ptr, device, sa.data_ptr()
 
 
-def _launch(device: int, m: int, n: int, k: int, a_row, a_ptr, sa_ptr, b_rows, b_row, b_ptr,
-            sb_ptr, sb_row, d_ptr, d_row, *, accumulate=False, groups=0, extra=()):
-    """Plan (cached), encode the four tensor maps (cached) and launch. ``b_rows``: rows of
-    B as one matrix (N, or groups x N); strides in elements of one byte (A, B) or four
-    (sa column, sb row); D's row stride in elements."""
-    cfg, launcher, grid, m_tiles = _plan(device, m, n, k, get_num_sms(device), accumulate, groups)
-    scale_groups = ceil_div(k, gemm_kernel.BLOCK_K)
-    tmap_a = encode_tiled(a_ptr, "float8_e4m3fn", (k, m), (a_row,),
-                          (gemm_kernel.BLOCK_K, cfg.a_box_rows), swizzle=128)
-    tmap_b = encode_tiled(b_ptr, "float8_e4m3fn", (k, b_rows), (b_row,),
-                          (gemm_kernel.BLOCK_K, cfg.block_n), swizzle=128)
-    # The column stride TMA reads sa with; for a one-column sa it is never used but must be valid.
-    tmap_sa = encode_tiled(sa_ptr, "float32", (m, scale_groups), (4 * get_tma_aligned_size(m, 4),),
-                           (cfg.block_m, 1))
+def _launch(device: int, m: int, n: int, k: int, a_row, a_ptr, b_rows, b_row, b_ptr, d_ptr,
+            d_row, *, scales=None, accumulate=False, groups=0, extra=()):
+    """Plan (cached), encode the tensor maps (cached) and launch. ``scales``: e4m3 operands'
+    (sa pointer, sb pointer, sb row stride in elements), or None for bf16 operands.
+    ``b_rows``: rows of B as one matrix (N, or groups x N); row strides in elements."""
+    dtype, element = ("e4m3", "float8_e4m3fn") if scales else ("bf16", "bfloat16")
+    size = 1 if scales else 2
+    cfg, launcher, grid, m_tiles = _plan(device, m, n, k, get_num_sms(device), accumulate, groups,
+                                         dtype=dtype)
+    tmap_a = encode_tiled(a_ptr, element, (k, m), (size * a_row,),
+                          (cfg.k_per_block, cfg.a_box_rows), swizzle=128)
+    tmap_b = encode_tiled(b_ptr, element, (k, b_rows), (size * b_row,),
+                          (cfg.k_per_block, cfg.block_n), swizzle=128)
     d_size = 4 if accumulate else 2
     tmap_d = encode_tiled(d_ptr, "float32" if accumulate else "bfloat16", (n, m),
                           (d_size * d_row,), (cfg.d_box_cols, 64), swizzle=cfg.d_swizzle)
+    if scales is None:
+        launcher((grid, 1, 1), current_stream(device), (tmap_a, tmap_b, tmap_d, m_tiles) + extra)
+        return
+    sa_ptr, sb_ptr, sb_row = scales
+    # The column stride TMA reads sa with; for a one-column sa it is never used but must be valid.
+    tmap_sa = encode_tiled(sa_ptr, "float32", (m, ceil_div(k, gemm_kernel.BLOCK_K)),
+                           (4 * get_tma_aligned_size(m, 4),), (cfg.block_m, 1))
     launcher((grid, 1, 1), current_stream(device),
              (tmap_a, tmap_b, tmap_sa, tmap_d, sb_ptr, m_tiles, sb_row) + extra)
 
@@ -140,27 +146,56 @@ def fp8_gemm_nt(a, b, d: torch.Tensor, c: torch.Tensor | None = None) -> None:
     sb_shape, sb_strides, sb_ptr, _ = inspect("b[1]", sb, torch.float32, 2, align=4,
                                               device=device)
     require_shape("b[1]", sb_shape, (ceil_div(n, 128), k_groups))
+    d_ptr, d_row, accumulate = _output(d, c, m, n, device, row_span(a_ptr, m, a_row, k, 1),
+                                       row_span(b_ptr, n, b_strides[0], k, 1),
+                                       _sa_span(sa_ptr, m, k),
+                                       row_span(sb_ptr, sb_shape[0], sb_strides[0], k_groups, 4))
+    if m == 0:
+        return
+    _launch(device, m, n, k, a_row, a_ptr, n, b_strides[0], b_ptr, d_ptr, d_row,
+            scales=(sa_ptr, sb_ptr, sb_strides[0]), accumulate=accumulate)
+
+
+def bf16_gemm_nt(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor,
+                 c: torch.Tensor | None = None) -> None:
+    """``d = a @ b.T`` (or ``d = c + a @ b.T``) in bf16 with f32 accumulation, written into
+    ``d``: the FP8 GEMM's kernel with bf16 operands and no scales.
+
+    a: bf16 [M, K], b: bf16 [N, K] (rows 16-byte aligned), d: bf16 [M, N], contiguous; with
+    ``c``, f32 [M, N] (``c`` may be ``d``: accumulate in place; another c is copied first).
+    """
+    (m, k), a_strides, a_ptr, device = inspect("a", a, torch.bfloat16, 2)
+    (n, kb_), b_strides, b_ptr, _ = inspect("b", b, torch.bfloat16, 2, device=device)
+    if kb_ != k:
+        raise ValueError(f"a and b must share K, got a {tuple(a.shape)} and b {tuple(b.shape)}")
+    d_ptr, d_row, accumulate = _output(d, c, m, n, device, row_span(a_ptr, m, a_strides[0], k, 2),
+                                       row_span(b_ptr, n, b_strides[0], k, 2))
+    if m == 0:
+        return
+    _launch(device, m, n, k, a_strides[0], a_ptr, n, b_strides[0], b_ptr, d_ptr, d_row,
+            accumulate=accumulate)
+
+
+def _output(d, c, m: int, n: int, device: int, *input_spans) -> tuple[int, int, bool]:
+    """Check ``d`` (bf16 [M, N], or f32 with ``c``) and ``c`` (f32 [M, N]: d itself, or
+    copied into d here); neither may overlap an input. Returns (d's pointer, its row
+    stride, whether the GEMM adds into d)."""
     accumulate = c is not None
-    d_dtype = torch.float32 if accumulate else torch.bfloat16
     if accumulate and d.dtype is not torch.float32:
         raise TypeError(f"d must have dtype torch.float32 when accumulating into c, got {d.dtype}")
-    d_shape, d_strides, d_ptr, _ = inspect("d", d, d_dtype, 2, device=device)
+    d_shape, d_strides, d_ptr, _ = inspect("d", d, torch.float32 if accumulate else torch.bfloat16,
+                                           2, device=device)
     require_shape("d", d_shape, (m, n))
     require_contiguous_rows("d", d_shape, d_strides)
     d_span = (d_ptr, d.itemsize * m * n)
-    require_disjoint("d", d_span, row_span(a_ptr, m, a_row, k, 1),
-                     row_span(b_ptr, n, b_strides[0], k, 1), _sa_span(sa_ptr, m, k),
-                     row_span(sb_ptr, sb_shape[0], sb_strides[0], k_groups, 4))
+    require_disjoint("d", d_span, *input_spans)
     if accumulate:
         c_shape, c_strides, c_ptr, _ = inspect("c", c, torch.float32, 2, device=device)
         require_shape("c", c_shape, (m, n))
         if (c_ptr, tuple(c_strides)) != (d_ptr, tuple(d_strides)):
             require_disjoint("d", d_span, row_span(c_ptr, m, c_strides[0], n, 4))
             d.copy_(c)
-    if m == 0:
-        return
-    _launch(device, m, n, k, a_row, a_ptr, sa_ptr, n, b_strides[0], b_ptr, sb_ptr,
-            sb_strides[0], d_ptr, d_strides[0], accumulate=accumulate)
+    return d_ptr, d_strides[0], accumulate
 
 
 def get_mk_alignment_for_contiguous_layout() -> int:
@@ -220,8 +255,8 @@ def m_grouped_fp8_gemm_nt_contiguous(a, b, d: torch.Tensor, m_indices: torch.Ten
                      _sa_span(sa_ptr, m, k), (mi_ptr, 4 * m), *b_spans)
     if m == 0:
         return
-    _launch(device, m, n, k, a_row, a_ptr, sa_ptr, num_groups * n, b_row, b_ptr, sb_ptr,
-            sb_row, d_ptr, d_strides[0], groups=num_groups, extra=(mi_ptr, m))
+    _launch(device, m, n, k, a_row, a_ptr, num_groups * n, b_row, b_ptr, d_ptr, d_strides[0],
+            scales=(sa_ptr, sb_ptr, sb_row), groups=num_groups, extra=(mi_ptr, m))
 
 
 def m_grouped_fp8_gemm_nt_masked(a, b, d: torch.Tensor, masked_m: torch.Tensor,

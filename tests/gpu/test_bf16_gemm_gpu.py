@@ -1,0 +1,72 @@
+"""The BF16 GEMM (the FP8 GEMM's kernel with bf16 operands) against fp64 on a real GPU."""
+
+import pytest
+import torch
+
+import ptxforge
+from ptxforge.checks import calc_diff, relative_error
+
+pytestmark = pytest.mark.gpu
+
+
+def operands(m, n, k):
+    a = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+    b = torch.randn(n, k, device="cuda").to(torch.bfloat16)
+    return a, b, a.double() @ b.double().t()
+
+
+@pytest.mark.parametrize("m, n, k", [(1, 128, 64), (200, 1000, 640), (129, 136, 576),
+                                     (4096, 7168, 2048), (64, 2112, 7168)])
+def test_matches_fp64_reference(m, n, k):
+    a, b, ref = operands(m, n, k)
+    d = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    ptxforge.bf16_gemm_nt(a, b, d)
+    assert not torch.isnan(d).any()
+    assert calc_diff(d, ref) < 1e-3 and relative_error(d, ref) <= 2e-3
+    again = torch.empty_like(d)
+    ptxforge.bf16_gemm_nt(a, b, again)
+    assert torch.equal(d, again)
+
+
+def test_accumulates_into_c():
+    a, b, ref = operands(300, 512, 1024)
+    c = torch.randn(300, 512, device="cuda")
+    expected = c.double() + ref
+    ptxforge.bf16_gemm_nt(a, b, c, c=c)
+    assert calc_diff(c, expected) < 1e-3 and relative_error(c, expected) <= 2e-3
+
+
+def test_every_tile_width(monkeypatch, request):
+    from ptxforge.kernels import sm90_fp8_gemm_1d2d as gemm
+    from ptxforge.ops import _common
+    from ptxforge.ops import gemm as gemm_ops
+
+    arch = _common.device_arch(torch.cuda.current_device())
+    request.addfinalizer(gemm_ops._plan.cache_clear)
+    a, b, ref = operands(200, 1000, 640)
+    failures = []
+    for block_m, block_n, multicast in [(64, 16, 1), (64, 24, 1), (128, 128, 1), (128, 256, 1),
+                                        (128, 160, 1), (128, 128, 2)]:
+        try:
+            cfg = gemm.make_config(arch, 1000, 640, block_m, block_n, multicast=multicast,
+                                   dtype="bf16")
+        except ValueError:
+            continue
+        monkeypatch.setattr(gemm_ops, "_config", lambda *args, cfg=cfg: cfg)
+        gemm_ops._plan.cache_clear()
+        d = torch.full((200, 1000), float("nan"), device="cuda", dtype=torch.bfloat16)
+        ptxforge.bf16_gemm_nt(a, b, d)
+        if torch.isnan(d).any() or not calc_diff(d, ref) < 1e-3:
+            failures.append((block_m, block_n, multicast, calc_diff(d, ref)))
+    assert not failures, failures
+
+
+def test_rejects_bad_arguments():
+    a, b, _ = operands(128, 256, 256)
+    d = torch.empty(128, 256, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="a must have dtype torch.bfloat16"):
+        ptxforge.bf16_gemm_nt(a.float(), b, d)
+    with pytest.raises(ValueError, match="share K"):
+        ptxforge.bf16_gemm_nt(a, b[:, :128], d)
+    with pytest.raises(ValueError, match="d must have shape"):
+        ptxforge.bf16_gemm_nt(a, b, d[:64])
