@@ -166,13 +166,18 @@ def _torch_blockwise(qa, sa, qb, sb):
     raise RuntimeError("torch's blockwise scaled_mm refused every scale layout: " + "; ".join(failures))
 
 
+def _bf16_pair(m: int, n: int, k: int):
+    """Random bf16 operands of a GEMM: a [M, K] and b [N, K]."""
+    return (torch.randn(m, k, device="cuda").to(torch.bfloat16),
+            torch.randn(n, k, device="cuda").to(torch.bfloat16))
+
+
 def gemm_suite(shapes=None, timer: Timer | None = None) -> dict:
     """The FP8 GEMM beside cuBLAS blockwise (torch.nn.functional.scaled_mm) and bf16 cuBLAS."""
     timer = timer or Timer()
     rows = []
     for m, n, k in shapes or GEMM_SHAPES:
-        a = torch.randn(m, k, device="cuda").to(torch.bfloat16)
-        b = torch.randn(n, k, device="cuda").to(torch.bfloat16)
+        a, b = _bf16_pair(m, n, k)
         qa, sa = ops.quantize_fp8_per_token(a)
         qb, sb = ops.quantize_fp8_per_block(b)
         d = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
@@ -328,8 +333,7 @@ def bf16_gemm_suite(shapes=None, timer: Timer | None = None) -> dict:
     timer = timer or Timer()
     rows = []
     for m, n, k in shapes or GEMM_SHAPES:
-        a = torch.randn(m, k, device="cuda").to(torch.bfloat16)
-        b = torch.randn(n, k, device="cuda").to(torch.bfloat16)
+        a, b = _bf16_pair(m, n, k)
         d = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
         ops.bf16_gemm_nt(a, b, d)
         ref = a.double() @ b.double().t()
