@@ -22,8 +22,9 @@ Pipeline, per K block kb (stage = kb % stages, phase flips each wrap):
 
     producer:  wait empty[stage] -> expect_tx(full[stage]) -> TMA A (or its half, multicast),
                B, sa -> full[stage]
-    math:      wait full[stage] -> wgmma x4 -> load sa, sb -> wait -> one lane per warp arrives
-               on empty[stage] of every CTA of the cluster -> promote
+    math:      issue: wait full[stage] -> wgmma x4 into a part buffer (two K blocks in flight
+               where the registers hold two) ; retire: read sa, sb -> wait -> one lane per
+               warp arrives on empty[stage] of every CTA of the cluster -> promote
 
 Shared memory (A, B and D regions 1024-byte aligned for the 128-byte swizzle):
 
@@ -44,6 +45,13 @@ fence, then one thread issues the TMA stores, which clip at the matrix edges and
 while the warpgroup starts its next tile.
 
 Compile-time: N, K, BLOCK_N, stages. Run-time: M (one kernel serves every M).
+
+The same generator gives (see Fp8GemmConfig): ``accumulate`` (D f32, each tile added into
+it by a TMA reduction: d = c + a.b^T); ``groups`` (MoE: B holds that many matrices; each
+tile of A takes its group from m_indices, contiguous layout) and ``masked`` (A and D
+[groups, M_max, ...] through 3-D tensor maps, each group's valid rows in masked_m on the
+GPU); ``dtype`` bf16 (no scales, no promotion: K blocks of 64 accumulate straight into the
+accumulators with one wgmma group in flight).
 """
 
 from __future__ import annotations
