@@ -551,11 +551,10 @@ def _producer(k, cfg, p, base, tid):
             a_group = []   # the masked layout's third coordinate (A, sa): the group
             if cfg.groups:
                 group, b_row = k.reg("s32", "p_group"), k.reg("s32", "b_row")
-                at = k.reg("u64", "p_group_at")
             if cfg.masked:
                 a_group = [group]
             elif cfg.groups:
-                m_indices = k.reg("u64", "p_m_indices")
+                m_indices, at = k.reg("u64", "p_m_indices"), k.reg("u64", "p_group_at")
                 k.ld_param(m_indices, p.m_indices)
 
             def load_tile():
