@@ -95,7 +95,8 @@ class Fp8GemmConfig:
         kind = "fp8_gemm_1d2d" if self.scaled else "bf16_gemm"
         return (f"sm90_{kind}_n{self.n}_k{self.k}_bm{self.block_m}_bn{self.block_n}"
                 f"_s{self.stages}_c{self.ctas_per_sm}_mc{self.multicast}_p{self.part_buffers}"
-                + ("_acc" if self.accumulate else "") + (f"_g{self.groups}" if self.groups else "") + ("m" if self.masked else ""))
+                + ("_acc" if self.accumulate else "")
+                + (f"_g{self.groups}" if self.groups else "") + ("m" if self.masked else ""))
 
     @property
     def math_warpgroups(self) -> int:
@@ -440,8 +441,9 @@ class _Tiles:
         self.n_groups = cfg.n_tiles // cfg.multicast
         self.m_tiles, self.count = k.reg("u32", "m_tiles"), k.reg("u32", "tiles")
         k.ld_param(self.m_tiles, p.m_tiles)
-        k.mul(self.count, self.m_tiles, self.n_groups, mode="lo")
-        if cfg.masked:
+        if not cfg.masked:
+            k.mul(self.count, self.m_tiles, self.n_groups, mode="lo")
+        else:
             self.group, self._tiles_of = k.reg("u32", "moe_group"), k.reg("u32", "group_tiles")
             self._masked_m, self._m_rows = k.reg("u64", "tiles_masked_m"), k.reg("u32", "tiles_m_rows")
             self._at = k.reg("u64", "tiles_at")
@@ -521,6 +523,7 @@ class _Tiles:
         if self.cfg.multicast > 1:
             k.mad(self.n_block, self.n_block, self.cfg.multicast, self.rank, mode="lo")
 
+
 def _producer(k, cfg, p, base, tid):
     with k.stage("producer: thread 0 streams A, B and sa into the stage ring, tile after tile"):
         k.setmaxnreg(PRODUCER_REGISTERS, increase=False)
@@ -571,8 +574,9 @@ def _producer(k, cfg, p, base, tid):
                         k.mad(dst_a, tiles.rank, cfg.a_box_rows * ROW_BYTES, dst_a, mode="lo")
                     k.mad(dst_b, stage, cfg.b_stage_bytes, base, mode="lo")
                     k.add(dst_b, dst_b, cfg.b_offset)
-                    k.mad(dst_sa, stage, cfg.sa_stage_bytes, base, mode="lo")
-                    k.add(dst_sa, dst_sa, cfg.sa_offset)
+                    if cfg.scaled:
+                        k.mad(dst_sa, stage, cfg.sa_stage_bytes, base, mode="lo")
+                        k.add(dst_sa, dst_sa, cfg.sa_offset)
                     k.mul(kx, kb, cfg.k_per_block, mode="lo", type="s32")
                     if cfg.multicast > 1:  # this CTA's share of A, into every CTA of the cluster
                         k.cp_async_bulk_tensor_load(addr(dst_a), tmap_a, [kx, m0_share] + a_group,
