@@ -8,6 +8,7 @@ device-to-device copy ceiling in the same run and state every bandwidth against 
 
 from __future__ import annotations
 
+import itertools
 import random
 import statistics
 import time
@@ -220,26 +221,36 @@ GROUPED_MASKED = [(1, 1024, 4096, 4096, 7168), (1, 1024, 4096, 7168, 2048),
                   (4, 256, 512, 4096, 7168), (4, 256, 512, 7168, 2048)]
 
 
+def _padded_rows(sizes) -> list[int]:
+    """Each group's rows in the contiguous layout: its size rounded up to the alignment."""
+    align = ops.get_mk_alignment_for_contiguous_layout()
+    return [-(-size // align) * align for size in sizes]
+
+
+def _group_weights(groups: int, n: int, k: int):
+    """Each group's B [N, K] quantized per 128x128 block: the (qb, sb) pairs, and stacked
+    (qb [G, N, K], sb [G, ceil(N/128), ceil(K/128)])."""
+    weights = [ops.quantize_fp8_per_block(torch.randn(n, k, device="cuda").to(torch.bfloat16))
+               for _ in range(groups)]
+    return weights, (torch.stack([w[0] for w in weights]), torch.stack([w[1] for w in weights]))
+
+
 def grouped_operands(sizes, n: int, k: int):
     """A contiguous-layout MoE problem: each group's rows padded with -1 rows to the
     alignment, quantized as DeepGEMM's recipe does, and the fp64 reference (padding rows
     zero): ``(qa, sa), (qb, sb), m_indices, reference``."""
-    align = ops.get_mk_alignment_for_contiguous_layout()
     rows = []
-    for group, size in enumerate(sizes):
-        rows += [group] * size + [-1] * (-(-size // align) * align - size)
+    for group, (size, padded) in enumerate(zip(sizes, _padded_rows(sizes))):
+        rows += [group] * size + [-1] * (padded - size)
     m_indices = torch.tensor(rows, dtype=torch.int32, device="cuda")
     qa, sa = ops.quantize_fp8_per_token(torch.randn(len(rows), k, device="cuda").to(torch.bfloat16))
-    weights = [ops.quantize_fp8_per_block(torch.randn(n, k, device="cuda").to(torch.bfloat16))
-               for _ in sizes]
+    weights, b = _group_weights(len(sizes), n, k)
     a = reference.dequantize_per_token(qa, sa).double()
     ref = torch.zeros(len(rows), n, dtype=torch.float64, device="cuda")
     for group, (qb, sb) in enumerate(weights):
         mine = m_indices == group
         ref[mine] = a[mine] @ reference.dequantize_per_block(qb, sb).double().t()
-    qb = torch.stack([w[0] for w in weights])
-    sb = torch.stack([w[1] for w in weights])
-    return (qa, sa), (qb, sb), m_indices, ref
+    return (qa, sa), b, m_indices, ref
 
 
 def masked_operands(counts, m_max: int, n: int, k: int):
@@ -250,26 +261,21 @@ def masked_operands(counts, m_max: int, n: int, k: int):
     groups = len(counts)
     qa, sa = ops.quantize_fp8_per_token(
         torch.randn(groups * m_max, k, device="cuda").to(torch.bfloat16))
-    weights = [ops.quantize_fp8_per_block(torch.randn(n, k, device="cuda").to(torch.bfloat16))
-               for _ in counts]
+    weights, b = _group_weights(groups, n, k)
     a = reference.dequantize_per_token(qa, sa).double().view(groups, m_max, k)
     ref = torch.zeros(groups, m_max, n, dtype=torch.float64, device="cuda")
     for group, ((qb, sb), count) in enumerate(zip(weights, counts)):
         rows = min(max(count, 0), m_max)
         ref[group, :rows] = a[group, :rows] @ reference.dequantize_per_block(qb, sb).double().t()
-    qb = torch.stack([w[0] for w in weights])
-    sb = torch.stack([w[1] for w in weights])
     masked_m = torch.tensor(counts, dtype=torch.int32, device="cuda")
-    return ((qa.view(groups, m_max, k), sa.view(groups, m_max, sa.shape[1])), (qb, sb),
-            masked_m, ref)
+    return ((qa.view(groups, m_max, k), sa.view(groups, m_max, sa.shape[1])), b, masked_m, ref)
 
 
 def _torch_grouped(qa, qb, sizes):
     """torch._scaled_grouped_mm on the same e4m3 operands with row-wise unit scales (the
     coarser recipe torch offers for grouped FP8), or None where it does not run."""
-    align = ops.get_mk_alignment_for_contiguous_layout()
-    ends = torch.tensor(sizes, device="cuda").add(align - 1).div(align, rounding_mode="floor")
-    offs = ends.mul(align).cumsum(0).to(torch.int32)
+    offs = torch.tensor(list(itertools.accumulate(_padded_rows(sizes))), dtype=torch.int32,
+                        device="cuda")
     scale_a = torch.ones(qa.shape[0], device="cuda")
     scale_b = torch.ones(qb.shape[0], qb.shape[1], device="cuda")
 
