@@ -11,7 +11,8 @@ launch) -> ``kernels`` (one generator per kernel) -> ``ptx`` (the builder) ->
 
 __version__ = "0.1.0"
 
-_OPS = ("bf16_gemm_nt", "fp8_gemm_nt", "m_grouped_fp8_gemm_nt_contiguous", "m_grouped_fp8_gemm_nt_masked",
+_OPS = ("bf16_gemm_nt", "fp8_gemm_nt", "m_grouped_bf16_gemm_nt_contiguous",
+        "m_grouped_bf16_gemm_nt_masked", "m_grouped_fp8_gemm_nt_contiguous", "m_grouped_fp8_gemm_nt_masked",
         "get_mk_alignment_for_contiguous_layout",
         "quantize_fp8_per_block", "quantize_fp8_per_token", "rms_norm", "rms_norm_quantize_fp8",
         "get_mn_major_tma_aligned_tensor", "get_tma_aligned_size")

@@ -186,6 +186,17 @@ def test_bf16_gemm_is_the_same_kernel_without_scales(block_m, block_n):
     assert compiled.resources.spills == 0 and "C7514" not in compiled.log
 
 
+@pytest.mark.parametrize("masked", [False, True])
+def test_grouped_bf16_gemm_assembles(masked):
+    from ptxforge.kernels import sm90_fp8_gemm_1d2d as gemm
+
+    cfg = gemm.make_config(arch.get("sm_90a"), 4096, 7168, 128, 128, groups=8, masked=masked,
+                           dtype="bf16")
+    ptx = gemm.generate(cfg).ptx()
+    assert "tmap_sa" not in ptx and ("masked_m" in ptx) == masked
+    assert jit.build(gemm.generate(cfg)).resources.spills == 0
+
+
 def test_gemm_tiles_wider_than_the_registers_are_refused():
     from ptxforge.kernels import sm90_fp8_gemm_1d2d as gemm
 

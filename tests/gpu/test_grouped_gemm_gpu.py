@@ -148,3 +148,31 @@ def test_masked_rejects_bad_arguments():
         ptxforge.m_grouped_fp8_gemm_nt_masked(a, b, d, masked_m, 0)
     with pytest.raises(ValueError, match="d must have shape"):
         ptxforge.m_grouped_fp8_gemm_nt_masked(a, b, d[:, :64], masked_m, 64)
+
+
+def test_bf16_contiguous_and_masked():
+    """The grouped BF16 GEMMs: the same layouts and contracts without scales."""
+    torch.manual_seed(0)
+    sizes, n, k = [300, 0, 129], 512, 384
+    align = ptxforge.get_mk_alignment_for_contiguous_layout()
+    rows = []
+    for group, size in enumerate(sizes):
+        rows += [group] * size + [-1] * (-(-size // align) * align - size)
+    m_indices = torch.tensor(rows, dtype=torch.int32, device="cuda")
+    a = torch.randn(len(rows), k, device="cuda").to(torch.bfloat16)
+    b = torch.randn(len(sizes), n, k, device="cuda").to(torch.bfloat16)
+    ref = torch.zeros(len(rows), n, dtype=torch.float64, device="cuda")
+    for group in range(len(sizes)):
+        mine = m_indices == group
+        ref[mine] = a[mine].double() @ b[group].double().t()
+    d = torch.full((len(rows), n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    ptxforge.m_grouped_bf16_gemm_nt_contiguous(a, b, d, m_indices)
+    check(d, ref, m_indices)
+
+    counts, m_max = [100, 0, 256], 256
+    a = torch.randn(3, m_max, k, device="cuda").to(torch.bfloat16)
+    masked_m = torch.tensor(counts, dtype=torch.int32, device="cuda")
+    d = torch.full((3, m_max, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    ptxforge.m_grouped_bf16_gemm_nt_masked(a, b, d, masked_m, 128)
+    ref = torch.stack([a[g].double() @ b[g].double().t() for g in range(3)])
+    check_masked(d, ref, counts)

@@ -204,19 +204,24 @@ def get_mk_alignment_for_contiguous_layout() -> int:
     return 128
 
 
-def _grouped_b(a_shape, b, k: int, device: int):
-    """Check a grouped ``b = (B, sb)``: B e4m3 [G, N, K] and sb f32 [G, ceil(N/128),
-    ceil(K/128)], each group's matrix right after the previous one. Returns (G, N, B's row
-    stride, B's pointer, sb's pointer, sb's row stride, spans of B and sb)."""
-    B, sb = b
-    (num_groups, n, kb_), b_strides, b_ptr, _ = inspect("b[0]", B, torch.float8_e4m3fn, 3,
-                                                        device=device)
+def _grouped_b(a_shape, b, k: int, device: int, *, scaled: bool = True):
+    """Check a grouped ``b``: ``(B, sb)`` with B e4m3 [G, N, K] and sb f32 [G, ceil(N/128),
+    ceil(K/128)], or (``scaled`` False) B bf16 [G, N, K] alone; each group's matrix right
+    after the previous one. Returns (G, N, B's row stride, B's pointer, sb's pointer and row
+    stride or None, the spans of B and sb)."""
+    B, sb = b if scaled else (b, None)
+    name = "b[0]" if scaled else "b"
+    (num_groups, n, kb_), b_strides, b_ptr, _ = inspect(
+        name, B, torch.float8_e4m3fn if scaled else torch.bfloat16, 3, device=device)
     if kb_ != k:
-        raise ValueError(f"a[0] and b[0] must share K, got a[0] {tuple(a_shape)} and b[0] "
+        raise ValueError(f"a and b must share K, got a {tuple(a_shape)} and {name} "
                          f"{tuple(B.shape)}")
     if num_groups < 1 or b_strides[0] != n * b_strides[1]:
-        raise ValueError(f"b[0] must hold at least one group, its [N, K] matrices back to back, "
-                         f"got shape {tuple(B.shape)} and strides {tuple(b_strides)}")
+        raise ValueError(f"{name} must hold at least one group, its [N, K] matrices back to "
+                         f"back, got shape {tuple(B.shape)} and strides {tuple(b_strides)}")
+    b_span = row_span(b_ptr, num_groups * n, b_strides[1], k, B.itemsize)
+    if not scaled:
+        return num_groups, n, b_strides[1], b_ptr, None, None, (b_span,)
     scale_rows, k_groups = ceil_div(n, 128), ceil_div(k, gemm_kernel.BLOCK_K)
     sb_shape, sb_strides, sb_ptr, _ = inspect("b[1]", sb, torch.float32, 3, align=4,
                                               device=device)
@@ -224,9 +229,26 @@ def _grouped_b(a_shape, b, k: int, device: int):
     if sb_strides[0] != scale_rows * sb_strides[1]:
         raise ValueError(f"b[1] must hold its groups' scales back to back, got strides "
                          f"{tuple(sb_strides)}")
-    spans = (row_span(b_ptr, num_groups * n, b_strides[1], k, 1),
-             row_span(sb_ptr, num_groups * scale_rows, sb_strides[1], k_groups, 4))
-    return num_groups, n, b_strides[1], b_ptr, sb_ptr, sb_strides[1], spans
+    sb_span = row_span(sb_ptr, num_groups * scale_rows, sb_strides[1], k_groups, 4)
+    return num_groups, n, b_strides[1], b_ptr, sb_ptr, sb_strides[1], (b_span, sb_span)
+
+
+def _contiguous(device: int, m: int, k: int, a_row, a_ptr, sa_ptr, a_spans, grouped_b, d,
+                m_indices) -> None:
+    """The contiguous layout's m_indices and d checks, then the launch (sa_ptr None: bf16)."""
+    num_groups, n, b_row, b_ptr, sb_ptr, sb_row, b_spans = grouped_b
+    (mi,), _, mi_ptr, _ = inspect("m_indices", m_indices, torch.int32, 1, align=4, device=device)
+    if mi != m:
+        raise ValueError(f"m_indices must have one entry per row of a ({m}), got {mi}")
+    d_shape, d_strides, d_ptr, _ = inspect("d", d, torch.bfloat16, 2, device=device)
+    require_shape("d", d_shape, (m, n))
+    require_contiguous_rows("d", d_shape, d_strides)
+    require_disjoint("d", (d_ptr, 2 * m * n), (mi_ptr, 4 * m), *a_spans, *b_spans)
+    if m == 0:
+        return
+    _launch(device, m, n, k, a_row, a_ptr, num_groups * n, b_row, b_ptr, d_ptr, d_strides[0],
+            scales=None if sa_ptr is None else (sa_ptr, sb_ptr, sb_row), groups=num_groups,
+            extra=(mi_ptr, m))
 
 
 def m_grouped_fp8_gemm_nt_contiguous(a, b, d: torch.Tensor, m_indices: torch.Tensor) -> None:
@@ -244,19 +266,19 @@ def m_grouped_fp8_gemm_nt_contiguous(a, b, d: torch.Tensor, m_indices: torch.Ten
     read outside B. Nothing is read back to the host: the call can be captured in a graph.
     """
     m, k, a_row, a_ptr, device, sa_ptr = _scaled_a(a)
-    num_groups, n, b_row, b_ptr, sb_ptr, sb_row, b_spans = _grouped_b(a[0].shape, b, k, device)
-    (mi,), _, mi_ptr, _ = inspect("m_indices", m_indices, torch.int32, 1, align=4, device=device)
-    if mi != m:
-        raise ValueError(f"m_indices must have one entry per row of a[0] ({m}), got {mi}")
-    d_shape, d_strides, d_ptr, _ = inspect("d", d, torch.bfloat16, 2, device=device)
-    require_shape("d", d_shape, (m, n))
-    require_contiguous_rows("d", d_shape, d_strides)
-    require_disjoint("d", (d_ptr, 2 * m * n), row_span(a_ptr, m, a_row, k, 1),
-                     _sa_span(sa_ptr, m, k), (mi_ptr, 4 * m), *b_spans)
-    if m == 0:
-        return
-    _launch(device, m, n, k, a_row, a_ptr, num_groups * n, b_row, b_ptr, d_ptr, d_strides[0],
-            scales=(sa_ptr, sb_ptr, sb_row), groups=num_groups, extra=(mi_ptr, m))
+    _contiguous(device, m, k, a_row, a_ptr, sa_ptr,
+                (row_span(a_ptr, m, a_row, k, 1), _sa_span(sa_ptr, m, k)),
+                _grouped_b(a[0].shape, b, k, device), d, m_indices)
+
+
+def m_grouped_bf16_gemm_nt_contiguous(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor,
+                                      m_indices: torch.Tensor) -> None:
+    """``m_grouped_fp8_gemm_nt_contiguous`` with bf16 operands and no scales: a bf16
+    [M, K], b bf16 [G, N, K], d bf16 [M, N], m_indices int32 [M] (same contract)."""
+    (m, k), a_strides, a_ptr, device = inspect("a", a, torch.bfloat16, 2)
+    _contiguous(device, m, k, a_strides[0], a_ptr, None,
+                (row_span(a_ptr, m, a_strides[0], k, 2),),
+                _grouped_b(a.shape, b, k, device, scaled=False), d, m_indices)
 
 
 def m_grouped_fp8_gemm_nt_masked(a, b, d: torch.Tensor, masked_m: torch.Tensor,
@@ -277,19 +299,35 @@ def m_grouped_fp8_gemm_nt_masked(a, b, d: torch.Tensor, masked_m: torch.Tensor,
     """
     A, sa = a
     (num_groups, m_max, k), a_strides, a_ptr, device = inspect("a[0]", A, torch.float8_e4m3fn, 3)
-    b_groups, n, b_row, b_ptr, sb_ptr, sb_row, b_spans = _grouped_b(A.shape, b, k, device)
-    if b_groups != num_groups:
-        raise ValueError(f"a[0] [G, M_max, K] and b[0] [G, N, K] must share G, got a[0] "
-                         f"{tuple(A.shape)} and b[0] {tuple(b[0].shape)}")
-    if a_strides[0] % 16:
-        raise ValueError(f"a[0]'s group stride must be a multiple of 16 bytes, got {a_strides[0]}")
-    k_groups = ceil_div(k, gemm_kernel.BLOCK_K)
     sa_shape, _, _, _ = inspect("a[1]", sa, torch.float32, 3, align=4, device=device, rows=False)
-    require_shape("a[1]", sa_shape, (num_groups, m_max, k_groups))
+    require_shape("a[1]", sa_shape, (num_groups, m_max, ceil_div(k, gemm_kernel.BLOCK_K)))
     sa_strides = sa.stride()
     if sa_strides[1] != 1 or sa_strides[0] % 4 or sa_strides[2] % 4 or sa.data_ptr() % 16:
         sa = get_mn_major_tma_aligned_tensor(sa)
-        sa_strides = sa.stride()
+    _masked(A, a_strides, a_ptr, device, sa, _grouped_b(A.shape, b, k, device), d, masked_m,
+            expected_m)
+
+
+def m_grouped_bf16_gemm_nt_masked(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor,
+                                  masked_m: torch.Tensor, expected_m: int) -> None:
+    """``m_grouped_fp8_gemm_nt_masked`` with bf16 operands and no scales: a bf16
+    [G, M_max, K], b bf16 [G, N, K], d bf16 [G, M_max, N] (same contract)."""
+    (_, _, k), a_strides, a_ptr, device = inspect("a", a, torch.bfloat16, 3)
+    _masked(a, a_strides, a_ptr, device, None, _grouped_b(a.shape, b, k, device, scaled=False),
+            d, masked_m, expected_m)
+
+
+def _masked(A, a_strides, a_ptr, device: int, sa, grouped_b, d, masked_m, expected_m) -> None:
+    """The masked layout's checks and launch: A [G, M_max, K] (e4m3 with its MN-major sa,
+    or bf16 with ``sa`` None) through 3-D tensor maps."""
+    num_groups, m_max, k = A.shape
+    b_groups, n, b_row, b_ptr, sb_ptr, sb_row, b_spans = grouped_b
+    if b_groups != num_groups:
+        raise ValueError(f"a [G, M_max, K] and b [G, N, K] must share G, got a "
+                         f"{tuple(A.shape)} and b with {b_groups} groups")
+    if a_strides[0] * A.itemsize % 16:
+        raise ValueError(f"a's group stride must be a multiple of 16 bytes, got {a_strides[0]} "
+                         f"elements")
     (mm,), _, mm_ptr, _ = inspect("masked_m", masked_m, torch.int32, 1, align=4, device=device)
     if mm != num_groups:
         raise ValueError(f"masked_m must have one entry per group ({num_groups}), got {mm}")
@@ -299,23 +337,32 @@ def m_grouped_fp8_gemm_nt_masked(a, b, d: torch.Tensor, masked_m: torch.Tensor,
     require_shape("d", d_shape, (num_groups, m_max, n))
     if (d_strides[0] * 2) % 16:
         raise ValueError(f"d's group stride must be a multiple of 16 bytes, got {d_strides[0]}")
-    require_disjoint("d", _span(d_ptr, d_shape, d_strides, 2), _span(a_ptr, A.shape, a_strides, 1),
-                     _span(sa.data_ptr(), sa_shape, sa_strides, 4), (mm_ptr, 4 * num_groups),
-                     *b_spans)
+    spans = [_span(a_ptr, A.shape, a_strides, A.itemsize), (mm_ptr, 4 * num_groups), *b_spans]
+    if sa is not None:
+        spans.append(_span(sa.data_ptr(), sa.shape, sa.stride(), 4))
+    require_disjoint("d", _span(d_ptr, d_shape, d_strides, 2), *spans)
     if m_max == 0:
         return
+    scaled = sa is not None
+    element, size = ("float8_e4m3fn", 1) if scaled else ("bfloat16", 2)
     cfg, launcher, grid, m_tiles = _plan(device, m_max, n, k, get_num_sms(device),
                                          groups=num_groups, masked=True,
-                                         expected_m=min(expected_m, m_max))
-    tmap_a = encode_tiled(a_ptr, "float8_e4m3fn", (k, m_max, num_groups),
-                          (a_strides[1], a_strides[0]), (gemm_kernel.BLOCK_K, cfg.a_box_rows, 1),
-                          swizzle=128)
-    tmap_b = encode_tiled(b_ptr, "float8_e4m3fn", (k, num_groups * n), (b_row,),
-                          (gemm_kernel.BLOCK_K, cfg.block_n), swizzle=128)
-    tmap_sa = encode_tiled(sa.data_ptr(), "float32", (m_max, k_groups, num_groups),
-                           (4 * sa_strides[2], 4 * sa_strides[0]), (cfg.block_m, 1, 1))
+                                         expected_m=min(expected_m, m_max),
+                                         dtype="e4m3" if scaled else "bf16")
+    tmap_a = encode_tiled(a_ptr, element, (k, m_max, num_groups),
+                          (size * a_strides[1], size * a_strides[0]),
+                          (cfg.k_per_block, cfg.a_box_rows, 1), swizzle=128)
+    tmap_b = encode_tiled(b_ptr, element, (k, num_groups * n), (size * b_row,),
+                          (cfg.k_per_block, cfg.block_n), swizzle=128)
     tmap_d = encode_tiled(d_ptr, "bfloat16", (n, m_max, num_groups),
                           (2 * d_strides[1], 2 * d_strides[0]), (cfg.d_box_cols, 64, 1),
                           swizzle=cfg.d_swizzle)
+    if not scaled:
+        launcher((grid, 1, 1), current_stream(device),
+                 (tmap_a, tmap_b, tmap_d, m_tiles, mm_ptr, m_max))
+        return
+    sa_strides = sa.stride()
+    tmap_sa = encode_tiled(sa.data_ptr(), "float32", (m_max, sa.shape[2], num_groups),
+                           (4 * sa_strides[2], 4 * sa_strides[0]), (cfg.block_m, 1, 1))
     launcher((grid, 1, 1), current_stream(device),
              (tmap_a, tmap_b, tmap_sa, tmap_d, sb_ptr, m_tiles, sb_row, mm_ptr, m_max))
