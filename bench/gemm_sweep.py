@@ -1,17 +1,21 @@
-"""FP8 GEMM tile shapes on DeepGEMM's 18 dense shapes: every shape under the heuristic's
-choice and a set of alternatives, each checked against fp64 and timed (median of 30, L2
-flushed), beside cuBLAS blockwise. The data the tile-choice model is fitted to.
+"""GEMM tile shapes on the benchmark problems: every problem under the heuristic's choice
+and a set of alternatives, each checked against fp64 and timed (median of 30, L2
+flushed), beside its torch peer. The data the tile-choice model is fitted to.
 
-    python bench/gemm_sweep.py [out.json]
+    python bench/gemm_sweep.py [fp8|bf16|masked ...] [--producers 1,2,4] [--json out.json]
+
+fp8: DeepGEMM's 18 dense shapes (peer: cuBLAS blockwise); bf16: the same shapes with bf16
+operands (peer: torch a @ b.t()); masked: DeepGEMM's six masked MoE rows (no peer).
 """
 
+import argparse
 import json
-import sys
 
 import torch
 
 from ptxforge import ops
-from ptxforge.bench import GEMM_SHAPES, Timer, _torch_blockwise
+from ptxforge.bench import (GEMM_SHAPES, GROUPED_MASKED, Timer, _bf16_pair, _torch_blockwise,
+                            masked_operands)
 from ptxforge.checks import calc_diff, fp8_gemm_operands
 from ptxforge.kernels import sm90_fp8_gemm_1d2d as gemm
 from ptxforge.ops import _common
@@ -23,56 +27,110 @@ timer = Timer()
 chosen_config = gemm_ops._config
 
 
-def alternatives(m, n, k):
+def alternatives(m, n, k, dtype, groups=0, masked=False, producers=(1,)):
+    """Tile shapes to time besides the choice: both multicast settings everywhere (small M
+    has many tiles along N to pair up too), and two CTAs an SM for the small tiles."""
+    widths = (16, 32, 64, 128) + ((256,) if dtype == "bf16" else ())
     if m <= 128:
-        shapes = {(64, bn, 1) for bn in (16, 32, 64, 128)} | {(128, bn, 1) for bn in (64, 128)}
+        shapes = ({(64, bn, ctas) for bn in widths for ctas in (1, 2)}
+                  | {(128, bn, 1) for bn in (64, 128)})
     else:
-        shapes = {(128, bn, mc) for bn in (64, 128, 144, 160, 192) for mc in (1, 2)}
-    for block_m, block_n, multicast in sorted(shapes):
-        try:
-            yield gemm.make_config(arch, n, k, block_m, block_n, multicast=multicast)
-        except ValueError:
-            pass
+        wide = (64, 128, 192, 256) if dtype == "bf16" else (64, 96, 112, 128, 144, 160)
+        shapes = {(128, bn, 1) for bn in wide} | {(64, 128, 1), (64, 128, 2)}
+    for block_m, block_n, ctas in sorted(shapes):
+        for multicast in (1, 2):
+            for warps in producers:
+                try:
+                    yield gemm.make_config(arch, n, k, block_m, block_n, ctas, multicast,
+                                           groups=groups, masked=masked, dtype=dtype,
+                                           producers=warps)
+                except ValueError:
+                    pass
 
 
-rows = []
-for m, n, k in GEMM_SHAPES:
-    (qa, sa), (qb, sb), ref = fp8_gemm_operands(m, n, k)
-    flops = 2 * m * n * k
-    peer_ms = timer(_torch_blockwise(qa, sa, qb, sb))
-    choice = chosen_config(0, m, n, k, sms, False)
-    results = []
-    for cfg in [choice] + [c for c in alternatives(m, n, k) if c != choice]:
-        gemm_ops._config = lambda *args, cfg=cfg: cfg
+def problems(suite):
+    """(label, model M, config choice arguments, run(d) -> None, d, reference view, peer)."""
+    if suite in ("fp8", "bf16"):
+        for m, n, k in GEMM_SHAPES:
+            d = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+            if suite == "fp8":
+                (qa, sa), (qb, sb), ref = fp8_gemm_operands(m, n, k)
+                call = lambda qa=qa, sa=sa, qb=qb, sb=sb, d=d: ops.fp8_gemm_nt((qa, sa), (qb, sb), d)
+                peer = _torch_blockwise(qa, sa, qb, sb)
+            else:
+                a, b = _bf16_pair(m, n, k)
+                ref = a.double() @ b.double().t()
+                call = lambda a=a, b=b, d=d: ops.bf16_gemm_nt(a, b, d)
+                peer = lambda a=a, b=b: a @ b.t()
+            yield (f"{m}x{n}x{k}", m, (m, n, k, 0, False, "e4m3" if suite == "fp8" else "bf16"),
+                   call, lambda d=d: d, ref, peer, 2 * m * n * k)
+    else:
+        for groups, count, m_max, n, k in GROUPED_MASKED:
+            a, b, masked_m, ref = masked_operands([count] * groups, m_max, n, k)
+            d = torch.full((groups, m_max, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+            call = lambda a=a, b=b, d=d, masked_m=masked_m, count=count: \
+                ops.m_grouped_fp8_gemm_nt_masked(a, b, d, masked_m, count)
+            yield (f"{groups}x{count}/{m_max} {n}x{k}", groups * count,
+                   (groups * count, n, k, groups, True, "e4m3"), call,
+                   lambda d=d, count=count: d[:, :count], ref[:, :count], None,
+                   2 * groups * count * n * k)
+
+
+def sweep(suite, producers):
+    rows = []
+    for label, model_m, (m, n, k, groups, masked, dtype), call, valid, ref, peer, flops in problems(suite):
+        peer_tflops = flops / timer(peer) / 1e9 if peer else None
+        choice = chosen_config(0, m, n, k, sms, False, groups, masked, dtype)
+        results = []
+        for cfg in [choice] + [c for c in alternatives(m, n, k, dtype, groups, masked, producers)
+                                if c != choice]:
+            gemm_ops._config = lambda *args, cfg=cfg: cfg
+            gemm_ops._plan.cache_clear()
+            valid().fill_(float("nan"))
+            call()
+            diff = calc_diff(valid(), ref)
+            ok = diff < 1e-3 and not torch.isnan(valid()).any()
+            ms = timer(call)
+            results.append({"block_m": cfg.block_m, "block_n": cfg.block_n, "stages": cfg.stages,
+                            "ctas_per_sm": cfg.ctas_per_sm, "producers": cfg.producers,
+                            "multicast": cfg.multicast, "part_buffers": cfg.part_buffers,
+                            "ms": ms, "tflops": flops / ms / 1e9, "ok": bool(ok), "calc_diff": diff,
+                            "model_clocks": gemm.estimate_clocks(cfg, model_m, sms)})
+        gemm_ops._config = chosen_config
         gemm_ops._plan.cache_clear()
-        d = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-        ops.fp8_gemm_nt((qa, sa), (qb, sb), d)
-        diff = calc_diff(d, ref)
-        ok = diff < 1e-3 and not torch.isnan(d).any()
-        ms = timer(lambda: ops.fp8_gemm_nt((qa, sa), (qb, sb), d))
-        tiles = -(-m // cfg.block_m) * cfg.n_tiles
-        results.append({"block_m": cfg.block_m, "block_n": cfg.block_n, "stages": cfg.stages,
-                        "multicast": cfg.multicast, "resident_clusters": gemm_ops._launcher(0, cfg)[1],
-                        "tiles": tiles, "ms": ms, "tflops": flops / ms / 1e9, "ok": bool(ok),
-                        "calc_diff": diff, "model_clocks": gemm.estimate_clocks(cfg, m, sms)})
-    gemm_ops._config = chosen_config
-    gemm_ops._plan.cache_clear()
-    best = max((r for r in results if r["ok"]), key=lambda r: r["tflops"], default=results[0])
-    rows.append({"m": m, "n": n, "k": k, "blockwise_tflops": flops / peer_ms / 1e9,
-                 "chosen": results[0], "best": best, "all": results})
-    tag = lambda r: f"{r['block_m']}x{r['block_n']}" + (
-        f"m{r['resident_clusters']}" if r["multicast"] > 1 else "")
-    bad = [tag(r) for r in results if not r["ok"]]
-    print(f"{m:5d} {n:6d} {k:6d} cuBLAS {flops / peer_ms / 1e9:5.0f} | chosen {tag(results[0]):8s}"
-          f"{results[0]['tflops']:5.0f} | best {tag(best):8s}{best['tflops']:5.0f} | "
-          + " ".join(f"{tag(r)}:{r['tflops']:.0f}" for r in results[1:])
-          + (f" | WRONG: {bad}" if bad else ""), flush=True)
-    del qa, qb, ref
+        best = max((r for r in results if r["ok"]), key=lambda r: r["tflops"], default=results[0])
+        rows.append({"problem": label, "model_m": model_m, "n": n, "k": k, "peer_tflops": peer_tflops,
+                     "chosen": results[0], "best": best, "all": results})
+        tag = lambda r: (f"{r['block_m']}x{r['block_n']}" + ("m" if r["multicast"] > 1 else "")
+                         + ("c2" if r["ctas_per_sm"] > 1 else "")
+                         + (f"w{r['producers']}" if r["producers"] > 1 else ""))
+        bad = [tag(r) for r in results if not r["ok"]]
+        print(f"{suite} {label:22s} peer {peer_tflops or 0:5.0f} | chosen {tag(results[0]):8s}"
+              f"{results[0]['tflops']:5.0f} | best {tag(best):8s}{best['tflops']:5.0f} | "
+              + " ".join(f"{tag(r)}:{r['tflops']:.0f}" for r in results[1:])
+              + (f" | WRONG: {bad}" if bad else ""), flush=True)
+    if rows[0]["peer_tflops"]:
+        geo = lambda key: float(torch.tensor([r[key]["tflops"] / r["peer_tflops"] for r in rows])
+                                .log().mean().exp())
+        print(f"{suite}: geomean speedup vs the peer: chosen {geo('chosen'):.3f}x, "
+              f"best per problem {geo('best'):.3f}x")
+    return rows
 
-chosen = [r["blockwise_tflops"] / r["chosen"]["tflops"] for r in rows]
-best = [r["blockwise_tflops"] / r["best"]["tflops"] for r in rows]
-geo = lambda xs: float(torch.tensor(xs).log().mean().neg().exp())
-print(f"geomean speedup vs cuBLAS blockwise: chosen {geo(chosen):.3f}x, best per shape {geo(best):.3f}x")
-if len(sys.argv) > 1:
-    with open(sys.argv[1], "w") as f:
-        json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("suites", nargs="*", default=["fp8"], choices=["fp8", "bf16", "masked"])
+    parser.add_argument("--producers", default="2",
+                        help="producer warp counts to time each tile with, e.g. 1,2,4")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    result = {"gpu": torch.cuda.get_device_name(),
+              "suites": {suite: sweep(suite, tuple(int(w) for w in args.producers.split(",")))
+                         for suite in args.suites}}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

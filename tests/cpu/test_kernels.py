@@ -205,12 +205,32 @@ def test_gemm_tiles_wider_than_the_registers_are_refused():
     with pytest.raises(ValueError, match="registers"):
         gemm.make_config(arch.get("sm_90a"), 2112, 7168, 128, 192)
 
+@pytest.mark.parametrize("producers", [1, 2, 4])
+def test_gemm_producer_warps_take_turns_over_the_k_blocks(producers):
+    from ptxforge.kernels import sm90_fp8_gemm_1d2d as gemm
+
+    cfg = gemm.make_config(arch.get("sm_90a"), 2112, 7168, 64, 16, producers=producers)
+    ptx = gemm.generate(cfg).ptx()
+    # Lane 0 of warps 0 .. producers - 1: tid has no bits outside 32 * (producers - 1).
+    assert f"and.b32 %p_leader_bits, %t, {~(32 * (producers - 1)) & 0xFFFFFFFF};" in ptx
+    # Each warp steps its ring position by the producer count, wrapping past the last stage.
+    assert f"add.u32 %p_stage, %p_stage, {producers};" in ptx
+    assert ptx.count("cp.async.bulk.tensor.2d.shared::cluster.global.tile") == 3  # A, B, sa
+    assert jit.build(gemm.generate(cfg)).resources.spills == 0
+
+
+def test_gemm_producer_counts_are_checked():
+    from ptxforge.kernels import sm90_fp8_gemm_1d2d as gemm
+
+    with pytest.raises(ValueError, match="producers must be 1, 2 or 4 warps, got 3"):
+        gemm.make_config(arch.get("sm_90a"), 2112, 7168, 64, 16, producers=3)
+
+
 def test_gemm_multicast_shares_a_across_a_cluster_pair():
     from ptxforge.kernels import sm90_fp8_gemm_1d2d as gemm
 
     sm90 = arch.get("sm_90a")
-    assert gemm.choose_config(sm90, 4096, 7168, 16384).multicast == 2
-    assert gemm.choose_config(sm90, 128, 7168, 16384).multicast == 1
+    assert gemm.choose_config(sm90, 128, 7168, 16384).multicast == 1  # too few tiles to pair
     with pytest.raises(ValueError, match="multicast 2 needs"):
         gemm.make_config(sm90, 2112, 7168, 128, 128, multicast=2)  # 17 tiles along N
     cfg = gemm.make_config(sm90, 7168, 2048, 128, 128, multicast=2)

@@ -45,11 +45,14 @@ def test_every_tile_width(monkeypatch, request):
     request.addfinalizer(gemm_ops._plan.cache_clear)
     a, b, ref = operands(200, 1000, 640)
     failures = []
-    for block_m, block_n, multicast in [(64, 16, 1), (64, 24, 1), (128, 128, 1), (128, 256, 1),
-                                        (128, 160, 1), (128, 128, 2)]:
+    # (block_m, block_n, multicast, CTAs an SM, producer warps): K = 640 is 10 K blocks.
+    for block_m, block_n, multicast, ctas, warps in [
+            (64, 16, 1, 1, 2), (64, 24, 1, 1, 2), (128, 128, 1, 1, 2), (128, 256, 1, 1, 2),
+            (128, 160, 1, 1, 2), (128, 128, 2, 1, 2), (64, 16, 1, 1, 4), (64, 24, 1, 1, 1),
+            (64, 32, 1, 2, 2), (128, 192, 1, 1, 4)]:
         try:
-            cfg = gemm.make_config(arch, 1000, 640, block_m, block_n, multicast=multicast,
-                                   dtype="bf16")
+            cfg = gemm.make_config(arch, 1000, 640, block_m, block_n, ctas, multicast,
+                                   dtype="bf16", producers=warps)
         except ValueError:
             continue
         monkeypatch.setattr(gemm_ops, "_config", lambda *args, cfg=cfg: cfg)
@@ -57,7 +60,7 @@ def test_every_tile_width(monkeypatch, request):
         d = torch.full((200, 1000), float("nan"), device="cuda", dtype=torch.bfloat16)
         ptxforge.bf16_gemm_nt(a, b, d)
         if torch.isnan(d).any() or not calc_diff(d, ref) < 1e-3:
-            failures.append((block_m, block_n, multicast, calc_diff(d, ref)))
+            failures.append((cfg.name, calc_diff(d, ref)))
     assert not failures, failures
 
 

@@ -111,11 +111,16 @@ def test_every_tile_shape(monkeypatch, request):
     arch = _common.device_arch(torch.cuda.current_device())
     request.addfinalizer(gemm_ops._plan.cache_clear)  # no forced plan outlives the test
     failures = []
-    shapes = [(bm, bn, 1) for bm in (64, 128) for bn in gemm.block_n_candidates(arch)]
-    shapes += [(128, bn, 2) for bn in (64, 128, 144, 160)]  # 2-CTA clusters sharing A
-    for block_m, block_n, multicast in shapes:
+    # (block_m, block_n, multicast, CTAs an SM, producer warps); K = 640 is 5 K blocks, so
+    # the producer warps' turns carry over from one tile to the next.
+    shapes = [(bm, bn, 1, 1, 2) for bm in (64, 128) for bn in gemm.block_n_candidates(arch)]
+    shapes += [(128, bn, 2, 1, 2) for bn in (64, 128, 144, 160)]  # 2-CTA clusters sharing A
+    shapes += [(64, bn, 1, 1, warps) for bn in (16, 64) for warps in (1, 4)]
+    shapes += [(64, 32, 1, 2, 2), (64, 128, 1, 2, 4), (128, 128, 2, 1, 4)]
+    for block_m, block_n, multicast, ctas, warps in shapes:
         try:
-            cfg = gemm.make_config(arch, 1000, 640, block_m, block_n, multicast=multicast)
+            cfg = gemm.make_config(arch, 1000, 640, block_m, block_n, ctas, multicast,
+                                   producers=warps)
         except ValueError:
             continue  # does not fit the registers, or an odd tile count for multicast
         monkeypatch.setattr(gemm_ops, "_config", lambda *args, cfg=cfg: cfg)
@@ -124,7 +129,7 @@ def test_every_tile_shape(monkeypatch, request):
             d, ref, _, _ = run(m, 1000, 640)
             diff = calc_diff(d, ref)
             if torch.isnan(d).any() or not diff < 1e-3 or not relative_error(d, ref) <= 2e-3:
-                failures.append((block_m, block_n, multicast, m, diff))
+                failures.append((cfg.name, m, diff))
     assert not failures, failures
 
 

@@ -89,6 +89,7 @@ class Fp8GemmConfig:
     masked: bool = False   # MoE, masked layout: A and D [groups, M_max, ...], the valid rows
                            # of each group in masked_m (read on the GPU)
     dtype: str = "e4m3"    # of A and B: e4m3 with DeepGEMM's scales, or bf16 (no scales)
+    producers: int = 2     # producer warps, taking turns over the K blocks (see _producer)
 
     @property
     def name(self) -> str:
@@ -96,7 +97,8 @@ class Fp8GemmConfig:
         return (f"sm90_{kind}_n{self.n}_k{self.k}_bm{self.block_m}_bn{self.block_n}"
                 f"_s{self.stages}_c{self.ctas_per_sm}_mc{self.multicast}_p{self.part_buffers}"
                 + ("_acc" if self.accumulate else "")
-                + (f"_g{self.groups}" if self.groups else "") + ("m" if self.masked else ""))
+                + (f"_g{self.groups}" if self.groups else "") + ("m" if self.masked else "")
+                + (f"_w{self.producers}" if self.producers > 1 else ""))
 
     @property
     def math_warpgroups(self) -> int:
@@ -235,7 +237,8 @@ def _require_problem(arch: Arch, n: int, k: int) -> None:
 def make_config(arch: Arch, n: int, k: int, block_m: int, block_n: int,
                 ctas_per_sm: int = 1, multicast: int = 1,
                 part_buffers: int | None = None, accumulate: bool = False,
-                groups: int = 0, masked: bool = False, dtype: str = "e4m3") -> Fp8GemmConfig:
+                groups: int = 0, masked: bool = False, dtype: str = "e4m3",
+                producers: int = 2) -> Fp8GemmConfig:
     """A config for one tile shape: as many stages as the CTA's share of shared memory
     holds, and the math registers that residency leaves. ``multicast`` 2: clusters of two
     CTAs on neighbouring tiles of one block row, each loading half of the shared A tile.
@@ -244,7 +247,8 @@ def make_config(arch: Arch, n: int, k: int, block_m: int, block_n: int,
     ``accumulate``: D is f32 and each tile is added into it by a TMA reduction (the f32 D
     tile takes shared memory from the stages). ``groups`` > 0: MoE, B holding that many
     [N, K] matrices, in the contiguous layout or with ``masked`` the masked one (neither
-    with ``accumulate``). ``dtype`` "bf16": bf16 A and B, no scales, K blocks of 64."""
+    with ``accumulate``). ``dtype`` "bf16": bf16 A and B, no scales, K blocks of 64.
+    ``producers``: warps issuing the loads (1, 2 or 4), each every producers-th K block."""
     _require_problem(arch, n, k)
     if block_m not in (64, 128) or block_n not in block_n_candidates(arch):
         raise ValueError(f"no FP8 GEMM tile {block_m} x {block_n}: block_m is 64 or 128, "
@@ -254,6 +258,8 @@ def make_config(arch: Arch, n: int, k: int, block_m: int, block_n: int,
                          f"({-(-n // block_n)}) it divides")
     if multicast > 1:
         arch.require("clusters", "the FP8 GEMM's TMA multicast")
+    if producers not in (1, 2, 4):
+        raise ValueError(f"producers must be 1, 2 or 4 warps, got {producers}")
     if dtype not in ("e4m3", "bf16"):
         raise ValueError(f"dtype must be e4m3 or bf16, got {dtype!r}")
     if groups < 0 or (groups and accumulate) or (masked and not groups):
@@ -269,9 +275,9 @@ def make_config(arch: Arch, n: int, k: int, block_m: int, block_n: int,
                                         masked=masked, dtype=dtype)
     stages = max((s for s in range(1, MAX_STAGES + 1) if plan(s).dynamic_shared_bytes <= budget),
                  default=0)
-    if stages < 2:
-        raise ValueError(f"the FP8 GEMM's {block_m} x {block_n} tiles do not fit twice in "
-                         f"{budget} bytes of shared memory")
+    if stages < max(2, producers):
+        raise ValueError(f"the FP8 GEMM's {block_m} x {block_n} tiles do not fit "
+                         f"{max(2, producers)} times in {budget} bytes of shared memory")
     # setmaxnreg moves registers between the warps of one CTA: the math warpgroups can gain
     # only what the producer gives up from the CTA's allocation at launch (a larger request
     # waits forever).
@@ -291,7 +297,7 @@ def make_config(arch: Arch, n: int, k: int, block_m: int, block_n: int,
                          f"buffer(s) need more than the {math_registers} registers a math thread "
                          f"gets at {ctas_per_sm} CTA(s) an SM")
     return Fp8GemmConfig(n, k, block_m, block_n, stages, ctas_per_sm, math_registers, arch.target,
-                         multicast, part_buffers, accumulate, groups, masked, dtype)
+                         multicast, part_buffers, accumulate, groups, masked, dtype, producers)
 
 
 # The tile-choice model, fitted to `bench/gemm_sweep.py` on an H200 (docs/performance.md).
@@ -299,25 +305,34 @@ def make_config(arch: Arch, n: int, k: int, block_m: int, block_n: int,
 # for the stage, wgmma, wait, promote: what bounds the small tiles), the MMA plus the
 # promotion of every math warpgroup (what bounds 128-row tiles: measured, the tensor cores
 # idle while the warpgroups promote), and the tile's operand bytes at what one SM takes in
-# from L2. A tile straddling two B-scale rows pays for its scale choice; each tile adds the
-# pipeline fill and the epilogue. Refitted in session 3 (profiler kernel times, two part
-# buffers): the model's choice is within 2% of the best measured tile on 17 of the 18 shapes.
-CHAIN_CLOCKS = 200
-PROMOTE_CLOCKS_PER_COLUMN = 0.8    # per math warpgroup
-L2_BYTES_PER_CLOCK_PER_SM = 55
-STRADDLE_CLOCKS = 400
-TILE_CLOCKS = 1000
+# from L2. Each wgmma instruction costs a fixed time beyond its MMA (what makes narrow
+# tiles slow in bf16, where nothing else hides it). A tile straddling two B-scale rows
+# pays for its scale choice; each tile adds the pipeline fill and the epilogue. CTAs
+# sharing an SM share its tensor cores and L2 bandwidth but run their chains side by side.
+# Refitted in session 4 to the FP8, BF16 and masked sweeps together (42 problems, two
+# producer warps): the model's choice is on average within 1.5% of the best measured tile,
+# at worst 8% (fp8 128x32768x512).
+CHAIN_CLOCKS = 400
+PROMOTE_CLOCKS_PER_COLUMN = 0.2    # per math warpgroup
+WGMMA_CLOCKS = 20                  # per wgmma instruction of a math warpgroup
+L2_BYTES_PER_CLOCK_PER_SM = 70
+STRADDLE_CLOCKS = 100
+TILE_CLOCKS = 2000
 MMA_FLOPS_PER_CLOCK = 8192
+WGMMAS_PER_K_BLOCK = 4             # K = 128 e4m3 in steps of 32, or 64 bf16 in steps of 16
 
 
 def estimate_clocks(cfg: Fp8GemmConfig, m: int, sms: int) -> float:
     """The model's clocks for the whole problem on ``sms`` SMs: waves of tiles."""
     # A K block is one 128-byte row of A and B: the same MMA clocks in e4m3 (K = 128 at
     # MMA_FLOPS_PER_CLOCK) and bf16 (K = 64 at half the rate); only e4m3 promotes.
-    mma = cfg.block_m * cfg.block_n * BLOCK_K * 2 / MMA_FLOPS_PER_CLOCK
+    mma = (cfg.block_m * cfg.block_n * BLOCK_K * 2 / MMA_FLOPS_PER_CLOCK
+           + WGMMA_CLOCKS * WGMMAS_PER_K_BLOCK * cfg.math_warpgroups)
     promote = PROMOTE_CLOCKS_PER_COLUMN * cfg.block_n * cfg.math_warpgroups * cfg.scaled
     load = (cfg.a_box_rows + cfg.block_n) * ROW_BYTES / L2_BYTES_PER_CLOCK_PER_SM
-    k_block = max(CHAIN_CLOCKS, mma + promote, load) + STRADDLE_CLOCKS * cfg.straddles
+    shared = cfg.ctas_per_sm
+    k_block = (max(CHAIN_CLOCKS, shared * (mma + promote), shared * load)
+               + STRADDLE_CLOCKS * cfg.straddles)
     tiles = -(-m // cfg.block_m) * cfg.n_tiles
     waves = -(-tiles // (sms * cfg.ctas_per_sm))
     return waves * (cfg.k_blocks * k_block + TILE_CLOCKS)
@@ -330,22 +345,26 @@ def choose_config(arch: Arch, m: int, n: int, k: int, sms: int | None = None,
                   accumulate: bool = False, groups: int = 0,
                   masked: bool = False, dtype: str = "e4m3") -> Fp8GemmConfig:
     """The config the model above finishes first on ``sms`` SMs (the device's by default);
-    ties go to multicast (fewer L2 reads: measured 0-3% faster), then to the smaller tile."""
+    ties go to no multicast (session 4: as often 1-3% faster as slower, and simpler), then
+    to the smaller tile."""
     _require_problem(arch, n, k)
     sms = sms or arch.sm_count
     best = None
+    multicasts = (1, 2) if m >= MULTICAST_MIN_M and sms % 2 == 0 else (1,)
     for block_m in (64,) if m <= 64 else (64, 128):
-        for block_n in block_n_candidates(arch):
-            for multicast in (1, 2) if m >= MULTICAST_MIN_M and sms % 2 == 0 else (1,):
-                try:
-                    cfg = make_config(arch, n, k, block_m, block_n, multicast=multicast,
-                                      accumulate=accumulate, groups=groups, masked=masked,
-                                      dtype=dtype)
-                except ValueError:
-                    continue
-                estimate = (estimate_clocks(cfg, m, sms), -multicast)
-                if best is None or estimate < best[0]:
-                    best = (estimate, cfg)
+        # Two CTAs an SM: two K-loop chains overlap (what small tiles are bound by).
+        for ctas_per_sm in (1, 2) if block_m == 64 else (1,):
+            for block_n in block_n_candidates(arch):
+                for multicast in multicasts:
+                    try:
+                        cfg = make_config(arch, n, k, block_m, block_n, ctas_per_sm, multicast,
+                                          accumulate=accumulate, groups=groups, masked=masked,
+                                          dtype=dtype)
+                    except ValueError:
+                        continue
+                    estimate = (estimate_clocks(cfg, m, sms), multicast, ctas_per_sm)
+                    if best is None or estimate < best[0]:
+                        best = (estimate, cfg)
     if best is None:
         raise ValueError(f"no FP8 GEMM tile fits N={n}, K={k} on {arch.target}")
     return best[1]
@@ -525,10 +544,16 @@ class _Tiles:
 
 
 def _producer(k, cfg, p, base, tid):
-    with k.stage("producer: thread 0 streams A, B and sa into the stage ring, tile after tile"):
+    """Lane 0 of each producer warp issues the loads of every producers-th K block (of the
+    tile sequence as a whole): one thread's chain of barrier waits, address arithmetic and
+    TMA issues per stage is what bounds the small tiles, and warps take it in turns."""
+    with k.stage("producer: lane 0 of the producer warps streams A, B and sa into the stage "
+                 "ring, tile after tile, the warps taking turns over the K blocks"):
         k.setmaxnreg(PRODUCER_REGISTERS, increase=False)
-        leader = k.pred("producer_leader")
-        k.setp("eq", leader, tid, 0)
+        leader, mine = k.pred("producer_leader"), k.reg("u32", "p_leader_bits")
+        # tid is 32 * warp (lane 0) with warp < producers: no bits outside 32 * (producers - 1).
+        k.and_(mine, tid, ~(32 * (cfg.producers - 1)) & 0xFFFFFFFF)
+        k.setp("eq", leader, mine, 0)
         with k.if_(leader, "producer_leader_done"):
             def tensor_map(name, param):
                 r = k.reg("u64", name)
@@ -544,8 +569,10 @@ def _producer(k, cfg, p, base, tid):
             if cfg.multicast > 1:
                 m0_share, everyone = k.reg("s32", "m0_share"), k.reg("b16", "cluster_mask")
                 k.mov(everyone, (1 << cfg.multicast) - 1)
-            stage, phase = k.reg("u32", "p_stage"), k.reg("u32", "p_phase")
-            k.mov(stage, 0)
+            # This warp's next K block: the first of a tile, or (producers > 1) a few later.
+            stage, phase, first = (k.reg("u32", n) for n in ("p_stage", "p_phase", "p_first"))
+            k.shr(first, tid, 5)
+            k.mov(stage, first)
             k.mov(phase, 0)
             empty_parity, kx = k.reg("u32", "empty_parity"), k.reg("s32", "k0")
             bar_full, bar_empty = k.reg("u32", "bar_full"), k.reg("u32", "bar_empty")
@@ -561,7 +588,8 @@ def _producer(k, cfg, p, base, tid):
                 k.ld_param(m_indices, p.m_indices)
 
             def load_tile():
-                with k.loop(k.reg("u32", "p_kb"), cfg.k_blocks) as kb:
+                with k.loop(k.reg("u32", "p_kb"), cfg.k_blocks, start=first,
+                            step=cfg.producers) as kb:
                     k.mad(bar_empty, stage, BARRIER_BYTES, base, mode="lo")
                     k.add(bar_empty, bar_empty, cfg.empty_offset)
                     k.xor(empty_parity, phase, 1)  # a fresh barrier passes a wait on parity 1
@@ -588,7 +616,9 @@ def _producer(k, cfg, p, base, tid):
                     if cfg.scaled:
                         k.cp_async_bulk_tensor_load(addr(dst_sa), tmap_sa, [m0, kb] + a_group,
                                                     addr(bar_full))
-                    next_stage(k, stage, phase, cfg.stages)
+                    next_stage(k, stage, phase, cfg.stages, cfg.producers)
+                if cfg.producers > 1:
+                    k.sub(first, kb, cfg.k_blocks)
 
             with tiles.loop() as tile:
                 tiles.coordinates(tile)

@@ -60,12 +60,12 @@ def wait_parity(k: KernelBuilder, bar: Address, parity, hint: str = "wait", *,
         k.bra(again, uniform=uniform)
 
 
-def next_stage(k: KernelBuilder, stage: Reg, phase: Reg, stages: int) -> None:
-    """Step a ring position: stage += 1, wrapping to 0 and flipping the phase bit that
-    mbarrier waits compare against (4 instructions)."""
+def next_stage(k: KernelBuilder, stage: Reg, phase: Reg, stages: int, step: int = 1) -> None:
+    """Step a ring position by ``step`` (<= stages) stages, wrapping around and flipping
+    the phase bit that mbarrier waits compare against (4 instructions)."""
     wrapped = k.pred("ring_wrapped")
-    k.add(stage, stage, 1)
-    k.setp("eq", wrapped, stage, stages)
-    k.selp(stage, 0, stage, wrapped)
+    k.add(stage, stage, step)
+    k.setp("ge", wrapped, stage, stages)
     with k.guard(wrapped):
+        k.sub(stage, stage, stages)
         k.xor(phase, phase, 1)
