@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: test, build, check and time everything. Full log and results under $OUT
-# (log.txt, jit.json, memory.json, memory.png, gemm.json, gemm.png, grouped.json, bf16.json); short tables last.
+# (log.txt, jit.json, and json + png for the memory, gemm, grouped and bf16 suites); short tables last.
 #   run from the repository root: bash bench/device_run.sh
 set -u -o pipefail
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
@@ -22,8 +22,8 @@ step() { echo; echo "### $*"; "$@"; } 2>&1
   step $py -m ptxforge.cli demo
   step $py -m ptxforge.cli bench memory --json "$OUT/memory.json" --plot "$OUT/memory.png"
   step $py -m ptxforge.cli bench fp8-gemm --json "$OUT/gemm.json" --plot "$OUT/gemm.png"
-  step $py -m ptxforge.cli bench grouped-gemm --json "$OUT/grouped.json"
-  step $py -m ptxforge.cli bench bf16-gemm --json "$OUT/bf16.json"
+  step $py -m ptxforge.cli bench grouped-gemm --json "$OUT/grouped.json" --plot "$OUT/grouped.png"
+  step $py -m ptxforge.cli bench bf16-gemm --json "$OUT/bf16.json" --plot "$OUT/bf16.png"
 } > "$log" 2>&1
 grep -E "passed|failed|error" "$log" | grep -v "^|" | tail -5
 sed -n "/### .*jit_timing/,/### .*asm/p" "$log" | grep -v "^\[" | tail -40

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import json
 import os
 import re
@@ -146,13 +147,17 @@ def cmd_bench(args) -> int:
         plot = _plot_memory
     elif args.suite == "bf16-gemm":
         result = bench.bf16_gemm_suite()
-        text, plot = bench.bf16_gemm_table(result), None
+        text = bench.bf16_gemm_table(result)
+        plot = functools.partial(_plot_gemm, peer="cublas_tflops", peer_label="cuBLAS (a @ b.t())",
+                                 what="BF16 GEMM")
     elif args.suite == "grouped-gemm":
         result = bench.grouped_gemm_suite()
-        text, plot = bench.grouped_gemm_table(result), None
+        text, plot = bench.grouped_gemm_table(result), _plot_grouped
     else:
         result = bench.gemm_suite()
-        text, plot = bench.gemm_table(result), _plot_gemm
+        text = bench.gemm_table(result)
+        plot = functools.partial(_plot_gemm, peer="blockwise_tflops", peer_label="cuBLAS blockwise",
+                                 what="FP8 GEMM")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
@@ -174,8 +179,8 @@ def _pyplot():
     return plt
 
 
-def _plot_gemm(result: dict, path: str) -> None:
-    """Roofline-style: TFLOPS against arithmetic intensity, ours beside cuBLAS blockwise."""
+def _plot_gemm(result: dict, path: str, *, peer: str, peer_label: str, what: str) -> None:
+    """Roofline-style: TFLOPS against arithmetic intensity, ours beside the peer's."""
     plt = _pyplot()
     if plt is None:
         return
@@ -184,12 +189,31 @@ def _plot_gemm(result: dict, path: str) -> None:
                  for r in rows]
     fig, ax = plt.subplots(figsize=(8, 4.5))
     ax.scatter(intensity, [r["tflops"] for r in rows], label="ptxforge", marker="o")
-    ax.scatter(intensity, [r["blockwise_tflops"] for r in rows], label="cuBLAS blockwise", marker="x")
+    ax.scatter(intensity, [r[peer] for r in rows], label=peer_label, marker="x")
     ax.set_xscale("log")
     ax.set_xlabel("FLOP per byte (A + B read, D written once)")
     ax.set_ylabel("TFLOPS")
-    ax.set_title(f"{result['gpu']}: FP8 GEMM on DeepGEMM's shape table")
+    ax.set_title(f"{result['gpu']}: {what} on DeepGEMM's shape table")
     ax.legend(loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def _plot_grouped(result: dict, path: str) -> None:
+    """A bar per MoE row: ours, and torch._scaled_grouped_mm where it runs."""
+    plt = _pyplot()
+    if plt is None:
+        return
+    rows = result["rows"]
+    names = [f"{r['layout']} {r['groups']}x{r['m_per_group']} N{r['n']} K{r['k']}" for r in rows]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.barh(names, [r["tflops"] for r in rows], label="ptxforge")
+    ax.barh(names, [r["torch_tflops"] or 0 for r in rows], height=0.35,
+            label="torch._scaled_grouped_mm (row-wise)")
+    ax.invert_yaxis()
+    ax.set_xlabel("TFLOPS over the valid rows")
+    ax.set_title(f"{result['gpu']}: MoE grouped FP8 GEMM")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
