@@ -2,20 +2,24 @@
 and a set of alternatives, each checked against fp64 and timed (median of 30, L2
 flushed), beside its torch peer. The data the tile-choice model is fitted to.
 
-    python bench/gemm_sweep.py [fp8|bf16|masked ...] [--producers 1,2,4] [--json out.json]
+    python bench/gemm_sweep.py [fp8|bf16|masked|contiguous ...] [--producers 1,2,4] [--json out.json]
 
 fp8: DeepGEMM's 18 dense shapes (peer: cuBLAS blockwise); bf16: the same shapes with bf16
-operands (peer: torch a @ b.t()); masked: DeepGEMM's six masked MoE rows (no peer).
+operands (peer: torch a @ b.t()); masked, contiguous: DeepGEMM's MoE rows (peer for
+contiguous: torch._scaled_grouped_mm, row-wise). Each tile is timed twice, the second
+pass in reverse order, and keeps the better time: the GPU heats up under back-to-back
+GEMMs (up to 6% slower), which would otherwise favour whatever runs first.
 """
 
 import argparse
 import json
+import random
 
 import torch
 
 from ptxforge import ops
-from ptxforge.bench import (GEMM_SHAPES, GROUPED_MASKED, Timer, _bf16_pair, _torch_blockwise,
-                            masked_operands)
+from ptxforge.bench import (GEMM_SHAPES, GROUPED_CONTIGUOUS, GROUPED_MASKED, Timer, _bf16_pair,
+                            _torch_blockwise, _torch_grouped, grouped_operands, masked_operands)
 from ptxforge.checks import calc_diff, fp8_gemm_operands
 from ptxforge.kernels import sm90_fp8_gemm_1d2d as gemm
 from ptxforge.ops import _common
@@ -35,7 +39,7 @@ def alternatives(m, n, k, dtype, groups=0, masked=False, producers=(1,)):
         shapes = ({(64, bn, ctas) for bn in widths for ctas in (1, 2)}
                   | {(128, bn, 1) for bn in (64, 128)})
     else:
-        wide = (64, 128, 192, 256) if dtype == "bf16" else (64, 96, 112, 128, 144, 160)
+        wide = (64, 128, 192, 256) if dtype == "bf16" else (64, 96, 112, 128, 144, 160, 192)
         shapes = {(128, bn, 1) for bn in wide} | {(64, 128, 1), (64, 128, 2)}
     for block_m, block_n, ctas in sorted(shapes):
         for multicast in (1, 2):
@@ -64,6 +68,17 @@ def problems(suite):
                 peer = lambda a=a, b=b: a @ b.t()
             yield (f"{m}x{n}x{k}", m, (m, n, k, 0, False, "e4m3" if suite == "fp8" else "bf16"),
                    call, lambda d=d: d, ref, peer, 2 * m * n * k)
+    elif suite == "contiguous":
+        rng = random.Random(0)   # the sizes bench grouped-gemm draws
+        for groups, expected, n, k in GROUPED_CONTIGUOUS:
+            sizes = [int(expected * rng.uniform(0.7, 1.3)) for _ in range(groups)]
+            a, b, m_indices, ref = grouped_operands(sizes, n, k)
+            m = a[0].shape[0]
+            d = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+            call = lambda a=a, b=b, d=d, m_indices=m_indices: \
+                ops.m_grouped_fp8_gemm_nt_contiguous(a, b, d, m_indices)
+            yield (f"{groups}x{expected} {n}x{k}", m, (m, n, k, groups, False, "e4m3"), call,
+                   lambda d=d: d, ref, _torch_grouped(a[0], b[0], sizes), 2 * sum(sizes) * n * k)
     else:
         for groups, count, m_max, n, k in GROUPED_MASKED:
             a, b, masked_m, ref = masked_operands([count] * groups, m_max, n, k)
@@ -81,27 +96,33 @@ def sweep(suite, producers):
     for label, model_m, (m, n, k, groups, masked, dtype), call, valid, ref, peer, flops in problems(suite):
         peer_tflops = flops / timer(peer) / 1e9 if peer else None
         choice = chosen_config(0, m, n, k, sms, False, groups, masked, dtype)
-        results = []
-        for cfg in [choice] + [c for c in alternatives(m, n, k, dtype, groups, masked, producers)
-                                if c != choice]:
-            gemm_ops._config = lambda *args, cfg=cfg: cfg
-            gemm_ops._plan.cache_clear()
-            valid().fill_(float("nan"))
-            call()
-            diff = calc_diff(valid(), ref)
-            ok = diff < 1e-3 and not torch.isnan(valid()).any()
-            ms = timer(call)
-            results.append({"block_m": cfg.block_m, "block_n": cfg.block_n, "stages": cfg.stages,
-                            "ctas_per_sm": cfg.ctas_per_sm, "producers": cfg.producers,
-                            "multicast": cfg.multicast, "part_buffers": cfg.part_buffers,
-                            "ms": ms, "tflops": flops / ms / 1e9, "ok": bool(ok), "calc_diff": diff,
-                            "model_clocks": gemm.estimate_clocks(cfg, model_m, sms)})
+        configs = [choice] + [c for c in alternatives(m, n, k, dtype, groups, masked, producers)
+                              if c != choice]
+        results = {}
+        for order in (configs, configs[::-1]):   # two passes, the second reversed
+            for cfg in order:
+                gemm_ops._config = lambda *args, cfg=cfg: cfg
+                gemm_ops._plan.cache_clear()
+                valid().fill_(float("nan"))
+                call()
+                diff = calc_diff(valid(), ref)
+                ok = diff < 1e-3 and not torch.isnan(valid()).any()
+                ms = min(timer(call), results[cfg]["ms"] if cfg in results else float("inf"))
+                results[cfg] = {
+                    "block_m": cfg.block_m, "block_n": cfg.block_n, "stages": cfg.stages,
+                    "ctas_per_sm": cfg.ctas_per_sm, "producers": cfg.producers,
+                    "multicast": cfg.multicast, "part_buffers": cfg.part_buffers, "ms": ms,
+                    "tflops": flops / ms / 1e9, "calc_diff": diff,
+                    "ok": bool(ok) and results.get(cfg, {}).get("ok", True),
+                    "model_clocks": gemm.estimate_clocks(cfg, model_m, sms)}
+        results = [results[cfg] for cfg in configs]
         gemm_ops._config = chosen_config
         gemm_ops._plan.cache_clear()
         best = max((r for r in results if r["ok"]), key=lambda r: r["tflops"], default=results[0])
         rows.append({"problem": label, "model_m": model_m, "n": n, "k": k, "peer_tflops": peer_tflops,
                      "chosen": results[0], "best": best, "all": results})
         tag = lambda r: (f"{r['block_m']}x{r['block_n']}" + ("m" if r["multicast"] > 1 else "")
+                         + ("p2" if r["part_buffers"] > 1 else "")
                          + ("c2" if r["ctas_per_sm"] > 1 else "")
                          + (f"w{r['producers']}" if r["producers"] > 1 else ""))
         bad = [tag(r) for r in results if not r["ok"]]
@@ -119,7 +140,7 @@ def sweep(suite, producers):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("suites", nargs="*", default=["fp8"], choices=["fp8", "bf16", "masked"])
+    parser.add_argument("suites", nargs="*", default=["fp8"], choices=["fp8", "bf16", "masked", "contiguous"])
     parser.add_argument("--producers", default="2",
                         help="producer warp counts to time each tile with, e.g. 1,2,4")
     parser.add_argument("--json")

@@ -200,10 +200,18 @@ def test_grouped_bf16_gemm_assembles(masked):
 def test_gemm_tiles_wider_than_the_registers_are_refused():
     from ptxforge.kernels import sm90_fp8_gemm_1d2d as gemm
 
-    # 128-row tiles: two math warpgroups at 232 registers; 192 columns of acc and part
-    # leave too few for the rest (it spilled).
+    # 128-row tiles: two math warpgroups at 232 registers; 256 columns of acc and part
+    # leave too few for the rest. 192 columns fit one part buffer, not two.
+    sm90 = arch.get("sm_90a")
     with pytest.raises(ValueError, match="registers"):
-        gemm.make_config(arch.get("sm_90a"), 2112, 7168, 128, 192)
+        gemm.make_config(sm90, 2112, 7168, 128, 256)
+    with pytest.raises(ValueError, match="registers"):
+        gemm.make_config(sm90, 2112, 7168, 128, 192, part_buffers=2)
+    cfg = gemm.make_config(sm90, 2112, 7168, 128, 192)
+    assert cfg.part_buffers == 1 and jit.build(gemm.generate(cfg)).resources.spills == 0
+    # Two part buffers on 128-row tiles come with multicast (A from L2 falls behind without).
+    assert gemm.make_config(sm90, 7168, 7168, 128, 128).part_buffers == 1
+    assert gemm.make_config(sm90, 7168, 7168, 128, 128, multicast=2).part_buffers == 2
 
 @pytest.mark.parametrize("producers", [1, 2, 4])
 def test_gemm_producer_warps_take_turns_over_the_k_blocks(producers):

@@ -1,0 +1,66 @@
+"""The GEMMs' device-side bad-input paths and tile variants, small, for compute-sanitizer:
+
+    compute-sanitizer --tool memcheck --report-api-errors no python bench/memcheck_gemm.py
+
+(cuda-bindings probes the driver with cuGetProcAddress calls that return INVALID_VALUE:
+API errors are not reported.) Contiguous layout: m_indices past the group count, negative
+and mis-aligned; masked layout: counts past M_max and negative; dense: producer warp and
+CTA-per-SM variants. Prints one line per call; sanitizer findings follow its own format.
+"""
+
+import torch
+
+import ptxforge
+from ptxforge.bench import masked_operands
+from ptxforge.checks import fp8_gemm_operands
+from ptxforge.kernels import sm90_fp8_gemm_1d2d as gemm
+from ptxforge.ops import _common
+from ptxforge.ops import gemm as gemm_ops
+
+arch = _common.device_arch(0)
+chosen = gemm_ops._config
+
+
+def forced(cfg, call):
+    gemm_ops._config = lambda *args: cfg
+    gemm_ops._plan.cache_clear()
+    call()
+    gemm_ops._config = chosen
+    gemm_ops._plan.cache_clear()
+    torch.cuda.synchronize()
+    print("ran", cfg.name, flush=True)
+
+
+m, n, k = 200, 1000, 640
+a, b, _ = fp8_gemm_operands(m, n, k)
+d = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+for block_m, block_n, ctas, warps in ((64, 16, 1, 4), (64, 32, 2, 2), (128, 128, 1, 1)):
+    cfg = gemm.make_config(arch, n, k, block_m, block_n, ctas, producers=warps)
+    forced(cfg, lambda: ptxforge.fp8_gemm_nt(a, b, d))
+a16, b16 = torch.randn(m, k, device="cuda").bfloat16(), torch.randn(n, k, device="cuda").bfloat16()
+cfg = gemm.make_config(arch, n, k, 64, 24, 2, dtype="bf16", producers=4)
+forced(cfg, lambda: ptxforge.bf16_gemm_nt(a16, b16, d))
+
+groups, rows = 3, 512
+indices = torch.tensor([5] * 128 + [-1] * 128 + [1] * 100 + [2] * 28 + [-7] * 128,
+                       dtype=torch.int32, device="cuda")          # out of range, mis-aligned
+qa, sa = ptxforge.quantize_fp8_per_token(torch.randn(rows, k, device="cuda").bfloat16())
+qb = torch.randn(groups, n, k, device="cuda").to(torch.float8_e4m3fn)
+sb = torch.rand(groups, -(-n // 128), k // 128, device="cuda")
+d = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
+ptxforge.m_grouped_fp8_gemm_nt_contiguous((qa, sa), (qb, sb), d, indices)
+ptxforge.m_grouped_bf16_gemm_nt_contiguous(torch.randn(rows, k, device="cuda").bfloat16(),
+                                           torch.randn(groups, n, k, device="cuda").bfloat16(),
+                                           d, indices)
+torch.cuda.synchronize()
+print("ran contiguous fp8 and bf16 with bad m_indices", flush=True)
+
+m_max = 192
+a3, b3, masked_m, _ = masked_operands([500, -3, 100], m_max, n, k)  # past M_max, negative
+d3 = torch.empty(groups, m_max, n, device="cuda", dtype=torch.bfloat16)
+ptxforge.m_grouped_fp8_gemm_nt_masked(a3, b3, d3, masked_m, 128)
+ptxforge.m_grouped_bf16_gemm_nt_masked(torch.randn(groups, m_max, k, device="cuda").bfloat16(),
+                                       torch.randn(groups, n, k, device="cuda").bfloat16(),
+                                       d3, masked_m, 128)
+torch.cuda.synchronize()
+print("ran masked fp8 and bf16 with counts past M_max and negative", flush=True)
