@@ -36,13 +36,9 @@ def test_accumulates_into_c():
     assert calc_diff(c, expected) < 1e-3 and relative_error(c, expected) <= 2e-3
 
 
-def test_every_tile_width(monkeypatch, request):
+def test_every_tile_width(force_gemm_config):
     from ptxforge.kernels import sm90_fp8_gemm_1d2d as gemm
-    from ptxforge.ops import _common
-    from ptxforge.ops import gemm as gemm_ops
 
-    arch = _common.device_arch(torch.cuda.current_device())
-    request.addfinalizer(gemm_ops._plan.cache_clear)
     a, b, ref = operands(200, 1000, 640)
     failures = []
     # (block_m, block_n, multicast, CTAs an SM, producer warps): K = 640 is 10 K blocks.
@@ -51,12 +47,11 @@ def test_every_tile_width(monkeypatch, request):
             (128, 160, 1, 1, 2), (128, 128, 2, 1, 2), (64, 16, 1, 1, 4), (64, 24, 1, 1, 1),
             (64, 32, 1, 2, 2), (128, 192, 1, 1, 4)]:
         try:
-            cfg = gemm.make_config(arch, 1000, 640, block_m, block_n, ctas, multicast,
-                                   dtype="bf16", producers=warps)
+            cfg = gemm.make_config(force_gemm_config.arch, 1000, 640, block_m, block_n, ctas,
+                                   multicast, dtype="bf16", producers=warps)
         except ValueError:
             continue
-        monkeypatch.setattr(gemm_ops, "_config", lambda *args, cfg=cfg: cfg)
-        gemm_ops._plan.cache_clear()
+        force_gemm_config(cfg)
         d = torch.full((200, 1000), float("nan"), device="cuda", dtype=torch.bfloat16)
         ptxforge.bf16_gemm_nt(a, b, d)
         if torch.isnan(d).any() or not calc_diff(d, ref) < 1e-3:

@@ -101,15 +101,12 @@ def test_random_shapes():
     assert not failures, failures
 
 
-def test_every_tile_shape(monkeypatch, request):
+def test_every_tile_shape(force_gemm_config):
     """Each tile shape the heuristic may pick (straddling B-scale rows, every store-box
     width), forced on shapes whose edges cut the tiles, against the fp64 reference."""
     from ptxforge.kernels import sm90_fp8_gemm_1d2d as gemm
-    from ptxforge.ops import _common
-    from ptxforge.ops import gemm as gemm_ops
 
-    arch = _common.device_arch(torch.cuda.current_device())
-    request.addfinalizer(gemm_ops._plan.cache_clear)  # no forced plan outlives the test
+    arch = force_gemm_config.arch
     failures = []
     # (block_m, block_n, multicast, CTAs an SM, producer warps); K = 640 is 5 K blocks, so
     # the producer warps' turns carry over from one tile to the next.
@@ -123,8 +120,7 @@ def test_every_tile_shape(monkeypatch, request):
                                    producers=warps)
         except ValueError:
             continue  # does not fit the registers, or an odd tile count for multicast
-        monkeypatch.setattr(gemm_ops, "_config", lambda *args, cfg=cfg: cfg)
-        gemm_ops._plan.cache_clear()  # plans hold the config they were made with
+        force_gemm_config(cfg)
         for m in (1, 200, 700):
             d, ref, _, _ = run(m, 1000, 640)
             diff = calc_diff(d, ref)
@@ -169,19 +165,14 @@ def test_rejects_bad_accumulation_arguments():
         ptxforge.fp8_gemm_nt(a, b, big[:128 * 256].view(128, 256), c=big[256:].view(128, 256))
 
 
-def test_accumulates_with_every_store_box(monkeypatch, request):
+def test_accumulates_with_every_store_box(force_gemm_config):
     """The f32 epilogue's boxes of 128-, 64- and 32-byte rows (tile widths 32k, 16k, 8k)."""
     from ptxforge.kernels import sm90_fp8_gemm_1d2d as gemm
-    from ptxforge.ops import _common
-    from ptxforge.ops import gemm as gemm_ops
 
-    arch = _common.device_arch(torch.cuda.current_device())
-    request.addfinalizer(gemm_ops._plan.cache_clear)
     failures = []
     for block_m, block_n in [(64, 16), (64, 24), (64, 32), (128, 56), (128, 128), (128, 160)]:
-        cfg = gemm.make_config(arch, 1000, 640, block_m, block_n, accumulate=True)
-        monkeypatch.setattr(gemm_ops, "_config", lambda *args, cfg=cfg: cfg)
-        gemm_ops._plan.cache_clear()
+        force_gemm_config(gemm.make_config(force_gemm_config.arch, 1000, 640, block_m, block_n,
+                                           accumulate=True))
         a, b, ref = fp8_gemm_operands(200, 1000, 640)
         c = torch.randn(200, 1000, device="cuda", dtype=torch.float32)
         d = torch.full_like(c, float("nan"))

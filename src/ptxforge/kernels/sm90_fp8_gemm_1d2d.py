@@ -429,7 +429,8 @@ def _params(k, cfg):
     p.tmap_d = k.tensormap_param("tmap_d")
     if cfg.scaled:
         p.sb = k.param("sb", "u64")
-    p.m_tiles = k.param("m_tiles", "u32")
+    if not cfg.masked:   # the masked layout counts its tiles from masked_m
+        p.m_tiles = k.param("m_tiles", "u32")
     if cfg.scaled:
         p.sb_row_stride = k.param("sb_row_stride", "u32")
     if cfg.masked:
@@ -464,9 +465,10 @@ class _Tiles:
     def __init__(self, k, cfg, p):
         self.k, self.cfg = k, cfg
         self.n_groups = cfg.n_tiles // cfg.multicast
-        self.m_tiles, self.count = k.reg("u32", "m_tiles"), k.reg("u32", "tiles")
-        k.ld_param(self.m_tiles, p.m_tiles)
+        self.count = k.reg("u32", "tiles")
         if not cfg.masked:
+            self.m_tiles = k.reg("u32", "m_tiles")
+            k.ld_param(self.m_tiles, p.m_tiles)
             k.mul(self.count, self.m_tiles, self.n_groups, mode="lo")
         else:
             self.group, self._tiles_of = k.reg("u32", "moe_group"), k.reg("u32", "group_tiles")

@@ -85,30 +85,41 @@ def _scaled_a(a, device: int | None = None):
 
 
 def _launch(device: int, m: int, n: int, k: int, a_row, a_ptr, b_rows, b_row, b_ptr, d_ptr,
-            d_row, *, scales=None, accumulate=False, groups=0, extra=()):
+            d_row, *, scales=None, accumulate=False, groups=0, masked=None, extra=()):
     """Plan (cached), encode the tensor maps (cached) and launch. ``scales``: e4m3 operands'
-    (sa pointer, sb pointer, sb row stride in elements), or None for bf16 operands.
-    ``b_rows``: rows of B as one matrix (N, or groups x N); row strides in elements."""
+    (sa pointer, sa column stride in elements, sb pointer, sb row stride in elements), or
+    None for bf16 operands. ``b_rows``: rows of B as one matrix (N, or groups x N); row
+    strides in elements. ``masked``: the masked layout's (expected_m, and the group strides
+    of A, D and sa in elements): A, D and sa gain a third dimension, the group, and ``m``
+    is M_max."""
     dtype, element = ("e4m3", "float8_e4m3fn") if scales else ("bf16", "bfloat16")
     size = 1 if scales else 2
     cfg, launcher, grid, m_tiles = _plan(device, m, n, k, get_num_sms(device), accumulate, groups,
-                                         dtype=dtype)
-    tmap_a = encode_tiled(a_ptr, element, (k, m), (size * a_row,),
-                          (cfg.k_per_block, cfg.a_box_rows), swizzle=128)
+                                         masked is not None, masked[0] if masked else 0, dtype)
+    # The masked layout's group: a third dimension of A, D and sa, one group per box.
+    group_dim = (groups,) if masked else ()
+    one_group = (1,) if masked else ()
+    d_size = 4 if accumulate else 2
+    a_group, d_group = ((size * masked[1],), (d_size * masked[2],)) if masked else ((), ())
+    tmap_a = encode_tiled(a_ptr, element, (k, m) + group_dim, (size * a_row,) + a_group,
+                          (cfg.k_per_block, cfg.a_box_rows) + one_group, swizzle=128)
     tmap_b = encode_tiled(b_ptr, element, (k, b_rows), (size * b_row,),
                           (cfg.k_per_block, cfg.block_n), swizzle=128)
-    d_size = 4 if accumulate else 2
-    tmap_d = encode_tiled(d_ptr, "float32" if accumulate else "bfloat16", (n, m),
-                          (d_size * d_row,), (cfg.d_box_cols, 64), swizzle=cfg.d_swizzle)
+    tmap_d = encode_tiled(d_ptr, "float32" if accumulate else "bfloat16", (n, m) + group_dim,
+                          (d_size * d_row,) + d_group, (cfg.d_box_cols, 64) + one_group,
+                          swizzle=cfg.d_swizzle)
+    tiles = () if masked else (m_tiles,)   # the masked kernel counts its tiles on the GPU
     if scales is None:
-        launcher((grid, 1, 1), current_stream(device), (tmap_a, tmap_b, tmap_d, m_tiles) + extra)
+        launcher((grid, 1, 1), current_stream(device), (tmap_a, tmap_b, tmap_d) + tiles + extra)
         return
-    sa_ptr, sb_ptr, sb_row = scales
-    # The column stride TMA reads sa with; for a one-column sa it is never used but must be valid.
-    tmap_sa = encode_tiled(sa_ptr, "float32", (m, ceil_div(k, gemm_kernel.BLOCK_K)),
-                           (4 * get_tma_aligned_size(m, 4),), (cfg.block_m, 1))
+    sa_ptr, sa_column, sb_ptr, sb_row = scales
+    # sa is MN-major: a column of M scales per 128 of K (its stride unused by a one-column sa,
+    # but it must be valid).
+    sa_group = (4 * masked[3],) if masked else ()
+    tmap_sa = encode_tiled(sa_ptr, "float32", (m, ceil_div(k, gemm_kernel.BLOCK_K)) + group_dim,
+                           (4 * sa_column,) + sa_group, (cfg.block_m, 1) + one_group)
     launcher((grid, 1, 1), current_stream(device),
-             (tmap_a, tmap_b, tmap_sa, tmap_d, sb_ptr, m_tiles, sb_row) + extra)
+             (tmap_a, tmap_b, tmap_sa, tmap_d, sb_ptr) + tiles + (sb_row,) + extra)
 
 
 def _span(ptr: int, shape, strides, itemsize: int) -> tuple[int, int]:
@@ -153,7 +164,8 @@ def fp8_gemm_nt(a, b, d: torch.Tensor, c: torch.Tensor | None = None) -> None:
     if m == 0:
         return
     _launch(device, m, n, k, a_row, a_ptr, n, b_strides[0], b_ptr, d_ptr, d_row,
-            scales=(sa_ptr, sb_ptr, sb_strides[0]), accumulate=accumulate)
+            scales=(sa_ptr, get_tma_aligned_size(m, 4), sb_ptr, sb_strides[0]),
+            accumulate=accumulate)
 
 
 def bf16_gemm_nt(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor,
@@ -247,8 +259,8 @@ def _contiguous(device: int, m: int, k: int, a_row, a_ptr, sa_ptr, a_spans, grou
     if m == 0:
         return
     _launch(device, m, n, k, a_row, a_ptr, num_groups * n, b_row, b_ptr, d_ptr, d_strides[0],
-            scales=None if sa_ptr is None else (sa_ptr, sb_ptr, sb_row), groups=num_groups,
-            extra=(mi_ptr, m))
+            scales=None if sa_ptr is None else (sa_ptr, get_tma_aligned_size(m, 4), sb_ptr, sb_row),
+            groups=num_groups, extra=(mi_ptr, m))
 
 
 def m_grouped_fp8_gemm_nt_contiguous(a, b, d: torch.Tensor, m_indices: torch.Tensor) -> None:
@@ -343,26 +355,11 @@ def _masked(A, a_strides, a_ptr, device: int, sa, grouped_b, d, masked_m, expect
     require_disjoint("d", _span(d_ptr, d_shape, d_strides, 2), *spans)
     if m_max == 0:
         return
-    scaled = sa is not None
-    element, size = ("float8_e4m3fn", 1) if scaled else ("bfloat16", 2)
-    cfg, launcher, grid, m_tiles = _plan(device, m_max, n, k, get_num_sms(device),
-                                         groups=num_groups, masked=True,
-                                         expected_m=min(expected_m, m_max),
-                                         dtype="e4m3" if scaled else "bf16")
-    tmap_a = encode_tiled(a_ptr, element, (k, m_max, num_groups),
-                          (size * a_strides[1], size * a_strides[0]),
-                          (cfg.k_per_block, cfg.a_box_rows, 1), swizzle=128)
-    tmap_b = encode_tiled(b_ptr, element, (k, num_groups * n), (size * b_row,),
-                          (cfg.k_per_block, cfg.block_n), swizzle=128)
-    tmap_d = encode_tiled(d_ptr, "bfloat16", (n, m_max, num_groups),
-                          (2 * d_strides[1], 2 * d_strides[0]), (cfg.d_box_cols, 64, 1),
-                          swizzle=cfg.d_swizzle)
-    if not scaled:
-        launcher((grid, 1, 1), current_stream(device),
-                 (tmap_a, tmap_b, tmap_d, m_tiles, mm_ptr, m_max))
-        return
-    sa_strides = sa.stride()
-    tmap_sa = encode_tiled(sa.data_ptr(), "float32", (m_max, sa.shape[2], num_groups),
-                           (4 * sa_strides[2], 4 * sa_strides[0]), (cfg.block_m, 1, 1))
-    launcher((grid, 1, 1), current_stream(device),
-             (tmap_a, tmap_b, tmap_sa, tmap_d, sb_ptr, m_tiles, sb_row, mm_ptr, m_max))
+    scales = sa_group = None
+    if sa is not None:
+        sa_strides = sa.stride()
+        scales, sa_group = (sa.data_ptr(), sa_strides[2], sb_ptr, sb_row), sa_strides[0]
+    _launch(device, m_max, n, k, a_strides[1], a_ptr, num_groups * n, b_row, b_ptr, d_ptr,
+            d_strides[1], scales=scales, groups=num_groups,
+            masked=(min(expected_m, m_max), a_strides[0], d_strides[0], sa_group),
+            extra=(mm_ptr, m_max))
