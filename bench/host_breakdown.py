@@ -27,6 +27,16 @@ stream = _common.current_stream(0)
 device = x.device
 ga, gb = ptxforge.quantize_fp8_per_token(x), ptxforge.quantize_fp8_per_block(torch.randn((256, 1024), device="cuda").to(torch.bfloat16))
 gd = torch.empty((4, 256), dtype=torch.bfloat16, device="cuda")
+# MoE: 2 groups of 128 rows (contiguous), 2 x 64 of 128 rows (masked); bf16 dense.
+gq = ptxforge.quantize_fp8_per_token(torch.randn((256, 1024), device="cuda").to(torch.bfloat16))
+gbb = torch.randn((2, 256, 1024), device="cuda").to(torch.bfloat16)
+gB = (gbb.to(torch.float8_e4m3fn), torch.ones((2, 2, 8), device="cuda"))
+m_indices = torch.arange(256, device="cuda", dtype=torch.int32) // 128
+gcd = torch.empty((256, 256), dtype=torch.bfloat16, device="cuda")
+mq = (gq[0].view(2, 128, 1024), gq[1].view(2, 128, 8))
+masked_m = torch.tensor([64, 64], device="cuda", dtype=torch.int32)
+gmd = torch.empty((2, 128, 256), dtype=torch.bfloat16, device="cuda")
+xb, wb = torch.randn((4, 1024), device="cuda").to(torch.bfloat16), gbb[0]
 
 steps = {
     "x.data_ptr()": lambda: x.data_ptr(),
@@ -44,6 +54,11 @@ steps = {
     "ptxforge.quantize_fp8_per_token(out=) [launches]": lambda: ptxforge.quantize_fp8_per_token(x, out=(q, s)),
     "ptxforge.quantize_fp8_per_token [launches]": lambda: ptxforge.quantize_fp8_per_token(x),
     "ptxforge.fp8_gemm_nt [4x256x1024, launches]": lambda: ptxforge.fp8_gemm_nt(ga, gb, gd),
+    "ptxforge.bf16_gemm_nt [4x256x1024, launches]": lambda: ptxforge.bf16_gemm_nt(xb, wb, gd),
+    "m_grouped_fp8_gemm_nt_contiguous [2x128, launches]":
+        lambda: ptxforge.m_grouped_fp8_gemm_nt_contiguous(gq, gB, gcd, m_indices),
+    "m_grouped_fp8_gemm_nt_masked [2x64/128, launches]":
+        lambda: ptxforge.m_grouped_fp8_gemm_nt_masked(mq, gB, gmd, masked_m, 64),
     "torch F.rms_norm [launches]": lambda: torch.nn.functional.rms_norm(x, (1024,), w, 1e-6),
     "torch x.add_(0) [launches]": lambda: x.add_(0),
 }

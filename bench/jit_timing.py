@@ -28,7 +28,12 @@ for name in ("nvjitlink", "ptxas", "driver"):
                                ("rms_norm_quantize_fp8", {"hidden": 7168}),
                                ("quantize_fp8_per_block", {}),
                                ("fp8_gemm_nt", {"m": 4096, "n": 7168, "k": 16384}),
-                               ("fp8_gemm_nt", {"m": 64, "n": 2112, "k": 7168})):
+                               ("fp8_gemm_nt", {"m": 64, "n": 2112, "k": 7168}),
+                               ("m_grouped_fp8_gemm_nt_contiguous",
+                                {"groups": 4, "m": 32768, "n": 4096, "k": 7168}),
+                               ("m_grouped_fp8_gemm_nt_masked",
+                                {"groups": 4, "expected_m": 256, "n": 7168, "k": 2048}),
+                               ("bf16_gemm_nt", {"m": 4096, "n": 7168, "k": 16384})):
         spec = kernels.get(spec_name)
         samples = []
         for sample in range(3):  # median of three cold builds
@@ -54,5 +59,5 @@ for r in rows:
     if "error" in r:
         print(f"{r['assembler']:<16} unavailable: {r['error']}")
     else:
-        print(f"{r['assembler']:<16} {r['kernel']:<42} gen {r['generate_ms']:6.1f} ms  asm "
+        print(f"{r['assembler']:<16} {r['kernel']:<62} gen {r['generate_ms']:6.1f} ms  asm "
               f"{r['assemble_ms']:6.1f} ms  load {r['load_ms']:5.1f} ms  total {r['total_ms']:6.1f} ms")

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import ops, reference
+from . import kernels, ops, reference
 from .checks import calc_diff
 
 
@@ -145,8 +145,7 @@ def memory_table(result: dict) -> str:
 
 
 # DeepGEMM's dense benchmark table (M, N, K).
-GEMM_SHAPES = [(m, n, k) for m in (64, 128, 4096) for n, k in
-               ((2112, 7168), (24576, 1536), (32768, 512), (7168, 16384), (4096, 7168), (7168, 2048))]
+GEMM_SHAPES = [(m, n, k) for m in (64, 128, 4096) for n, k in kernels.GEMM_SHAPES]
 
 
 def _torch_blockwise(qa, sa, qb, sb):
@@ -213,12 +212,11 @@ def gemm_table(result: dict) -> str:
 
 
 # DeepGEMM's contiguous MoE rows: (groups, expected rows per group, N, K).
-GROUPED_CONTIGUOUS = [(4, 8192, 4096, 7168), (4, 8192, 7168, 2048),
-                      (8, 4096, 4096, 7168), (8, 4096, 7168, 2048)]
-# DeepGEMM's masked rows: (groups, valid rows per group, M_max, N, K).
-GROUPED_MASKED = [(1, 1024, 4096, 4096, 7168), (1, 1024, 4096, 7168, 2048),
-                  (2, 512, 1024, 4096, 7168), (2, 512, 1024, 7168, 2048),
-                  (4, 256, 512, 4096, 7168), (4, 256, 512, 7168, 2048)]
+GROUPED_CONTIGUOUS = list(kernels.CONTIGUOUS_SHAPES)
+# DeepGEMM's masked rows: (groups, valid rows per group, M_max, N, K); M_max is 4096 for
+# one group and twice the valid rows otherwise, as in the anchors.
+GROUPED_MASKED = [(g, rows, 4096 if g == 1 else 2 * rows, n, k)
+                  for g, rows, n, k in kernels.MASKED_SHAPES]
 
 
 def _padded_rows(sizes) -> list[int]:

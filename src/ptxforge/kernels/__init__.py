@@ -37,6 +37,25 @@ def _row(normalize: bool, quantize: bool):
 _ROW_VARIANTS = tuple({"hidden": h} for h in HIDDEN_SIZES)
 # (N, K) of DeepGEMM's dense benchmark table.
 GEMM_SHAPES = ((2112, 7168), (24576, 1536), (32768, 512), (7168, 16384), (4096, 7168), (7168, 2048))
+# DeepGEMM's MoE rows: (groups, rows per group, N, K).
+CONTIGUOUS_SHAPES = ((4, 8192, 4096, 7168), (4, 8192, 7168, 2048), (8, 4096, 4096, 7168),
+                  (8, 4096, 7168, 2048))
+MASKED_SHAPES = ((1, 1024, 4096, 7168), (1, 1024, 7168, 2048), (2, 512, 4096, 7168),
+                 (2, 512, 7168, 2048), (4, 256, 4096, 7168), (4, 256, 7168, 2048))
+
+
+def _gemm(dtype: str = "e4m3", masked: bool = False):
+    """The GEMM's configure: dense (m), contiguous (groups, m: all rows) or masked (groups,
+    expected_m: rows a group)."""
+    def configure(arch, m=4096, n=7168, k=2048, groups=0, expected_m=0):
+        if masked:
+            m = int(groups) * int(expected_m)
+        return sm90_fp8_gemm_1d2d.choose_config(arch, int(m), int(n), int(k), groups=int(groups),
+                                                masked=masked, dtype=dtype)
+    return configure
+
+
+_DENSE_VARIANTS = tuple({"m": m, "n": n, "k": k} for m in (64, 4096) for n, k in GEMM_SHAPES)
 
 REGISTRY = {
     spec.name: spec for spec in (
@@ -48,10 +67,18 @@ REGISTRY = {
                    _ROW_VARIANTS, "fused RMSNorm + 1x128 FP8 quantization (option: hidden)"),
         KernelSpec("quantize_fp8_per_block", bf16_block_quant_fp8.choose_config,
                    bf16_block_quant_fp8.generate, ({},), "bf16 -> e4m3 + 128x128 scales"),
-        KernelSpec("fp8_gemm_nt", lambda arch, m=4096, n=7168, k=2048: sm90_fp8_gemm_1d2d.choose_config(
-                       arch, int(m), int(n), int(k)), sm90_fp8_gemm_1d2d.generate,
-                   tuple({"m": m, "n": n, "k": k} for m in (64, 4096) for n, k in GEMM_SHAPES),
+        KernelSpec("fp8_gemm_nt", _gemm(), sm90_fp8_gemm_1d2d.generate, _DENSE_VARIANTS,
                    "FP8 GEMM, 1x128 x 128x128 scaling (options: m, n, k)"),
+        KernelSpec("bf16_gemm_nt", _gemm("bf16"), sm90_fp8_gemm_1d2d.generate, _DENSE_VARIANTS,
+                   "BF16 GEMM (options: m, n, k)"),
+        KernelSpec("m_grouped_fp8_gemm_nt_contiguous", _gemm(), sm90_fp8_gemm_1d2d.generate,
+                   tuple({"groups": g, "m": g * rows, "n": n, "k": k}
+                         for g, rows, n, k in CONTIGUOUS_SHAPES),
+                   "MoE FP8 GEMM, contiguous layout (options: groups, m, n, k)"),
+        KernelSpec("m_grouped_fp8_gemm_nt_masked", _gemm(masked=True), sm90_fp8_gemm_1d2d.generate,
+                   tuple({"groups": g, "expected_m": rows, "n": n, "k": k}
+                         for g, rows, n, k in MASKED_SHAPES),
+                   "MoE FP8 GEMM, masked layout (options: groups, expected_m, n, k)"),
     )
 }
 
