@@ -39,7 +39,7 @@ def alternatives(m, n, k, dtype, groups=0, masked=False, producers=(1,)):
         shapes = ({(64, bn, ctas) for bn in widths for ctas in (1, 2)}
                   | {(128, bn, 1) for bn in (64, 128)})
     else:
-        wide = (64, 128, 192, 256) if dtype == "bf16" else (64, 96, 112, 128, 144, 160, 192)
+        wide = (64, 128, 176, 192, 240, 256) if dtype == "bf16" else (64, 96, 112, 128, 144, 160, 192)
         shapes = {(128, bn, 1) for bn in wide} | {(64, 128, 1), (64, 128, 2)}
     for block_m, block_n, ctas in sorted(shapes):
         for multicast in (1, 2):

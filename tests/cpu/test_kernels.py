@@ -97,6 +97,8 @@ def test_gemm_tile_widths_cover_at_most_two_scale_rows():
     candidates = gemm.block_n_candidates(arch.get("sm_90a"))
     assert {16, 56, 112, 128, 136, 144, 160, 192, 256} <= set(candidates)
     assert not {8, 152, 168, 176} & set(candidates)
+    # bf16 has no scales: every width wgmma takes.
+    assert {152, 168, 176, 240} <= set(gemm.block_n_candidates(arch.get("sm_90a"), scaled=False))
     for bn in candidates:  # every tile start j * bn, as far as the pattern repeats
         assert all((j * bn) % 128 + bn <= 256 for j in range(128))
 

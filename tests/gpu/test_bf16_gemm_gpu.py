@@ -45,7 +45,7 @@ def test_every_tile_width(force_gemm_config):
     for block_m, block_n, multicast, ctas, warps in [
             (64, 16, 1, 1, 2), (64, 24, 1, 1, 2), (128, 128, 1, 1, 2), (128, 256, 1, 1, 2),
             (128, 160, 1, 1, 2), (128, 128, 2, 1, 2), (64, 16, 1, 1, 4), (64, 24, 1, 1, 1),
-            (64, 32, 1, 2, 2), (128, 192, 1, 1, 4)]:
+            (64, 32, 1, 2, 2), (128, 192, 1, 1, 4), (128, 176, 1, 1, 2), (128, 240, 1, 1, 2)]:
         try:
             cfg = gemm.make_config(force_gemm_config.arch, 1000, 640, block_m, block_n, ctas,
                                    multicast, dtype="bf16", producers=warps)

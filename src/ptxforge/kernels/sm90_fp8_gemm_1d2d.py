@@ -219,13 +219,14 @@ MAX_PROMOTION_VARIANTS = 4
 MATH_REGISTERS_BESIDES_ACCUMULATORS = 40
 
 
-def block_n_candidates(arch: Arch, max_block_n: int = 256) -> tuple[int, ...]:
-    """Tile widths: wgmma's n steps (multiples of 8) from 16 up, such that a tile starting
-    at any multiple of itself covers at most two 128-column blocks of B scales."""
+def block_n_candidates(arch: Arch, max_block_n: int = 256, scaled: bool = True) -> tuple[int, ...]:
+    """Tile widths: wgmma's n steps (multiples of 8) from 16 up; with ``scaled`` (e4m3) only
+    those whose tiles, starting at any multiple of the width, cover at most two 128-column
+    blocks of B scales."""
     mma = arch.mma
     return tuple(bn for bn in range(max(16, mma["n_min"]), min(mma["n_max"], max_block_n) + 1,
                                     mma["n_step"])
-                 if bn <= BLOCK_K + math.gcd(bn, BLOCK_K))
+                 if not scaled or bn <= BLOCK_K + math.gcd(bn, BLOCK_K))
 
 
 def _require_problem(arch: Arch, n: int, k: int) -> None:
@@ -252,9 +253,10 @@ def make_config(arch: Arch, n: int, k: int, block_m: int, block_n: int,
     with ``accumulate``). ``dtype`` "bf16": bf16 A and B, no scales, K blocks of 64.
     ``producers``: warps issuing the loads (1, 2 or 4), each every producers-th K block."""
     _require_problem(arch, n, k)
-    if block_m not in (64, 128) or block_n not in block_n_candidates(arch):
-        raise ValueError(f"no FP8 GEMM tile {block_m} x {block_n}: block_m is 64 or 128, "
-                         f"block_n one of {block_n_candidates(arch)}")
+    widths = block_n_candidates(arch, scaled=dtype == "e4m3")
+    if block_m not in (64, 128) or block_n not in widths:
+        raise ValueError(f"no {dtype} GEMM tile {block_m} x {block_n}: block_m is 64 or 128, "
+                         f"block_n one of {widths}")
     if multicast not in (1, 2) or -(-n // block_n) % multicast:
         raise ValueError(f"multicast {multicast} needs 1 or 2 and a tile count along N "
                          f"({-(-n // block_n)}) it divides")
@@ -306,23 +308,25 @@ def make_config(arch: Arch, n: int, k: int, block_m: int, block_n: int,
 
 # The tile-choice model, fitted to `bench/gemm_sweep.py` on an H200 (docs/performance.md).
 # A K block of one tile costs the longest of: one math warpgroup's dependent chain (wait
-# for the stage, wgmma, wait, promote: what bounds the small tiles), the MMA plus the
-# promotion of every math warpgroup (what bounds 128-row tiles: measured, the tensor cores
-# idle while the warpgroups promote; two part buffers hide it), and the tile's operand
-# bytes at what one SM takes in from L2. Each wgmma instruction costs a fixed time beyond its MMA (what makes narrow
-# tiles slow in bf16, where nothing else hides it). A tile straddling two B-scale rows
-# pays for its scale choice; each tile adds the pipeline fill and the epilogue. CTAs
-# sharing an SM share its tensor cores and L2 bandwidth but run their chains side by side.
-# Refitted in session 4 to the FP8, BF16, masked and contiguous sweeps together (46
+# for the stage, wgmma, wait, promote: what bounds the small tiles); the MMA plus the
+# promotion of every math warpgroup (measured, the tensor cores idle while the warpgroups
+# promote; two part buffers hide it), with a fixed cost per wgmma instruction (what makes
+# narrow tiles slow in bf16, where nothing else hides it); the tile's operand bytes at what
+# one SM takes in from L2; and the shared-memory bytes the stage's TMA writes and the
+# wgmma reads (why 64-row tiles lose at large M: each reads all of B per 64 rows). A tile
+# straddling two B-scale rows pays for its scale choice; each tile adds the pipeline fill
+# and the epilogue. CTAs sharing an SM share its throughputs but run their chains side by
+# side. Refitted in session 4 to the FP8, BF16, masked and contiguous sweeps together (46
 # problems, two producer warps): the model's choice is on average within 1.1% of the best
 # measured tile, at worst 9% (fp8 128x32768x512).
-CHAIN_CLOCKS = 200
-PROMOTE_CLOCKS_PER_COLUMN = 0.2    # per math warpgroup
+CHAIN_CLOCKS = 150
+PROMOTE_CLOCKS_PER_COLUMN = 0.1    # per math warpgroup
 WGMMA_CLOCKS = 30                  # per wgmma instruction of a math warpgroup
 L2_BYTES_PER_CLOCK_PER_SM = 70
 STRADDLE_CLOCKS = 100
 TILE_CLOCKS = 3000
 MMA_FLOPS_PER_CLOCK = 8192
+SHARED_BYTES_PER_CLOCK = 128       # an SM's shared memory, TMA writes and wgmma reads together
 WGMMAS_PER_K_BLOCK = 4             # K = 128 e4m3 in steps of 32, or 64 bf16 in steps of 16
 
 
@@ -336,8 +340,12 @@ def estimate_clocks(cfg: Fp8GemmConfig, m: int, sms: int) -> float:
     promote = (PROMOTE_CLOCKS_PER_COLUMN * cfg.block_n * cfg.math_warpgroups
                * (cfg.scaled and cfg.part_buffers == 1))
     load = (cfg.a_box_rows + cfg.block_n) * ROW_BYTES / L2_BYTES_PER_CLOCK_PER_SM
+    # Shared memory: the stage lands once (A and B rows) and each math warpgroup's wgmma
+    # reads its 64 rows of A and all of B.
+    smem = ((cfg.block_m + cfg.block_n + cfg.math_warpgroups * (64 + cfg.block_n)) * ROW_BYTES
+            / SHARED_BYTES_PER_CLOCK)
     shared = cfg.ctas_per_sm
-    k_block = (max(CHAIN_CLOCKS, shared * (mma + promote), shared * load)
+    k_block = (max(CHAIN_CLOCKS, shared * (mma + promote), shared * load, shared * smem)
                + STRADDLE_CLOCKS * cfg.straddles)
     tiles = -(-m // cfg.block_m) * cfg.n_tiles
     waves = -(-tiles // (sms * cfg.ctas_per_sm))
@@ -360,7 +368,7 @@ def choose_config(arch: Arch, m: int, n: int, k: int, sms: int | None = None,
     for block_m in (64,) if m <= 64 else (64, 128):
         # Two CTAs an SM: two K-loop chains overlap (what small tiles are bound by).
         for ctas_per_sm in (1, 2) if block_m == 64 else (1,):
-            for block_n in block_n_candidates(arch):
+            for block_n in block_n_candidates(arch, scaled=dtype == "e4m3"):
                 for multicast in multicasts:
                     try:
                         cfg = make_config(arch, n, k, block_m, block_n, ctas_per_sm, multicast,
