@@ -16,7 +16,7 @@ import sys
 import torch
 
 from ptxforge import ops
-from ptxforge.bench import Timer
+from ptxforge.bench import Timer, forced_gemm_config
 from ptxforge.checks import calc_diff, fp8_gemm_operands
 from ptxforge.kernels import sm90_fp8_gemm_1d2d as gemm
 from ptxforge.ops import _common
@@ -57,15 +57,12 @@ m, n, k = (int(x) for x in sys.argv[1:4])
 configs = [tuple(int(x) for x in sys.argv[i:i + 3]) for i in range(4, len(sys.argv), 3)]
 (qa, sa), (qb, sb), ref = fp8_gemm_operands(m, n, k)
 flops = 2 * m * n * k
-chosen_config = gemm_ops._config
 for block_m, block_n, multicast in configs:
     cfg = gemm.make_config(arch, n, k, block_m, block_n, multicast=multicast)
-    gemm_ops._config = lambda *args: cfg
     line = []
     for variant, context in VARIANTS.items():
-        gemm_ops._launcher.cache_clear()
-        gemm_ops._plan.cache_clear()
-        with context():
+        gemm_ops._launcher.cache_clear()   # each variant generates the kernel anew
+        with forced_gemm_config(cfg), context():
             d = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
             ops.fp8_gemm_nt((qa, sa), (qb, sb), d)
             check = f" diff {calc_diff(d, ref):.1e}" if variant == "full" else ""
@@ -73,4 +70,3 @@ for block_m, block_n, multicast in configs:
         line.append(f"{variant} {ms * 1e3:7.1f} us {flops / ms / 1e9:5.0f} TF{check}")
     print(f"{m}x{n}x{k} {block_m}x{block_n} mc{multicast} s{cfg.stages}: " + " | ".join(line),
           flush=True)
-gemm_ops._config = chosen_config

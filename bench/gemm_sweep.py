@@ -13,13 +13,13 @@ GEMMs (up to 6% slower), which would otherwise favour whatever runs first.
 
 import argparse
 import json
-import random
 
 import torch
 
 from ptxforge import ops
-from ptxforge.bench import (GEMM_SHAPES, GROUPED_CONTIGUOUS, GROUPED_MASKED, Timer, _bf16_pair,
-                            _torch_blockwise, _torch_grouped, grouped_operands, masked_operands)
+from ptxforge.bench import (GEMM_SHAPES, GROUPED_MASKED, Timer, _bf16_pair, _torch_blockwise,
+                            _torch_grouped, contiguous_problems, forced_gemm_config,
+                            grouped_operands, masked_operands)
 from ptxforge.checks import calc_diff, fp8_gemm_operands
 from ptxforge.kernels import sm90_fp8_gemm_1d2d as gemm
 from ptxforge.ops import _common
@@ -28,7 +28,6 @@ from ptxforge.ops import gemm as gemm_ops
 arch = _common.device_arch(0)
 sms = arch.sm_count
 timer = Timer()
-chosen_config = gemm_ops._config
 
 
 def alternatives(m, n, k, dtype, groups=0, masked=False, producers=(1,)):
@@ -69,9 +68,7 @@ def problems(suite):
             yield (f"{m}x{n}x{k}", m, (m, n, k, 0, False, "e4m3" if suite == "fp8" else "bf16"),
                    call, lambda d=d: d, ref, peer, 2 * m * n * k)
     elif suite == "contiguous":
-        rng = random.Random(0)   # the sizes bench grouped-gemm draws
-        for groups, expected, n, k in GROUPED_CONTIGUOUS:
-            sizes = [int(expected * rng.uniform(0.7, 1.3)) for _ in range(groups)]
+        for groups, expected, n, k, sizes in contiguous_problems():   # bench grouped-gemm's
             a, b, m_indices, ref = grouped_operands(sizes, n, k)
             m = a[0].shape[0]
             d = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
@@ -95,19 +92,18 @@ def sweep(suite, producers):
     rows = []
     for label, model_m, (m, n, k, groups, masked, dtype), call, valid, ref, peer, flops in problems(suite):
         peer_tflops = flops / timer(peer) / 1e9 if peer else None
-        choice = chosen_config(0, m, n, k, sms, False, groups, masked, dtype)
+        choice = gemm_ops._config(0, m, n, k, sms, False, groups, masked, dtype)
         configs = [choice] + [c for c in alternatives(m, n, k, dtype, groups, masked, producers)
                               if c != choice]
         results = {}
         for order in (configs, configs[::-1]):   # two passes, the second reversed
             for cfg in order:
-                gemm_ops._config = lambda *args, cfg=cfg: cfg
-                gemm_ops._plan.cache_clear()
-                valid().fill_(float("nan"))
-                call()
-                diff = calc_diff(valid(), ref)
-                ok = diff < 1e-3 and not torch.isnan(valid()).any()
-                ms = min(timer(call), results[cfg]["ms"] if cfg in results else float("inf"))
+                with forced_gemm_config(cfg):
+                    valid().fill_(float("nan"))
+                    call()
+                    diff = calc_diff(valid(), ref)
+                    ok = diff < 1e-3 and not torch.isnan(valid()).any()
+                    ms = min(timer(call), results[cfg]["ms"] if cfg in results else float("inf"))
                 results[cfg] = {
                     "block_m": cfg.block_m, "block_n": cfg.block_n, "stages": cfg.stages,
                     "ctas_per_sm": cfg.ctas_per_sm, "producers": cfg.producers,
@@ -116,8 +112,6 @@ def sweep(suite, producers):
                     "ok": bool(ok) and results.get(cfg, {}).get("ok", True),
                     "model_clocks": gemm.estimate_clocks(cfg, model_m, sms)}
         results = [results[cfg] for cfg in configs]
-        gemm_ops._config = chosen_config
-        gemm_ops._plan.cache_clear()
         best = max((r for r in results if r["ok"]), key=lambda r: r["tflops"], default=results[0])
         rows.append({"problem": label, "model_m": model_m, "n": n, "k": k, "peer_tflops": peer_tflops,
                      "chosen": results[0], "best": best, "all": results})

@@ -11,23 +11,18 @@ CTA-per-SM variants. Prints one line per call; sanitizer findings follow its own
 import torch
 
 import ptxforge
-from ptxforge.bench import masked_operands
+from ptxforge.bench import forced_gemm_config, masked_operands
 from ptxforge.checks import fp8_gemm_operands
 from ptxforge.kernels import sm90_fp8_gemm_1d2d as gemm
 from ptxforge.ops import _common
-from ptxforge.ops import gemm as gemm_ops
 
 arch = _common.device_arch(0)
-chosen = gemm_ops._config
 
 
 def forced(cfg, call):
-    gemm_ops._config = lambda *args: cfg
-    gemm_ops._plan.cache_clear()
-    call()
-    gemm_ops._config = chosen
-    gemm_ops._plan.cache_clear()
-    torch.cuda.synchronize()
+    with forced_gemm_config(cfg):
+        call()
+        torch.cuda.synchronize()
     print("ran", cfg.name, flush=True)
 
 

@@ -8,6 +8,7 @@ device-to-device copy ceiling in the same run and state every bandwidth against 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import random
 import statistics
@@ -219,6 +220,30 @@ GROUPED_MASKED = [(g, rows, 4096 if g == 1 else 2 * rows, n, k)
                   for g, rows, n, k in kernels.MASKED_SHAPES]
 
 
+def contiguous_problems(seed: int = 0):
+    """DeepGEMM's contiguous rows with their group sizes drawn 0.7-1.3x the expected size:
+    ``(groups, expected, N, K, sizes)``, the same draw for a given seed."""
+    rng = random.Random(seed)
+    for groups, expected, n, k in GROUPED_CONTIGUOUS:
+        yield groups, expected, n, k, [int(expected * rng.uniform(0.7, 1.3)) for _ in range(groups)]
+
+
+@contextlib.contextmanager
+def forced_gemm_config(cfg):
+    """Inside, every GEMM op call plans with ``cfg`` (a forced tile, for sweeps, experiments
+    and tests) instead of the model's choice; the choice comes back on exit."""
+    from .ops import gemm as gemm_ops
+
+    chosen = gemm_ops._config
+    gemm_ops._config = lambda *args: cfg
+    gemm_ops._plan.cache_clear()  # plans hold the config they were made with
+    try:
+        yield
+    finally:
+        gemm_ops._config = chosen
+        gemm_ops._plan.cache_clear()
+
+
 def _padded_rows(sizes) -> list[int]:
     """Each group's rows in the contiguous layout: its size rounded up to the alignment."""
     align = ops.get_mk_alignment_for_contiguous_layout()
@@ -292,10 +317,8 @@ def grouped_gemm_suite(timer: Timer | None = None, seed: int = 0) -> dict:
     the expected size; beside torch._scaled_grouped_mm where it runs) and masked rows
     (TFLOPS over the valid rows)."""
     timer = timer or Timer()
-    rng = random.Random(seed)
     rows = []
-    for groups, expected, n, k in GROUPED_CONTIGUOUS:
-        sizes = [int(expected * rng.uniform(0.7, 1.3)) for _ in range(groups)]
+    for groups, expected, n, k, sizes in contiguous_problems(seed):
         a, b, m_indices, ref = grouped_operands(sizes, n, k)
         d = torch.full((a[0].shape[0], n), float("nan"), device="cuda", dtype=torch.bfloat16)
         ops.m_grouped_fp8_gemm_nt_contiguous(a, b, d, m_indices)

@@ -1,19 +1,21 @@
+import contextlib
+
 import pytest
 
 
 @pytest.fixture
-def force_gemm_config(monkeypatch):
-    """``force(cfg)``: every GEMM op call plans with ``cfg`` (a forced tile) until the test
-    ends; returns the device's arch description, for make_config."""
+def force_gemm_config():
+    """``force(cfg)``: every GEMM op call plans with ``cfg`` (a forced tile) until the next
+    force or the end of the test; ``force.arch`` is the device's description, for
+    make_config."""
     import torch
 
+    from ptxforge.bench import forced_gemm_config
     from ptxforge.ops import _common
-    from ptxforge.ops import gemm as gemm_ops
 
-    def force(cfg):
-        monkeypatch.setattr(gemm_ops, "_config", lambda *args: cfg)
-        gemm_ops._plan.cache_clear()  # plans hold the config they were made with
+    with contextlib.ExitStack() as stack:
+        def force(cfg):
+            stack.enter_context(forced_gemm_config(cfg))
 
-    force.arch = _common.device_arch(torch.cuda.current_device())
-    yield force
-    gemm_ops._plan.cache_clear()  # no forced plan outlives the test
+        force.arch = _common.device_arch(torch.cuda.current_device())
+        yield force

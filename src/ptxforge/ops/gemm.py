@@ -350,15 +350,14 @@ def _masked(A, a_strides, a_ptr, device: int, sa, grouped_b, d, masked_m, expect
     if (d_strides[0] * 2) % 16:
         raise ValueError(f"d's group stride must be a multiple of 16 bytes, got {d_strides[0]}")
     spans = [_span(a_ptr, A.shape, a_strides, A.itemsize), (mm_ptr, 4 * num_groups), *b_spans]
+    scales = sa_group = None
     if sa is not None:
-        spans.append(_span(sa.data_ptr(), sa.shape, sa.stride(), 4))
+        sa_ptr, sa_strides = sa.data_ptr(), sa.stride()
+        spans.append(_span(sa_ptr, sa.shape, sa_strides, 4))
+        scales, sa_group = (sa_ptr, sa_strides[2], sb_ptr, sb_row), sa_strides[0]
     require_disjoint("d", _span(d_ptr, d_shape, d_strides, 2), *spans)
     if m_max == 0:
         return
-    scales = sa_group = None
-    if sa is not None:
-        sa_strides = sa.stride()
-        scales, sa_group = (sa.data_ptr(), sa_strides[2], sb_ptr, sb_row), sa_strides[0]
     _launch(device, m_max, n, k, a_strides[1], a_ptr, num_groups * n, b_row, b_ptr, d_ptr,
             d_strides[1], scales=scales, groups=num_groups,
             masked=(min(expected_m, m_max), a_strides[0], d_strides[0], sa_group),
