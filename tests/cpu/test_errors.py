@@ -80,6 +80,41 @@ def test_wgmma_with_wrong_accumulator_count():
     assert k.instruction_count == 0
 
 
+def _immediate_kernel():
+    k = KernelBuilder("k")
+    return k, k.reg("u32", "r"), k.reg("u64", "rd"), k.reg("f32", "f")
+
+
+@pytest.mark.parametrize("emit, message", [
+    (lambda k, r, rd, f: k.add(r, r, 2**32 + 5), "add.u32: immediate 4294967301 does not fit .u32"),
+    (lambda k, r, rd, f: k.mov(r, -2**31 - 1), "mov.u32: immediate -2147483649 does not fit .u32"),
+    (lambda k, r, rd, f: k.setp("lt", k.pred(), r, 1 << 40),
+     "setp.lt.u32: immediate 1099511627776 does not fit .u32"),
+    (lambda k, r, rd, f: k.and_(rd, rd, 1 << 64),
+     "and.b64: immediate 18446744073709551616 does not fit .b64"),
+    (lambda k, r, rd, f: k.mul(f, f, 1e39), "mul.f32: immediate 1e+39 overflows .f32"),
+    (lambda k, r, rd, f: k.mov(f, -3.5e38), "mov.f32: immediate -3.5e+38 overflows .f32"),
+])
+def test_an_immediate_the_instruction_type_cannot_hold(emit, message):
+    k, r, rd, f = _immediate_kernel()
+    with pytest.raises(ValueError) as info:
+        emit(k, r, rd, f)
+    assert str(info.value) == message
+    assert k.instruction_count == 0
+
+
+def test_immediates_at_the_edges_of_their_types():
+    k, r, rd, f = _immediate_kernel()
+    k.add(r, r, 2**32 - 1)
+    k.add(r, r, -2**31)
+    k.add(rd, rd, 2**64 - 1)
+    k.mov(f, 3.4028234663852886e38)  # the largest finite f32
+    k.mov(f, float("inf"))
+    assert [line.strip() for line in k.ptx().splitlines() if line.strip().startswith(("add", "mov"))] == [
+        "add.u32 %r, %r, 4294967295;", "add.u32 %r, %r, -2147483648;",
+        "add.u64 %rd, %rd, 18446744073709551615;", "mov.f32 %f, 0f7F7FFFFF;", "mov.f32 %f, 0f7F800000;"]
+
+
 def test_kernel_name_must_be_an_identifier():
     with pytest.raises(ValueError, match="'bad name'"):
         KernelBuilder("bad name")

@@ -188,7 +188,10 @@ class KernelBuilder(ArithmeticOps, MemoryOps, SyncOps, WarpOps, TensorOps):
         """Emit one instruction: ``[@guard] opcode op0, op1, ...;``."""
         text = opcode
         if operands:
-            text += " " + ", ".join(format_operand(o, imm_type) for o in operands)
+            try:
+                text += " " + ", ".join(format_operand(o, imm_type) for o in operands)
+            except ValueError as exc:  # an immediate the instruction's type cannot hold
+                raise ValueError(f"{opcode}: {exc}") from None
         if self._guard is not None:
             text = f"@{self._guard} {text}"
         self._body.append("\t" * self._indent + text + ";")

@@ -3,6 +3,8 @@
 Operands know how to print themselves; instructions never build operand text by hand.
 Floating-point immediates are printed in PTX's exact hex form (``0f3F800000``) so that
 a constant in a kernel is the bit pattern the Python value has, with no decimal rounding.
+An immediate that its instruction's type cannot hold is refused, since ptxas would
+silently truncate it.
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ from dataclasses import dataclass
 REG_TYPES = frozenset(
     "pred b8 b16 b32 b64 u8 u16 u32 u64 s8 s16 s32 s64 f16 f16x2 bf16 bf16x2 f32 f64".split()
 )
+
+
+INTEGER_TYPES = frozenset(f"{kind}{bits}" for kind in "bus" for bits in (8, 16, 32, 64))
 
 
 def bit_width(ptx_type: str) -> int:
@@ -118,15 +123,25 @@ Operand = Reg | NegPred | Special | Symbol | Address | Vector | int | float | st
 
 
 def format_operand(value: Operand, ptx_type: str | None = None) -> str:
-    """Render an operand; floats need the instruction type to pick f32 or f64 hex form."""
+    """Render an operand; floats need the instruction type to pick f32 or f64 hex form.
+    Raises ValueError for an immediate that ``ptx_type`` cannot hold: an integer outside
+    both its signed and unsigned range, or a float beyond the largest finite f32."""
     if isinstance(value, bool):
         return "1" if value else "0"
     if isinstance(value, int):
+        if ptx_type in INTEGER_TYPES:
+            bits = bit_width(ptx_type)
+            if not -(1 << (bits - 1)) <= value < 1 << bits:
+                raise ValueError(f"immediate {value} does not fit .{ptx_type}")
         return str(value)
     if isinstance(value, float):
         if ptx_type == "f64":
             return "0d%016X" % struct.unpack("<Q", struct.pack("<d", value))[0]
         if ptx_type in ("f32", None):
-            return "0f%08X" % struct.unpack("<I", struct.pack("<f", value))[0]
+            try:
+                packed = struct.pack("<f", value)
+            except OverflowError:  # finite, but rounds past the largest f32
+                raise ValueError(f"immediate {value!r} overflows .f32") from None
+            return "0f%08X" % struct.unpack("<I", packed)[0]
         raise TypeError(f"a float immediate needs an f32 or f64 instruction, not .{ptx_type}")
     return str(value)
