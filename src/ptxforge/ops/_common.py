@@ -2,7 +2,9 @@
 kernel for a device.
 
 The checks run on every call, so each one is a few attribute reads; they name the
-argument, what it got and what it needs.
+argument, what it got and what it needs. An op checks every argument first and calls
+``require_cuda`` last, before it allocates, copies or launches: a user without a GPU
+sees what else is wrong with the call before being told to move it to one.
 """
 
 from __future__ import annotations
@@ -26,13 +28,14 @@ current_stream = _raw_stream  # (device index) -> the cudaStream_t torch is usin
 def inspect(name: str, t, dtype: torch.dtype, ndim, *, align: int = 16,
             device: int | None = None, rows: bool = True) -> tuple:
     """Check a tensor argument and return what the launch needs from it:
-    ``(shape, strides, data pointer, device index)``.
+    ``(shape, strides, data pointer, device index)``, the index -1 off CUDA.
 
     Checked: a torch.Tensor of ``dtype`` with ``ndim`` dimensions (an int or a tuple of
-    allowed counts) on a CUDA device (``device``, when given), its start address a
-    multiple of ``align`` bytes and, with ``rows``, unit stride in the last dimension and
-    a row stride that keeps every row ``align``-aligned. Each attribute is read once:
-    this runs on every call."""
+    allowed counts), on the CUDA device ``device`` when one is given (a tensor after a
+    first one off CUDA is not compared: ``require_cuda`` names the first), its start
+    address a multiple of ``align`` bytes and, with ``rows``, unit stride in the last
+    dimension and a row stride that keeps every row ``align``-aligned. Each attribute is
+    read once: this runs on every call."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype is not dtype:
@@ -42,10 +45,10 @@ def inspect(name: str, t, dtype: torch.dtype, ndim, *, align: int = 16,
         want = ndim if isinstance(ndim, int) else " or ".join(str(n) for n in ndim)
         raise ValueError(f"{name} must have {want} dimensions, got shape {tuple(shape)}")
     index = t.get_device()
-    if index < 0:
-        raise ValueError(f"{name} must be on a CUDA device, got {t.device}")
     if device is not None and index != device:
-        raise ValueError(f"{name} is on cuda:{index} but the input is on cuda:{device}")
+        require_cuda(name, t, index)
+        if device >= 0:
+            raise ValueError(f"{name} is on cuda:{index} but the input is on cuda:{device}")
     strides, ptr = t.stride(), t.data_ptr()
     if ptr % align:
         raise ValueError(f"{name} must start at a {align}-byte aligned address, got {ptr:#x}")
@@ -60,6 +63,24 @@ def inspect(name: str, t, dtype: torch.dtype, ndim, *, align: int = 16,
     if len(shape) > 1 and strides[-2] * t.itemsize >= 1 << 31:  # the kernels' strides are 32-bit
         raise ValueError(f"{name}'s row stride must be under 2 GiB, got {strides[-2]} elements")
     return shape, strides, ptr, index
+
+
+def require_cuda(name: str, t: torch.Tensor, device: int) -> None:
+    """``t`` (argument ``name``, on the device ``inspect`` returned) must be on a CUDA
+    device. Each op calls this after its other checks and before it touches data."""
+    if device < 0:
+        raise ValueError(f"{name} must be on a CUDA device, got {t.device}")
+
+
+def pair(name: str, value, holds: str):
+    """``value`` as ``(data, scales)``: a tuple or list of two items, ``holds`` saying
+    what they are (``inspect`` checks each, naming ``name[0]`` and ``name[1]``)."""
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        got = type(value).__name__
+        if isinstance(value, (tuple, list)):
+            got += f" of length {len(value)}"
+        raise TypeError(f"{name} must be a pair (data, scales): {holds}, got {got}")
+    return value
 
 
 def require_shape(name: str, shape, expected) -> None:
@@ -93,11 +114,10 @@ def device_arch(device_index: int) -> _arch.Arch:
     return _arch.for_device(device_index)
 
 
-def inspect_quantized_out(out, shape, scale_shape, device: int, *input_spans) -> tuple:
-    """``out=(q, scales)`` given to a quantizer: q e4m3 of ``shape`` with contiguous rows,
-    scales f32 of ``scale_shape`` with any strides, overlapping neither the inputs nor
-    each other. Returns (q pointer, scales pointer, scales strides)."""
-    q, scales = out
+def inspect_quantized_out(q, scales, shape, scale_shape, device: int, *input_spans) -> tuple:
+    """``out=(q, scales)`` given to a quantizer, unpacked by ``pair``: q e4m3 of ``shape``
+    with contiguous rows, scales f32 of ``scale_shape`` with any strides, overlapping
+    neither the inputs nor each other. Returns (q pointer, scales pointer, scales strides)."""
     q_shape, q_strides, q_ptr, _ = inspect("out[0]", q, torch.float8_e4m3fn, 2, align=8,
                                            device=device)
     require_shape("out[0]", q_shape, shape)

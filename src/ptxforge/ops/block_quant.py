@@ -8,7 +8,8 @@ import torch
 
 from .. import jit
 from ..kernels import bf16_block_quant_fp8 as block_kernel
-from ._common import current_stream, device_arch, inspect, inspect_quantized_out, row_span
+from ._common import (current_stream, device_arch, inspect, inspect_quantized_out, pair,
+                      require_cuda, row_span)
 from .layout import ceil_div
 
 
@@ -39,17 +40,18 @@ def quantize_fp8_per_block(w: torch.Tensor, *, out=None):
     scale_shape = (ceil_div(n, block), ceil_div(k, block))
     if scale_shape[0] > MAX_GRID_Y:  # the blocks' rows are the grid's y dimension
         raise ValueError(f"w may have at most {MAX_GRID_Y * block} rows, got {n}")
-    if out is None:
-        q = torch.empty((n, k), dtype=torch.float8_e4m3fn, device=w.device)
-        scales = torch.empty(scale_shape, dtype=torch.float32, device=w.device)
-        q_ptr, s_ptr, s_row_stride = q.data_ptr(), scales.data_ptr(), scale_shape[1]
-    else:
-        q, scales = out
-        q_ptr, s_ptr, s_strides = inspect_quantized_out(out, shape, scale_shape, device,
+    if out is not None:
+        q, scales = pair("out", out, "e4m3 [N, K] and f32 [ceil(N/128), ceil(K/128)]")
+        q_ptr, s_ptr, s_strides = inspect_quantized_out(q, scales, shape, scale_shape, device,
                                                         row_span(w_ptr, n, row_stride, k, 2))
         if s_strides[1] != 1:
             raise ValueError(f"out[1] must have unit column stride, got strides {tuple(s_strides)}")
         s_row_stride = s_strides[0]
+    require_cuda("w", w, device)
+    if out is None:
+        q = torch.empty((n, k), dtype=torch.float8_e4m3fn, device=w.device)
+        scales = torch.empty(scale_shape, dtype=torch.float32, device=w.device)
+        q_ptr, s_ptr, s_row_stride = q.data_ptr(), scales.data_ptr(), scale_shape[1]
     if n and k:
         _launcher(device)((scale_shape[1], scale_shape[0], 1), current_stream(device),
                           (w_ptr, row_stride, n, k, q_ptr, s_ptr, s_row_stride))

@@ -10,8 +10,8 @@ import torch
 from .. import jit
 from ..jit.tensormap import encode_tiled
 from ..kernels import sm90_fp8_gemm_1d2d as gemm_kernel
-from ._common import (current_stream, device_arch, inspect, require_contiguous_rows,
-                      require_disjoint, require_shape, row_span)
+from ._common import (current_stream, device_arch, inspect, pair, require_contiguous_rows,
+                      require_cuda, require_disjoint, require_shape, row_span)
 from .layout import (ceil_div, get_mn_major_tma_aligned_tensor, get_tma_aligned_size,
                      is_mn_major_tma_aligned)
 
@@ -71,17 +71,25 @@ def _plan(device_index: int, m: int, n: int, k: int, sms: int, accumulate: bool 
     return cfg, launcher, clusters * cfg.multicast, m_tiles
 
 
-def _scaled_a(a, device: int | None = None):
-    """Check ``a = (A, sa)``: A e4m3 [M, K], sa f32 [M, ceil(K/128)], converted to the
-    MN-major TMA-aligned layout when it is not in it. Returns (m, k, A's row stride,
-    A's pointer, device, sa's pointer)."""
-    A, sa = a
-    (m, k), a_strides, a_ptr, device = inspect("a[0]", A, torch.float8_e4m3fn, 2, device=device)
-    sa_shape, _, _, _ = inspect("a[1]", sa, torch.float32, 2, align=4, device=device, rows=False)
+def _scaled_a(a):
+    """Check ``a = (A, sa)``: A e4m3 [M, K], sa f32 [M, ceil(K/128)]. Returns (m, k, A's
+    row stride, A's pointer, device, the spans of A and sa, sa, sa's pointer or None when sa
+    is not in the MN-major TMA-aligned layout the kernel reads: ``_sa_pointer`` then copies
+    it, once the device is checked)."""
+    A, sa = pair("a", a, "e4m3 [M, K] and f32 [M, ceil(K/128)]")
+    (m, k), a_strides, a_ptr, device = inspect("a[0]", A, torch.float8_e4m3fn, 2)
+    sa_shape, sa_strides, sa_ptr, _ = inspect("a[1]", sa, torch.float32, 2, align=4,
+                                              device=device, rows=False)
     require_shape("a[1]", sa_shape, (m, ceil_div(k, gemm_kernel.BLOCK_K)))
-    if not is_mn_major_tma_aligned(sa):
-        sa = get_mn_major_tma_aligned_tensor(sa)
-    return m, k, a_strides[0], a_ptr, device, sa.data_ptr()
+    spans = row_span(a_ptr, m, a_strides[0], k, 1), _span(sa_ptr, sa_shape, sa_strides, 4)
+    mn_major = is_mn_major_tma_aligned(sa_shape, sa_strides, sa_ptr)
+    return m, k, a_strides[0], a_ptr, device, spans, sa, sa_ptr if mn_major else None
+
+
+def _sa_pointer(sa, sa_ptr: int | None) -> int:
+    """Where the kernel reads ``sa``: at ``sa_ptr``, or (None) in a copy in the MN-major
+    TMA-aligned layout, one more kernel on the call's stream."""
+    return get_mn_major_tma_aligned_tensor(sa).data_ptr() if sa_ptr is None else sa_ptr
 
 
 def _launch(device: int, m: int, n: int, k: int, a_row, a_ptr, b_rows, b_row, b_ptr, d_ptr,
@@ -129,10 +137,6 @@ def _span(ptr: int, shape, strides, itemsize: int) -> tuple[int, int]:
     return ptr, (sum((size - 1) * stride for size, stride in zip(shape, strides)) + 1) * itemsize
 
 
-def _sa_span(sa_ptr: int, m: int, k: int) -> tuple[int, int]:
-    return row_span(sa_ptr, ceil_div(k, gemm_kernel.BLOCK_K), get_tma_aligned_size(m, 4), m, 4)
-
-
 def fp8_gemm_nt(a, b, d: torch.Tensor, c: torch.Tensor | None = None) -> None:
     """``d = a @ b.T`` (or ``d = c + a @ b.T``) with DeepGEMM's fine-grained FP8 scaling,
     written into ``d``.
@@ -147,8 +151,8 @@ def fp8_gemm_nt(a, b, d: torch.Tensor, c: torch.Tensor | None = None) -> None:
     Fast path: sa in the MN-major TMA-aligned layout that ``quantize_fp8_per_token``
     writes by default. A row-major sa is converted (one copy) on every call.
     """
-    m, k, a_row, a_ptr, device, sa_ptr = _scaled_a(a)
-    B, sb = b
+    m, k, a_row, a_ptr, device, a_spans, sa, sa_ptr = _scaled_a(a)
+    B, sb = pair("b", b, "e4m3 [N, K] and f32 [ceil(N/128), ceil(K/128)]")
     (n, kb_), b_strides, b_ptr, _ = inspect("b[0]", B, torch.float8_e4m3fn, 2, device=device)
     if kb_ != k:
         raise ValueError(f"a[0] and b[0] must share K, got a[0] {tuple(a[0].shape)} and b[0] "
@@ -157,15 +161,17 @@ def fp8_gemm_nt(a, b, d: torch.Tensor, c: torch.Tensor | None = None) -> None:
     sb_shape, sb_strides, sb_ptr, _ = inspect("b[1]", sb, torch.float32, 2, align=4,
                                               device=device)
     require_shape("b[1]", sb_shape, (ceil_div(n, 128), k_groups))
-    d_ptr, d_row, accumulate = _output(d, c, m, n, device, row_span(a_ptr, m, a_row, k, 1),
-                                       row_span(b_ptr, n, b_strides[0], k, 1),
-                                       _sa_span(sa_ptr, m, k),
-                                       row_span(sb_ptr, sb_shape[0], sb_strides[0], k_groups, 4))
+    d_ptr, d_row, copy_c = _output(d, c, m, n, device, *a_spans,
+                                   row_span(b_ptr, n, b_strides[0], k, 1),
+                                   row_span(sb_ptr, sb_shape[0], sb_strides[0], k_groups, 4))
+    require_cuda("a[0]", a[0], device)
+    if copy_c:
+        d.copy_(c)
     if m == 0:
         return
     _launch(device, m, n, k, a_row, a_ptr, n, b_strides[0], b_ptr, d_ptr, d_row,
-            scales=(sa_ptr, get_tma_aligned_size(m, 4), sb_ptr, sb_strides[0]),
-            accumulate=accumulate)
+            scales=(_sa_pointer(sa, sa_ptr), get_tma_aligned_size(m, 4), sb_ptr, sb_strides[0]),
+            accumulate=c is not None)
 
 
 def bf16_gemm_nt(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor,
@@ -180,20 +186,23 @@ def bf16_gemm_nt(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor,
     (n, kb_), b_strides, b_ptr, _ = inspect("b", b, torch.bfloat16, 2, device=device)
     if kb_ != k:
         raise ValueError(f"a and b must share K, got a {tuple(a.shape)} and b {tuple(b.shape)}")
-    d_ptr, d_row, accumulate = _output(d, c, m, n, device, row_span(a_ptr, m, a_strides[0], k, 2),
-                                       row_span(b_ptr, n, b_strides[0], k, 2))
+    d_ptr, d_row, copy_c = _output(d, c, m, n, device, row_span(a_ptr, m, a_strides[0], k, 2),
+                                   row_span(b_ptr, n, b_strides[0], k, 2))
+    require_cuda("a", a, device)
+    if copy_c:
+        d.copy_(c)
     if m == 0:
         return
     _launch(device, m, n, k, a_strides[0], a_ptr, n, b_strides[0], b_ptr, d_ptr, d_row,
-            accumulate=accumulate)
+            accumulate=c is not None)
 
 
 def _output(d, c, m: int, n: int, device: int, *input_spans) -> tuple[int, int, bool]:
     """Check ``d`` (bf16 [M, N], or f32 with ``c``) and ``c`` (f32 [M, N]: d itself, or
-    copied into d here); neither may overlap an input. Returns (d's pointer, its row
-    stride, whether the GEMM adds into d)."""
+    one the caller copies into d); neither may overlap an input. Returns (d's pointer, its
+    row stride, whether c must be copied into d)."""
     accumulate = c is not None
-    if accumulate and d.dtype is not torch.float32:
+    if accumulate and isinstance(d, torch.Tensor) and d.dtype is not torch.float32:
         raise TypeError(f"d must have dtype torch.float32 when accumulating into c, got {d.dtype}")
     d_shape, d_strides, d_ptr, _ = inspect("d", d, torch.float32 if accumulate else torch.bfloat16,
                                            2, device=device)
@@ -201,13 +210,14 @@ def _output(d, c, m: int, n: int, device: int, *input_spans) -> tuple[int, int, 
     require_contiguous_rows("d", d_shape, d_strides)
     d_span = (d_ptr, d.itemsize * m * n)
     require_disjoint("d", d_span, *input_spans)
-    if accumulate:
-        c_shape, c_strides, c_ptr, _ = inspect("c", c, torch.float32, 2, device=device)
-        require_shape("c", c_shape, (m, n))
-        if (c_ptr, tuple(c_strides)) != (d_ptr, tuple(d_strides)):
-            require_disjoint("d", d_span, row_span(c_ptr, m, c_strides[0], n, 4))
-            d.copy_(c)
-    return d_ptr, d_strides[0], accumulate
+    if not accumulate:
+        return d_ptr, d_strides[0], False
+    c_shape, c_strides, c_ptr, _ = inspect("c", c, torch.float32, 2, device=device)
+    require_shape("c", c_shape, (m, n))
+    copy_c = (c_ptr, tuple(c_strides)) != (d_ptr, tuple(d_strides))
+    if copy_c:
+        require_disjoint("d", d_span, row_span(c_ptr, m, c_strides[0], n, 4))
+    return d_ptr, d_strides[0], copy_c
 
 
 def get_mk_alignment_for_contiguous_layout() -> int:
@@ -221,7 +231,10 @@ def _grouped_b(a_shape, b, k: int, device: int, *, scaled: bool = True):
     ceil(K/128)], or (``scaled`` False) B bf16 [G, N, K] alone; each group's matrix right
     after the previous one. Returns (G, N, B's row stride, B's pointer, sb's pointer and row
     stride or None, the spans of B and sb)."""
-    B, sb = b if scaled else (b, None)
+    if scaled:
+        B, sb = pair("b", b, "e4m3 [G, N, K] and f32 [G, ceil(N/128), ceil(K/128)]")
+    else:
+        B, sb = b, None
     name = "b[0]" if scaled else "b"
     (num_groups, n, kb_), b_strides, b_ptr, _ = inspect(
         name, B, torch.float8_e4m3fn if scaled else torch.bfloat16, 3, device=device)
@@ -245,9 +258,10 @@ def _grouped_b(a_shape, b, k: int, device: int, *, scaled: bool = True):
     return num_groups, n, b_strides[1], b_ptr, sb_ptr, sb_strides[1], (b_span, sb_span)
 
 
-def _contiguous(device: int, m: int, k: int, a_row, a_ptr, sa_ptr, a_spans, grouped_b, d,
-                m_indices) -> None:
-    """The contiguous layout's m_indices and d checks, then the launch (sa_ptr None: bf16)."""
+def _contiguous(a_name: str, A, device: int, m: int, k: int, a_row, a_ptr, a_spans, grouped_b,
+                d, m_indices, sa=None, sa_ptr=None) -> None:
+    """The contiguous layout's m_indices and d checks, the device check, then the launch
+    (``sa`` and ``sa_ptr`` as ``_scaled_a`` returns them; ``sa`` None: bf16)."""
     num_groups, n, b_row, b_ptr, sb_ptr, sb_row, b_spans = grouped_b
     (mi,), _, mi_ptr, _ = inspect("m_indices", m_indices, torch.int32, 1, align=4, device=device)
     if mi != m:
@@ -256,11 +270,13 @@ def _contiguous(device: int, m: int, k: int, a_row, a_ptr, sa_ptr, a_spans, grou
     require_shape("d", d_shape, (m, n))
     require_contiguous_rows("d", d_shape, d_strides)
     require_disjoint("d", (d_ptr, 2 * m * n), (mi_ptr, 4 * m), *a_spans, *b_spans)
+    require_cuda(a_name, A, device)
     if m == 0:
         return
+    scales = None if sa is None else (_sa_pointer(sa, sa_ptr), get_tma_aligned_size(m, 4), sb_ptr,
+                                      sb_row)
     _launch(device, m, n, k, a_row, a_ptr, num_groups * n, b_row, b_ptr, d_ptr, d_strides[0],
-            scales=None if sa_ptr is None else (sa_ptr, get_tma_aligned_size(m, 4), sb_ptr, sb_row),
-            groups=num_groups, extra=(mi_ptr, m))
+            scales=scales, groups=num_groups, extra=(mi_ptr, m))
 
 
 def m_grouped_fp8_gemm_nt_contiguous(a, b, d: torch.Tensor, m_indices: torch.Tensor) -> None:
@@ -277,10 +293,9 @@ def m_grouped_fp8_gemm_nt_contiguous(a, b, d: torch.Tensor, m_indices: torch.Ten
     tile's row whose group differs from its first row's) are written as zeros; nothing is
     read outside B. Nothing is read back to the host: the call can be captured in a graph.
     """
-    m, k, a_row, a_ptr, device, sa_ptr = _scaled_a(a)
-    _contiguous(device, m, k, a_row, a_ptr, sa_ptr,
-                (row_span(a_ptr, m, a_row, k, 1), _sa_span(sa_ptr, m, k)),
-                _grouped_b(a[0].shape, b, k, device), d, m_indices)
+    m, k, a_row, a_ptr, device, a_spans, sa, sa_ptr = _scaled_a(a)
+    _contiguous("a[0]", a[0], device, m, k, a_row, a_ptr, a_spans,
+                _grouped_b(a[0].shape, b, k, device), d, m_indices, sa, sa_ptr)
 
 
 def m_grouped_bf16_gemm_nt_contiguous(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor,
@@ -288,7 +303,7 @@ def m_grouped_bf16_gemm_nt_contiguous(a: torch.Tensor, b: torch.Tensor, d: torch
     """``m_grouped_fp8_gemm_nt_contiguous`` with bf16 operands and no scales: a bf16
     [M, K], b bf16 [G, N, K], d bf16 [M, N], m_indices int32 [M] (same contract)."""
     (m, k), a_strides, a_ptr, device = inspect("a", a, torch.bfloat16, 2)
-    _contiguous(device, m, k, a_strides[0], a_ptr, None,
+    _contiguous("a", a, device, m, k, a_strides[0], a_ptr,
                 (row_span(a_ptr, m, a_strides[0], k, 2),),
                 _grouped_b(a.shape, b, k, device, scaled=False), d, m_indices)
 
@@ -309,15 +324,13 @@ def m_grouped_fp8_gemm_nt_masked(a, b, d: torch.Tensor, masked_m: torch.Tensor,
     A count above M_max is taken as M_max, a negative one as 0. Rows from masked_m[g] on
     are not meaningful: a tile that starts before masked_m[g] is written whole.
     """
-    A, sa = a
+    A, sa = pair("a", a, "e4m3 [G, M_max, K] and f32 [G, M_max, ceil(K/128)]")
     (num_groups, m_max, k), a_strides, a_ptr, device = inspect("a[0]", A, torch.float8_e4m3fn, 3)
-    sa_shape, _, _, _ = inspect("a[1]", sa, torch.float32, 3, align=4, device=device, rows=False)
+    sa_shape, sa_strides, sa_ptr, _ = inspect("a[1]", sa, torch.float32, 3, align=4,
+                                              device=device, rows=False)
     require_shape("a[1]", sa_shape, (num_groups, m_max, ceil_div(k, gemm_kernel.BLOCK_K)))
-    sa_strides = sa.stride()
-    if sa_strides[1] != 1 or sa_strides[0] % 4 or sa_strides[2] % 4 or sa.data_ptr() % 16:
-        sa = get_mn_major_tma_aligned_tensor(sa)
-    _masked(A, a_strides, a_ptr, device, sa, _grouped_b(A.shape, b, k, device), d, masked_m,
-            expected_m)
+    _masked("a[0]", A, a_strides, a_ptr, device, (sa, sa_shape, sa_strides, sa_ptr),
+            _grouped_b(A.shape, b, k, device), d, masked_m, expected_m)
 
 
 def m_grouped_bf16_gemm_nt_masked(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor,
@@ -325,13 +338,15 @@ def m_grouped_bf16_gemm_nt_masked(a: torch.Tensor, b: torch.Tensor, d: torch.Ten
     """``m_grouped_fp8_gemm_nt_masked`` with bf16 operands and no scales: a bf16
     [G, M_max, K], b bf16 [G, N, K], d bf16 [G, M_max, N] (same contract)."""
     (_, _, k), a_strides, a_ptr, device = inspect("a", a, torch.bfloat16, 3)
-    _masked(a, a_strides, a_ptr, device, None, _grouped_b(a.shape, b, k, device, scaled=False),
-            d, masked_m, expected_m)
+    _masked("a", a, a_strides, a_ptr, device, None,
+            _grouped_b(a.shape, b, k, device, scaled=False), d, masked_m, expected_m)
 
 
-def _masked(A, a_strides, a_ptr, device: int, sa, grouped_b, d, masked_m, expected_m) -> None:
-    """The masked layout's checks and launch: A [G, M_max, K] (e4m3 with its MN-major sa,
-    or bf16 with ``sa`` None) through 3-D tensor maps."""
+def _masked(a_name: str, A, a_strides, a_ptr, device: int, scaled_a, grouped_b, d, masked_m,
+            expected_m) -> None:
+    """The masked layout's checks, the device check and the launch: A [G, M_max, K] through
+    3-D tensor maps, e4m3 with ``scaled_a`` = (sa, its shape, strides and pointer), or bf16
+    with ``scaled_a`` None."""
     num_groups, m_max, k = A.shape
     b_groups, n, b_row, b_ptr, sb_ptr, sb_row, b_spans = grouped_b
     if b_groups != num_groups:
@@ -350,14 +365,21 @@ def _masked(A, a_strides, a_ptr, device: int, sa, grouped_b, d, masked_m, expect
     if (d_strides[0] * 2) % 16:
         raise ValueError(f"d's group stride must be a multiple of 16 bytes, got {d_strides[0]}")
     spans = [_span(a_ptr, A.shape, a_strides, A.itemsize), (mm_ptr, 4 * num_groups), *b_spans]
-    scales = sa_group = None
-    if sa is not None:
-        sa_ptr, sa_strides = sa.data_ptr(), sa.stride()
-        spans.append(_span(sa_ptr, sa.shape, sa_strides, 4))
-        scales, sa_group = (sa_ptr, sa_strides[2], sb_ptr, sb_row), sa_strides[0]
+    if scaled_a is not None:
+        sa, sa_shape, sa_strides, sa_ptr = scaled_a
+        spans.append(_span(sa_ptr, sa_shape, sa_strides, 4))
     require_disjoint("d", _span(d_ptr, d_shape, d_strides, 2), *spans)
+    require_cuda(a_name, A, device)
     if m_max == 0:
         return
+    scales = sa_group = None
+    if scaled_a is not None:
+        # The tensor map reads sa MN-major with 16-byte aligned columns and groups; another
+        # layout is copied into that one.
+        if sa_strides[1] != 1 or sa_strides[0] % 4 or sa_strides[2] % 4 or sa_ptr % 16:
+            sa = get_mn_major_tma_aligned_tensor(sa)
+            sa_ptr, sa_strides = sa.data_ptr(), sa.stride()
+        scales, sa_group = (sa_ptr, sa_strides[2], sb_ptr, sb_row), sa_strides[0]
     _launch(device, m_max, n, k, a_strides[1], a_ptr, num_groups * n, b_row, b_ptr, d_ptr,
             d_strides[1], scales=scales, groups=num_groups,
             masked=(min(expected_m, m_max), a_strides[0], d_strides[0], sa_group),

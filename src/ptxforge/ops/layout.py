@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from ._common import inspect
+
 TMA_ALIGNMENT_BYTES = 16
 
 
@@ -31,29 +33,27 @@ def empty_mn_major_scales(rows: int, groups: int, device) -> torch.Tensor:
     return torch.empty_strided((rows, groups), (1, aligned), dtype=torch.float32, device=device)
 
 
-def is_mn_major_tma_aligned(s: torch.Tensor) -> bool:
-    """MN-major with TMA-aligned columns, starting on a 16-byte boundary."""
-    rows = s.shape[0]
-    return (s.stride(0) == 1 and s.data_ptr() % TMA_ALIGNMENT_BYTES == 0
-            and (s.shape[1] == 1 or s.stride(1) == get_tma_aligned_size(rows, 4)))
+def is_mn_major_tma_aligned(shape, strides, ptr: int) -> bool:
+    """An [M, G] tensor of this shape, strides and data pointer is MN-major with TMA-aligned
+    columns, starting on a 16-byte boundary. From numbers the caller has read: the GEMM
+    asks on every call."""
+    return (strides[0] == 1 and ptr % TMA_ALIGNMENT_BYTES == 0
+            and (shape[1] == 1 or strides[1] == get_tma_aligned_size(shape[0], 4)))
 
 
 def get_mn_major_tma_aligned_tensor(s: torch.Tensor) -> torch.Tensor:
     """``s`` [M, G] (or [B, M, G]) fp32 in the MN-major TMA-aligned layout: a 2-D ``s``
     already in it is returned as it is, anything else is copied."""
-    if s.dtype != torch.float32:
-        raise TypeError(f"scales must be float32, got {s.dtype}")
-    if s.dim() == 2:
-        if is_mn_major_tma_aligned(s):
+    shape, strides, ptr, _ = inspect("scales", s, torch.float32, (2, 3), align=4, rows=False)
+    if len(shape) == 2:
+        if is_mn_major_tma_aligned(shape, strides, ptr):
             return s
-        out = empty_mn_major_scales(s.shape[0], s.shape[1], s.device)
+        out = empty_mn_major_scales(shape[0], shape[1], s.device)
         out.copy_(s)
         return out
-    if s.dim() == 3:
-        batch, rows, groups = s.shape
-        aligned = get_tma_aligned_size(rows, 4)
-        out = torch.empty((batch, groups, aligned), dtype=s.dtype, device=s.device)
-        out = out.transpose(1, 2)[:, :rows]
-        out.copy_(s)
-        return out
-    raise ValueError(f"scales must have 2 or 3 dimensions, got shape {tuple(s.shape)}")
+    batch, rows, groups = shape
+    aligned = get_tma_aligned_size(rows, 4)
+    out = torch.empty((batch, groups, aligned), dtype=s.dtype, device=s.device)
+    out = out.transpose(1, 2)[:, :rows]
+    out.copy_(s)
+    return out

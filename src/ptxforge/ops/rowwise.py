@@ -12,8 +12,9 @@ import torch
 
 from .. import jit
 from ..kernels import bf16_row_rmsnorm_fp8quant as row_kernel
-from ._common import (current_stream, device_arch, inspect, inspect_quantized_out,
-                      require_contiguous_rows, require_disjoint, require_shape, row_span)
+from ._common import (current_stream, device_arch, inspect, inspect_quantized_out, pair,
+                      require_contiguous_rows, require_cuda, require_disjoint, require_shape,
+                      row_span)
 from .layout import empty_mn_major_scales
 
 SCALE_LAYOUTS = ("mn_major", "row_major")
@@ -73,10 +74,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
     """
     m, k, row_stride, x_ptr, device = _as_rows("x", x)
     w_ptr = _check_weight(weight, k, device)
-    if out is None:
-        out = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
-        out_ptr = out.data_ptr()
-    else:
+    if out is not None:
         shape, strides, out_ptr, _ = inspect("out", out, torch.bfloat16, x.dim(), device=device)
         require_shape("out", shape, x.shape)
         if len(shape) == 2:
@@ -85,6 +83,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
             raise ValueError(f"out must be contiguous, got strides {tuple(strides)}")
         require_disjoint("out", (out_ptr, 2 * m * k), row_span(x_ptr, m, row_stride, k, 2),
                          (w_ptr, 2 * k))
+    require_cuda("x", x, device)
+    if out is None:
+        out = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
+        out_ptr = out.data_ptr()
     if m:
         _launch(m, k, device, (x_ptr, row_stride, m, w_ptr, float(eps), out_ptr), True, False)
     return out
@@ -120,14 +122,16 @@ def _quantize(x, shape, row_stride: int, x_ptr: int, device: int, normalize: boo
     groups = -(-k // row_kernel.GROUP)
     if scale_layout not in SCALE_LAYOUTS:  # checked with out= too, where the strides decide
         raise ValueError(f"scale_layout must be one of {SCALE_LAYOUTS}, got {scale_layout!r}")
+    if out is not None:
+        q, scales = pair("out", out, "e4m3 [M, K] and f32 [M, ceil(K/128)]")
+        q_ptr, s_ptr, s_strides = inspect_quantized_out(
+            q, scales, shape, (m, groups), device, row_span(x_ptr, m, row_stride, k, 2),
+            *weight_spans)
+    require_cuda("x", x, device)
     if out is None:
         scales = _scales(m, groups, scale_layout, x.device)
         q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
         q_ptr, s_ptr, s_strides = q.data_ptr(), scales.data_ptr(), scales.stride()
-    else:
-        q, scales = out
-        q_ptr, s_ptr, s_strides = inspect_quantized_out(
-            out, shape, (m, groups), device, row_span(x_ptr, m, row_stride, k, 2), *weight_spans)
     if m:
         _launch(m, k, device, (x_ptr, row_stride, m) + weight_args
                 + (q_ptr, s_ptr, s_strides[0], s_strides[1]), normalize, True)

@@ -1,0 +1,352 @@
+"""Every public op checks its arguments on the CPU and names what is wrong: the argument,
+what it got and what it needs. All of it runs before the op asks for a CUDA device, so a
+call on a machine without a GPU reports its real mistake first."""
+
+from __future__ import annotations
+
+import inspect
+import re
+
+import pytest
+import torch
+
+import ptxforge
+from ptxforge import ops as public_ops
+
+E4M3, F32, BF16, I32 = torch.float8_e4m3fn, torch.float32, torch.bfloat16, torch.int32
+
+
+# --------------------------------------------------------------------------- op input checks (CPU tensors)
+WEIGHT = torch.ones(128, dtype=torch.bfloat16)
+
+OPS = {  # op name -> (call with the checked tensor, the name its errors use)
+    "rms_norm": (lambda x: ptxforge.rms_norm(x, WEIGHT), "x"),
+    "quantize_fp8_per_token": (lambda x: ptxforge.quantize_fp8_per_token(x), "x"),
+    "quantize_fp8_per_block": (lambda w: ptxforge.quantize_fp8_per_block(w), "w"),
+    "rms_norm_quantize_fp8": (lambda x: ptxforge.rms_norm_quantize_fp8(x, WEIGHT), "x"),
+}
+ops = pytest.mark.parametrize("op", list(OPS))
+
+
+@ops
+def test_wrong_dtype_names_the_argument_and_the_dtype(op):
+    call, name = OPS[op]
+    with pytest.raises(TypeError) as info:
+        call(torch.zeros(4, 128, dtype=torch.float32))
+    assert str(info.value) == f"{name} must have dtype torch.bfloat16, got torch.float32"
+
+
+@ops
+def test_cpu_tensor_needs_cuda(op):
+    call, name = OPS[op]
+    with pytest.raises(ValueError, match="CUDA") as info:
+        call(torch.zeros(4, 128, dtype=torch.bfloat16))
+    assert str(info.value).startswith(f"{name} ") and "cpu" in str(info.value)
+
+
+@pytest.mark.parametrize("op, shape", [
+    ("rms_norm", ()),
+    ("quantize_fp8_per_token", (2, 4, 128)),
+    ("quantize_fp8_per_block", (128,)),
+    ("rms_norm_quantize_fp8", (2, 4, 128)),
+])
+def test_wrong_ndim_reports_the_shape(op, shape):
+    call, name = OPS[op]
+    with pytest.raises(ValueError, match="dimensions") as info:
+        call(torch.zeros(shape, dtype=torch.bfloat16))
+    assert str(info.value).startswith(f"{name} must have ")
+    assert f"got shape {shape}" in str(info.value)
+
+
+@ops
+def test_non_tensor(op):
+    call, name = OPS[op]
+    with pytest.raises(TypeError, match=f"^{name} must be a torch.Tensor, got list$"):
+        call([[1.0] * 128] * 4)
+
+
+# --------------------------------------------------------------------------- every op, every argument
+def zeros(dtype, *shape):
+    return torch.zeros(shape, dtype=dtype)
+
+
+def scaled(*shape):
+    """An activation's ``(data, scales)``: e4m3 of ``shape``, one f32 scale per row per 128
+    of the last dimension."""
+    *lead, k = shape
+    return zeros(E4M3, *shape), zeros(F32, *lead, -(-k // 128))
+
+
+def weight_scaled(*shape):
+    """A weight's ``(data, scales)``: e4m3 of ``shape``, one f32 scale per 128x128 block."""
+    *lead, n, k = shape
+    return zeros(E4M3, *shape), zeros(F32, *lead, -(-n // 128), -(-k // 128))
+
+
+K, N, G = 128, 128, 2
+CASES = {  # case -> (op, well-formed CPU arguments for M rows (each group's M_max when masked))
+    "rms_norm": (ptxforge.rms_norm, lambda m: ((zeros(BF16, m, K), zeros(BF16, K)), {})),
+    "rms_norm(out=)": (ptxforge.rms_norm, lambda m: (
+        (zeros(BF16, m, K), zeros(BF16, K)), {"out": zeros(BF16, m, K)})),
+    "quantize_fp8_per_token": (ptxforge.quantize_fp8_per_token,
+                               lambda m: ((zeros(BF16, m, K),), {})),
+    "quantize_fp8_per_token(out=)": (ptxforge.quantize_fp8_per_token, lambda m: (
+        (zeros(BF16, m, K),), {"out": scaled(m, K)})),
+    "quantize_fp8_per_block": (ptxforge.quantize_fp8_per_block,
+                               lambda m: ((zeros(BF16, m, K),), {})),
+    "quantize_fp8_per_block(out=)": (ptxforge.quantize_fp8_per_block, lambda m: (
+        (zeros(BF16, m, K),), {"out": weight_scaled(m, K)})),
+    "rms_norm_quantize_fp8": (ptxforge.rms_norm_quantize_fp8,
+                              lambda m: ((zeros(BF16, m, K), zeros(BF16, K)), {})),
+    "rms_norm_quantize_fp8(out=)": (ptxforge.rms_norm_quantize_fp8, lambda m: (
+        (zeros(BF16, m, K), zeros(BF16, K)), {"out": scaled(m, K)})),
+    "fp8_gemm_nt": (ptxforge.fp8_gemm_nt, lambda m: (
+        (scaled(m, K), weight_scaled(N, K), zeros(BF16, m, N)), {})),
+    "fp8_gemm_nt(c=)": (ptxforge.fp8_gemm_nt, lambda m: (
+        (scaled(m, K), weight_scaled(N, K), zeros(F32, m, N), zeros(F32, m, N)), {})),
+    "bf16_gemm_nt": (ptxforge.bf16_gemm_nt, lambda m: (
+        (zeros(BF16, m, K), zeros(BF16, N, K), zeros(BF16, m, N)), {})),
+    "bf16_gemm_nt(c=)": (ptxforge.bf16_gemm_nt, lambda m: (
+        (zeros(BF16, m, K), zeros(BF16, N, K), zeros(F32, m, N), zeros(F32, m, N)), {})),
+    "m_grouped_fp8_gemm_nt_contiguous": (ptxforge.m_grouped_fp8_gemm_nt_contiguous, lambda m: (
+        (scaled(m, K), weight_scaled(G, N, K), zeros(BF16, m, N), zeros(I32, m)), {})),
+    "m_grouped_bf16_gemm_nt_contiguous": (ptxforge.m_grouped_bf16_gemm_nt_contiguous, lambda m: (
+        (zeros(BF16, m, K), zeros(BF16, G, N, K), zeros(BF16, m, N), zeros(I32, m)), {})),
+    "m_grouped_fp8_gemm_nt_masked": (ptxforge.m_grouped_fp8_gemm_nt_masked, lambda m: (
+        (scaled(G, m, K), weight_scaled(G, N, K), zeros(BF16, G, m, N), zeros(I32, G), 4), {})),
+    "m_grouped_bf16_gemm_nt_masked": (ptxforge.m_grouped_bf16_gemm_nt_masked, lambda m: (
+        (zeros(BF16, G, m, K), zeros(BF16, G, N, K), zeros(BF16, G, m, N), zeros(I32, G), 4),
+        {})),
+}
+TENSOR_OPS = {name for name in public_ops.__all__ if not name.startswith("get_")}
+
+
+def test_the_cases_cover_every_public_op_that_takes_tensors():
+    assert {op.__name__ for op, _ in CASES.values()} == TENSOR_OPS
+
+
+def arguments(case: str, m: int = 4) -> dict:
+    """The case's well-formed arguments by parameter name (an op's errors use these names)."""
+    op, make = CASES[case]
+    args, kwargs = make(m)
+    return dict(inspect.signature(op).bind(*args, **kwargs).arguments)
+
+
+def call(case: str, args: dict):
+    op, _ = CASES[case]
+    return op(**args)
+
+
+def tensor_arguments(case: str) -> list[tuple[str, str, int | None]]:
+    """(the name errors use, the parameter, the pair member or None) of each tensor."""
+    found = []
+    for name, value in arguments(case).items():
+        if isinstance(value, torch.Tensor):
+            found.append((name, name, None))
+        elif isinstance(value, tuple):
+            found += [(f"{name}[{i}]", name, i) for i in range(len(value))]
+    return found
+
+
+def replaced(case: str, parameter: str, member: int | None, make) -> dict:
+    """The case's arguments with one tensor t replaced by make(t)."""
+    args = arguments(case)
+    if member is None:
+        args[parameter] = make(args[parameter])
+    else:
+        pair = list(args[parameter])
+        pair[member] = make(pair[member])
+        args[parameter] = tuple(pair)
+    return args
+
+
+EVERY_TENSOR = [(case, *found) for case in CASES for found in tensor_arguments(case)]
+every_tensor = pytest.mark.parametrize("case, name, parameter, member", EVERY_TENSOR)
+
+
+@every_tensor
+def test_every_argument_s_dtype_is_checked_before_the_device(case, name, parameter, member):
+    args = arguments(case)
+    wanted = (args[parameter] if member is None else args[parameter][member]).dtype
+    args = replaced(case, parameter, member, lambda t: zeros(torch.float64, *t.shape))
+    with pytest.raises(TypeError) as info:
+        call(case, args)
+    message = str(info.value)  # d with c adds why: "... torch.float32 when accumulating into c, ..."
+    assert message.startswith(f"{name} must have dtype {wanted}")
+    assert message.endswith(", got torch.float64")
+
+
+@every_tensor
+def test_every_argument_must_be_a_tensor(case, name, parameter, member):
+    with pytest.raises(TypeError, match=f"^{re.escape(name)} must be a torch.Tensor, got list$"):
+        call(case, replaced(case, parameter, member, lambda t: [[0.0]]))
+
+
+@every_tensor
+def test_every_argument_s_rank_is_checked_before_the_device(case, name, parameter, member):
+    with pytest.raises(ValueError) as info:
+        call(case, replaced(case, parameter, member, lambda t: zeros(t.dtype)))
+    assert str(info.value).startswith(f"{name} must have ")
+    assert str(info.value).endswith(" dimensions, got shape ()")
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("m", [4, 0], ids=["rows", "no rows"])
+def test_cpu_tensors_need_cuda_and_the_first_argument_is_named(case, m):
+    first = tensor_arguments(case)[0][0]
+    with pytest.raises(ValueError) as info:
+        call(case, arguments(case, m))
+    assert str(info.value) == f"{first} must be on a CUDA device, got cpu"
+
+
+def test_a_pair_may_be_a_list():
+    args = arguments("fp8_gemm_nt")
+    args["a"], args["b"] = list(args["a"]), list(args["b"])
+    with pytest.raises(ValueError, match=r"^a\[0\] must be on a CUDA device, got cpu$"):
+        call("fp8_gemm_nt", args)
+
+
+# --------------------------------------------------------------------------- (data, scales) pairs
+HOLDS = {  # (case, parameter) -> what the pair holds, as its error says
+    ("quantize_fp8_per_token(out=)", "out"): "e4m3 [M, K] and f32 [M, ceil(K/128)]",
+    ("rms_norm_quantize_fp8(out=)", "out"): "e4m3 [M, K] and f32 [M, ceil(K/128)]",
+    ("quantize_fp8_per_block(out=)", "out"): "e4m3 [N, K] and f32 [ceil(N/128), ceil(K/128)]",
+    ("fp8_gemm_nt", "a"): "e4m3 [M, K] and f32 [M, ceil(K/128)]",
+    ("fp8_gemm_nt", "b"): "e4m3 [N, K] and f32 [ceil(N/128), ceil(K/128)]",
+    ("fp8_gemm_nt(c=)", "a"): "e4m3 [M, K] and f32 [M, ceil(K/128)]",
+    ("fp8_gemm_nt(c=)", "b"): "e4m3 [N, K] and f32 [ceil(N/128), ceil(K/128)]",
+    ("m_grouped_fp8_gemm_nt_contiguous", "a"): "e4m3 [M, K] and f32 [M, ceil(K/128)]",
+    ("m_grouped_fp8_gemm_nt_contiguous", "b"):
+        "e4m3 [G, N, K] and f32 [G, ceil(N/128), ceil(K/128)]",
+    ("m_grouped_fp8_gemm_nt_masked", "a"): "e4m3 [G, M_max, K] and f32 [G, M_max, ceil(K/128)]",
+    ("m_grouped_fp8_gemm_nt_masked", "b"): "e4m3 [G, N, K] and f32 [G, ceil(N/128), ceil(K/128)]",
+}
+
+
+def test_every_pair_argument_is_listed():
+    pairs = {(case, parameter) for case in CASES for _, parameter, member in tensor_arguments(case)
+             if member is not None}
+    assert pairs == set(HOLDS)
+
+
+NOT_A_PAIR = {  # what is given -> (how it is made from the pair, what the error says it got)
+    "a bare tensor": (lambda pair: pair[0], "Tensor"),
+    "None": (lambda pair: None, "NoneType"),
+    "a 3-tuple": (lambda pair: (*pair, pair[1]), "tuple of length 3"),
+    "a 1-list": (lambda pair: [pair[0]], "list of length 1"),
+}
+
+
+@pytest.mark.parametrize("case, parameter, given", [
+    (case, parameter, given) for case, parameter in HOLDS for given in NOT_A_PAIR
+    if not (parameter == "out" and given == "None")])  # out=None asks the op to allocate
+def test_a_pair_argument_must_be_a_pair(case, parameter, given):
+    make, got = NOT_A_PAIR[given]
+    args = arguments(case)
+    args[parameter] = make(args[parameter])
+    with pytest.raises(TypeError) as info:
+        call(case, args)
+    assert str(info.value) == (f"{parameter} must be a pair (data, scales): "
+                               f"{HOLDS[case, parameter]}, got {got}")
+
+
+def test_a_bare_two_row_tensor_is_not_taken_for_a_pair():
+    """A 2-row A unpacks into two rows; it must be refused as what it is."""
+    args = arguments("fp8_gemm_nt", m=2)
+    args["a"] = args["a"][0]
+    with pytest.raises(TypeError, match=r"^a must be a pair \(data, scales\): .*, got Tensor$"):
+        call("fp8_gemm_nt", args)
+
+
+@pytest.mark.parametrize("case, name, parameter, member", [
+    found for found in EVERY_TENSOR if found[3] is not None])
+def test_a_pair_member_of_the_wrong_rank_is_named(case, name, parameter, member):
+    args = arguments(case)
+    wrong = args[parameter][member][0]  # one dimension fewer
+    rank = wrong.dim() + 1
+    with pytest.raises(ValueError) as info:
+        call(case, replaced(case, parameter, member, lambda t: t[0]))
+    assert str(info.value) == f"{name} must have {rank} dimensions, got shape {tuple(wrong.shape)}"
+
+
+# --------------------------------------------------------------------------- what runs before the device check
+def with_args(**changes):
+    """A change to a case's arguments: each value a function of the arguments."""
+    def change(args):
+        args.update({name: make(args) for name, make in changes.items()})
+    return change
+
+
+def misaligned(dtype, *shape):
+    """A CPU tensor of ``shape`` that starts 2 bytes past a 16-byte boundary."""
+    flat = torch.zeros(shape[0] * shape[1] * 2 + 16, dtype=dtype)
+    return flat[1:1 + shape[0] * shape[1]].view(*shape)
+
+
+BEFORE_THE_DEVICE = {  # (case, change to its CPU arguments) -> the error instead of the device's
+    "K mismatch, fp8": ("fp8_gemm_nt", with_args(b=lambda a: weight_scaled(N, 256)),
+                        ValueError, "a[0] and b[0] must share K, got a[0] (4, 128) and b[0] (128, 256)"),
+    "K mismatch, bf16": ("bf16_gemm_nt", with_args(b=lambda a: zeros(BF16, N, 256)),
+                         ValueError, "a and b must share K, got a (4, 128) and b (128, 256)"),
+    "K mismatch, grouped": ("m_grouped_fp8_gemm_nt_contiguous",
+                            with_args(b=lambda a: weight_scaled(G, N, 256)), ValueError,
+                            "a and b must share K, got a (4, 128) and b[0] (2, 128, 256)"),
+    "a's scales' shape": ("fp8_gemm_nt", with_args(a=lambda a: (a["a"][0], zeros(F32, 4, 2))),
+                          ValueError, "a[1] must have shape (4, 1), got (4, 2)"),
+    "d's shape": ("fp8_gemm_nt", with_args(d=lambda a: zeros(BF16, 4, 64)),
+                  ValueError, "d must have shape (4, 128), got (4, 64)"),
+    "c's shape": ("fp8_gemm_nt(c=)", with_args(c=lambda a: zeros(F32, 2, 128)),
+                  ValueError, "c must have shape (4, 128), got (2, 128)"),
+    "d overlaps an input": ("bf16_gemm_nt", with_args(d=lambda a: a["a"]),
+                            ValueError, "d overlaps an input; outputs must not alias inputs"),
+    "m_indices' length": ("m_grouped_bf16_gemm_nt_contiguous",
+                          with_args(m_indices=lambda a: zeros(I32, 3)),
+                          ValueError, "m_indices must have one entry per row of a (4), got 3"),
+    "groups differ": ("m_grouped_fp8_gemm_nt_masked",
+                      with_args(b=lambda a: weight_scaled(1, N, K)), ValueError,
+                      "a [G, M_max, K] and b [G, N, K] must share G, got a (2, 4, 128) and b with "
+                      "1 groups"),
+    "expected_m": ("m_grouped_bf16_gemm_nt_masked", with_args(expected_m=lambda a: 0),
+                   ValueError, "expected_m must be a positive int, got 0"),
+    "scale_layout": ("quantize_fp8_per_token", with_args(scale_layout=lambda a: "column"),
+                     ValueError, "scale_layout must be one of ('mn_major', 'row_major'), "
+                                 "got 'column'"),
+    "out's shape": ("quantize_fp8_per_token(out=)",
+                    with_args(out=lambda a: (zeros(E4M3, 4, 64), a["out"][1])),
+                    ValueError, "out[0] must have shape (4, 128), got (4, 64)"),
+    "out overlaps x": ("rms_norm(out=)", with_args(out=lambda a: a["x"]),
+                       ValueError, "out overlaps an input; outputs must not alias inputs"),
+    "weight's length": ("rms_norm_quantize_fp8", with_args(weight=lambda a: zeros(BF16, 64)),
+                        ValueError, "weight must have shape (128,) to match x's last dimension, "
+                                    "got (64,)"),
+    "w's alignment": ("quantize_fp8_per_block", with_args(w=lambda a: misaligned(BF16, 128, 128)),
+                      ValueError, "w must start at a 16-byte aligned address, got "),
+}
+
+
+@pytest.mark.parametrize("what", BEFORE_THE_DEVICE)
+def test_checks_that_need_no_gpu_run_before_the_device_check(what):
+    case, change, error, message = BEFORE_THE_DEVICE[what]
+    args = arguments(case)
+    change(args)
+    with pytest.raises(error) as info:
+        call(case, args)
+    assert str(info.value).startswith(message)
+
+
+# --------------------------------------------------------------------------- get_mn_major_tma_aligned_tensor
+def test_mn_major_layout_names_what_is_wrong():
+    with pytest.raises(TypeError, match=r"^scales must have dtype torch.float32, got torch.bfloat16$"):
+        ptxforge.get_mn_major_tma_aligned_tensor(zeros(BF16, 4, 2))
+    with pytest.raises(TypeError, match="^scales must be a torch.Tensor, got list$"):
+        ptxforge.get_mn_major_tma_aligned_tensor([[1.0, 2.0]])
+    with pytest.raises(ValueError, match=r"^scales must have 2 or 3 dimensions, got shape \(4,\)$"):
+        ptxforge.get_mn_major_tma_aligned_tensor(zeros(F32, 4))
+
+
+@pytest.mark.parametrize("shape", [(5, 3), (2, 5, 3)])
+def test_mn_major_layout_works_on_the_cpu(shape):
+    """A layout, not a kernel: it needs no GPU."""
+    s = torch.arange(torch.Size(shape).numel(), dtype=F32).view(shape)
+    out = ptxforge.get_mn_major_tma_aligned_tensor(s)
+    assert torch.equal(out, s) and out.stride()[-2] == 1 and out.stride()[-1] == 8
