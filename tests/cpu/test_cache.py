@@ -3,6 +3,7 @@ concurrent writers, and the PTXFORGE_DISABLE_CACHE / PTXFORGE_DEBUG knobs."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -102,6 +103,16 @@ def test_entry_with_one_payload_byte_flipped_is_a_miss(tmp_path):
     data = bytearray(path.read_bytes())
     data[data.index(b"\n") + 100] ^= 0x01
     path.write_bytes(bytes(data))
+    assert cache.get(KEY) is None
+
+
+def test_the_checksum_covers_the_resource_report(tmp_path):
+    cache = DiskCache(tmp_path)
+    path = _stored(cache, KEY)
+    header, payload = path.read_bytes().split(b"\n", 1)
+    edited = header.replace(b'"registers": 8', b'"registers": 9')
+    assert edited != header and json.loads(edited)["meta"]["resources"] == {"registers": 9}
+    path.write_bytes(edited + b"\n" + payload)
     assert cache.get(KEY) is None
 
 
@@ -232,6 +243,60 @@ def test_concurrent_writers_install_one_whole_entry(tmp_path):
     assert sorted(p.name for p in cache_dir.iterdir()) == [f"{key}.cubin"]
     assert not [p for p in cache_dir.rglob("*") if p.name.endswith(".tmp")]
     assert DiskCache(cache_dir).get(key) is not None
+
+
+UNUSABLE = ("read-only", "a regular file", "under a regular file")
+
+
+def unusable_cache_dir(tmp_path: Path, kind: str) -> Path:
+    """A cache directory that cannot be written, in one of the UNUSABLE ways."""
+    if kind == "read-only":
+        directory = tmp_path / "cache"
+        directory.mkdir()
+        directory.chmod(0o555)
+        return directory
+    blocker = tmp_path / ("cache" if kind == "a regular file" else "blocker")
+    blocker.write_text("a file where the cache directory should be")
+    return blocker if kind == "a regular file" else blocker / "cache"
+
+
+def run_unusable(kind: str, request) -> list[str]:
+    """The command prefix for a test on an UNUSABLE kind (root ignores read-only folders)."""
+    return request.getfixturevalue("unprivileged") if kind == "read-only" else []
+
+
+_BUILD_TWO = """
+import json, sys, warnings
+sys.path.insert(0, {tests!r})
+from test_cache import store_constant_kernel
+from ptxforge import jit
+
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    built = [jit.build(store_constant_kernel(name)) for name in ("first", "second")]
+print(json.dumps({{"sources": [c.source for c in built],
+                  "elf": [c.cubin[:4] == b"\\x7fELF" for c in built],
+                  "warnings": [str(w.message) for w in caught]}}))
+"""
+
+
+@pytest.mark.parametrize("debug", ["0", "1"], ids=["", "debug"])
+@pytest.mark.parametrize("kind", UNUSABLE)
+def test_an_unusable_cache_directory_costs_one_warning_never_a_build(kind, debug, tmp_path,
+                                                                     request):
+    directory = unusable_cache_dir(tmp_path, kind)
+    env = {k: v for k, v in os.environ.items() if k != "PTXFORGE_DISABLE_CACHE"}
+    env.update(PTXFORGE_CACHE_DIR=str(directory), PTXFORGE_DEBUG=debug)
+    script = _BUILD_TWO.format(tests=str(Path(__file__).parent))
+    proc = subprocess.run(run_unusable(kind, request) + [sys.executable, "-c", script], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["sources"] == ["assembled", "assembled"] and all(result["elf"])
+    (warning,) = result["warnings"]
+    assert warning.startswith("ptxforge: cannot write the kernel cache (")
+    if kind == "read-only":
+        assert "Permission denied" in warning and list(directory.iterdir()) == []
 
 
 def test_unwritable_cache_directory_warns_and_builds(tmp_path, monkeypatch):

@@ -1,13 +1,17 @@
-"""Errors name what is wrong: assembler rejections quote the PTX, unknown targets and
-devices list the known ones, builder and op argument checks name the argument."""
+"""Errors name what is wrong: assembler rejections quote the PTX, a missing or hung
+assembler is one line saying what to do, unknown targets and devices list the known ones,
+builder arguments (immediates included) name the argument. The ops' argument checks are in
+test_op_errors.py."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 import torch
 
-import ptxforge
 from ptxforge import arch, jit
+from ptxforge.jit import assemble
 from ptxforge.kernels import bf16_block_quant_fp8 as block_kernel
 from ptxforge.kernels import bf16_row_rmsnorm_fp8quant as row_kernel
 from ptxforge.ops import get_tma_aligned_size
@@ -29,6 +33,10 @@ def kernel_with_unknown_instruction() -> KernelBuilder:
 # --------------------------------------------------------------------------- assembler errors
 @pytest.mark.parametrize("assembler, prefix", [("ptxas", "ptxas "), ("nvjitlink", "nvJitLink ")])
 def test_assembly_error_quotes_the_log_and_the_line(assembler, prefix, monkeypatch):
+    try:
+        jit.get_assembler(assembler)
+    except jit.AssemblerUnavailable as exc:
+        pytest.skip(str(exc))
     monkeypatch.setenv("PTXFORGE_DISABLE_CACHE", "1")
     k = kernel_with_unknown_instruction()
     line = k.ptx().splitlines().index(BAD_LINE) + 1
@@ -40,6 +48,114 @@ def test_assembly_error_quotes_the_log_and_the_line(assembler, prefix, monkeypat
     assert log.strip() in message
     assert f">> {line:5d} | {BAD_LINE}" in message
     assert f"   {line - 1:5d} | " in message and f"   {line + 1:5d} | " in message
+
+
+@pytest.fixture
+def no_assembler_knobs(monkeypatch):
+    """No assembler settings, no disk cache, and assemblers looked up afresh."""
+    for knob in ("PTXFORGE_ASSEMBLER", "PTXFORGE_PTXAS", "PTXFORGE_ASSEMBLE_TIMEOUT"):
+        monkeypatch.delenv(knob, raising=False)
+    monkeypatch.setenv("PTXFORGE_DISABLE_CACHE", "1")
+    assemble._assembler.cache_clear()
+    yield monkeypatch
+    assemble._assembler.cache_clear()
+
+
+def fake_ptxas(directory, body: str) -> str:
+    """An executable that answers ``--version`` as ptxas 13.0 does, then runs ``body``."""
+    path = directory / "ptxas"
+    path.write_text("#!/bin/sh\n"
+                    'if [ "$1" = --version ]; then echo "Cuda compilation tools, release 13.0, '
+                    'V13.0.88"; exit 0; fi\n' + body + "\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+def assert_one_line(exc: BaseException) -> None:
+    """A message of one line, raised without a chained traceback behind it."""
+    assert "\n" not in str(exc) and exc.__cause__ is None
+    assert exc.__context__ is None or exc.__suppress_context__
+
+
+def test_a_hung_ptxas_is_stopped_and_named(tmp_path, no_assembler_knobs):
+    # The shell waits on a child: killing the shell alone would leave the pipes open.
+    no_assembler_knobs.setenv("PTXFORGE_PTXAS", fake_ptxas(tmp_path, "sleep 60 & wait"))
+    no_assembler_knobs.setenv("PTXFORGE_ASSEMBLE_TIMEOUT", "0.5")
+    start = time.monotonic()
+    with pytest.raises(jit.AssemblyError) as info:
+        jit.build(kernel_with_unknown_instruction())
+    assert time.monotonic() - start < 10
+    assert str(info.value) == ("ptxas 13.0.88 did not finish assembling rejected within 0.5 s and "
+                               "was stopped (the limit is PTXFORGE_ASSEMBLE_TIMEOUT)")
+
+
+@pytest.mark.parametrize("value", ["soon", "0", "-3", "inf", "nan"])
+def test_assemble_timeout_must_be_a_positive_number(value, no_assembler_knobs):
+    no_assembler_knobs.setenv("PTXFORGE_ASSEMBLE_TIMEOUT", value)
+    with pytest.raises(ValueError, match=f"^PTXFORGE_ASSEMBLE_TIMEOUT must be a positive number "
+                                         f"of seconds, got '{value}'$"):
+        jit.build(kernel_with_unknown_instruction(), assembler="ptxas")
+
+
+@pytest.mark.parametrize("assembler", [None, "ptxas"])
+def test_a_missing_ptxforge_ptxas_is_an_error_not_a_fallback(assembler, tmp_path,
+                                                              no_assembler_knobs):
+    missing = str(tmp_path / "no" / "ptxas")
+    no_assembler_knobs.setenv("PTXFORGE_PTXAS", missing)
+    with pytest.raises(jit.AssemblerUnavailable) as info:
+        jit.get_assembler(assembler)
+    assert str(info.value) == f"PTXFORGE_PTXAS is {missing!r}, which is not an executable file"
+
+
+def test_a_ptxforge_ptxas_that_is_not_ptxas(tmp_path, no_assembler_knobs):
+    no_assembler_knobs.setenv("PTXFORGE_PTXAS", "/bin/true")
+    with pytest.raises(jit.AssemblerUnavailable, match="^/bin/true is not a ptxas") as info:
+        jit.get_assembler()
+    assert_one_line(info.value)
+
+
+def hide_nvjitlink(monkeypatch) -> None:
+    """Make cuda.bindings fail to find libnvJitLink, as where the wheel is not installed."""
+    from cuda.bindings import nvjitlink
+    from cuda.pathfinder import DynamicLibNotFoundError
+
+    def not_found():
+        raise DynamicLibNotFoundError('Failure finding "libnvJitLink.so.13": No such file')
+
+    monkeypatch.setattr(nvjitlink, "version", not_found)
+
+
+def test_nvjitlink_without_its_library_says_what_to_install(no_assembler_knobs):
+    hide_nvjitlink(no_assembler_knobs)
+    with pytest.raises(jit.AssemblerUnavailable) as info:
+        jit.build(kernel_with_unknown_instruction(), assembler="nvjitlink")
+    assert str(info.value) == ('the nvJitLink library is not installed: '
+                               'pip install "nvidia-nvjitlink==13.0.*"')
+    assert_one_line(info.value)
+
+
+def test_driver_assembler_without_a_gpu_says_so(no_assembler_knobs):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: the driver's PTX JIT works here")
+    no_assembler_knobs.setenv("PTXFORGE_ASSEMBLER", "driver")
+    with pytest.raises(jit.AssemblerUnavailable, match="^the driver's PTX JIT needs ") as info:
+        jit.build(kernel_with_unknown_instruction())
+    assert_one_line(info.value)
+
+
+def test_no_assembler_at_all_is_one_line_naming_each(no_assembler_knobs):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: the driver's PTX JIT works here")
+    no_assembler_knobs.setattr(assemble, "find_cuda_tool", lambda name: None)  # no toolkit
+    hide_nvjitlink(no_assembler_knobs)
+    with pytest.raises(jit.AssemblerUnavailable) as info:
+        jit.build(kernel_with_unknown_instruction())
+    message = str(info.value)
+    assert message.startswith("no PTX assembler is available (ptxas: ")
+    assert 'pip install "nvidia-cuda-nvcc==13.0.*"' in message
+    assert 'pip install "nvidia-nvjitlink==13.0.*"' in message
+    assert "; driver: the driver's PTX JIT needs " in message
+    assert_one_line(info.value)
 
 
 # --------------------------------------------------------------------------- arch lookups

@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from . import settings
-from .assemble import AssemblyError, Resources, get_assembler
+from .assemble import AssemblerUnavailable, AssemblyError, Resources, get_assembler
 from .cache import DiskCache, cache_key
 
 
@@ -78,19 +78,19 @@ def build(kernel, *, assembler: str | None = None) -> CompiledKernel:
     if resources is not None:
         cubin, log, source = cached[0], cached[1].get("log", ""), "disk"
     else:
-        cubin, log = asm.assemble(ptx, kernel.target)
+        cubin, log = asm.assemble(ptx, kernel.target, kernel.name)
         resources, source = Resources.from_log(log), "assembled"
         if disk is not None:
-            _write_cache(disk, key, cubin, {"name": kernel.name, "target": kernel.target,
-                                            "assembler": repr(asm),
-                                            "resources": resources.as_dict(), "log": log})
+            _write_to_disk(disk.put, key, cubin, {"name": kernel.name, "target": kernel.target,
+                                                  "assembler": repr(asm),
+                                                  "resources": resources.as_dict(), "log": log})
     _refuse_spills_in_debug(kernel.name, resources)
     for line in log.splitlines():
         # ptxas reports some slow paths only as "info" (e.g. C7514: wgmma serialised).
         if "Potential Performance Loss" in line:
             warnings.warn(f"{kernel.name}: {line.split(':', 1)[-1].strip()}")
-    if settings.debug():
-        _keep_ptx(kernel.name, key, ptx)
+    if settings.debug():  # kept even when the cache is disabled
+        _write_to_disk(DiskCache(settings.cache_dir()).keep_ptx, kernel.name, key, ptx)
     compiled = CompiledKernel(
         name=kernel.name, target=kernel.target, ptx=ptx, cubin=cubin, resources=resources,
         params=list(kernel.params), assembler=repr(asm), key=key, source=source,
@@ -112,11 +112,13 @@ def _cached_resources(cached) -> Resources | None:
 _cache_write_warned = False
 
 
-def _write_cache(disk: DiskCache, key: str, cubin: bytes, meta: dict) -> None:
+def _write_to_disk(write, *args) -> None:
+    """``write(*args)``, a DiskCache method: a read-only, full or misplaced cache directory
+    costs one warning per process, never the build."""
     global _cache_write_warned
     try:
-        disk.put(key, cubin, meta)
-    except OSError as exc:  # a read-only or full cache directory must not fail the op
+        write(*args)
+    except OSError as exc:
         if not _cache_write_warned:
             warnings.warn(f"ptxforge: cannot write the kernel cache ({exc}); going on without it")
             _cache_write_warned = True
@@ -126,12 +128,6 @@ def _refuse_spills_in_debug(name: str, resources: Resources) -> None:
     if settings.debug() and resources.spills:
         raise SpillError(f"{name} spills {resources.spill_stores} bytes to local memory and "
                          f"reloads {resources.spill_loads} (PTXFORGE_DEBUG is set)")
-
-
-def _keep_ptx(name: str, key: str, ptx: str) -> None:
-    directory = settings.cache_dir() / "ptx"
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / f"{name}.{key[:12]}.ptx").write_text(ptx)
 
 
 def precompile(makers, *, workers: int | None = None, progress: bool = True) -> list[CompiledKernel]:
@@ -162,5 +158,5 @@ def _progress(done: int, total: int, label: str) -> None:
     sys.stderr.flush()
 
 
-__all__ = ["AssemblyError", "CompiledKernel", "Resources", "SpillError", "build", "precompile",
+__all__ = ["AssemblerUnavailable", "AssemblyError", "CompiledKernel", "Resources", "SpillError", "build", "precompile",
            "get_assembler"]

@@ -2,15 +2,17 @@
 
 Three assemblers, tried in this order unless ``PTXFORGE_ASSEMBLER`` names one:
 
-- ``ptxas``: the assembler found through PTXFORGE_PTXAS, PATH, CUDA_HOME or the
-  ``nvidia-cuda-nvcc`` wheel. First because of the code it makes: from the same PTX,
-  nvJitLink 13.0 doubled every shuffle of the quantization kernels behind WARPSYNC
-  divergence guards that ptxas 13.0 leaves out (docs/performance.md).
+- ``ptxas``: PTXFORGE_PTXAS when set (then that one or an error, never another), else the
+  first found on PATH, under CUDA_HOME or in the ``nvidia-cuda-nvcc`` wheel. First because
+  of the code it makes: from the same PTX, nvJitLink 13.0 doubled every shuffle of the
+  quantization kernels behind WARPSYNC divergence guards that ptxas 13.0 leaves out
+  (docs/performance.md). Each run is a process stopped after PTXFORGE_ASSEMBLE_TIMEOUT.
 - ``nvjitlink``: NVIDIA's in-process JIT linker (``cuda.bindings.nvjitlink``); no process
   start (13 ms against 20 ms for a ptxas process on a small kernel, 2-core machine).
 - ``driver``: the CUDA driver's own PTX JIT (``cuLink*``); needs a GPU.
 
-Every assembler runs ptxas's verbose mode; its report gives the kernel's resources.
+Every assembler runs ptxas's verbose mode; its report gives the kernel's resources. One
+that cannot run here raises AssemblerUnavailable, whose one line says what to install.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import glob
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -29,9 +32,15 @@ from . import settings
 
 
 class AssemblyError(RuntimeError):
-    """The assembler refused the PTX. The message quotes its log and the PTX lines it names."""
+    """The assembler refused the PTX (the message quotes its log and the PTX lines it names),
+    or ran past ``PTXFORGE_ASSEMBLE_TIMEOUT`` and was stopped."""
 
-    def __init__(self, assembler: str, log: str, ptx: str):
+    def __init__(self, message: str, log: str = ""):
+        super().__init__(message)
+        self.log = log
+
+    @classmethod
+    def rejected(cls, assembler: str, log: str, ptx: str) -> "AssemblyError":
         lines = ptx.splitlines()
         named = {int(n) for n in re.findall(r"line (\d+)", log)}
         # Each named line with one line of context either side; overlapping windows merge.
@@ -45,8 +54,12 @@ class AssemblyError(RuntimeError):
         text = f"{assembler} rejected the PTX:\n{log.strip()}"
         if quoted:
             text += "\n\nat:\n" + "\n".join(quoted)
-        super().__init__(text)
-        self.log = log
+        return cls(text, log)
+
+
+class AssemblerUnavailable(RuntimeError):
+    """The assembler asked for cannot run here (or, when none was named, no assembler can);
+    the one-line message says what is missing and how to install it."""
 
 
 @dataclass(frozen=True)
@@ -87,12 +100,35 @@ class Assembler:
     name: str
     version: str
 
-    def assemble(self, ptx: str, target: str) -> tuple[bytes, str]:
-        """Return (cubin, verbose log); raise AssemblyError on failure."""
+    def assemble(self, ptx: str, target: str, kernel: str = "kernel") -> tuple[bytes, str]:
+        """Return (cubin, verbose log) for the PTX of ``kernel``; raise AssemblyError on
+        failure."""
         raise NotImplementedError
 
     def __repr__(self) -> str:
         return f"{self.name} {self.version}"
+
+
+# What to install when an assembler is missing: the CUDA 13.0 line, as on the GPU machines.
+INSTALL_PTXAS = 'pip install "nvidia-cuda-nvcc==13.0.*"'
+INSTALL_NVJITLINK = 'pip install "nvidia-nvjitlink==13.0.*"'
+
+
+def _run(command: list[str], timeout: float) -> tuple[int, str]:
+    """(exit code, stdout + stderr) of a tool run in a process group of its own, so that on
+    timeout the whole group is killed (subprocess.TimeoutExpired is raised then)."""
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:  # it ended just now
+            pass
+        proc.communicate()
+        raise
+    return proc.returncode, out + err
 
 
 class PtxasAssembler(Assembler):
@@ -100,20 +136,35 @@ class PtxasAssembler(Assembler):
 
     def __init__(self, path: str):
         self.path = path
-        out = subprocess.run([path, "--version"], capture_output=True, text=True, check=True)
-        m = re.search(r"V(\d+\.\d+\.\d+)", out.stdout)
-        self.version = m.group(1) if m else out.stdout.strip().splitlines()[-1]
+        timeout = settings.assemble_timeout()
+        try:
+            code, out = _run([path, "--version"], timeout)
+        except subprocess.TimeoutExpired:
+            raise AssemblerUnavailable(f"{path} --version did not answer within {timeout:g} s "
+                                       f"(PTXFORGE_ASSEMBLE_TIMEOUT)") from None
+        except OSError as exc:
+            raise AssemblerUnavailable(f"{path} cannot run: {exc.strerror}") from None
+        m = re.search(r"V(\d+\.\d+\.\d+)", out)
+        if code != 0 or m is None:
+            first_line = (out.strip().splitlines() or [""])[0]
+            raise AssemblerUnavailable(f"{path} is not a ptxas: `--version` printed "
+                                       f"{first_line[:80]!r}")
+        self.version = m.group(1)
 
-    def assemble(self, ptx: str, target: str) -> tuple[bytes, str]:
+    def assemble(self, ptx: str, target: str, kernel: str = "kernel") -> tuple[bytes, str]:
+        timeout = settings.assemble_timeout()
         with tempfile.TemporaryDirectory(prefix="ptxforge-") as tmp:
-            src, dst = os.path.join(tmp, "kernel.ptx"), os.path.join(tmp, "kernel.cubin")
+            src, dst = os.path.join(tmp, f"{kernel}.ptx"), os.path.join(tmp, f"{kernel}.cubin")
             with open(src, "w") as f:
                 f.write(ptx)
-            proc = subprocess.run([self.path, f"-arch={target}", "-v", src, "-o", dst],
-                                  capture_output=True, text=True)
-            log = proc.stdout + proc.stderr
-            if proc.returncode != 0:
-                raise AssemblyError(f"ptxas {self.version}", log, ptx)
+            try:
+                code, log = _run([self.path, f"-arch={target}", "-v", src, "-o", dst], timeout)
+            except subprocess.TimeoutExpired:
+                raise AssemblyError(f"ptxas {self.version} did not finish assembling {kernel} "
+                                    f"within {timeout:g} s and was stopped (the limit is "
+                                    f"PTXFORGE_ASSEMBLE_TIMEOUT)") from None
+            if code != 0:
+                raise AssemblyError.rejected(f"ptxas {self.version}", log, ptx)
             with open(dst, "rb") as f:
                 return f.read(), log
 
@@ -124,20 +175,24 @@ class NvJitLinkAssembler(Assembler):
     def __init__(self):
         from cuda.bindings import nvjitlink
 
+        try:
+            self.version = "%d.%d" % nvjitlink.version()
+        except RuntimeError:  # cuda.pathfinder: the library is not installed
+            raise AssemblerUnavailable(f"the nvJitLink library is not installed: "
+                                       f"{INSTALL_NVJITLINK}") from None
         self._nvjitlink = nvjitlink
-        self.version = "%d.%d" % nvjitlink.version()
 
-    def assemble(self, ptx: str, target: str) -> tuple[bytes, str]:
+    def assemble(self, ptx: str, target: str, kernel: str = "kernel") -> tuple[bytes, str]:
         nvj = self._nvjitlink
         data = ptx.encode()
         handle = nvj.create(2, [f"-arch={target}", "-verbose"])
         try:
             try:  # PTX is compiled in add_data already, linked in complete
-                nvj.add_data(handle, nvj.InputType.PTX, data, len(data), "kernel.ptx")
+                nvj.add_data(handle, nvj.InputType.PTX, data, len(data), f"{kernel}.ptx")
                 nvj.complete(handle)
             except nvj.nvJitLinkError:
-                raise AssemblyError(f"nvJitLink {self.version}", self._log(handle, error=True),
-                                    ptx) from None
+                raise AssemblyError.rejected(f"nvJitLink {self.version}",
+                                             self._log(handle, error=True), ptx) from None
             cubin = bytearray(nvj.get_linked_cubin_size(handle))
             nvj.get_linked_cubin(handle, cubin)
             return bytes(cubin), self._log(handle)
@@ -160,54 +215,75 @@ class DriverAssembler(Assembler):
     def __init__(self):
         from . import driver
 
+        try:
+            self.version = driver.driver_version()
+        except driver.CudaError as exc:  # cuInit: no GPU, or a driver too old
+            raise AssemblerUnavailable(f"the driver's PTX JIT needs a GPU: {exc}") from None
+        except RuntimeError:  # cuda.pathfinder found no libcuda
+            raise AssemblerUnavailable("the driver's PTX JIT needs the NVIDIA driver "
+                                       "(libcuda.so.1), which is not installed") from None
         self._driver = driver
-        self.version = driver.driver_version()
 
-    def assemble(self, ptx: str, target: str) -> tuple[bytes, str]:
+    def assemble(self, ptx: str, target: str, kernel: str = "kernel") -> tuple[bytes, str]:
         return self._driver.link_ptx(ptx, target)
 
 
-def find_cuda_tool(name: str, explicit: str | None = None) -> str | None:
-    """A CUDA command-line tool (ptxas, cuobjdump, nvdisasm): ``explicit``, then PATH,
-    CUDA_HOME, /usr/local/cuda, then the ``nvidia-*`` pip wheels' bin folders."""
-    candidates = [explicit, shutil.which(name)]
+def _executable(path: str) -> bool:
+    return os.path.isfile(path) and os.access(path, os.X_OK)
+
+
+def find_cuda_tool(name: str) -> str | None:
+    """A CUDA command-line tool (ptxas, cuobjdump, nvdisasm) on PATH, under CUDA_HOME,
+    CUDA_PATH or /usr/local/cuda, or in an ``nvidia-*`` pip wheel's bin folder."""
+    candidates = [shutil.which(name)]
     for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
         if home:
             candidates.append(os.path.join(home, "bin", name))
     for site in sys.path:
         candidates += sorted(glob.glob(os.path.join(site, "nvidia", "*", "bin", name)))
-    for path in candidates:
-        if path and os.path.isfile(path) and os.access(path, os.X_OK):
-            return path
-    return None
+    return next((path for path in candidates if path and _executable(path)), None)
 
 
-def find_ptxas() -> str | None:
-    return find_cuda_tool("ptxas", settings.ptxas_path())
+def find_ptxas(explicit: str | None = None) -> str | None:
+    """``explicit`` (PTXFORGE_PTXAS by default), which must then be an executable file,
+    else the first ptxas ``find_cuda_tool`` finds, else None."""
+    explicit = explicit or settings.ptxas_path()
+    if explicit is None:
+        return find_cuda_tool("ptxas")
+    if not _executable(explicit):
+        raise AssemblerUnavailable(f"PTXFORGE_PTXAS is {explicit!r}, which is not an "
+                                   f"executable file")
+    return explicit
 
 
-def _make(name: str) -> Assembler:
-    if name == "nvjitlink":
-        return NvJitLinkAssembler()
-    if name == "ptxas":
-        path = find_ptxas()
-        if path is None:
-            raise FileNotFoundError("no ptxas found (PTXFORGE_PTXAS, PATH, CUDA_HOME, "
-                                    "/usr/local/cuda, or `pip install nvidia-cuda-nvcc`)")
-        return PtxasAssembler(path)
-    return DriverAssembler()
+def get_assembler(name: str | None = None) -> Assembler:
+    """The named assembler, else PTXFORGE_ASSEMBLER's, else the first that works; raises
+    AssemblerUnavailable with one line saying what is missing."""
+    return _assembler(name or settings.assembler_name(), settings.ptxas_path())
 
 
 @functools.lru_cache(maxsize=None)
-def get_assembler(name: str | None = None) -> Assembler:
-    """The named assembler, else PTXFORGE_ASSEMBLER's, else the first that works."""
-    name = name or settings.assembler_name()
+def _assembler(name: str | None, ptxas: str | None) -> Assembler:
     if name is not None:
-        return _make(name)
+        return _make(name, ptxas)
+    if ptxas is not None:  # the user named a ptxas: it is that one or an error, no fallback
+        return _make("ptxas", ptxas)
     failures = []
     for candidate in ("ptxas", "nvjitlink", "driver"):
         try:
-            return _make(candidate)
-        except Exception as exc:  # the next one may work; report all if none does
+            return _make(candidate, None)
+        except AssemblerUnavailable as exc:  # the next one may work; report all if none does
             failures.append(f"{candidate}: {exc}")
-    raise RuntimeError("no PTX assembler is available:\n  " + "\n  ".join(failures))
+    raise AssemblerUnavailable("no PTX assembler is available (" + "; ".join(failures) + ")")
+
+
+def _make(name: str, ptxas: str | None) -> Assembler:
+    if name == "nvjitlink":
+        return NvJitLinkAssembler()
+    if name == "driver":
+        return DriverAssembler()
+    path = find_ptxas(ptxas)
+    if path is None:
+        raise AssemblerUnavailable(f"no ptxas on PATH, under CUDA_HOME or /usr/local/cuda, or in "
+                                   f"a pip wheel: {INSTALL_PTXAS}")
+    return PtxasAssembler(path)

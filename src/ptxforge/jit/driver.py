@@ -89,8 +89,8 @@ def link_ptx(ptx: str, target: str) -> tuple[bytes, str]:
             if int(err) == 0:
                 err, cubin_ptr, size = cu.cuLinkComplete(state)
             if int(err) != 0:
-                raise AssemblyError(f"driver {driver_version()}",
-                                    error.rstrip(b"\0").decode(errors="replace"), ptx)
+                raise AssemblyError.rejected(f"driver {driver_version()}",
+                                             error.rstrip(b"\0").decode(errors="replace"), ptx)
             cubin = ctypes.string_at(int(cubin_ptr), size)
         finally:
             call("cuLinkDestroy", state)
