@@ -15,7 +15,7 @@ import tempfile
 from . import arch as arch_mod
 from . import jit, kernels
 from .jit import settings
-from .jit.assemble import find_cuda_tool, get_assembler
+from .jit.assemble import AssemblerUnavailable, find_cuda_tool, get_assembler
 from .jit.cache import DiskCache
 
 
@@ -38,12 +38,13 @@ def _target_arch(name: str | None):
 
 
 def _options(pairs: list[str]) -> dict:
+    """``key=value`` words as a dict; the kernel's spec checks the names and values."""
     options = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep:
-            raise SystemExit(f"kernel options are key=value, got {pair!r}")
-        options[key] = int(value) if value.lstrip("-").isdigit() else value
+            raise ValueError(f"kernel options are key=value, got {pair!r}")
+        options[key] = value
     return options
 
 
@@ -77,13 +78,20 @@ def cmd_info(args) -> int:
           + ", ".join(f for f, on in a.features.items() if on))
     try:
         print(f"assembler: {get_assembler()!r}")
-    except RuntimeError as exc:
+    except AssemblerUnavailable as exc:
         print(f"assembler: none ({exc})")
     cache = DiskCache(settings.cache_dir())
-    state = "disabled" if settings.cache_disabled() else f"{len(cache.entries())} entries, " \
-                                                         f"{cache.size_bytes() / 1e6:.1f} MB"
+    state = "disabled" if settings.cache_disabled() else _cache_state(cache, cache.problem())
     print(f"cache: {cache.directory} ({state})")
     return 0
+
+
+def _cache_state(cache: DiskCache, problem: str | None) -> str:
+    """Entries and size, and ``problem``: why the directory cannot be written, if it cannot."""
+    state = f"{len(cache.entries())} entries, {cache.size_bytes() / 1e6:.1f} MB"
+    if problem:
+        state += f"; cannot be written: {problem}, so new kernels are not saved"
+    return state
 
 
 def cmd_ptx(args) -> int:
@@ -97,23 +105,29 @@ def cmd_asm(args) -> int:
     compiled = jit.build(spec.builder(_target_arch(args.arch), **_options(args.options)))
     print(_resource_rows([compiled]))
     if args.sass:
-        print()
-        print(sass_histogram(compiled.cubin))
+        print("\n" + sass_histogram(compiled.cubin))
     return 1 if compiled.resources.spills else 0
+
+
+class DisassemblyError(RuntimeError):
+    """No SASS disassembler is installed, or it failed."""
 
 
 def sass_histogram(cubin: bytes) -> str:
     """Opcode counts of a cubin's SASS, through cuobjdump or nvdisasm."""
     tool = find_cuda_tool("cuobjdump") or find_cuda_tool("nvdisasm")
     if tool is None:
-        return "no cuobjdump or nvdisasm found (pip install nvidia-cuda-cuobjdump)"
+        # PyPI has these from CUDA 13.2 on; they read the cubins of ptxas 13.0.
+        raise DisassemblyError("--sass needs cuobjdump or nvdisasm: pip install "
+                               "nvidia-cuda-cuobjdump (or nvidia-cuda-nvdisasm), 13.2 or newer")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
         cmd = [tool, "--dump-sass", f.name] if tool.endswith("cuobjdump") else [tool, f.name]
         out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode != 0:
-        return f"{os.path.basename(tool)} failed: {out.stderr.strip()}"
+        message = (out.stderr.strip().splitlines() or [f"exit code {out.returncode}"])[-1]
+        raise DisassemblyError(f"{tool} failed: {message}")
     counts = collections.Counter()
     for line in out.stdout.splitlines():
         m = re.search(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)
@@ -134,7 +148,7 @@ def cmd_precompile(args) -> int:
 
 def cmd_bench(args) -> int:
     if not _gpu_available():
-        print("ptxforge bench needs a CUDA GPU; none was found.")
+        print("ptxforge bench: needs a CUDA GPU; none was found", file=sys.stderr)
         return 2
     from . import bench
 
@@ -240,8 +254,10 @@ def cmd_demo(args) -> int:
         a = _target_arch(args.arch)
         compiled = jit.precompile(kernels.all_variants(a), progress=False)
         print(_resource_rows(compiled))
-        print(f"\nNo CUDA GPU was found: generated and assembled {len(compiled)} kernel variants "
-              f"for {a.target}; nothing was run.")
+        assembled = sum(c.source == "assembled" for c in compiled)
+        print(f"\nNo CUDA GPU was found: generated {len(compiled)} kernel variants for "
+              f"{a.target} ({assembled} assembled, {len(compiled) - assembled} loaded from the "
+              f"cache); nothing was run.")
         return 1 if any(c.resources.spills for c in compiled) else 0
     from . import bench, checks
 
@@ -259,45 +275,62 @@ def cmd_demo(args) -> int:
 
 def cmd_cache(args) -> int:
     cache = DiskCache(settings.cache_dir())
-    if args.action == "clear":
-        print(f"removed {cache.clear()} entries from {cache.directory}")
-    else:
-        print(f"{cache.directory}: {len(cache.entries())} entries, {cache.size_bytes() / 1e6:.1f} MB")
+    if args.action == "show":
+        problem = cache.problem()
+        print(f"{cache.directory}: {_cache_state(cache, problem)}")
+        return 2 if problem else 0
+    try:
+        removed = cache.clear()
+    except OSError as exc:
+        print(f"ptxforge cache: cannot remove {exc.filename}: {exc.strerror}", file=sys.stderr)
+        return 2
+    print(f"removed {removed} entries from {cache.directory}")
     return 0
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="ptxforge", description=__doc__)
-    parser.add_argument("--arch", help="target[:device], e.g. sm_90a or sm_90a:H200 "
-                        "(default: PTXFORGE_ARCH, the GPU, or sm_90a)")
+    # --arch before the command or after it: the subcommands' copy keeps the main one's value
+    # unless given (SUPPRESS: no default of its own).
+    arch_help = ("target[:device], e.g. sm_90a or sm_90a:H200 (default: PTXFORGE_ARCH, the GPU, "
+                 "or sm_90a)")
+    arch_option = argparse.ArgumentParser(add_help=False)
+    arch_option.add_argument("--arch", default=argparse.SUPPRESS, help=arch_help)
+    parser.add_argument("--arch", default=None, help=arch_help)
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("info", help="GPU, architecture description, assembler, cache")
+
+    def command(name, helptext, **kwargs):
+        return sub.add_parser(name, help=helptext, parents=[arch_option], **kwargs)
+
+    command("info", "GPU, architecture description, assembler, cache")
+    kernel_list = "kernels and their options (default values): " + "; ".join(
+        f"{s.name} ({', '.join(f'{k}={v}' for k, v in s.options.items()) or 'no options'}): "
+        f"{s.doc}" for s in kernels.REGISTRY.values())
     for name, helptext in (("ptx", "print a kernel's PTX"),
                            ("asm", "assemble a kernel and print its resources")):
-        p = sub.add_parser(name, help=helptext,
-                           epilog="kernels: " + "; ".join(f"{s.name}: {s.doc}"
-                                                          for s in kernels.REGISTRY.values()))
+        p = command(name, helptext, epilog=kernel_list)
         p.add_argument("kernel", choices=list(kernels.REGISTRY))
         p.add_argument("options", nargs="*", help="key=value kernel options, e.g. hidden=4096")
         if name == "asm":
             p.add_argument("--sass", action="store_true", help="also print a SASS opcode histogram")
-    p = sub.add_parser("precompile", help="assemble every kernel variant in parallel")
+    p = command("precompile", "assemble every kernel variant in parallel")
     p.add_argument("--workers", type=int, default=None)
-    p = sub.add_parser("bench", help="GPU benchmark side by side with torch")
+    p = command("bench", "GPU benchmark side by side with torch")
     p.add_argument("suite", choices=["memory", "fp8-gemm", "grouped-gemm", "bf16-gemm"])
     p.add_argument("--m", type=int, default=16384)
     p.add_argument("--k", type=int, default=7168)
     p.add_argument("--json", help="write the full results here")
     p.add_argument("--plot", help="write a PNG plot here")
-    sub.add_parser("demo", help="run (GPU) or assemble (CPU) every kernel, with checks")
-    p = sub.add_parser("cache", help="show or clear the on-disk cubin cache")
+    command("demo", "run (GPU) or assemble (CPU) every kernel, with checks")
+    p = command("cache", "show or clear the on-disk cubin cache")
     p.add_argument("action", choices=["show", "clear"], nargs="?", default="show")
     args = parser.parse_args(argv)
     handler = {"info": cmd_info, "ptx": cmd_ptx, "asm": cmd_asm, "precompile": cmd_precompile,
                "bench": cmd_bench, "demo": cmd_demo, "cache": cmd_cache}[args.command]
     try:
         return handler(args)
-    except (ValueError, TypeError, jit.AssemblyError) as exc:
+    except (ValueError, TypeError, jit.AssemblyError, jit.AssemblerUnavailable, jit.SpillError,
+            DisassemblyError) as exc:
         print(f"ptxforge {args.command}: {exc}", file=sys.stderr)
         return 2
 

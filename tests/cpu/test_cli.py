@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from ptxforge import arch, cli, kernels
+from ptxforge import arch, cli, jit, kernels
 from ptxforge.jit.cache import DiskCache
 
 
@@ -116,21 +116,105 @@ def test_bad_hidden_size(capsys):
     assert "multiple of 8, got 12" in captured.err
 
 
-def test_option_without_a_value():
-    with pytest.raises(SystemExit, match="key=value"):
-        cli.main(["ptx", "rms_norm", "4096"])
+def test_option_without_a_value(capsys):
+    assert cli.main(["ptx", "rms_norm", "4096"]) == 2
+    assert capsys.readouterr().err == "ptxforge ptx: kernel options are key=value, got '4096'\n"
 
 
-def test_demo_without_gpu_assembles_every_variant(capsys):
+@pytest.mark.parametrize("kernel, option, shown", [
+    ("fp8_gemm_nt", "m=abc", "'abc'"), ("fp8_gemm_nt", "m=-1", "'-1'"),
+    ("fp8_gemm_nt", "m=0", "0"), ("bf16_gemm_nt", "k=1.5", "'1.5'"),
+    ("m_grouped_fp8_gemm_nt_contiguous", "groups=0", "0"),
+    ("m_grouped_fp8_gemm_nt_masked", "expected_m=-4", "'-4'"),
+    ("m_grouped_fp8_gemm_nt_masked", "expected_m=0", "0"), ("rms_norm", "hidden=", "''"),
+])
+def test_an_option_value_that_is_not_a_positive_integer_is_refused(kernel, option, shown, capsys):
+    assert cli.main(["asm", kernel, option]) == 2
+    name = option.partition("=")[0]
+    assert capsys.readouterr().err == (f"ptxforge asm: option {name} must be a positive integer, "
+                                       f"got {shown}\n")
+
+
+@pytest.mark.parametrize("kernel, option, valid", [
+    ("rms_norm", "hiden=4096", "hidden"), ("fp8_gemm_nt", "groups=4", "m, n, k"),
+    ("m_grouped_fp8_gemm_nt_masked", "m=64", "groups, expected_m, n, k"),
+    ("quantize_fp8_per_block", "hidden=4096", "none"),
+])
+def test_a_misspelled_option_lists_the_valid_ones(kernel, option, valid, capsys):
+    assert cli.main(["ptx", kernel, option]) == 2
+    key = option.partition("=")[0]
+    assert capsys.readouterr().err == (f"ptxforge ptx: {kernel} has no option {key!r}; its "
+                                       f"options: {valid}\n")
+
+
+def test_arch_after_the_command(capsys):
+    assert cli.main(["info", "--arch", "sm_90a:H100 SXM"]) == 0
+    assert "arch: sm_90a / H100 SXM: 132 SMs" in capsys.readouterr().out
+    assert cli.main(["ptx", "rms_norm", "hidden=1024", "--arch", "sm_89"]) == 2
+    assert "sm_89" in capsys.readouterr().err
+    assert cli.main(["--arch", "sm_89", "ptx", "rms_norm", "--arch", "sm_90a"]) == 0  # the last
+
+
+def test_bench_without_a_gpu_is_one_line_on_stderr(capsys):
+    assert cli.main(["bench", "memory"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == "ptxforge bench: needs a CUDA GPU; none was found\n"
+
+
+def test_sass_without_a_disassembler_names_the_packages(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "find_cuda_tool", lambda name: None)
+    assert cli.main(["asm", "quantize_fp8_per_token", "hidden=576", "--sass"]) == 2
+    captured = capsys.readouterr()
+    assert resource_rows(captured.out)[0]["kernel"] == "bf16_quant_fp8_per_token_k576"
+    assert captured.err == ("ptxforge asm: --sass needs cuobjdump or nvdisasm: pip install "
+                            "nvidia-cuda-cuobjdump (or nvidia-cuda-nvdisasm), 13.2 or newer\n")
+
+
+@pytest.fixture
+def disassembler():
+    from ptxforge.jit.assemble import find_cuda_tool
+
+    tool = find_cuda_tool("cuobjdump") or find_cuda_tool("nvdisasm")
+    if tool is None:
+        pytest.skip("no cuobjdump or nvdisasm (pip install nvidia-cuda-cuobjdump)")
+    return tool
+
+
+def test_sass_histogram(disassembler, capsys):
+    assert cli.main(["asm", "quantize_fp8_per_token", "hidden=576", "--sass"]) == 0
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if line.startswith("SASS ("))
+    total = int(header.split(": ")[1].split()[0])
+    counts = {line.split()[0]: int(line.split()[1]) for line in out.splitlines()
+              if line.startswith("  ")}
+    assert total == sum(counts.values()) > 100
+    assert counts["F2FP"] > 0 and counts["SHFL"] > 0  # e4m3 packing and the amax butterfly
+
+
+def test_sass_of_a_damaged_cubin_is_an_error(disassembler):
+    with pytest.raises(cli.DisassemblyError, match=" failed: "):
+        cli.sass_histogram(b"\x7fELF not a cubin")
+
+
+def test_demo_without_gpu_assembles_every_variant(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PTXFORGE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(jit, "_memory", {})
     assert cli.main(["demo"]) == 0
     out = capsys.readouterr().out
     expected = len(kernels.all_variants(arch.get("sm_90a")))
-    assert f"No CUDA GPU was found: generated and assembled {expected} kernel variants for sm_90a" in out
+    assert (f"No CUDA GPU was found: generated {expected} kernel variants for sm_90a "
+            f"({expected} assembled, 0 loaded from the cache); nothing was run.") in out
     rows = resource_rows(out)
     assert len(rows) == expected
     assert {r["target"] for r in rows} == {"sm_90a"}
     assert all(r["spill B"] == "0" for r in rows)
     assert "bf16_quant_fp8_per_block_128x128" in {r["kernel"] for r in rows}
+
+    monkeypatch.setattr(jit, "_memory", {})  # a new process: the disk cache alone
+    assert cli.main(["demo"]) == 0
+    out = capsys.readouterr().out
+    assert f"(0 assembled, {expected} loaded from the cache)" in out
+    assert {r["from"] for r in resource_rows(out)} == {"disk"}
 
 
 def test_cache_show_and_clear(tmp_path, monkeypatch, capsys):
@@ -146,3 +230,64 @@ def test_cache_show_and_clear(tmp_path, monkeypatch, capsys):
     assert cache.entries() == []
     assert cli.main(["cache"]) == 0
     assert capsys.readouterr().out == f"{tmp_path}: 0 entries, 0.0 MB\n"
+
+
+def test_cache_clear_removes_temporary_files_and_kept_ptx(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PTXFORGE_CACHE_DIR", str(tmp_path))
+    DiskCache(tmp_path).put("a" * 64, b"x" * 1000, {})
+    (tmp_path / ".aaaaaaaaaaaaaaaa.x1y2z3.tmp").write_bytes(b"left by a writer that died")
+    (tmp_path / "ptx").mkdir()
+    (tmp_path / "ptx" / "k.0123456789ab.ptx").write_text("// kept by PTXFORGE_DEBUG")
+    assert cli.main(["cache", "clear"]) == 0
+    assert capsys.readouterr().out == f"removed 1 entries from {tmp_path}\n"
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["ptx"]
+
+
+def test_cache_clear_with_a_directory_where_an_entry_should_be(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PTXFORGE_CACHE_DIR", str(tmp_path))
+    cache = DiskCache(tmp_path)
+    cache.put("a" * 64, b"x" * 1000, {})
+    cache.path("b" * 64).mkdir()
+    assert cli.main(["cache", "clear"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == (
+        f"ptxforge cache: cannot remove {cache.path('b' * 64)}: Is a directory\n")
+    assert cache.entries() == [cache.path("b" * 64)]  # the real entry went all the same
+
+
+@pytest.mark.parametrize("under_a_file", [False, True], ids=["a-file", "under-a-file"])
+def test_info_and_cache_show_say_when_the_cache_cannot_be_used(under_a_file, tmp_path,
+                                                              monkeypatch, capsys):
+    blocker = tmp_path / "blocker"
+    blocker.write_text("a file where the cache directory should be")
+    directory = blocker / "cache" if under_a_file else blocker
+    monkeypatch.setenv("PTXFORGE_CACHE_DIR", str(directory))
+    why = (f"it sits under {blocker}, which is not a directory" if under_a_file
+           else f"{blocker} is not a directory")
+    state = f"0 entries, 0.0 MB; cannot be written: {why}, so new kernels are not saved"
+    assert cli.main(["info"]) == 0
+    assert f"\ncache: {directory} ({state})\n" in capsys.readouterr().out
+    assert cli.main(["cache", "show"]) == 2
+    assert capsys.readouterr().out == f"{directory}: {state}\n"
+
+
+def test_a_read_only_cache(tmp_path, unprivileged):
+    cache = DiskCache(tmp_path / "cache")
+    cache.put("a" * 64, b"x" * 1000, {})
+    cache.directory.chmod(0o555)
+    env = {k: v for k, v in os.environ.items() if k != "PTXFORGE_ARCH"}
+    env.update(PTXFORGE_CACHE_DIR=str(cache.directory), CUDA_VISIBLE_DEVICES="")
+
+    def ptxforge(*args):
+        return subprocess.run(unprivileged + [sys.executable, "-m", "ptxforge.cli", *args],
+                              env=env, capture_output=True, text=True, timeout=120)
+
+    show = ptxforge("cache", "show")
+    assert show.returncode == 2
+    assert show.stdout == (f"{cache.directory}: 1 entries, 0.0 MB; cannot be written: "
+                           f"{cache.directory} is read-only, so new kernels are not saved\n")
+    clear = ptxforge("cache", "clear")
+    assert clear.returncode == 2 and clear.stdout == ""
+    assert clear.stderr == f"ptxforge cache: cannot remove {cache.path('a' * 64)}: Permission denied\n"
+    assert cache.entries() == [cache.path("a" * 64)]
+    assert f"\ncache: {cache.directory} (1 entries" in ptxforge("info").stdout

@@ -22,7 +22,7 @@ def _variants():
 @pytest.mark.parametrize("a, spec, options", list(_variants()))
 def test_variant_assembles_without_spills(a, spec, options):
     try:
-        config = spec.configure(a, **options)
+        config = spec.config(a, **options)
     except ValueError as exc:  # the only reasons a variant may not exist on a target
         missing = [f for f in ("fp8", "mbarrier_tx", "wgmma") if f in str(exc)]
         assert missing and not a.has(missing[0]), exc

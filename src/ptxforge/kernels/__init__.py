@@ -20,18 +20,37 @@ class KernelSpec:
     name: str
     configure: Callable  # (arch, **options) -> config
     generate: Callable   # config -> KernelBuilder
+    options: dict        # option name -> default: the sizes the config is specialised on
     variants: tuple      # option dicts worth precompiling
     doc: str
 
+    def config(self, arch, **options):
+        """The config for ``options`` (positive integers, or their decimal text, as the
+        command line gives them), the unnamed ones at their defaults."""
+        values = dict(self.options)
+        for key, value in options.items():
+            if key not in self.options:
+                raise ValueError(f"{self.name} has no option {key!r}; its options: "
+                                 f"{', '.join(self.options) or 'none'}")
+            if isinstance(value, str) and value.strip().isdigit():
+                value = int(value)
+            if type(value) is not int or value < 1:
+                raise ValueError(f"option {key} must be a positive integer, got {value!r}")
+            values[key] = value
+        return self.configure(arch, **values)
+
     def builder(self, arch, **options):
-        return self.generate(self.configure(arch, **options))
+        return self.generate(self.config(arch, **options))
 
 
 def _row(normalize: bool, quantize: bool):
-    def configure(arch, hidden: int = 7168):
-        return bf16_row_rmsnorm_fp8quant.choose_config(arch, int(hidden), normalize=normalize,
+    def configure(arch, hidden: int):
+        return bf16_row_rmsnorm_fp8quant.choose_config(arch, hidden, normalize=normalize,
                                                        quantize=quantize)
     return configure
+
+
+_ROW_OPTIONS = {"hidden": 7168}
 
 
 _ROW_VARIANTS = tuple({"hidden": h} for h in HIDDEN_SIZES)
@@ -47,38 +66,43 @@ MASKED_SHAPES = ((1, 1024, 4096, 7168), (1, 1024, 7168, 2048), (2, 512, 4096, 71
 def _gemm(dtype: str = "e4m3", masked: bool = False):
     """The GEMM's configure: dense (m), contiguous (groups, m: all rows) or masked (groups,
     expected_m: rows a group)."""
-    def configure(arch, m=4096, n=7168, k=2048, groups=0, expected_m=0):
+    def configure(arch, n, k, m=0, groups=0, expected_m=0):
         if masked:
-            m = int(groups) * int(expected_m)
-        return sm90_fp8_gemm_1d2d.choose_config(arch, int(m), int(n), int(k), groups=int(groups),
-                                                masked=masked, dtype=dtype)
+            m = groups * expected_m
+        return sm90_fp8_gemm_1d2d.choose_config(arch, m, n, k, groups=groups, masked=masked,
+                                                dtype=dtype)
     return configure
 
 
+_DENSE_OPTIONS = {"m": 4096, "n": 7168, "k": 2048}
+_CONTIGUOUS_OPTIONS = {"groups": 4, "m": 4 * 8192, "n": 4096, "k": 7168}
+_MASKED_OPTIONS = {"groups": 1, "expected_m": 1024, "n": 4096, "k": 7168}
 _DENSE_VARIANTS = tuple({"m": m, "n": n, "k": k} for m in (64, 4096) for n, k in GEMM_SHAPES)
 
 REGISTRY = {
     spec.name: spec for spec in (
         KernelSpec("rms_norm", _row(True, False), bf16_row_rmsnorm_fp8quant.generate,
-                   _ROW_VARIANTS, "RMSNorm, bf16 in/out (option: hidden)"),
+                   _ROW_OPTIONS, _ROW_VARIANTS, "RMSNorm, bf16 in/out"),
         KernelSpec("quantize_fp8_per_token", _row(False, True), bf16_row_rmsnorm_fp8quant.generate,
-                   _ROW_VARIANTS, "bf16 -> e4m3 + 1x128 scales (option: hidden)"),
+                   _ROW_OPTIONS, _ROW_VARIANTS, "bf16 -> e4m3 + 1x128 scales"),
         KernelSpec("rms_norm_quantize_fp8", _row(True, True), bf16_row_rmsnorm_fp8quant.generate,
-                   _ROW_VARIANTS, "fused RMSNorm + 1x128 FP8 quantization (option: hidden)"),
+                   _ROW_OPTIONS, _ROW_VARIANTS, "fused RMSNorm + 1x128 FP8 quantization"),
         KernelSpec("quantize_fp8_per_block", bf16_block_quant_fp8.choose_config,
-                   bf16_block_quant_fp8.generate, ({},), "bf16 -> e4m3 + 128x128 scales"),
-        KernelSpec("fp8_gemm_nt", _gemm(), sm90_fp8_gemm_1d2d.generate, _DENSE_VARIANTS,
-                   "FP8 GEMM, 1x128 x 128x128 scaling (options: m, n, k)"),
-        KernelSpec("bf16_gemm_nt", _gemm("bf16"), sm90_fp8_gemm_1d2d.generate, _DENSE_VARIANTS,
-                   "BF16 GEMM (options: m, n, k)"),
+                   bf16_block_quant_fp8.generate, {}, ({},), "bf16 -> e4m3 + 128x128 scales"),
+        KernelSpec("fp8_gemm_nt", _gemm(), sm90_fp8_gemm_1d2d.generate, _DENSE_OPTIONS,
+                   _DENSE_VARIANTS, "FP8 GEMM, 1x128 x 128x128 scaling"),
+        KernelSpec("bf16_gemm_nt", _gemm("bf16"), sm90_fp8_gemm_1d2d.generate, _DENSE_OPTIONS,
+                   _DENSE_VARIANTS, "BF16 GEMM"),
         KernelSpec("m_grouped_fp8_gemm_nt_contiguous", _gemm(), sm90_fp8_gemm_1d2d.generate,
+                   _CONTIGUOUS_OPTIONS,
                    tuple({"groups": g, "m": g * rows, "n": n, "k": k}
                          for g, rows, n, k in CONTIGUOUS_SHAPES),
-                   "MoE FP8 GEMM, contiguous layout (options: groups, m, n, k)"),
+                   "MoE FP8 GEMM, contiguous layout (m: all groups' rows)"),
         KernelSpec("m_grouped_fp8_gemm_nt_masked", _gemm(masked=True), sm90_fp8_gemm_1d2d.generate,
+                   _MASKED_OPTIONS,
                    tuple({"groups": g, "expected_m": rows, "n": n, "k": k}
                          for g, rows, n, k in MASKED_SHAPES),
-                   "MoE FP8 GEMM, masked layout (options: groups, expected_m, n, k)"),
+                   "MoE FP8 GEMM, masked layout (expected_m: rows a group)"),
     )
 }
 
@@ -95,7 +119,7 @@ def all_variants(arch):
     for spec in REGISTRY.values():
         for options in spec.variants:
             try:
-                config = spec.configure(arch, **options)
+                config = spec.config(arch, **options)
             except ValueError:
                 continue  # e.g. FP8 kernels on a target without FP8
             makers.append(lambda spec=spec, config=config: spec.generate(config))
