@@ -114,12 +114,13 @@ class DisassemblyError(RuntimeError):
 
 
 def sass_histogram(cubin: bytes) -> str:
-    """Opcode counts of a cubin's SASS, through cuobjdump or nvdisasm."""
-    tool = find_cuda_tool("cuobjdump") or find_cuda_tool("nvdisasm")
+    """Opcode counts of a cubin's SASS, through nvdisasm (or a toolkit's cuobjdump, which
+    runs nvdisasm itself)."""
+    tool = find_cuda_tool("nvdisasm") or find_cuda_tool("cuobjdump")
     if tool is None:
         # PyPI has these from CUDA 13.2 on; they read the cubins of ptxas 13.0.
-        raise DisassemblyError("--sass needs cuobjdump or nvdisasm: pip install "
-                               "nvidia-cuda-cuobjdump (or nvidia-cuda-nvdisasm), 13.2 or newer")
+        raise DisassemblyError("--sass needs nvdisasm: pip install nvidia-cuda-nvdisasm (13.2 "
+                               "or newer; nvidia-cuda-cuobjdump works beside it)")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()

@@ -166,17 +166,18 @@ def test_sass_without_a_disassembler_names_the_packages(monkeypatch, capsys):
     assert cli.main(["asm", "quantize_fp8_per_token", "hidden=576", "--sass"]) == 2
     captured = capsys.readouterr()
     assert resource_rows(captured.out)[0]["kernel"] == "bf16_quant_fp8_per_token_k576"
-    assert captured.err == ("ptxforge asm: --sass needs cuobjdump or nvdisasm: pip install "
-                            "nvidia-cuda-cuobjdump (or nvidia-cuda-nvdisasm), 13.2 or newer\n")
+    assert captured.err == ("ptxforge asm: --sass needs nvdisasm: pip install "
+                            "nvidia-cuda-nvdisasm (13.2 or newer; nvidia-cuda-cuobjdump works "
+                            "beside it)\n")
 
 
 @pytest.fixture
 def disassembler():
     from ptxforge.jit.assemble import find_cuda_tool
 
-    tool = find_cuda_tool("cuobjdump") or find_cuda_tool("nvdisasm")
+    tool = find_cuda_tool("nvdisasm") or find_cuda_tool("cuobjdump")
     if tool is None:
-        pytest.skip("no cuobjdump or nvdisasm (pip install nvidia-cuda-cuobjdump)")
+        pytest.skip("no nvdisasm or cuobjdump (pip install nvidia-cuda-nvdisasm)")
     return tool
 
 
