@@ -16,7 +16,7 @@ import sys
 import torch
 
 from ptxforge import ops
-from ptxforge.bench import Timer, forced_gemm_config
+from ptxforge.bench import Timer
 from ptxforge.checks import calc_diff, fp8_gemm_operands
 from ptxforge.kernels import sm90_fp8_gemm_1d2d as gemm
 from ptxforge.ops import _common
@@ -61,12 +61,13 @@ for block_m, block_n, multicast in configs:
     cfg = gemm.make_config(arch, n, k, block_m, block_n, multicast=multicast)
     line = []
     for variant, context in VARIANTS.items():
-        gemm_ops._launcher.cache_clear()   # each variant generates the kernel anew
-        with forced_gemm_config(cfg), context():
+        gemm_ops._launcher.cache_clear()   # each variant generates the kernel anew,
+        gemm_ops._plan.cache_clear()       # and plans hold their launcher
+        with context():
             d = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-            ops.fp8_gemm_nt((qa, sa), (qb, sb), d)
+            ops.fp8_gemm_nt((qa, sa), (qb, sb), d, config=cfg)
             check = f" diff {calc_diff(d, ref):.1e}" if variant == "full" else ""
-            ms = timer(lambda: ops.fp8_gemm_nt((qa, sa), (qb, sb), d))
+            ms = timer(lambda: ops.fp8_gemm_nt((qa, sa), (qb, sb), d, config=cfg))
         line.append(f"{variant} {ms * 1e3:7.1f} us {flops / ms / 1e9:5.0f} TF{check}")
     print(f"{m}x{n}x{k} {block_m}x{block_n} mc{multicast} s{cfg.stages}: " + " | ".join(line),
           flush=True)

@@ -18,12 +18,11 @@ import torch
 
 from ptxforge import ops
 from ptxforge.bench import (GEMM_SHAPES, GROUPED_MASKED, Timer, _bf16_pair, _torch_blockwise,
-                            _torch_grouped, contiguous_problems, forced_gemm_config,
-                            grouped_operands, masked_operands)
+                            _torch_grouped, contiguous_problems, grouped_operands,
+                            masked_operands)
 from ptxforge.checks import calc_diff, fp8_gemm_operands
 from ptxforge.kernels import sm90_fp8_gemm_1d2d as gemm
 from ptxforge.ops import _common
-from ptxforge.ops import gemm as gemm_ops
 
 arch = _common.device_arch(0)
 sms = arch.sm_count
@@ -52,18 +51,20 @@ def alternatives(m, n, k, dtype, groups=0, masked=False, producers=(1,)):
 
 
 def problems(suite):
-    """(label, model M, config choice arguments, run(d) -> None, d, reference view, peer)."""
+    """(label, model M, config choice arguments, run(config) -> None, d, reference view,
+    peer, flops)."""
     if suite in ("fp8", "bf16"):
         for m, n, k in GEMM_SHAPES:
             d = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
             if suite == "fp8":
                 (qa, sa), (qb, sb), ref = fp8_gemm_operands(m, n, k)
-                call = lambda qa=qa, sa=sa, qb=qb, sb=sb, d=d: ops.fp8_gemm_nt((qa, sa), (qb, sb), d)
+                call = lambda config, qa=qa, sa=sa, qb=qb, sb=sb, d=d: ops.fp8_gemm_nt(
+                    (qa, sa), (qb, sb), d, config=config)
                 peer = _torch_blockwise(qa, sa, qb, sb)
             else:
                 a, b = _bf16_pair(m, n, k)
                 ref = a.double() @ b.double().t()
-                call = lambda a=a, b=b, d=d: ops.bf16_gemm_nt(a, b, d)
+                call = lambda config, a=a, b=b, d=d: ops.bf16_gemm_nt(a, b, d, config=config)
                 peer = lambda a=a, b=b: a @ b.t()
             yield (f"{m}x{n}x{k}", m, (m, n, k, 0, False, "e4m3" if suite == "fp8" else "bf16"),
                    call, lambda d=d: d, ref, peer, 2 * m * n * k)
@@ -72,16 +73,16 @@ def problems(suite):
             a, b, m_indices, ref = grouped_operands(sizes, n, k)
             m = a[0].shape[0]
             d = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-            call = lambda a=a, b=b, d=d, m_indices=m_indices: \
-                ops.m_grouped_fp8_gemm_nt_contiguous(a, b, d, m_indices)
+            call = lambda config, a=a, b=b, d=d, m_indices=m_indices: \
+                ops.m_grouped_fp8_gemm_nt_contiguous(a, b, d, m_indices, config=config)
             yield (f"{groups}x{expected} {n}x{k}", m, (m, n, k, groups, False, "e4m3"), call,
                    lambda d=d: d, ref, _torch_grouped(a[0], b[0], sizes), 2 * sum(sizes) * n * k)
     else:
         for groups, count, m_max, n, k in GROUPED_MASKED:
             a, b, masked_m, ref = masked_operands([count] * groups, m_max, n, k)
             d = torch.full((groups, m_max, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-            call = lambda a=a, b=b, d=d, masked_m=masked_m, count=count: \
-                ops.m_grouped_fp8_gemm_nt_masked(a, b, d, masked_m, count)
+            call = lambda config, a=a, b=b, d=d, masked_m=masked_m, count=count: \
+                ops.m_grouped_fp8_gemm_nt_masked(a, b, d, masked_m, count, config=config)
             yield (f"{groups}x{count}/{m_max} {n}x{k}", groups * count,
                    (groups * count, n, k, groups, True, "e4m3"), call,
                    lambda d=d, count=count: d[:, :count], ref[:, :count], None,
@@ -92,18 +93,18 @@ def sweep(suite, producers):
     rows = []
     for label, model_m, (m, n, k, groups, masked, dtype), call, valid, ref, peer, flops in problems(suite):
         peer_tflops = flops / timer(peer) / 1e9 if peer else None
-        choice = gemm_ops._config(0, m, n, k, sms, False, groups, masked, dtype)
+        choice = gemm.choose_config(arch, m, n, k, sms, False, groups, masked, dtype)
         configs = [choice] + [c for c in alternatives(m, n, k, dtype, groups, masked, producers)
                               if c != choice]
         results = {}
         for order in (configs, configs[::-1]):   # two passes, the second reversed
             for cfg in order:
-                with forced_gemm_config(cfg):
-                    valid().fill_(float("nan"))
-                    call()
-                    diff = calc_diff(valid(), ref)
-                    ok = diff < 1e-3 and not torch.isnan(valid()).any()
-                    ms = min(timer(call), results[cfg]["ms"] if cfg in results else float("inf"))
+                valid().fill_(float("nan"))
+                call(cfg)
+                diff = calc_diff(valid(), ref)
+                ok = diff < 1e-3 and not torch.isnan(valid()).any()
+                ms = min(timer(lambda: call(cfg)),
+                         results[cfg]["ms"] if cfg in results else float("inf"))
                 results[cfg] = {
                     "block_m": cfg.block_m, "block_n": cfg.block_n, "stages": cfg.stages,
                     "ctas_per_sm": cfg.ctas_per_sm, "producers": cfg.producers,

@@ -11,7 +11,7 @@ CTA-per-SM variants. Prints one line per call; sanitizer findings follow its own
 import torch
 
 import ptxforge
-from ptxforge.bench import forced_gemm_config, masked_operands
+from ptxforge.bench import masked_operands
 from ptxforge.checks import fp8_gemm_operands
 from ptxforge.kernels import sm90_fp8_gemm_1d2d as gemm
 from ptxforge.ops import _common
@@ -20,9 +20,8 @@ arch = _common.device_arch(0)
 
 
 def forced(cfg, call):
-    with forced_gemm_config(cfg):
-        call()
-        torch.cuda.synchronize()
+    call(cfg)
+    torch.cuda.synchronize()
     print("ran", cfg.name, flush=True)
 
 
@@ -31,10 +30,10 @@ a, b, _ = fp8_gemm_operands(m, n, k)
 d = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
 for block_m, block_n, ctas, warps in ((64, 16, 1, 4), (64, 32, 2, 2), (128, 128, 1, 1)):
     cfg = gemm.make_config(arch, n, k, block_m, block_n, ctas, producers=warps)
-    forced(cfg, lambda: ptxforge.fp8_gemm_nt(a, b, d))
+    forced(cfg, lambda cfg: ptxforge.fp8_gemm_nt(a, b, d, config=cfg))
 a16, b16 = torch.randn(m, k, device="cuda").bfloat16(), torch.randn(n, k, device="cuda").bfloat16()
 cfg = gemm.make_config(arch, n, k, 64, 24, 2, dtype="bf16", producers=4)
-forced(cfg, lambda: ptxforge.bf16_gemm_nt(a16, b16, d))
+forced(cfg, lambda cfg: ptxforge.bf16_gemm_nt(a16, b16, d, config=cfg))
 
 groups, rows = 3, 512
 indices = torch.tensor([5] * 128 + [-1] * 128 + [1] * 100 + [2] * 28 + [-7] * 128,

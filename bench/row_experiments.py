@@ -25,13 +25,16 @@ for normalize, quantize in ((False, True), (True, True), (True, False)):
     for groups in (1, 2, 3):
         cfg = row_kernel.choose_config(arch, K, normalize=normalize, quantize=quantize, groups=groups)
         compiled = jit.build(row_kernel.generate(cfg))
-        launcher = compiled.load(0).launcher(cfg.threads, cfg.dynamic_shared_bytes)
-        head = (x.data_ptr(), K, M) + ((w.data_ptr(), 1e-6) if normalize else ())
+        launcher = compiled.launcher(0)
+        head = {"x": x.data_ptr(), "x_row_stride": K, "rows": M}
+        if normalize:
+            head.update(weight=w.data_ptr(), eps=1e-6)
         nbytes = 2 * M * K + (M * K + 4 * M * K // 128 if quantize else 2 * M * K)
         grid = -(-M // (cfg.rows_per_cta * groups))
         for layout, s in (layouts.items() if quantize else [("-", None)]):
-            tail = (q.data_ptr(), s.data_ptr(), s.stride(0), s.stride(1)) if quantize else (y.data_ptr(),)
-            ms = timer(lambda: launcher((grid, 1, 1), stream, head + tail))
+            tail = ({"q": q.data_ptr(), "scales": s.data_ptr(), "scale_row_stride": s.stride(0),
+                     "scale_group_stride": s.stride(1)} if quantize else {"y": y.data_ptr()})
+            ms = timer(lambda: launcher((grid, 1, 1), stream, **head, **tail))
             gbs = nbytes / ms / 1e6
             chosen = "  <- default" if groups == row_kernel.GROUPS_PER_CTA[(normalize, quantize)] else ""
             print(f"norm={normalize:d} quant={quantize:d} groups/CTA={groups} ctas/SM={cfg.ctas_per_sm} "

@@ -8,7 +8,6 @@ device-to-device copy ceiling in the same run and state every bandwidth against 
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import random
 import statistics
@@ -226,22 +225,6 @@ def contiguous_problems(seed: int = 0):
     rng = random.Random(seed)
     for groups, expected, n, k in GROUPED_CONTIGUOUS:
         yield groups, expected, n, k, [int(expected * rng.uniform(0.7, 1.3)) for _ in range(groups)]
-
-
-@contextlib.contextmanager
-def forced_gemm_config(cfg):
-    """Inside, every GEMM op call plans with ``cfg`` (a forced tile, for sweeps, experiments
-    and tests) instead of the model's choice; the choice comes back on exit."""
-    from .ops import gemm as gemm_ops
-
-    chosen = gemm_ops._config
-    gemm_ops._config = lambda *args: cfg
-    gemm_ops._plan.cache_clear()  # plans hold the config they were made with
-    try:
-        yield
-    finally:
-        gemm_ops._config = chosen
-        gemm_ops._plan.cache_clear()
 
 
 def _padded_rows(sizes) -> list[int]:

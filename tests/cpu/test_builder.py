@@ -284,7 +284,7 @@ def test_ptxas_accepts_every_family_without_warnings():
 
 
 def test_argument_layout_follows_the_parameter_list():
-    from ptxforge.jit.driver import argument_layout
+    from ptxforge.runtime.launch import argument_layout
 
     k = KernelBuilder("layout")
     k.param("n", "u32")

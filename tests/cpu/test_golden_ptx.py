@@ -17,8 +17,6 @@ import re
 import sys
 from pathlib import Path
 
-import pytest
-
 from ptxforge import arch, kernels
 
 GOLDEN = Path(__file__).with_name("golden_ptx.json")

@@ -241,25 +241,6 @@ def test_gemm_large_m_takes_128_row_tiles(dtype):
         assert gemm.choose_config(sm90, 4096, n, k, dtype=dtype).block_m == 128
 
 
-def test_forced_gemm_config_nests_and_gives_the_choice_back():
-    """Sweeps, experiments and the GPU tests force tiles through bench.forced_gemm_config."""
-    from ptxforge.bench import forced_gemm_config
-    from ptxforge.kernels import sm90_fp8_gemm_1d2d as gemm
-    from ptxforge.ops import gemm as gemm_ops
-
-    sm90 = arch.get("sm_90a")
-    chosen = gemm_ops._config
-    outer = gemm.make_config(sm90, 2112, 7168, 64, 16)
-    inner = gemm.make_config(sm90, 2112, 7168, 128, 128)
-    plan = lambda: gemm_ops._config(0, 64, 2112, 7168, 132, False, 0, False, "e4m3")
-    with forced_gemm_config(outer):
-        assert plan() is outer
-        with forced_gemm_config(inner):
-            assert plan() is inner
-        assert plan() is outer
-    assert gemm_ops._config is chosen
-
-
 def test_gemm_producer_counts_are_checked():
     from ptxforge.kernels import sm90_fp8_gemm_1d2d as gemm
 

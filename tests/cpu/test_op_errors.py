@@ -350,3 +350,60 @@ def test_mn_major_layout_works_on_the_cpu(shape):
     s = torch.arange(torch.Size(shape).numel(), dtype=F32).view(shape)
     out = ptxforge.get_mn_major_tma_aligned_tensor(s)
     assert torch.equal(out, s) and out.stride()[-2] == 1 and out.stride()[-1] == 8
+
+
+# --------------------------------------------------------------------------- config= (a forced tile)
+def forced(case: str, **changes):
+    """A GEMM tile for the case's problem (N = K = 128), with ``changes`` to make_config's
+    arguments."""
+    from ptxforge import arch
+    from ptxforge.kernels import sm90_fp8_gemm_1d2d as gemm
+
+    options = {"n": N, "k": K, "block_m": 64, "block_n": 16, "groups": 0, "masked": False,
+               "dtype": "bf16" if "bf16" in case else "e4m3", "accumulate": "c=" in case}
+    if "grouped" in case:
+        options.update(groups=G, masked="masked" in case)
+    options.update(changes)
+    return gemm.make_config(arch.get("sm_90a"), **options)
+
+
+GEMM_CASES = [case for case in CASES if "gemm" in case]
+
+
+@pytest.mark.parametrize("case", GEMM_CASES)
+def test_a_fitting_config_passes_the_checks_that_need_no_gpu(case):
+    args = arguments(case)
+    args["config"] = forced(case)
+    with pytest.raises(ValueError, match=" must be on a CUDA device, got cpu$"):
+        call(case, args)
+
+
+@pytest.mark.parametrize("case", GEMM_CASES)
+def test_a_config_for_another_problem_is_refused_before_the_device(case):
+    args = arguments(case)
+    args["config"] = forced(case, n=256)
+    with pytest.raises(ValueError) as info:
+        call(case, args)
+    assert str(info.value) == "config does not fit the call: it has n=256, the call needs n=128"
+
+
+@pytest.mark.parametrize("case, changes, given, needed", [
+    ("fp8_gemm_nt", {"dtype": "bf16"}, "dtype='bf16'", "dtype='e4m3'"),
+    ("fp8_gemm_nt(c=)", {"accumulate": False}, "accumulate=False", "accumulate=True"),
+    ("m_grouped_fp8_gemm_nt_contiguous", {"groups": 4}, "groups=4", "groups=2"),
+    ("m_grouped_bf16_gemm_nt_masked", {"masked": False}, "masked=False", "masked=True"),
+    ("bf16_gemm_nt", {"k": 256, "dtype": "e4m3"}, "k=256, dtype='e4m3'", "k=128, dtype='bf16'"),
+])
+def test_a_config_names_every_field_that_does_not_fit(case, changes, given, needed):
+    args = arguments(case)
+    args["config"] = forced(case, **changes)
+    with pytest.raises(ValueError) as info:
+        call(case, args)
+    assert str(info.value) == f"config does not fit the call: it has {given}, the call needs {needed}"
+
+
+def test_a_config_must_be_a_gemm_config():
+    args = arguments("fp8_gemm_nt")
+    args["config"] = {"block_m": 64}
+    with pytest.raises(TypeError, match="^config must be an Fp8GemmConfig .*, got dict$"):
+        call("fp8_gemm_nt", args)

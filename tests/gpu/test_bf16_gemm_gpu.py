@@ -36,7 +36,7 @@ def test_accumulates_into_c():
     assert calc_diff(c, expected) < 1e-3 and relative_error(c, expected) <= 2e-3
 
 
-def test_every_tile_width(force_gemm_config):
+def test_every_tile_width(gpu_arch):
     from ptxforge.kernels import sm90_fp8_gemm_1d2d as gemm
 
     a, b, ref = operands(200, 1000, 640)
@@ -47,13 +47,12 @@ def test_every_tile_width(force_gemm_config):
             (128, 160, 1, 1, 2), (128, 128, 2, 1, 2), (64, 16, 1, 1, 4), (64, 24, 1, 1, 1),
             (64, 32, 1, 2, 2), (128, 192, 1, 1, 4), (128, 176, 1, 1, 2), (128, 240, 1, 1, 2)]:
         try:
-            cfg = gemm.make_config(force_gemm_config.arch, 1000, 640, block_m, block_n, ctas,
+            cfg = gemm.make_config(gpu_arch, 1000, 640, block_m, block_n, ctas,
                                    multicast, dtype="bf16", producers=warps)
         except ValueError:
             continue
-        force_gemm_config(cfg)
         d = torch.full((200, 1000), float("nan"), device="cuda", dtype=torch.bfloat16)
-        ptxforge.bf16_gemm_nt(a, b, d)
+        ptxforge.bf16_gemm_nt(a, b, d, config=cfg)
         if torch.isnan(d).any() or not calc_diff(d, ref) < 1e-3:
             failures.append((cfg.name, calc_diff(d, ref)))
     assert not failures, failures

@@ -9,10 +9,10 @@ from ptxforge.checks import calc_diff, fp8_gemm_operands, relative_error
 pytestmark = pytest.mark.gpu
 
 
-def run(m, n, k):
+def run(m, n, k, config=None):
     a, b, ref = fp8_gemm_operands(m, n, k)
     d = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-    ptxforge.fp8_gemm_nt(a, b, d)
+    ptxforge.fp8_gemm_nt(a, b, d, config=config)
     torch.cuda.synchronize()
     return d, ref, a, b
 
@@ -34,6 +34,19 @@ def test_bitwise_repeatable():
     again = torch.empty_like(d)
     ptxforge.fp8_gemm_nt(a, b, again)
     assert torch.equal(d, again)
+
+
+def test_num_sms_per_call():
+    """A call on fewer SMs (the rest left to other work) gives the same bits; the count is
+    checked."""
+    d, _, a, b = run(1024, 2112, 1024)
+    for num_sms in (1, 20, 131):
+        again = torch.full_like(d, float("nan"))
+        ptxforge.fp8_gemm_nt(a, b, again, num_sms=num_sms)
+        assert torch.equal(d, again), num_sms
+    for wrong in (0, 10_000, 2.5):
+        with pytest.raises(ValueError, match="num_sms must be an int in"):
+            ptxforge.fp8_gemm_nt(a, b, d, num_sms=wrong)
 
 
 def test_rejects_mismatched_k():
@@ -101,12 +114,12 @@ def test_random_shapes():
     assert not failures, failures
 
 
-def test_every_tile_shape(force_gemm_config):
+def test_every_tile_shape(gpu_arch):
     """Each tile shape the heuristic may pick (straddling B-scale rows, every store-box
     width), forced on shapes whose edges cut the tiles, against the fp64 reference."""
     from ptxforge.kernels import sm90_fp8_gemm_1d2d as gemm
 
-    arch = force_gemm_config.arch
+    arch = gpu_arch
     failures = []
     # (block_m, block_n, multicast, CTAs an SM, producer warps); K = 640 is 5 K blocks, so
     # the producer warps' turns carry over from one tile to the next.
@@ -120,9 +133,8 @@ def test_every_tile_shape(force_gemm_config):
                                    producers=warps)
         except ValueError:
             continue  # does not fit the registers, or an odd tile count for multicast
-        force_gemm_config(cfg)
         for m in (1, 200, 700):
-            d, ref, _, _ = run(m, 1000, 640)
+            d, ref, _, _ = run(m, 1000, 640, config=cfg)
             diff = calc_diff(d, ref)
             if torch.isnan(d).any() or not diff < 1e-3 or not relative_error(d, ref) <= 2e-3:
                 failures.append((cfg.name, m, diff))
@@ -165,18 +177,17 @@ def test_rejects_bad_accumulation_arguments():
         ptxforge.fp8_gemm_nt(a, b, big[:128 * 256].view(128, 256), c=big[256:].view(128, 256))
 
 
-def test_accumulates_with_every_store_box(force_gemm_config):
+def test_accumulates_with_every_store_box(gpu_arch):
     """The f32 epilogue's boxes of 128-, 64- and 32-byte rows (tile widths 32k, 16k, 8k)."""
     from ptxforge.kernels import sm90_fp8_gemm_1d2d as gemm
 
     failures = []
     for block_m, block_n in [(64, 16), (64, 24), (64, 32), (128, 56), (128, 128), (128, 160)]:
-        force_gemm_config(gemm.make_config(force_gemm_config.arch, 1000, 640, block_m, block_n,
-                                           accumulate=True))
+        cfg = gemm.make_config(gpu_arch, 1000, 640, block_m, block_n, accumulate=True)
         a, b, ref = fp8_gemm_operands(200, 1000, 640)
         c = torch.randn(200, 1000, device="cuda", dtype=torch.float32)
         d = torch.full_like(c, float("nan"))
-        ptxforge.fp8_gemm_nt(a, b, d, c=c)
+        ptxforge.fp8_gemm_nt(a, b, d, c=c, config=cfg)
         expected = c.double() + ref
         if not (calc_diff(d, expected) < 1e-3 and relative_error(d, expected) <= 2e-3):
             failures.append((block_m, block_n, calc_diff(d, expected)))

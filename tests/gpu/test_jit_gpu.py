@@ -1,13 +1,14 @@
 """The JIT's runtime on a real GPU: tensor maps passed by value, launches, errors."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from ptxforge import jit
-from ptxforge.jit.driver import CudaError
-from ptxforge.jit.tensormap import encode_tiled
+from ptxforge.runtime import CudaError, encode_tiled
 from ptxforge.patterns.pipeline import StageRing
-from ptxforge.ptx import KernelBuilder, addr, sreg
+from ptxforge.ptx import KernelBuilder, LaunchShape, addr, sreg
 
 pytestmark = pytest.mark.gpu
 
@@ -18,6 +19,7 @@ def tma_tile_copy() -> KernelBuilder:
     """Each CTA loads one box through the tensor map into shared memory with TMA, then
     writes it out with ordinary stores."""
     k = KernelBuilder("tma_tile_copy", target="sm_90a", max_threads=128)
+    k.launch = LaunchShape(128, StageRing.shared_bytes(BOX_ROWS * COLS * 4, 1))
     tmap_param, out_param = k.tensormap_param("tmap"), k.param("out", "u64")
     tmap, out = k.reg("u64", "tmap_ptr"), k.reg("u64", "out")
     k.mov(tmap, tmap_param)
@@ -58,8 +60,9 @@ def test_tensor_map_by_value_and_tma_load():
     assert len(blob) == 128
     assert encode_tiled(x.data_ptr(), "float32", (COLS, ROWS), (COLS * 4,), (COLS, BOX_ROWS)) is blob
     compiled = jit.build(tma_tile_copy())
-    launch = compiled.load(0).launcher(128, StageRing.shared_bytes(BOX_ROWS * COLS * 4, 1))
-    launch((ROWS // BOX_ROWS, 1, 1), torch.cuda.current_stream().cuda_stream, (blob, out.data_ptr()))
+    launch = compiled.launcher(0)
+    launch((ROWS // BOX_ROWS, 1, 1), torch.cuda.current_stream().cuda_stream, tmap=blob,
+           out=out.data_ptr())
     torch.cuda.synchronize()
     assert torch.equal(out, x)
 
@@ -73,7 +76,61 @@ def test_tensor_map_rejects_misaligned_strides():
 def test_large_dynamic_shared_memory_and_launch_errors():
     compiled = jit.build(tma_tile_copy())
     module = compiled.load(0)
-    module.launcher(128, 200 * 1024)  # above 48 KiB: the function's limit is raised
+    module.launcher(LaunchShape(128, 200 * 1024))  # above 48 KiB: the limit is raised
     with pytest.raises(CudaError, match="launch of tma_tile_copy"):
-        too_many_threads = module.launcher(2048)
-        too_many_threads((1, 1, 1), torch.cuda.current_stream().cuda_stream, (bytes(128), 0))
+        too_many_threads = module.launcher(LaunchShape(2048))
+        too_many_threads((1, 1, 1), torch.cuda.current_stream().cuda_stream, tmap=bytes(128),
+                         out=0)
+
+
+def store_value(name: str, shape: LaunchShape) -> KernelBuilder:
+    """out[cta] = value, after griddepcontrol.wait: under a programmatic launch the CTAs may
+    start early, but not store before the grid before them finished."""
+    k = KernelBuilder(name, target="sm_90a", max_threads=shape.block)
+    k.launch = shape
+    out_param, value_param = k.param("out", "u64"), k.param("value", "u32")
+    out, value, cta = k.reg("u64", "out"), k.reg("u32", "value"), k.reg("u32", "cta")
+    k.ld_param(out, out_param)
+    k.ld_param(value, value_param)
+    k.mov(cta, sreg.ctaid.x)
+    k.mad(out, cta, 4, out, mode="wide")
+    k.griddepcontrol_wait()
+    k.st(addr(out), value)
+    return k
+
+
+def test_programmatic_and_cooperative_launches():
+    """The launch attributes reach the driver: a cooperative grid larger than can be
+    resident is refused, one that fits runs; a programmatic launch after a plain one on the
+    same stream leaves the later value."""
+    stream = torch.cuda.current_stream().cuda_stream
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    out = torch.zeros(sms, dtype=torch.int32, device="cuda")
+    plain = jit.build(store_value("plain_store", LaunchShape(32))).launcher(0)
+    programmatic = jit.build(store_value("pdl_store", LaunchShape(32, programmatic=True)))
+    for _ in range(10):
+        plain((sms, 1, 1), stream, out=out.data_ptr(), value=1)
+        programmatic.launcher(0)((sms, 1, 1), stream, out=out.data_ptr(), value=2)
+    torch.cuda.synchronize()
+    assert torch.equal(out, torch.full_like(out, 2))
+
+    cooperative = jit.build(store_value("cooperative_store", LaunchShape(32, cooperative=True)))
+    launch = cooperative.launcher(0)
+    launch((sms, 1, 1), stream, out=out.data_ptr(), value=3)
+    torch.cuda.synchronize()
+    assert torch.equal(out, torch.full_like(out, 3))
+    with pytest.raises(CudaError, match="COOPERATIVE_LAUNCH_TOO_LARGE"):
+        launch((sms * 64, 1, 1), stream, out=out.data_ptr(), value=4)  # 64 CTAs an SM: no
+
+
+def test_the_readme_kernel_example_runs():
+    """README.md's 'Writing a kernel' block, run as written: it doubles x."""
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    block = readme.split("Writing a kernel:", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    torch.manual_seed(0)
+    expected = 2 * torch.randn(1 << 20, device="cuda")
+    torch.manual_seed(0)
+    namespace = {"torch": torch}
+    exec(block, namespace)
+    torch.cuda.synchronize()
+    assert torch.equal(namespace["x"], expected)

@@ -1,12 +1,12 @@
 """The JIT: PTX text -> cubin (assembled or cached) -> module loaded on a device -> launch.
 
     compiled = jit.build(kernel_builder)      # memory cache, then disk cache, then assemble
-    module = compiled.load(device_index)      # once per device
-    launch = module.launcher(block=128)       # once per launch shape
-    launch(grid, stream, args)                # per call: a few microseconds
+    launch = compiled.launcher(device_index)  # loaded once per device (ptxforge.runtime)
+    launch(grid, stream, x=x_ptr, rows=m)     # per call, bound by parameter name
 
-The cache key is a hash of the PTX text, the assembler and its version, and the target,
-so a change to any generator that changes its PTX is a new entry.
+The disk cache key is a hash of the PTX text, the assembler and its version, and the
+target, so a change to any generator that changes its PTX is a new entry. In memory the
+kernel's parameters and launch shape are part of the key too: they are not in the PTX.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ class CompiledKernel:
     cubin: bytes
     resources: Resources
     params: list
+    launch: object  # the kernel's LaunchShape
     assembler: str
     key: str
     source: str  # where the cubin came from when first built: "assembled" or "disk"
@@ -44,11 +45,15 @@ class CompiledKernel:
     _modules: dict = field(default_factory=dict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
+    def launcher(self, device_index: int = 0):
+        """A launcher of the kernel with its own LaunchShape, on ``device_index``."""
+        return self.load(device_index).launcher(self.launch)
+
     def load(self, device_index: int = 0):
         """The module loaded on ``device_index`` (loaded on first use)."""
         module = self._modules.get(device_index)
         if module is None:
-            from .driver import LoadedModule
+            from ..runtime import LoadedModule
 
             with self._lock:
                 module = self._modules.get(device_index)
@@ -58,7 +63,7 @@ class CompiledKernel:
         return module
 
 
-_memory: dict[str, CompiledKernel] = {}
+_memory: dict[tuple, CompiledKernel] = {}
 _memory_lock = threading.Lock()
 
 
@@ -68,7 +73,8 @@ def build(kernel, *, assembler: str | None = None) -> CompiledKernel:
     ptx = kernel.ptx()
     asm = get_assembler(assembler)
     key = cache_key("ptxforge-jit-1", ptx, asm.name, asm.version, kernel.target)
-    hit = _memory.get(key)
+    memory_key = (key, tuple(kernel.params), kernel.launch)
+    hit = _memory.get(memory_key)
     if hit is not None:
         _refuse_spills_in_debug(hit.name, hit.resources)
         return hit
@@ -93,10 +99,10 @@ def build(kernel, *, assembler: str | None = None) -> CompiledKernel:
         _write_to_disk(DiskCache(settings.cache_dir()).keep_ptx, kernel.name, key, ptx)
     compiled = CompiledKernel(
         name=kernel.name, target=kernel.target, ptx=ptx, cubin=cubin, resources=resources,
-        params=list(kernel.params), assembler=repr(asm), key=key, source=source,
+        params=list(kernel.params), launch=kernel.launch, assembler=repr(asm), key=key, source=source,
         seconds=time.perf_counter() - start, log=log)
     with _memory_lock:
-        return _memory.setdefault(key, compiled)
+        return _memory.setdefault(memory_key, compiled)
 
 
 def _cached_resources(cached) -> Resources | None:

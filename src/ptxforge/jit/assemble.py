@@ -17,6 +17,7 @@ that cannot run here raises AssemblerUnavailable, whose one line says what to in
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import glob
 import os
@@ -208,12 +209,13 @@ class NvJitLinkAssembler(Assembler):
 
 
 class DriverAssembler(Assembler):
-    """The driver's PTX JIT through cuLink*: the fallback when no toolkit is installed."""
+    """The driver's PTX JIT through cuLink* (on device 0): the fallback when no toolkit is
+    installed."""
 
     name = "driver"
 
     def __init__(self):
-        from . import driver
+        from ..runtime import driver
 
         try:
             self.version = driver.driver_version()
@@ -225,7 +227,29 @@ class DriverAssembler(Assembler):
         self._driver = driver
 
     def assemble(self, ptx: str, target: str, kernel: str = "kernel") -> tuple[bytes, str]:
-        return self._driver.link_ptx(ptx, target)
+        driver, cu = self._driver, self._driver.bindings()
+        log_size = 1 << 16
+        info, error = bytearray(log_size), bytearray(log_size)
+        jit = cu.CUjit_option
+        options = [jit.CU_JIT_INFO_LOG_BUFFER, jit.CU_JIT_INFO_LOG_BUFFER_SIZE_BYTES,
+                   jit.CU_JIT_ERROR_LOG_BUFFER, jit.CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES,
+                   jit.CU_JIT_LOG_VERBOSE]
+        values = [info, log_size, error, log_size, 1]
+        with driver.ContextScope(0):
+            state = driver.call("cuLinkCreate", len(options), options, values)
+            try:
+                data = ptx.encode() + b"\0"
+                err, = cu.cuLinkAddData(state, cu.CUjitInputType.CU_JIT_INPUT_PTX, data,
+                                        len(data), f"{kernel}.ptx".encode(), 0, [], [])
+                if int(err) == 0:
+                    err, cubin_ptr, size = cu.cuLinkComplete(state)
+                if int(err) != 0:
+                    raise AssemblyError.rejected(f"driver {self.version}",
+                                                 error.rstrip(b"\0").decode(errors="replace"), ptx)
+                cubin = ctypes.string_at(int(cubin_ptr), size)
+            finally:
+                driver.call("cuLinkDestroy", state)
+        return cubin, info.rstrip(b"\0").decode(errors="replace")
 
 
 def _executable(path: str) -> bool:

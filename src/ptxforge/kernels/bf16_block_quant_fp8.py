@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from ..arch import Arch
 from ..patterns import fp8, reduce
 from ..patterns.pipeline import StageRing
-from ..ptx import KernelBuilder, addr, sreg
+from ..ptx import KernelBuilder, LaunchShape, addr, sreg
 
 BLOCK = 128
 VECTOR = 8              # bf16 per 16-byte vector
@@ -55,6 +55,7 @@ def choose_config(arch: Arch) -> BlockQuantConfig:
 
 def generate(cfg: BlockQuantConfig) -> KernelBuilder:
     k = KernelBuilder(cfg.name, target=cfg.target, max_threads=THREADS)
+    k.launch = LaunchShape(block=THREADS, shared_bytes=cfg.dynamic_shared_bytes)
     x_param, x_stride_param = k.param("x", "u64"), k.param("x_row_stride", "u32")
     rows_param, cols_param = k.param("rows", "u32"), k.param("cols", "u32")
     q_param, s_param = k.param("q", "u64"), k.param("scales", "u64")

@@ -46,7 +46,7 @@ from types import SimpleNamespace
 from ..arch import Arch
 from ..patterns import fp8, reduce
 from ..patterns.pipeline import StageRing
-from ..ptx import KernelBuilder, addr, sreg
+from ..ptx import KernelBuilder, LaunchShape, addr, sreg
 
 GROUP = 128                 # quantization group along K
 VECTOR = 8                  # bf16 per 16-byte vector
@@ -153,6 +153,7 @@ def choose_config(arch: Arch, hidden: int, *, normalize: bool, quantize: bool,
 def generate(cfg: RowKernelConfig) -> KernelBuilder:
     k = KernelBuilder(cfg.name, target=cfg.target, max_threads=cfg.threads,
                       min_blocks_per_sm=cfg.ctas_per_sm)
+    k.launch = LaunchShape(block=cfg.threads, shared_bytes=cfg.dynamic_shared_bytes)
     p = _Params(k, cfg)
     t = _thread_coordinates(k, cfg)
     smem = k.dynamic_shared("stages", align=128)
@@ -197,7 +198,7 @@ def generate(cfg: RowKernelConfig) -> KernelBuilder:
 
 
 class _Params:
-    """Kernel parameters, in launch order."""
+    """Kernel parameters (launches bind them by name)."""
 
     def __init__(self, k: KernelBuilder, cfg: RowKernelConfig):
         self.x = k.param("x", "u64")

@@ -62,7 +62,7 @@ from types import SimpleNamespace
 
 from ..arch import Arch
 from ..patterns.pipeline import BARRIER_BYTES, next_stage, wait_parity
-from ..ptx import KernelBuilder, addr, sreg, vec
+from ..ptx import KernelBuilder, LaunchShape, TensorMap, addr, sreg, vec
 
 BLOCK_K = 128            # one scale group of A and B per K block (e4m3)
 ROW_BYTES = 128          # a stage row of A or B: K = 128 e4m3 or 64 bf16 (one swizzle row)
@@ -205,9 +205,33 @@ class Fp8GemmConfig:
         return self.empty_offset + self.stages * BARRIER_BYTES + SWIZZLE_ATOM
 
     @property
+    def tensor_maps(self) -> dict[str, TensorMap]:
+        """The TMA descriptors the kernel reads and writes, by parameter name: A and B in
+        128-byte swizzled rows, sa one column of block_m scales, D in store boxes of 64
+        rows. The masked layout's group is a third dimension, one group per box."""
+        element = "float8_e4m3fn" if self.scaled else "bfloat16"
+        group = (1,) if self.masked else ()
+        maps = {"tmap_a": TensorMap(element, (self.k_per_block, self.a_box_rows) + group,
+                                    swizzle=ROW_BYTES),
+                "tmap_b": TensorMap(element, (self.k_per_block, self.block_n), swizzle=ROW_BYTES)}
+        if self.scaled:
+            maps["tmap_sa"] = TensorMap("float32", (self.block_m, 1) + group)
+        maps["tmap_d"] = TensorMap("float32" if self.accumulate else "bfloat16",
+                                   (self.d_box_cols, 64) + group, swizzle=self.d_swizzle)
+        return maps
+
+    @property
+    def launch(self) -> LaunchShape:
+        return LaunchShape(block=self.threads, shared_bytes=self.dynamic_shared_bytes,
+                           cluster=self.multicast)
+
+    @property
     def tx_bytes(self) -> int:
-        """Bytes the TMA copies of one stage deliver (full boxes, even at the edges)."""
-        return self.a_stage_bytes + self.b_stage_bytes + self.sa_stage_bytes
+        """Bytes the TMA copies of one stage deliver: the loads' boxes (full, even at the
+        edges), A's from every CTA of the cluster."""
+        maps = self.tensor_maps
+        return (self.multicast * maps["tmap_a"].box_bytes + maps["tmap_b"].box_bytes
+                + (maps["tmap_sa"].box_bytes if self.scaled else 0))
 
 
 MAX_STAGES = 16
@@ -387,6 +411,7 @@ def choose_config(arch: Arch, m: int, n: int, k: int, sms: int | None = None,
 def generate(cfg: Fp8GemmConfig) -> KernelBuilder:
     k = KernelBuilder(cfg.name, target=cfg.target, max_threads=cfg.threads,
                       min_blocks_per_sm=cfg.ctas_per_sm)
+    k.launch = cfg.launch
     p = _params(k, cfg)
     smem = k.dynamic_shared("smem", align=SWIZZLE_ATOM)
     base = k.reg("u32", "smem")
@@ -431,10 +456,12 @@ def generate(cfg: Fp8GemmConfig) -> KernelBuilder:
 
 def _params(k, cfg):
     p = type("Params", (), {})()
-    p.tmap_a, p.tmap_b = k.tensormap_param("tmap_a"), k.tensormap_param("tmap_b")
+    maps = cfg.tensor_maps
+    p.tmap_a = k.tensormap_param("tmap_a", maps["tmap_a"])
+    p.tmap_b = k.tensormap_param("tmap_b", maps["tmap_b"])
     if cfg.scaled:
-        p.tmap_sa = k.tensormap_param("tmap_sa")
-    p.tmap_d = k.tensormap_param("tmap_d")
+        p.tmap_sa = k.tensormap_param("tmap_sa", maps["tmap_sa"])
+    p.tmap_d = k.tensormap_param("tmap_d", maps["tmap_d"])
     if cfg.scaled:
         p.sb = k.param("sb", "u64")
     if not cfg.masked:   # the masked layout counts its tiles from masked_m

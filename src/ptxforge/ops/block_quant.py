@@ -19,8 +19,7 @@ MAX_GRID_Y = 65535
 @functools.lru_cache(maxsize=None)
 def _launcher(device_index: int):
     cfg = block_kernel.choose_config(device_arch(device_index))
-    return jit.build(block_kernel.generate(cfg)).load(device_index).launcher(
-        cfg.threads, cfg.dynamic_shared_bytes)
+    return jit.build(block_kernel.generate(cfg)).launcher(device_index)
 
 
 def quantize_fp8_per_block(w: torch.Tensor, *, out=None):
@@ -53,6 +52,7 @@ def quantize_fp8_per_block(w: torch.Tensor, *, out=None):
         scales = torch.empty(scale_shape, dtype=torch.float32, device=w.device)
         q_ptr, s_ptr, s_row_stride = q.data_ptr(), scales.data_ptr(), scale_shape[1]
     if n and k:
-        _launcher(device)((scale_shape[1], scale_shape[0], 1), current_stream(device),
-                          (w_ptr, row_stride, n, k, q_ptr, s_ptr, s_row_stride))
+        _launcher(device)((scale_shape[1], scale_shape[0], 1), current_stream(device), x=w_ptr,
+                          x_row_stride=row_stride, rows=n, cols=k, q=q_ptr, scales=s_ptr,
+                          scale_row_stride=s_row_stride)
     return q, scales

@@ -8,7 +8,7 @@ import functools
 import torch
 
 from .. import jit
-from ..jit.tensormap import encode_tiled
+from ..runtime.tensormap import encode
 from ..kernels import sm90_fp8_gemm_1d2d as gemm_kernel
 from ._common import (current_stream, device_arch, inspect, pair, require_contiguous_rows,
                       require_cuda, require_disjoint, require_shape, row_span)
@@ -20,12 +20,10 @@ _num_sms: int | None = None  # set_num_sms: leave SMs free for other work (DeepG
 
 
 def set_num_sms(num_sms: int) -> None:
-    """Run the GEMM's persistent CTAs on at most ``num_sms`` SMs."""
+    """Run the GEMMs' persistent CTAs on at most ``num_sms`` SMs, unless a call says
+    otherwise (its ``num_sms=``)."""
     global _num_sms
-    sm_count = device_arch(torch.cuda.current_device()).sm_count
-    if not 1 <= num_sms <= sm_count:
-        raise ValueError(f"num_sms must be in [1, {sm_count}], got {num_sms}")
-    _num_sms = num_sms
+    _num_sms = _checked_sms(torch.cuda.current_device(), num_sms)
 
 
 def get_num_sms(device_index: int | None = None) -> int:
@@ -35,40 +33,63 @@ def get_num_sms(device_index: int | None = None) -> int:
     return _num_sms or device_arch(device_index).sm_count
 
 
-def _config(device_index: int, m: int, n: int, k: int, sms: int, accumulate: bool,
-            groups: int, masked: bool, dtype: str):
-    """The tile shape for one problem (M is a run-time argument of the kernel, but the
-    best tile depends on it); _plan keeps the result."""
-    return gemm_kernel.choose_config(device_arch(device_index), m, n, k, sms, accumulate,
-                                     groups, masked, dtype)
+def _checked_sms(device_index: int, num_sms) -> int:
+    sm_count = device_arch(device_index).sm_count
+    if type(num_sms) is not int or not 1 <= num_sms <= sm_count:
+        raise ValueError(f"num_sms must be an int in [1, {sm_count}], got {num_sms!r}")
+    return num_sms
 
 
 @functools.lru_cache(maxsize=None)
 def _launcher(device_index: int, cfg):
-    """(launcher, clusters that fit on the device at once)."""
-    module = jit.build(gemm_kernel.generate(cfg)).load(device_index)
-    launcher = module.launcher(cfg.threads, cfg.dynamic_shared_bytes, cluster=cfg.multicast)
+    """(launcher, clusters that fit on the device at once, or None without clusters)."""
+    compiled = jit.build(gemm_kernel.generate(cfg))
+    module = compiled.load(device_index)
+    launcher = module.launcher(compiled.launch)
     if cfg.multicast == 1:
         return launcher, None
-    return launcher, module.max_active_clusters(cfg.threads, cfg.dynamic_shared_bytes, cfg.multicast)
+    return launcher, module.max_active_clusters(compiled.launch)
+
+
+def _check_config(config, n: int, k: int, accumulate: bool, groups: int, masked: bool,
+                  dtype: str) -> None:
+    """A ``config=`` given to a GEMM op must be one for this problem (its target is checked
+    against the device when the call is planned)."""
+    if not isinstance(config, gemm_kernel.Fp8GemmConfig):
+        raise TypeError(f"config must be an Fp8GemmConfig (sm90_fp8_gemm_1d2d.make_config), "
+                        f"got {type(config).__name__}")
+    wanted = {"n": n, "k": k, "accumulate": accumulate, "groups": groups, "masked": masked,
+              "dtype": dtype}
+    wrong = [key for key, value in wanted.items() if getattr(config, key) != value]
+    if wrong:
+        raise ValueError("config does not fit the call: it has "
+                         + ", ".join(f"{key}={getattr(config, key)!r}" for key in wrong)
+                         + ", the call needs " + ", ".join(f"{key}={wanted[key]!r}" for key in wrong))
 
 
 @functools.lru_cache(maxsize=4096)
-def _plan(device_index: int, m: int, n: int, k: int, sms: int, accumulate: bool = False,
-          groups: int = 0, masked: bool = False, expected_m: int = 0, dtype: str = "e4m3"):
+def _plan(device_index: int, m: int, n: int, k: int, sms: int, accumulate: bool,
+          groups: int, masked: bool, expected_m: int, dtype: str, config):
     """(config, launcher, grid, m_tiles): all a launch needs besides the tensors, worked
-    out once per problem so a call pays one cache lookup. The masked layout has ``groups``
-    matrices of ``m`` rows (M_max) and picks its tile for ``expected_m`` rows a group."""
-    choice_m = groups * expected_m if masked else m
-    cfg = _config(device_index, choice_m, n, k, sms, accumulate, groups, masked, dtype)
-    launcher, resident_clusters = _launcher(device_index, cfg)
-    m_tiles = ceil_div(m, cfg.block_m)
-    tiles = m_tiles * cfg.n_tiles * (groups if masked else 1)
-    # Persistent: no more CTAs (whole clusters) than run at once.
-    clusters = min(tiles, sms * cfg.ctas_per_sm) // cfg.multicast
+    out once per problem so a call pays one cache lookup. The tile is ``config`` where the
+    caller forced one, else the model's choice for M rows (M is a run-time argument of the
+    kernel, but the best tile depends on it). The masked layout has ``groups`` matrices of
+    ``m`` rows (M_max) and picks its tile for ``expected_m`` rows a group."""
+    if config is None:
+        config = gemm_kernel.choose_config(device_arch(device_index),
+                                           groups * expected_m if masked else m, n, k, sms,
+                                           accumulate, groups, masked, dtype)
+    elif config.target != device_arch(device_index).target:
+        raise ValueError(f"config is for {config.target}, but cuda:{device_index} is "
+                         f"{device_arch(device_index).target}")
+    launcher, resident_clusters = _launcher(device_index, config)
+    m_tiles = ceil_div(m, config.block_m)
+    tiles = m_tiles * config.n_tiles * (groups if masked else 1)
+    # Persistent: no more CTAs (whole clusters) than run at once; at least one cluster.
+    clusters = max(min(tiles, sms * config.ctas_per_sm) // config.multicast, 1)
     if resident_clusters is not None:
         clusters = min(clusters, resident_clusters)
-    return cfg, launcher, clusters * cfg.multicast, m_tiles
+    return config, launcher, clusters * config.multicast, m_tiles
 
 
 def _scaled_a(a):
@@ -92,42 +113,44 @@ def _sa_pointer(sa, sa_ptr: int | None) -> int:
     return get_mn_major_tma_aligned_tensor(sa).data_ptr() if sa_ptr is None else sa_ptr
 
 
-def _launch(device: int, m: int, n: int, k: int, a_row, a_ptr, b_rows, b_row, b_ptr, d_ptr,
-            d_row, *, scales=None, accumulate=False, groups=0, masked=None, extra=()):
-    """Plan (cached), encode the tensor maps (cached) and launch. ``scales``: e4m3 operands'
-    (sa pointer, sa column stride in elements, sb pointer, sb row stride in elements), or
-    None for bf16 operands. ``b_rows``: rows of B as one matrix (N, or groups x N); row
-    strides in elements. ``masked``: the masked layout's (expected_m, and the group strides
-    of A, D and sa in elements): A, D and sa gain a third dimension, the group, and ``m``
-    is M_max."""
-    dtype, element = ("e4m3", "float8_e4m3fn") if scales else ("bf16", "bfloat16")
-    size = 1 if scales else 2
-    cfg, launcher, grid, m_tiles = _plan(device, m, n, k, get_num_sms(device), accumulate, groups,
-                                         masked is not None, masked[0] if masked else 0, dtype)
-    # The masked layout's group: a third dimension of A, D and sa, one group per box.
-    group_dim = (groups,) if masked else ()
-    one_group = (1,) if masked else ()
-    d_size = 4 if accumulate else 2
-    a_group, d_group = ((size * masked[1],), (d_size * masked[2],)) if masked else ((), ())
-    tmap_a = encode_tiled(a_ptr, element, (k, m) + group_dim, (size * a_row,) + a_group,
-                          (cfg.k_per_block, cfg.a_box_rows) + one_group, swizzle=128)
-    tmap_b = encode_tiled(b_ptr, element, (k, b_rows), (size * b_row,),
-                          (cfg.k_per_block, cfg.block_n), swizzle=128)
-    tmap_d = encode_tiled(d_ptr, "float32" if accumulate else "bfloat16", (n, m) + group_dim,
-                          (d_size * d_row,) + d_group, (cfg.d_box_cols, 64) + one_group,
-                          swizzle=cfg.d_swizzle)
-    tiles = () if masked else (m_tiles,)   # the masked kernel counts its tiles on the GPU
-    if scales is None:
-        launcher((grid, 1, 1), current_stream(device), (tmap_a, tmap_b, tmap_d) + tiles + extra)
-        return
-    sa_ptr, sa_column, sb_ptr, sb_row = scales
-    # sa is MN-major: a column of M scales per 128 of K (its stride unused by a one-column sa,
-    # but it must be valid).
-    sa_group = (4 * masked[3],) if masked else ()
-    tmap_sa = encode_tiled(sa_ptr, "float32", (m, ceil_div(k, gemm_kernel.BLOCK_K)) + group_dim,
-                           (4 * sa_column,) + sa_group, (cfg.block_m, 1) + one_group)
-    launcher((grid, 1, 1), current_stream(device),
-             (tmap_a, tmap_b, tmap_sa, tmap_d, sb_ptr) + tiles + (sb_row,) + extra)
+def _launch(device: int, m: int, n: int, k: int, a, b, d, *, scales=None, accumulate=False,
+            groups: int = 0, masked=None, num_sms=None, config=None, **layout) -> None:
+    """Plan (cached), encode the tensor maps the kernel names (cached) and launch.
+
+    ``a``, ``d``: (pointer, row stride in elements) of A [M, K] and D [M, N], in the masked
+    layout with their group stride after it (and ``m`` is M_max); ``b``: (pointer, row
+    stride, rows) of B as one [rows, K] matrix (N, or groups x N rows). ``scales``: e4m3 operands' (sa pointer, sa's
+    column stride, sa's group stride or None, sb pointer, sb's row stride), all in
+    elements; None: bf16 operands. ``masked``: expected_m, the masked layout's tile hint.
+    ``layout``: the grouped layouts' own parameters (m_indices or masked_m) by name."""
+    dtype, element_bytes = ("e4m3", 1) if scales else ("bf16", 2)
+    sms = get_num_sms(device) if num_sms is None else _checked_sms(device, num_sms)
+    cfg, launcher, grid, m_tiles = _plan(device, m, n, k, sms, accumulate, groups,
+                                         masked is not None, masked or 0, dtype, config)
+    maps = launcher.tensor_maps
+    d_bytes = 4 if accumulate else 2
+    # The masked layout's group is a third dimension of A, D and sa.
+    group = (groups,) if masked else ()
+    arguments = {
+        "tmap_a": encode(maps["tmap_a"], a[0], (k, m) + group,
+                         tuple(element_bytes * stride for stride in a[1:])),
+        "tmap_b": encode(maps["tmap_b"], b[0], (k, b[2]), (element_bytes * b[1],)),
+        "tmap_d": encode(maps["tmap_d"], d[0], (n, m) + group,
+                         tuple(d_bytes * stride for stride in d[1:])),
+    }
+    if scales is not None:
+        sa_ptr, sa_column, sa_group, sb_ptr, sb_row = scales
+        # sa is MN-major: a column of M scales per 128 of K (its stride unused by a
+        # one-column sa, but it must be valid).
+        arguments["tmap_sa"] = encode(
+            maps["tmap_sa"], sa_ptr, (m, ceil_div(k, gemm_kernel.BLOCK_K)) + group,
+            (4 * sa_column,) + ((4 * sa_group,) if masked else ()))
+        arguments["sb"], arguments["sb_row_stride"] = sb_ptr, sb_row
+    if layout:
+        arguments["m_rows"] = m
+    if not masked:  # the masked kernel counts its tiles on the GPU
+        arguments["m_tiles"] = m_tiles
+    launcher((grid, 1, 1), current_stream(device), **arguments, **layout)
 
 
 def _span(ptr: int, shape, strides, itemsize: int) -> tuple[int, int]:
@@ -141,7 +164,8 @@ def _span(ptr: int, shape, strides, itemsize: int) -> tuple[int, int]:
     return ptr, (last + 1) * itemsize
 
 
-def fp8_gemm_nt(a, b, d: torch.Tensor, c: torch.Tensor | None = None) -> None:
+def fp8_gemm_nt(a, b, d: torch.Tensor, c: torch.Tensor | None = None, *,
+                num_sms: int | None = None, config=None) -> None:
     """``d = a @ b.T`` (or ``d = c + a @ b.T``) with DeepGEMM's fine-grained FP8 scaling,
     written into ``d``.
 
@@ -151,6 +175,10 @@ def fp8_gemm_nt(a, b, d: torch.Tensor, c: torch.Tensor | None = None) -> None:
     (16-byte rows).
     c: f32 [M, N] or None. ``c`` may be ``d`` itself (accumulate in place, the fast path);
     another tensor is first copied into ``d`` (one more kernel, on the same stream).
+
+    num_sms: SMs the persistent CTAs may use (by default ``get_num_sms()``), so that
+    another kernel can run beside this one on the rest. config: a tile to use instead of
+    the model's choice (``sm90_fp8_gemm_1d2d.make_config``), checked against the call.
 
     Fast path: sa in the MN-major TMA-aligned layout that ``quantize_fp8_per_token``
     writes by default. A row-major sa is converted (one copy) on every call.
@@ -168,23 +196,28 @@ def fp8_gemm_nt(a, b, d: torch.Tensor, c: torch.Tensor | None = None) -> None:
     d_ptr, d_row, copy_c = _output(d, c, m, n, device, *a_spans,
                                    row_span(b_ptr, n, b_strides[0], k, 1),
                                    row_span(sb_ptr, sb_shape[0], sb_strides[0], k_groups, 4))
+    if config is not None:
+        _check_config(config, n, k, c is not None, 0, False, "e4m3")
     require_cuda("a[0]", a[0], device)
     if copy_c:
         d.copy_(c)
     if m == 0:
         return
-    _launch(device, m, n, k, a_row, a_ptr, n, b_strides[0], b_ptr, d_ptr, d_row,
-            scales=(_sa_pointer(sa, sa_ptr), get_tma_aligned_size(m, 4), sb_ptr, sb_strides[0]),
-            accumulate=c is not None)
+    _launch(device, m, n, k, (a_ptr, a_row), (b_ptr, b_strides[0], n), (d_ptr, d_row),
+            scales=(_sa_pointer(sa, sa_ptr), get_tma_aligned_size(m, 4), None, sb_ptr,
+                    sb_strides[0]),
+            accumulate=c is not None, num_sms=num_sms, config=config)
 
 
 def bf16_gemm_nt(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor,
-                 c: torch.Tensor | None = None) -> None:
+                 c: torch.Tensor | None = None, *, num_sms: int | None = None,
+                 config=None) -> None:
     """``d = a @ b.T`` (or ``d = c + a @ b.T``) in bf16 with f32 accumulation, written into
     ``d``: the FP8 GEMM's kernel with bf16 operands and no scales.
 
     a: bf16 [M, K], b: bf16 [N, K] (rows 16-byte aligned), d: bf16 [M, N], contiguous; with
     ``c``, f32 [M, N] (``c`` may be ``d``: accumulate in place; another c is copied first).
+    num_sms, config: as ``fp8_gemm_nt``'s.
     """
     (m, k), a_strides, a_ptr, device = inspect("a", a, torch.bfloat16, 2)
     (n, kb_), b_strides, b_ptr, _ = inspect("b", b, torch.bfloat16, 2, device=device)
@@ -192,13 +225,15 @@ def bf16_gemm_nt(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor,
         raise ValueError(f"a and b must share K, got a {tuple(a.shape)} and b {tuple(b.shape)}")
     d_ptr, d_row, copy_c = _output(d, c, m, n, device, row_span(a_ptr, m, a_strides[0], k, 2),
                                    row_span(b_ptr, n, b_strides[0], k, 2))
+    if config is not None:
+        _check_config(config, n, k, c is not None, 0, False, "bf16")
     require_cuda("a", a, device)
     if copy_c:
         d.copy_(c)
     if m == 0:
         return
-    _launch(device, m, n, k, a_strides[0], a_ptr, n, b_strides[0], b_ptr, d_ptr, d_row,
-            accumulate=c is not None)
+    _launch(device, m, n, k, (a_ptr, a_strides[0]), (b_ptr, b_strides[0], n), (d_ptr, d_row),
+            accumulate=c is not None, num_sms=num_sms, config=config)
 
 
 def _output(d, c, m: int, n: int, device: int, *input_spans) -> tuple[int, int, bool]:
@@ -263,9 +298,10 @@ def _grouped_b(a_shape, b, k: int, device: int, *, scaled: bool = True):
 
 
 def _contiguous(a_name: str, A, device: int, m: int, k: int, a_row, a_ptr, a_spans, grouped_b,
-                d, m_indices, sa=None, sa_ptr=None) -> None:
+                d, m_indices, sa=None, sa_ptr=None, **options) -> None:
     """The contiguous layout's m_indices and d checks, the device check, then the launch
-    (``sa`` and ``sa_ptr`` as ``_scaled_a`` returns them; ``sa`` None: bf16)."""
+    (``sa`` and ``sa_ptr`` as ``_scaled_a`` returns them; ``sa`` None: bf16; ``options``:
+    num_sms and config)."""
     num_groups, n, b_row, b_ptr, sb_ptr, sb_row, b_spans = grouped_b
     (mi,), _, mi_ptr, _ = inspect("m_indices", m_indices, torch.int32, 1, align=4, device=device)
     if mi != m:
@@ -274,16 +310,21 @@ def _contiguous(a_name: str, A, device: int, m: int, k: int, a_row, a_ptr, a_spa
     require_shape("d", d_shape, (m, n))
     require_contiguous_rows("d", d_shape, d_strides)
     require_disjoint("d", (d_ptr, 2 * m * n), (mi_ptr, 4 * m), *a_spans, *b_spans)
+    if options.get("config") is not None:
+        _check_config(options["config"], n, k, False, num_groups, False,
+                      "bf16" if sa is None else "e4m3")
     require_cuda(a_name, A, device)
     if m == 0:
         return
-    scales = None if sa is None else (_sa_pointer(sa, sa_ptr), get_tma_aligned_size(m, 4), sb_ptr,
-                                      sb_row)
-    _launch(device, m, n, k, a_row, a_ptr, num_groups * n, b_row, b_ptr, d_ptr, d_strides[0],
-            scales=scales, groups=num_groups, extra=(mi_ptr, m))
+    scales = None if sa is None else (_sa_pointer(sa, sa_ptr), get_tma_aligned_size(m, 4), None,
+                                      sb_ptr, sb_row)
+    _launch(device, m, n, k, (a_ptr, a_row), (b_ptr, b_row, num_groups * n),
+            (d_ptr, d_strides[0]), scales=scales, groups=num_groups, m_indices=mi_ptr,
+            **options)
 
 
-def m_grouped_fp8_gemm_nt_contiguous(a, b, d: torch.Tensor, m_indices: torch.Tensor) -> None:
+def m_grouped_fp8_gemm_nt_contiguous(a, b, d: torch.Tensor, m_indices: torch.Tensor, *,
+                                     num_sms: int | None = None, config=None) -> None:
     """MoE, contiguous layout: row i of ``d`` = row i of ``a`` times group ``m_indices[i]``
     of ``b``, transposed, with DeepGEMM's fine-grained FP8 scaling.
 
@@ -296,24 +337,29 @@ def m_grouped_fp8_gemm_nt_contiguous(a, b, d: torch.Tensor, m_indices: torch.Ten
     Rows the GPU finds padding, an index outside [0, G), or a segment not aligned (a
     tile's row whose group differs from its first row's) are written as zeros; nothing is
     read outside B. Nothing is read back to the host: the call can be captured in a graph.
+    num_sms, config: as ``fp8_gemm_nt``'s.
     """
     m, k, a_row, a_ptr, device, a_spans, sa, sa_ptr = _scaled_a(a)
     _contiguous("a[0]", a[0], device, m, k, a_row, a_ptr, a_spans,
-                _grouped_b(a[0].shape, b, k, device), d, m_indices, sa, sa_ptr)
+                _grouped_b(a[0].shape, b, k, device), d, m_indices, sa, sa_ptr,
+                num_sms=num_sms, config=config)
 
 
 def m_grouped_bf16_gemm_nt_contiguous(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor,
-                                      m_indices: torch.Tensor) -> None:
+                                      m_indices: torch.Tensor, *, num_sms: int | None = None,
+                                      config=None) -> None:
     """``m_grouped_fp8_gemm_nt_contiguous`` with bf16 operands and no scales: a bf16
     [M, K], b bf16 [G, N, K], d bf16 [M, N], m_indices int32 [M] (same contract)."""
     (m, k), a_strides, a_ptr, device = inspect("a", a, torch.bfloat16, 2)
     _contiguous("a", a, device, m, k, a_strides[0], a_ptr,
                 (row_span(a_ptr, m, a_strides[0], k, 2),),
-                _grouped_b(a.shape, b, k, device, scaled=False), d, m_indices)
+                _grouped_b(a.shape, b, k, device, scaled=False), d, m_indices,
+                num_sms=num_sms, config=config)
 
 
 def m_grouped_fp8_gemm_nt_masked(a, b, d: torch.Tensor, masked_m: torch.Tensor,
-                                 expected_m: int) -> None:
+                                 expected_m: int, *, num_sms: int | None = None,
+                                 config=None) -> None:
     """MoE, masked layout (decoding under CUDA graphs): for each group g, the first
     ``masked_m[g]`` rows of ``d[g]`` = those rows of ``a[g]`` times ``b[g]``, transposed,
     with DeepGEMM's fine-grained FP8 scaling.
@@ -327,6 +373,7 @@ def m_grouped_fp8_gemm_nt_masked(a, b, d: torch.Tensor, masked_m: torch.Tensor,
 
     A count above M_max is taken as M_max, a negative one as 0. Rows from masked_m[g] on
     are not meaningful: a tile that starts before masked_m[g] is written whole.
+    num_sms, config: as ``fp8_gemm_nt``'s.
     """
     A, sa = pair("a", a, "e4m3 [G, M_max, K] and f32 [G, M_max, ceil(K/128)]")
     (num_groups, m_max, k), a_strides, a_ptr, device = inspect("a[0]", A, torch.float8_e4m3fn, 3)
@@ -334,23 +381,26 @@ def m_grouped_fp8_gemm_nt_masked(a, b, d: torch.Tensor, masked_m: torch.Tensor,
                                               device=device, rows=False)
     require_shape("a[1]", sa_shape, (num_groups, m_max, ceil_div(k, gemm_kernel.BLOCK_K)))
     _masked("a[0]", A, a_strides, a_ptr, device, (sa, sa_shape, sa_strides, sa_ptr),
-            _grouped_b(A.shape, b, k, device), d, masked_m, expected_m)
+            _grouped_b(A.shape, b, k, device), d, masked_m, expected_m,
+            num_sms=num_sms, config=config)
 
 
 def m_grouped_bf16_gemm_nt_masked(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor,
-                                  masked_m: torch.Tensor, expected_m: int) -> None:
+                                  masked_m: torch.Tensor, expected_m: int, *,
+                                  num_sms: int | None = None, config=None) -> None:
     """``m_grouped_fp8_gemm_nt_masked`` with bf16 operands and no scales: a bf16
     [G, M_max, K], b bf16 [G, N, K], d bf16 [G, M_max, N] (same contract)."""
     (_, _, k), a_strides, a_ptr, device = inspect("a", a, torch.bfloat16, 3)
     _masked("a", a, a_strides, a_ptr, device, None,
-            _grouped_b(a.shape, b, k, device, scaled=False), d, masked_m, expected_m)
+            _grouped_b(a.shape, b, k, device, scaled=False), d, masked_m, expected_m,
+            num_sms=num_sms, config=config)
 
 
 def _masked(a_name: str, A, a_strides, a_ptr, device: int, scaled_a, grouped_b, d, masked_m,
-            expected_m) -> None:
+            expected_m, **options) -> None:
     """The masked layout's checks, the device check and the launch: A [G, M_max, K] through
     3-D tensor maps, e4m3 with ``scaled_a`` = (sa, its shape, strides and pointer), or bf16
-    with ``scaled_a`` None."""
+    with ``scaled_a`` None; ``options``: num_sms and config."""
     num_groups, m_max, k = A.shape
     b_groups, n, b_row, b_ptr, sb_ptr, sb_row, b_spans = grouped_b
     if b_groups != num_groups:
@@ -373,18 +423,20 @@ def _masked(a_name: str, A, a_strides, a_ptr, device: int, scaled_a, grouped_b, 
         sa, sa_shape, sa_strides, sa_ptr = scaled_a
         spans.append(_span(sa_ptr, sa_shape, sa_strides, 4))
     require_disjoint("d", _span(d_ptr, d_shape, d_strides, 2), *spans)
+    if options.get("config") is not None:
+        _check_config(options["config"], n, k, False, num_groups, True,
+                      "bf16" if scaled_a is None else "e4m3")
     require_cuda(a_name, A, device)
     if m_max == 0:
         return
-    scales = sa_group = None
+    scales = None
     if scaled_a is not None:
         # The tensor map reads sa MN-major with 16-byte aligned columns and groups; another
         # layout is copied into that one.
         if sa_strides[1] != 1 or sa_strides[0] % 4 or sa_strides[2] % 4 or sa_ptr % 16:
             sa = get_mn_major_tma_aligned_tensor(sa)
             sa_ptr, sa_strides = sa.data_ptr(), sa.stride()
-        scales, sa_group = (sa_ptr, sa_strides[2], sb_ptr, sb_row), sa_strides[0]
-    _launch(device, m_max, n, k, a_strides[1], a_ptr, num_groups * n, b_row, b_ptr, d_ptr,
-            d_strides[1], scales=scales, groups=num_groups,
-            masked=(min(expected_m, m_max), a_strides[0], d_strides[0], sa_group),
-            extra=(mm_ptr, m_max))
+        scales = (sa_ptr, sa_strides[2], sa_strides[0], sb_ptr, sb_row)
+    _launch(device, m_max, n, k, (a_ptr, a_strides[1], a_strides[0]),
+            (b_ptr, b_row, num_groups * n), (d_ptr, d_strides[1], d_strides[0]), scales=scales,
+            groups=num_groups, masked=min(expected_m, m_max), masked_m=mm_ptr, **options)

@@ -26,15 +26,15 @@ def _kernel(device_index: int, hidden: int, normalize: bool, quantize: bool):
     """(rows per CTA, row groups per CTA, launcher) for one device and variant."""
     cfg = row_kernel.choose_config(device_arch(device_index), hidden, normalize=normalize,
                                    quantize=quantize)
-    compiled = jit.build(row_kernel.generate(cfg))
-    launcher = compiled.load(device_index).launcher(cfg.threads, cfg.dynamic_shared_bytes)
+    launcher = jit.build(row_kernel.generate(cfg)).launcher(device_index)
     return cfg.rows_per_cta, cfg.groups, launcher
 
 
-def _launch(rows: int, hidden: int, device: int, args: tuple, normalize: bool,
-            quantize: bool) -> None:
+def _launcher(rows: int, hidden: int, device: int, normalize: bool, quantize: bool):
+    """(launcher, grid): one CTA per rows_per_cta x groups rows. The ops call the launcher
+    with their arguments by name themselves: one keyword call, no dict passed along."""
     rows_per_cta, groups, launcher = _kernel(device, hidden, normalize, quantize)
-    launcher((-(-rows // (rows_per_cta * groups)), 1, 1), current_stream(device), args)
+    return launcher, (-(-rows // (rows_per_cta * groups)), 1, 1)
 
 
 def _as_rows(name: str, x: torch.Tensor):
@@ -88,7 +88,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
         out = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
         out_ptr = out.data_ptr()
     if m:
-        _launch(m, k, device, (x_ptr, row_stride, m, w_ptr, float(eps), out_ptr), True, False)
+        launcher, grid = _launcher(m, k, device, True, False)
+        launcher(grid, current_stream(device), x=x_ptr, x_row_stride=row_stride, rows=m,
+                 weight=w_ptr, eps=float(eps), y=out_ptr)
     return out
 
 
@@ -103,7 +105,7 @@ def quantize_fp8_per_token(x: torch.Tensor, scale_layout: str = "mn_major", *, o
     decide the layout).
     """
     shape, strides, x_ptr, device = inspect("x", x, torch.bfloat16, 2)
-    return _quantize(x, shape, strides[0], x_ptr, device, False, (), (), scale_layout, out)
+    return _quantize(x, shape, strides[0], x_ptr, device, None, scale_layout, out)
 
 
 def rms_norm_quantize_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
@@ -112,12 +114,13 @@ def rms_norm_quantize_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e
     writing the bf16 intermediate: the same bits as the two calls."""
     shape, strides, x_ptr, device = inspect("x", x, torch.bfloat16, 2)
     w_ptr = _check_weight(weight, shape[1], device)
-    return _quantize(x, shape, strides[0], x_ptr, device, True, (w_ptr, float(eps)),
-                     ((w_ptr, 2 * shape[1]),), scale_layout, out)
+    return _quantize(x, shape, strides[0], x_ptr, device, (w_ptr, float(eps)), scale_layout, out)
 
 
-def _quantize(x, shape, row_stride: int, x_ptr: int, device: int, normalize: bool,
-              weight_args: tuple, weight_spans: tuple, scale_layout: str, out):
+def _quantize(x, shape, row_stride: int, x_ptr: int, device: int, weight, scale_layout: str,
+              out):
+    """The quantizing kernel on x [M, K]; ``weight``: (pointer, eps) to normalize first, or
+    None."""
     m, k = shape
     groups = -(-k // row_kernel.GROUP)
     if scale_layout not in SCALE_LAYOUTS:  # checked with out= too, where the strides decide
@@ -126,13 +129,20 @@ def _quantize(x, shape, row_stride: int, x_ptr: int, device: int, normalize: boo
         q, scales = pair("out", out, "e4m3 [M, K] and f32 [M, ceil(K/128)]")
         q_ptr, s_ptr, s_strides = inspect_quantized_out(
             q, scales, shape, (m, groups), device, row_span(x_ptr, m, row_stride, k, 2),
-            *weight_spans)
+            *(((weight[0], 2 * k),) if weight else ()))
     require_cuda("x", x, device)
     if out is None:
         scales = _scales(m, groups, scale_layout, x.device)
         q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
         q_ptr, s_ptr, s_strides = q.data_ptr(), scales.data_ptr(), scales.stride()
     if m:
-        _launch(m, k, device, (x_ptr, row_stride, m) + weight_args
-                + (q_ptr, s_ptr, s_strides[0], s_strides[1]), normalize, True)
+        launcher, grid = _launcher(m, k, device, weight is not None, True)
+        if weight is None:
+            launcher(grid, current_stream(device), x=x_ptr, x_row_stride=row_stride, rows=m,
+                     q=q_ptr, scales=s_ptr, scale_row_stride=s_strides[0],
+                     scale_group_stride=s_strides[1])
+        else:
+            launcher(grid, current_stream(device), x=x_ptr, x_row_stride=row_stride, rows=m,
+                     weight=weight[0], eps=weight[1], q=q_ptr, scales=s_ptr,
+                     scale_row_stride=s_strides[0], scale_group_stride=s_strides[1])
     return q, scales

@@ -44,11 +44,50 @@ PARAM_LAYOUT = {
 
 
 @dataclass(frozen=True)
+class TensorMap:
+    """What a TMA descriptor parameter describes, besides the tensor it is made for: the
+    element type (a torch dtype name), the box one copy moves (innermost dimension first,
+    in elements) and the shared-memory swizzle. The kernel's copies and expect-tx counts
+    use the same box; the launch encodes the descriptor from it."""
+
+    dtype: str
+    box: tuple
+    swizzle: int = 0
+
+    @property
+    def box_bytes(self) -> int:
+        elements = 1
+        for size in self.box:
+            elements *= size
+        return elements * _ELEMENT_BYTES[self.dtype]
+
+
+_ELEMENT_BYTES = {"float8_e4m3fn": 1, "float8_e5m2": 1, "uint8": 1, "bfloat16": 2, "float16": 2,
+                  "float32": 4, "int32": 4}
+
+
+@dataclass(frozen=True)
+class LaunchShape:
+    """How a kernel is launched, besides its grid: threads per CTA, dynamic shared memory,
+    CTAs per cluster, and the launch attributes: ``cooperative`` (every CTA resident at
+    once) and ``programmatic`` (the kernel may start while the previous one on its stream
+    finishes; it waits with griddepcontrol.wait)."""
+
+    block: int
+    shared_bytes: int = 0
+    cluster: int = 1
+    cooperative: bool = False
+    programmatic: bool = False
+
+
+@dataclass(frozen=True)
 class Param(Symbol):
     """A kernel parameter. ``tensormap`` parameters are 128-byte, 64-aligned CUtensorMap blobs
-    passed by value (the PTX form of a ``const __grid_constant__ CUtensorMap``)."""
+    passed by value (the PTX form of a ``const __grid_constant__ CUtensorMap``); their
+    ``tensor_map`` says what the descriptor must describe."""
 
     type: str = "u64"
+    tensor_map: TensorMap | None = None
 
     @property
     def size(self) -> int:
@@ -107,6 +146,8 @@ class KernelBuilder(ArithmeticOps, MemoryOps, SyncOps, WarpOps, TensorOps):
         self.max_threads = max_threads
         self.min_blocks_per_sm = min_blocks_per_sm
         self.cluster_size = cluster_size
+        # How the kernel is launched; a generator whose launch differs sets its own.
+        self.launch = LaunchShape(block=max_threads or 1, cluster=cluster_size or 1)
         self.params: list[Param] = []
         self.shared_buffers: list[SharedBuffer] = []
         self._banks: dict[str, tuple[str, int]] = {}  # prefix -> (type, count): %prefix<count>
@@ -118,19 +159,22 @@ class KernelBuilder(ArithmeticOps, MemoryOps, SyncOps, WarpOps, TensorOps):
         self.instruction_count = 0
 
     # ----------------------------------------------------------------- declarations
-    def param(self, name: str, type: str) -> Param:
-        """Declare the next kernel parameter; the order of calls is the launch order."""
+    def param(self, name: str, type: str, tensor_map: TensorMap | None = None) -> Param:
+        """Declare the next kernel parameter; launches bind it by ``name``."""
         if type not in PARAM_LAYOUT:
             raise ValueError(f"param type must be one of {sorted(PARAM_LAYOUT)}, got {type!r}")
+        if not name.isidentifier():
+            raise ValueError(f"param name must be an identifier, got {name!r}")
         if any(p.name == name for p in self.params):
             raise ValueError(f"kernel {self.name} already has a parameter named {name!r}")
-        p = Param(name, type)
+        p = Param(name, type, tensor_map)
         self.params.append(p)
         return p
 
-    def tensormap_param(self, name: str) -> Param:
-        """A TMA descriptor passed by value (``.param .align 64 .b8 name[128]``)."""
-        return self.param(name, "tensormap")
+    def tensormap_param(self, name: str, tensor_map: TensorMap | None = None) -> Param:
+        """A TMA descriptor passed by value (``.param .align 64 .b8 name[128]``), and what
+        it must describe."""
+        return self.param(name, "tensormap", tensor_map)
 
     def reg(self, type: str, name: str | None = None) -> Reg:
         """One register; a name used for the first time is kept as it is (``%row``)."""
@@ -306,4 +350,5 @@ class KernelBuilder(ArithmeticOps, MemoryOps, SyncOps, WarpOps, TensorOps):
         return "\n".join(lines)
 
 
-__all__ = ["KernelBuilder", "Param", "Label", "SharedBuffer", "Address", "Reg"]
+__all__ = ["KernelBuilder", "LaunchShape", "Param", "Label", "SharedBuffer", "TensorMap",
+           "Address", "Reg"]

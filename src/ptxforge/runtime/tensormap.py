@@ -30,6 +30,13 @@ _lock = threading.Lock()
 _CACHE_ENTRIES = 4096
 
 
+def encode(tensor_map, address: int, shape: tuple, strides_bytes: tuple) -> bytes:
+    """The descriptor a kernel's ``TensorMap`` parameter asks for, over the tensor at
+    ``address`` of ``shape`` (innermost first) and byte ``strides_bytes`` (dimensions 1..)."""
+    return encode_tiled(address, tensor_map.dtype, shape, strides_bytes, tensor_map.box,
+                        tensor_map.swizzle)
+
+
 def encode_tiled(address: int, dtype_name: str, shape: tuple, strides_bytes: tuple, box: tuple,
                  swizzle: int = 0, oob_fill_nan: bool = False) -> bytes:
     """The 128-byte descriptor of a tiled view. ``shape``/``box`` innermost first; ``strides_bytes``
