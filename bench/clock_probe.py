@@ -11,8 +11,8 @@ import time
 import torch
 
 from ptxforge import ops
-from ptxforge.bench import _torch_blockwise
-from ptxforge.checks import fp8_gemm_operands
+from ptxforge.testing.bench import _torch_blockwise
+from ptxforge.testing.checks import fp8_gemm_operands
 
 m, n, k = (int(x) for x in sys.argv[1:4]) if len(sys.argv) > 3 else (4096, 7168, 16384)
 (qa, sa), (qb, sb), _ = fp8_gemm_operands(m, n, k)

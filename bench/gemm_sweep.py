@@ -17,10 +17,10 @@ import json
 import torch
 
 from ptxforge import ops
-from ptxforge.bench import (GEMM_SHAPES, GROUPED_MASKED, Timer, _bf16_pair, _torch_blockwise,
+from ptxforge.testing.bench import (GEMM_SHAPES, GROUPED_MASKED, Timer, _bf16_pair, _torch_blockwise,
                             _torch_grouped, contiguous_problems, grouped_operands,
                             masked_operands)
-from ptxforge.checks import calc_diff, fp8_gemm_operands
+from ptxforge.testing.checks import calc_diff, fp8_gemm_operands
 from ptxforge.kernels import sm90_fp8_gemm_1d2d as gemm
 from ptxforge.ops import _common
 

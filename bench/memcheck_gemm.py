@@ -11,8 +11,8 @@ CTA-per-SM variants. Prints one line per call; sanitizer findings follow its own
 import torch
 
 import ptxforge
-from ptxforge.bench import masked_operands
-from ptxforge.checks import fp8_gemm_operands
+from ptxforge.testing.bench import masked_operands
+from ptxforge.testing.checks import fp8_gemm_operands
 from ptxforge.kernels import sm90_fp8_gemm_1d2d as gemm
 from ptxforge.ops import _common
 

@@ -4,7 +4,7 @@ time in us (median of 30, L2 flushed), bandwidth against the copy measured in th
 import torch
 
 from ptxforge import jit
-from ptxforge.bench import Timer, copy_bandwidth_gbs
+from ptxforge.testing.bench import Timer, copy_bandwidth_gbs
 from ptxforge.kernels import bf16_row_rmsnorm_fp8quant as row_kernel
 from ptxforge.ops import _common
 from ptxforge.ops.layout import empty_mn_major_scales

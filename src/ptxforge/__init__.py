@@ -5,8 +5,9 @@
     y = ptxforge.rms_norm(x, weight)
 
 The layers, in the order a call passes through them: ``ops`` (validate, pick a config,
-launch) -> ``kernels`` (one generator per kernel) -> ``ptx`` (the builder) ->
-``jit`` (assemble, cache, load, launch), with hardware numbers from ``arch``.
+launch) -> ``kernels`` (one generator per kernel) -> ``ptx`` (the builder) -> ``jit``
+(assemble, cache) -> ``runtime`` (load, launch by name), with hardware numbers from
+``arch``; ``testing`` holds the reference recipes, checks and benchmarks.
 """
 
 __version__ = "0.1.0"

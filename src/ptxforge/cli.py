@@ -49,7 +49,7 @@ def _options(pairs: list[str]) -> dict:
 
 
 def _resource_rows(compiled_kernels) -> str:
-    from .bench import format_table
+    from .testing.bench import format_table
 
     rows = [[c.name, c.target, c.resources.registers, c.resources.spills,
              c.resources.stack_frame, c.resources.static_shared, f"{c.seconds * 1e3:.0f}", c.source]
@@ -151,7 +151,7 @@ def cmd_bench(args) -> int:
     if not _gpu_available():
         print("ptxforge bench: needs a CUDA GPU; none was found", file=sys.stderr)
         return 2
-    from . import bench
+    from .testing import bench
 
     if args.suite == "memory":
         result = bench.memory_suite(args.m, args.k)
@@ -260,7 +260,7 @@ def cmd_demo(args) -> int:
               f"{a.target} ({assembled} assembled, {len(compiled) - assembled} loaded from the "
               f"cache); nothing was run.")
         return 1 if any(c.resources.spills for c in compiled) else 0
-    from . import bench, checks
+    from .testing import bench, checks
 
     results = checks.run_all(big=True)
     print(bench.format_table(["check", "shape", "metric", "value", "limit", ""],

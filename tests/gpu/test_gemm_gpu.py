@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import ptxforge
-from ptxforge.checks import calc_diff, fp8_gemm_operands, relative_error
+from ptxforge.testing.checks import calc_diff, fp8_gemm_operands, relative_error
 
 pytestmark = pytest.mark.gpu
 

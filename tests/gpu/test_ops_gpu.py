@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import ptxforge
-from ptxforge import checks
+from ptxforge.testing import checks
 
 pytestmark = pytest.mark.gpu
 

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import kernels, ops, reference
+from .. import kernels, ops
+from . import reference
 from .checks import calc_diff
 
 

@@ -1,4 +1,4 @@
-"""Correctness checks of the shipped kernels against ``ptxforge.reference``, on a GPU.
+"""Correctness checks of the shipped kernels against ``ptxforge.testing.reference``, on a GPU.
 
 Each check draws fresh random inputs, poisons the memory the op will be handed for its
 outputs (NaN bytes, so an element the kernel never writes cannot pass), runs the op and
@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from . import ops, reference
+from .. import ops
+from . import reference
 
 
 @dataclass
