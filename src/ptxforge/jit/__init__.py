@@ -96,11 +96,11 @@ def build(kernel, *, assembler: str | None = None) -> CompiledKernel:
         if "Potential Performance Loss" in line:
             warnings.warn(f"{kernel.name}: {line.split(':', 1)[-1].strip()}")
     if settings.debug():  # kept even when the cache is disabled
-        _write_to_disk(DiskCache(settings.cache_dir()).keep_ptx, kernel.name, key, ptx)
+        _write_to_disk((disk or DiskCache(settings.cache_dir())).keep_ptx, kernel.name, key, ptx)
     compiled = CompiledKernel(
         name=kernel.name, target=kernel.target, ptx=ptx, cubin=cubin, resources=resources,
-        params=list(kernel.params), launch=kernel.launch, assembler=repr(asm), key=key, source=source,
-        seconds=time.perf_counter() - start, log=log)
+        params=list(kernel.params), launch=kernel.launch, assembler=repr(asm), key=key,
+        source=source, seconds=time.perf_counter() - start, log=log)
     with _memory_lock:
         return _memory.setdefault(memory_key, compiled)
 
@@ -164,5 +164,5 @@ def _progress(done: int, total: int, label: str) -> None:
     sys.stderr.flush()
 
 
-__all__ = ["AssemblerUnavailable", "AssemblyError", "CompiledKernel", "Resources", "SpillError", "build", "precompile",
-           "get_assembler"]
+__all__ = ["AssemblerUnavailable", "AssemblyError", "CompiledKernel", "Resources", "SpillError",
+           "build", "precompile", "get_assembler"]
