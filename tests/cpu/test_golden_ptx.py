@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from ptxforge import arch, kernels
+from ptxforge.kernels import sm90_fp8_gemm_1d2d as gemm
 
 GOLDEN = Path(__file__).with_name("golden_ptx.json")
 _DECLARATION = re.compile(r"^\.reg \.(\w+) %(\w+?)(?:<(\d+)>)?;$")
@@ -49,10 +50,34 @@ def normalized(ptx: str) -> str:
     return "\n".join([f".reg .{kind} {n}" for kind, n in sorted(counts.items())] + body)
 
 
+# GEMM modes the registry's heuristic choices do not reach: f32 accumulation, one and four
+# producer warps, both part-buffer counts, multicast, bf16 grouped and straddling tiles with
+# more scale-row splits than get a promotion of their own (block_n 40, 56, 72).
+GEMM_MAKE_CONFIG = (
+    dict(n=7168, k=2048, block_m=128, block_n=128, accumulate=True),
+    dict(n=4096, k=7168, block_m=64, block_n=128, accumulate=True, multicast=2),
+    dict(n=4096, k=7168, block_m=128, block_n=256, dtype="bf16", accumulate=True),
+    dict(n=2112, k=7168, block_m=64, block_n=96, producers=1),
+    dict(n=2112, k=7168, block_m=128, block_n=96, producers=4, part_buffers=1),
+    dict(n=7168, k=2048, block_m=128, block_n=128, part_buffers=2, multicast=2),
+    dict(n=4096, k=7168, block_m=128, block_n=128, groups=4, dtype="bf16"),
+    dict(n=4096, k=7168, block_m=64, block_n=128, groups=4, masked=True, dtype="bf16",
+         multicast=2),
+    dict(n=7168, k=2048, block_m=64, block_n=40),
+    dict(n=7168, k=2048, block_m=64, block_n=56, groups=2),
+    dict(n=7168, k=2048, block_m=128, block_n=72, groups=2, masked=True),
+)
+
+
 def variants() -> dict[str, str]:
     """'target/kernel/options' -> sha256 of the normalized PTX, for every registered
-    variant each target supports."""
+    variant each target supports, and the GEMM configs above."""
     hashes = {}
+    for options in GEMM_MAKE_CONFIG:
+        config = gemm.make_config(arch.get("sm_90a"), **options)
+        ptx = normalized(gemm.generate(config).ptx())
+        key = "sm_90a/make_config/" + ",".join(f"{k}={v}" for k, v in options.items())
+        hashes[key] = hashlib.sha256(ptx.encode()).hexdigest()
     for target in arch.targets():
         a = arch.get(target)
         for spec in kernels.REGISTRY.values():
