@@ -18,7 +18,7 @@ import torch
 from ptxforge import ops
 from ptxforge.testing.bench import Timer
 from ptxforge.testing.checks import calc_diff, fp8_gemm_operands
-from ptxforge.kernels import sm90_fp8_gemm_1d2d as gemm
+from ptxforge.kernels import sm90_gemm as gemm
 from ptxforge.ops import _common
 from ptxforge.ops import gemm as gemm_ops
 from ptxforge.ptx import KernelBuilder

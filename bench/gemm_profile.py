@@ -9,7 +9,7 @@ import sys
 import torch
 
 from ptxforge import ops
-from ptxforge.kernels import sm90_fp8_gemm_1d2d as gemm
+from ptxforge.kernels import sm90_gemm as gemm
 from ptxforge.ops import _common
 
 m, n, k = (int(x) for x in sys.argv[1:4])

@@ -21,7 +21,7 @@ from ptxforge.testing.bench import (GEMM_SHAPES, GROUPED_MASKED, Timer, _bf16_pa
                             _torch_grouped, contiguous_problems, grouped_operands,
                             masked_operands)
 from ptxforge.testing.checks import calc_diff, fp8_gemm_operands
-from ptxforge.kernels import sm90_fp8_gemm_1d2d as gemm
+from ptxforge.kernels import sm90_gemm as gemm
 from ptxforge.ops import _common
 
 arch = _common.device_arch(0)
@@ -111,7 +111,7 @@ def sweep(suite, producers):
                     "multicast": cfg.multicast, "part_buffers": cfg.part_buffers, "ms": ms,
                     "tflops": flops / ms / 1e9, "calc_diff": diff,
                     "ok": bool(ok) and results.get(cfg, {}).get("ok", True),
-                    "model_clocks": gemm.estimate_clocks(cfg, model_m, sms)}
+                    "model_clocks": gemm.estimate_clocks(arch, cfg, model_m, sms)}
         results = [results[cfg] for cfg in configs]
         best = max((r for r in results if r["ok"]), key=lambda r: r["tflops"], default=results[0])
         rows.append({"problem": label, "model_m": model_m, "n": n, "k": k, "peer_tflops": peer_tflops,

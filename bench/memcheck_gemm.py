@@ -13,7 +13,7 @@ import torch
 import ptxforge
 from ptxforge.testing.bench import masked_operands
 from ptxforge.testing.checks import fp8_gemm_operands
-from ptxforge.kernels import sm90_fp8_gemm_1d2d as gemm
+from ptxforge.kernels import sm90_gemm as gemm
 from ptxforge.ops import _common
 
 arch = _common.device_arch(0)

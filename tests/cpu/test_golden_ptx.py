@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from ptxforge import arch, kernels
-from ptxforge.kernels import sm90_fp8_gemm_1d2d as gemm
+from ptxforge.kernels import sm90_gemm as gemm
 
 GOLDEN = Path(__file__).with_name("golden_ptx.json")
 _DECLARATION = re.compile(r"^\.reg \.(\w+) %(\w+?)(?:<(\d+)>)?;$")
@@ -52,7 +52,7 @@ def normalized(ptx: str) -> str:
 
 # GEMM modes the registry's heuristic choices do not reach: f32 accumulation, one and four
 # producer warps, both part-buffer counts, multicast, bf16 grouped and straddling tiles with
-# more scale-row splits than get a promotion of their own (block_n 40, 56, 72).
+# more scale-row splits than get a promotion of their own (block_n 40, 56, 72), the bias.
 GEMM_MAKE_CONFIG = (
     dict(n=7168, k=2048, block_m=128, block_n=128, accumulate=True),
     dict(n=4096, k=7168, block_m=64, block_n=128, accumulate=True, multicast=2),
@@ -66,6 +66,8 @@ GEMM_MAKE_CONFIG = (
     dict(n=7168, k=2048, block_m=64, block_n=40),
     dict(n=7168, k=2048, block_m=64, block_n=56, groups=2),
     dict(n=7168, k=2048, block_m=128, block_n=72, groups=2, masked=True),
+    dict(n=7168, k=2048, block_m=128, block_n=128, bias=True),
+    dict(n=2112, k=7168, block_m=64, block_n=96, dtype="bf16", bias=True),
 )
 
 

@@ -68,7 +68,7 @@ def test_row_kernel_heuristic(normalize, quantize, hidden, threads_per_row, rows
 
 
 def test_gemm_uses_the_fp8_tensor_cores_and_warp_specialisation():
-    from ptxforge.kernels import sm90_fp8_gemm_1d2d as gemm
+    from ptxforge.kernels import sm90_gemm as gemm
 
     sm90 = arch.get("sm_90a")
     small = gemm.choose_config(sm90, 64, 2112, 7168)
@@ -92,7 +92,7 @@ def test_gemm_uses_the_fp8_tensor_cores_and_warp_specialisation():
 
 
 def test_gemm_tile_widths_cover_at_most_two_scale_rows():
-    from ptxforge.kernels import sm90_fp8_gemm_1d2d as gemm
+    from ptxforge.kernels import sm90_gemm as gemm
 
     candidates = gemm.block_n_candidates(arch.get("sm_90a"))
     assert {16, 56, 112, 128, 136, 144, 160, 192, 256} <= set(candidates)
@@ -106,7 +106,7 @@ def test_gemm_tile_widths_cover_at_most_two_scale_rows():
 @pytest.mark.parametrize("block_m, block_n", [(64, 16), (64, 24), (64, 56), (64, 192), (128, 112),
                                               (128, 144), (128, 160)])
 def test_gemm_tile_shapes_assemble_without_spills(block_m, block_n):
-    from ptxforge.kernels import sm90_fp8_gemm_1d2d as gemm
+    from ptxforge.kernels import sm90_gemm as gemm
 
     cfg = gemm.make_config(arch.get("sm_90a"), 2112, 7168, block_m, block_n)
     ptx = gemm.generate(cfg).ptx()
@@ -127,7 +127,7 @@ def test_gemm_tile_shapes_assemble_without_spills(block_m, block_n):
 
 @pytest.mark.parametrize("block_m, block_n", [(64, 24), (64, 16), (128, 128), (128, 160)])
 def test_gemm_accumulating_epilogue_adds_f32_boxes(block_m, block_n):
-    from ptxforge.kernels import sm90_fp8_gemm_1d2d as gemm
+    from ptxforge.kernels import sm90_gemm as gemm
 
     cfg = gemm.make_config(arch.get("sm_90a"), 2112, 7168, block_m, block_n, accumulate=True)
     ptx = gemm.generate(cfg).ptx()
@@ -140,9 +140,31 @@ def test_gemm_accumulating_epilogue_adds_f32_boxes(block_m, block_n):
     assert compiled.resources.spills == 0
 
 
+@pytest.mark.parametrize("block_m, block_n, dtype", [(64, 24, "e4m3"), (128, 128, "e4m3"),
+                                                     (128, 256, "bf16")])
+def test_gemm_bias_epilogue_reads_one_pair_per_column_group(block_m, block_n, dtype):
+    from ptxforge.kernels import sm90_gemm as gemm
+
+    cfg = gemm.make_config(arch.get("sm_90a"), 2112, 7168, block_m, block_n, dtype=dtype,
+                           bias=True)
+    assert cfg.epilogue.__name__ == "BiasBf16Store" and cfg.name.endswith("_bias")
+    ptx = gemm.generate(cfg).ptx()
+    assert ".param .u64 bias" in ptx
+    # One 4-byte bias load per 8-column group, skipped past N; two f32 adds per pair.
+    assert ptx.count("ld.global.nc.b32") == block_n // 8
+    assert ptx.count("add.f32") == block_n // 2
+    compiled = jit.build(gemm.generate(cfg))
+    assert compiled.resources.spills == 0 and compiled.resources.stack_frame == 0
+    plain = gemm.make_config(arch.get("sm_90a"), 2112, 7168, block_m, block_n, dtype=dtype)
+    assert "bias" not in gemm.generate(plain).ptx()
+    for wrong in ({"accumulate": True}, {"groups": 4}):
+        with pytest.raises(ValueError, match="bias is added to a dense GEMM's bf16 D only"):
+            gemm.make_config(arch.get("sm_90a"), 2112, 7168, 128, 128, bias=True, **wrong)
+
+
 @pytest.mark.parametrize("block_m, block_n, multicast", [(128, 128, 2), (64, 24, 1), (128, 160, 1)])
 def test_grouped_gemm_reads_each_tile_group_and_zeroes_foreign_rows(block_m, block_n, multicast):
-    from ptxforge.kernels import sm90_fp8_gemm_1d2d as gemm
+    from ptxforge.kernels import sm90_gemm as gemm
 
     cfg = gemm.make_config(arch.get("sm_90a"), 4096, 7168, block_m, block_n,
                            multicast=multicast, groups=8)
@@ -160,7 +182,7 @@ def test_grouped_gemm_reads_each_tile_group_and_zeroes_foreign_rows(block_m, blo
 
 @pytest.mark.parametrize("block_m, block_n, multicast", [(128, 128, 2), (64, 24, 1)])
 def test_masked_grouped_gemm_walks_valid_tiles_with_3d_maps(block_m, block_n, multicast):
-    from ptxforge.kernels import sm90_fp8_gemm_1d2d as gemm
+    from ptxforge.kernels import sm90_gemm as gemm
 
     cfg = gemm.make_config(arch.get("sm_90a"), 4096, 7168, block_m, block_n,
                            multicast=multicast, groups=4, masked=True)
@@ -176,7 +198,7 @@ def test_masked_grouped_gemm_walks_valid_tiles_with_3d_maps(block_m, block_n, mu
 
 @pytest.mark.parametrize("block_m, block_n", [(128, 256), (128, 128), (64, 24)])
 def test_bf16_gemm_is_the_same_kernel_without_scales(block_m, block_n):
-    from ptxforge.kernels import sm90_fp8_gemm_1d2d as gemm
+    from ptxforge.kernels import sm90_gemm as gemm
 
     cfg = gemm.make_config(arch.get("sm_90a"), 7168, 2048, block_m, block_n, dtype="bf16")
     assert cfg.k_blocks == 2048 // 64 and cfg.part_buffers == 1 and cfg.sa_stage_bytes == 0
@@ -190,7 +212,7 @@ def test_bf16_gemm_is_the_same_kernel_without_scales(block_m, block_n):
 
 @pytest.mark.parametrize("masked", [False, True])
 def test_grouped_bf16_gemm_assembles(masked):
-    from ptxforge.kernels import sm90_fp8_gemm_1d2d as gemm
+    from ptxforge.kernels import sm90_gemm as gemm
 
     cfg = gemm.make_config(arch.get("sm_90a"), 4096, 7168, 128, 128, groups=8, masked=masked,
                            dtype="bf16")
@@ -200,7 +222,7 @@ def test_grouped_bf16_gemm_assembles(masked):
 
 
 def test_gemm_tiles_wider_than_the_registers_are_refused():
-    from ptxforge.kernels import sm90_fp8_gemm_1d2d as gemm
+    from ptxforge.kernels import sm90_gemm as gemm
 
     # 128-row tiles: two math warpgroups at 232 registers; 256 columns of acc and part
     # leave too few for the rest. 192 columns fit one part buffer, not two.
@@ -217,7 +239,7 @@ def test_gemm_tiles_wider_than_the_registers_are_refused():
 
 @pytest.mark.parametrize("producers", [1, 2, 4])
 def test_gemm_producer_warps_take_turns_over_the_k_blocks(producers):
-    from ptxforge.kernels import sm90_fp8_gemm_1d2d as gemm
+    from ptxforge.kernels import sm90_gemm as gemm
 
     cfg = gemm.make_config(arch.get("sm_90a"), 2112, 7168, 64, 16, producers=producers)
     ptx = gemm.generate(cfg).ptx()
@@ -234,7 +256,7 @@ def test_gemm_large_m_takes_128_row_tiles(dtype):
     """At large M a 64-row tile reads all of B from shared memory per 64 rows (measured
     20-35% slower than 128-row tiles on the H200): the model's shared-memory term keeps
     the choice on 128-row tiles, for every width bf16 allows too."""
-    from ptxforge.kernels import sm90_fp8_gemm_1d2d as gemm
+    from ptxforge.kernels import sm90_gemm as gemm
 
     sm90 = arch.get("sm_90a", "H200")
     for n, k in ((2112, 7168), (24576, 1536), (32768, 512), (7168, 16384), (4096, 7168)):
@@ -242,14 +264,14 @@ def test_gemm_large_m_takes_128_row_tiles(dtype):
 
 
 def test_gemm_producer_counts_are_checked():
-    from ptxforge.kernels import sm90_fp8_gemm_1d2d as gemm
+    from ptxforge.kernels import sm90_gemm as gemm
 
     with pytest.raises(ValueError, match="producers must be 1, 2 or 4 warps, got 3"):
         gemm.make_config(arch.get("sm_90a"), 2112, 7168, 64, 16, producers=3)
 
 
 def test_gemm_multicast_shares_a_across_a_cluster_pair():
-    from ptxforge.kernels import sm90_fp8_gemm_1d2d as gemm
+    from ptxforge.kernels import sm90_gemm as gemm
 
     sm90 = arch.get("sm_90a")
     assert gemm.choose_config(sm90, 128, 7168, 16384).multicast == 1  # too few tiles to pair

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from ptxforge import arch, jit, kernels
-from ptxforge.kernels import sm90_fp8_gemm_1d2d as gemm
+from ptxforge.kernels import sm90_gemm as gemm
 from ptxforge.ptx import KernelBuilder, LaunchShape, TensorMap, addr
 from ptxforge.runtime.launch import Launcher, launch_attributes
 

@@ -104,10 +104,14 @@ CASES = {  # case -> (op, well-formed CPU arguments for M rows (each group's M_m
         (scaled(m, K), weight_scaled(N, K), zeros(BF16, m, N)), {})),
     "fp8_gemm_nt(c=)": (ptxforge.fp8_gemm_nt, lambda m: (
         (scaled(m, K), weight_scaled(N, K), zeros(F32, m, N), zeros(F32, m, N)), {})),
+    "fp8_gemm_nt(bias=)": (ptxforge.fp8_gemm_nt, lambda m: (
+        (scaled(m, K), weight_scaled(N, K), zeros(BF16, m, N)), {"bias": zeros(BF16, N)})),
     "bf16_gemm_nt": (ptxforge.bf16_gemm_nt, lambda m: (
         (zeros(BF16, m, K), zeros(BF16, N, K), zeros(BF16, m, N)), {})),
     "bf16_gemm_nt(c=)": (ptxforge.bf16_gemm_nt, lambda m: (
         (zeros(BF16, m, K), zeros(BF16, N, K), zeros(F32, m, N), zeros(F32, m, N)), {})),
+    "bf16_gemm_nt(bias=)": (ptxforge.bf16_gemm_nt, lambda m: (
+        (zeros(BF16, m, K), zeros(BF16, N, K), zeros(BF16, m, N)), {"bias": zeros(BF16, N)})),
     "m_grouped_fp8_gemm_nt_contiguous": (ptxforge.m_grouped_fp8_gemm_nt_contiguous, lambda m: (
         (scaled(m, K), weight_scaled(G, N, K), zeros(BF16, m, N), zeros(I32, m)), {})),
     "m_grouped_bf16_gemm_nt_contiguous": (ptxforge.m_grouped_bf16_gemm_nt_contiguous, lambda m: (
@@ -215,6 +219,8 @@ HOLDS = {  # (case, parameter) -> what the pair holds, as its error says
     ("fp8_gemm_nt", "b"): "e4m3 [N, K] and f32 [ceil(N/128), ceil(K/128)]",
     ("fp8_gemm_nt(c=)", "a"): "e4m3 [M, K] and f32 [M, ceil(K/128)]",
     ("fp8_gemm_nt(c=)", "b"): "e4m3 [N, K] and f32 [ceil(N/128), ceil(K/128)]",
+    ("fp8_gemm_nt(bias=)", "a"): "e4m3 [M, K] and f32 [M, ceil(K/128)]",
+    ("fp8_gemm_nt(bias=)", "b"): "e4m3 [N, K] and f32 [ceil(N/128), ceil(K/128)]",
     ("m_grouped_fp8_gemm_nt_contiguous", "a"): "e4m3 [M, K] and f32 [M, ceil(K/128)]",
     ("m_grouped_fp8_gemm_nt_contiguous", "b"):
         "e4m3 [G, N, K] and f32 [G, ceil(N/128), ceil(K/128)]",
@@ -297,6 +303,12 @@ BEFORE_THE_DEVICE = {  # (case, change to its CPU arguments) -> the error instea
                   ValueError, "d must have shape (4, 128), got (4, 64)"),
     "c's shape": ("fp8_gemm_nt(c=)", with_args(c=lambda a: zeros(F32, 2, 128)),
                   ValueError, "c must have shape (4, 128), got (2, 128)"),
+    "bias's length": ("fp8_gemm_nt(bias=)", with_args(bias=lambda a: zeros(BF16, 64)),
+                      ValueError, "bias must have shape (128,), got (64,)"),
+    "bias with c": ("fp8_gemm_nt(c=)", with_args(bias=lambda a: zeros(BF16, N)),
+                    ValueError, "bias is added to a bf16 d; it cannot be combined with c"),
+    "bias overlaps d": ("bf16_gemm_nt(bias=)", with_args(bias=lambda a: a["d"][0]),
+                        ValueError, "d overlaps an input; outputs must not alias inputs"),
     "d overlaps an input": ("bf16_gemm_nt", with_args(d=lambda a: a["a"]),
                             ValueError, "d overlaps an input; outputs must not alias inputs"),
     "m_indices' length": ("m_grouped_bf16_gemm_nt_contiguous",
@@ -357,10 +369,11 @@ def forced(case: str, **changes):
     """A GEMM tile for the case's problem (N = K = 128), with ``changes`` to make_config's
     arguments."""
     from ptxforge import arch
-    from ptxforge.kernels import sm90_fp8_gemm_1d2d as gemm
+    from ptxforge.kernels import sm90_gemm as gemm
 
     options = {"n": N, "k": K, "block_m": 64, "block_n": 16, "groups": 0, "masked": False,
-               "dtype": "bf16" if "bf16" in case else "e4m3", "accumulate": "c=" in case}
+               "dtype": "bf16" if "bf16" in case else "e4m3", "accumulate": "c=" in case,
+               "bias": "bias=" in case}
     if "grouped" in case:
         options.update(groups=G, masked="masked" in case)
     options.update(changes)
@@ -393,6 +406,7 @@ def test_a_config_for_another_problem_is_refused_before_the_device(case):
     ("m_grouped_fp8_gemm_nt_contiguous", {"groups": 4}, "groups=4", "groups=2"),
     ("m_grouped_bf16_gemm_nt_masked", {"masked": False}, "masked=False", "masked=True"),
     ("bf16_gemm_nt", {"k": 256, "dtype": "e4m3"}, "k=256, dtype='e4m3'", "k=128, dtype='bf16'"),
+    ("fp8_gemm_nt(bias=)", {"bias": False}, "bias=False", "bias=True"),
 ])
 def test_a_config_names_every_field_that_does_not_fit(case, changes, given, needed):
     args = arguments(case)
@@ -405,5 +419,5 @@ def test_a_config_names_every_field_that_does_not_fit(case, changes, given, need
 def test_a_config_must_be_a_gemm_config():
     args = arguments("fp8_gemm_nt")
     args["config"] = {"block_m": 64}
-    with pytest.raises(TypeError, match="^config must be an Fp8GemmConfig .*, got dict$"):
+    with pytest.raises(TypeError, match="^config must be a GemmConfig .*, got dict$"):
         call("fp8_gemm_nt", args)

@@ -117,7 +117,7 @@ def test_random_shapes():
 def test_every_tile_shape(gpu_arch):
     """Each tile shape the heuristic may pick (straddling B-scale rows, every store-box
     width), forced on shapes whose edges cut the tiles, against the fp64 reference."""
-    from ptxforge.kernels import sm90_fp8_gemm_1d2d as gemm
+    from ptxforge.kernels import sm90_gemm as gemm
 
     arch = gpu_arch
     failures = []
@@ -179,7 +179,7 @@ def test_rejects_bad_accumulation_arguments():
 
 def test_accumulates_with_every_store_box(gpu_arch):
     """The f32 epilogue's boxes of 128-, 64- and 32-byte rows (tile widths 32k, 16k, 8k)."""
-    from ptxforge.kernels import sm90_fp8_gemm_1d2d as gemm
+    from ptxforge.kernels import sm90_gemm as gemm
 
     failures = []
     for block_m, block_n in [(64, 16), (64, 24), (64, 32), (128, 56), (128, 128), (128, 160)]:
@@ -216,3 +216,65 @@ def test_cuda_graph_capture_allocates_nothing():
         graph.replay()
         torch.cuda.synchronize()
         assert calc_diff(d, ref) < 1e-3
+
+
+@pytest.mark.parametrize("m, n, k", [(1, 128, 256), (200, 1000, 640), (129, 136, 576),
+                                     (4096, 7168, 2048)])
+def test_adds_the_bias(m, n, k):
+    """d = a @ b.T + bias, the bias fused into the epilogue, against fp64; the same bits
+    every run; no column past N is read (N not a multiple of the tile width)."""
+    a, b, ref = fp8_gemm_operands(m, n, k)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16) * 4
+    expected = ref + bias.double()
+    d = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    ptxforge.fp8_gemm_nt(a, b, d, bias=bias)
+    torch.cuda.synchronize()
+    assert not torch.isnan(d).any(), "some outputs were never written"
+    assert calc_diff(d, expected) < 1e-3 and relative_error(d, expected) <= 2e-3
+    again = torch.empty_like(d)
+    ptxforge.fp8_gemm_nt(a, b, again, bias=bias)
+    assert torch.equal(d, again)
+    without = torch.empty_like(d)
+    ptxforge.fp8_gemm_nt(a, b, without)
+    assert relative_error(without, ref) <= 2e-3 and not torch.equal(d, without)
+
+
+def test_adds_the_bias_with_every_tile_width(gpu_arch):
+    """Each 8-column group reads its own bias pair: tile widths that straddle scale rows,
+    one and two math warpgroups, and the bf16 GEMM."""
+    from ptxforge.kernels import sm90_gemm as gemm
+
+    failures = []
+    for block_m, block_n in [(64, 16), (64, 24), (128, 56), (128, 128), (64, 160), (128, 256)]:
+        cfg = gemm.make_config(gpu_arch, 1000, 640, block_m, block_n, bias=True)
+        a, b, ref = fp8_gemm_operands(200, 1000, 640)
+        bias = torch.randn(1000, device="cuda", dtype=torch.bfloat16)
+        d = torch.full((200, 1000), float("nan"), device="cuda", dtype=torch.bfloat16)
+        ptxforge.fp8_gemm_nt(a, b, d, bias=bias, config=cfg)
+        expected = ref + bias.double()
+        if not (calc_diff(d, expected) < 1e-3 and relative_error(d, expected) <= 2e-3):
+            failures.append((block_m, block_n, calc_diff(d, expected)))
+    x = torch.randn(300, 512, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(1000, 512, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(1000, device="cuda", dtype=torch.bfloat16)
+    d = torch.full((300, 1000), float("nan"), device="cuda", dtype=torch.bfloat16)
+    ptxforge.bf16_gemm_nt(x, w, d, bias=bias)
+    expected = x.double() @ w.double().T + bias.double()
+    if not (calc_diff(d, expected) < 1e-3 and relative_error(d, expected) <= 2e-3):
+        failures.append(("bf16", calc_diff(d, expected)))
+    assert not failures, failures
+
+
+def test_rejects_bad_bias():
+    a, b, _ = fp8_gemm_operands(128, 256, 256)
+    d = torch.empty(128, 256, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="bias must have dtype torch.bfloat16"):
+        ptxforge.fp8_gemm_nt(a, b, d, bias=torch.zeros(256, device="cuda"))
+    with pytest.raises(ValueError, match=r"bias must have shape \(256,\), got \(128,\)"):
+        ptxforge.fp8_gemm_nt(a, b, d, bias=torch.zeros(128, device="cuda", dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="bias is added to a bf16 d"):
+        c = torch.zeros(128, 256, device="cuda")
+        ptxforge.fp8_gemm_nt(a, b, c, c=c, bias=torch.zeros(256, device="cuda",
+                                                           dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="overlaps"):
+        ptxforge.fp8_gemm_nt(a, b, d, bias=d[0])

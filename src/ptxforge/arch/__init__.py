@@ -55,6 +55,7 @@ class Arch:
     features: dict = field(hash=False)
     mma: dict = field(hash=False)
     device: Device = field(hash=False)
+    throughput: dict = field(hash=False, default_factory=dict)  # per SM per clock: cost models
 
     @property
     def sm_count(self) -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from . import bf16_block_quant_fp8, bf16_row_rmsnorm_fp8quant, sm90_fp8_gemm_1d2d
+from . import bf16_block_quant_fp8, bf16_row_rmsnorm_fp8quant, sm90_gemm
 
 # Hidden sizes of DeepSeek-V3 / common LLM layers, for precompiling and the CPU checks.
 HIDDEN_SIZES = (512, 576, 1536, 2048, 2112, 4096, 7168, 8192, 16384)
@@ -69,7 +69,7 @@ def _gemm(dtype: str = "e4m3", masked: bool = False):
     def configure(arch, n, k, m=0, groups=0, expected_m=0):
         if masked:
             m = groups * expected_m
-        return sm90_fp8_gemm_1d2d.choose_config(arch, m, n, k, groups=groups, masked=masked,
+        return sm90_gemm.choose_config(arch, m, n, k, groups=groups, masked=masked,
                                                 dtype=dtype)
     return configure
 
@@ -89,16 +89,16 @@ REGISTRY = {
                    _ROW_OPTIONS, _ROW_VARIANTS, "fused RMSNorm + 1x128 FP8 quantization"),
         KernelSpec("quantize_fp8_per_block", bf16_block_quant_fp8.choose_config,
                    bf16_block_quant_fp8.generate, {}, ({},), "bf16 -> e4m3 + 128x128 scales"),
-        KernelSpec("fp8_gemm_nt", _gemm(), sm90_fp8_gemm_1d2d.generate, _DENSE_OPTIONS,
+        KernelSpec("fp8_gemm_nt", _gemm(), sm90_gemm.generate, _DENSE_OPTIONS,
                    _DENSE_VARIANTS, "FP8 GEMM, 1x128 x 128x128 scaling"),
-        KernelSpec("bf16_gemm_nt", _gemm("bf16"), sm90_fp8_gemm_1d2d.generate, _DENSE_OPTIONS,
+        KernelSpec("bf16_gemm_nt", _gemm("bf16"), sm90_gemm.generate, _DENSE_OPTIONS,
                    _DENSE_VARIANTS, "BF16 GEMM"),
-        KernelSpec("m_grouped_fp8_gemm_nt_contiguous", _gemm(), sm90_fp8_gemm_1d2d.generate,
+        KernelSpec("m_grouped_fp8_gemm_nt_contiguous", _gemm(), sm90_gemm.generate,
                    _CONTIGUOUS_OPTIONS,
                    tuple({"groups": g, "m": g * rows, "n": n, "k": k}
                          for g, rows, n, k in CONTIGUOUS_SHAPES),
                    "MoE FP8 GEMM, contiguous layout (m: all groups' rows)"),
-        KernelSpec("m_grouped_fp8_gemm_nt_masked", _gemm(masked=True), sm90_fp8_gemm_1d2d.generate,
+        KernelSpec("m_grouped_fp8_gemm_nt_masked", _gemm(masked=True), sm90_gemm.generate,
                    _MASKED_OPTIONS,
                    tuple({"groups": g, "expected_m": rows, "n": n, "k": k}
                          for g, rows, n, k in MASKED_SHAPES),

@@ -88,7 +88,7 @@ def generate(cfg: BlockQuantConfig) -> KernelBuilder:
         smem = k.dynamic_shared("block", align=128)
         base = k.reg("u32", "smem")
         k.mov(base, smem)
-        stage = StageRing(k, base, BLOCK * BLOCK * 2, 1)
+        stage = StageRing.packed(k, base, BLOCK * BLOCK * 2, 1)
         thread0 = k.pred("thread0")
         k.setp("eq", thread0, tid, 0)
         stage.init(thread0)

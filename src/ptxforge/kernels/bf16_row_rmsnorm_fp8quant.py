@@ -159,7 +159,7 @@ def generate(cfg: RowKernelConfig) -> KernelBuilder:
     smem = k.dynamic_shared("stages", align=128)
     base = k.reg("u32", "smem")
     k.mov(base, smem)
-    stages = StageRing(k, base, cfg.stage_bytes, cfg.groups)
+    stages = StageRing.packed(k, base, cfg.stage_bytes, cfg.groups)
     with k.stage("barriers"):
         stages.init(t.thread0)
 

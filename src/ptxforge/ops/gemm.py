@@ -9,7 +9,7 @@ import torch
 
 from .. import jit
 from ..runtime.tensormap import encode
-from ..kernels import sm90_fp8_gemm_1d2d as gemm_kernel
+from ..kernels import sm90_gemm as gemm_kernel
 from ._common import (current_stream, device_arch, inspect, pair, require_contiguous_rows,
                       require_cuda, require_disjoint, require_shape, row_span)
 from .layout import (ceil_div, get_mn_major_tma_aligned_tensor, get_tma_aligned_size,
@@ -52,14 +52,14 @@ def _launcher(device_index: int, cfg):
 
 
 def _check_config(config, n: int, k: int, accumulate: bool, groups: int, masked: bool,
-                  dtype: str) -> None:
+                  dtype: str, bias: bool = False) -> None:
     """A ``config=`` given to a GEMM op must be one for this problem (its target is checked
     against the device when the call is planned)."""
-    if not isinstance(config, gemm_kernel.Fp8GemmConfig):
-        raise TypeError(f"config must be an Fp8GemmConfig (sm90_fp8_gemm_1d2d.make_config), "
+    if not isinstance(config, gemm_kernel.GemmConfig):
+        raise TypeError(f"config must be a GemmConfig (kernels.sm90_gemm.make_config), "
                         f"got {type(config).__name__}")
     wanted = {"n": n, "k": k, "accumulate": accumulate, "groups": groups, "masked": masked,
-              "dtype": dtype}
+              "dtype": dtype, "bias": bias}
     wrong = [key for key, value in wanted.items() if getattr(config, key) != value]
     if wrong:
         has = ", ".join(f"{key}={getattr(config, key)!r}" for key in wrong)
@@ -69,7 +69,7 @@ def _check_config(config, n: int, k: int, accumulate: bool, groups: int, masked:
 
 @functools.lru_cache(maxsize=4096)
 def _plan(device_index: int, m: int, n: int, k: int, sms: int, accumulate: bool,
-          groups: int, masked: bool, expected_m: int, dtype: str, config):
+          groups: int, masked: bool, expected_m: int, dtype: str, bias: bool, config):
     """(launcher, grid, m_tiles): all a launch needs besides the tensors, worked
     out once per problem so a call pays one cache lookup. The tile is ``config`` where the
     caller forced one, else the model's choice for M rows (M is a run-time argument of the
@@ -78,7 +78,7 @@ def _plan(device_index: int, m: int, n: int, k: int, sms: int, accumulate: bool,
     if config is None:
         config = gemm_kernel.choose_config(device_arch(device_index),
                                            groups * expected_m if masked else m, n, k, sms,
-                                           accumulate, groups, masked, dtype)
+                                           accumulate, groups, masked, dtype, bias)
     elif config.target != device_arch(device_index).target:
         raise ValueError(f"config is for {config.target}, but cuda:{device_index} is "
                          f"{device_arch(device_index).target}")
@@ -114,20 +114,23 @@ def _sa_pointer(sa, sa_ptr: int | None) -> int:
 
 
 def _launch(device: int, m: int, n: int, k: int, a, b, d, *, scales=None, accumulate=False,
-            groups: int = 0, masked=None, num_sms=None, config=None, **layout) -> None:
+            bias=None, groups: int = 0, masked=None, num_sms=None, config=None,
+            **layout) -> None:
     """Plan (cached), encode the tensor maps the kernel names (cached) and launch.
 
     ``a``, ``d``: (pointer, row stride in elements) of A [M, K] and D [M, N], in the masked
     layout with their group stride after it (and ``m`` is M_max); ``b``: (pointer, row
     stride, rows) of B as one [rows, K] matrix (N, or groups x N rows). ``scales``: e4m3
     operands' (sa pointer, sa's column stride, sa's group stride or None, sb pointer, sb's
-    row stride), all in elements; None: bf16 operands. ``masked``: expected_m, the masked
+    row stride), all in elements; None: bf16 operands. ``bias``: the bf16 [N] bias's
+    pointer, or None. ``masked``: expected_m, the masked
     layout's tile hint. ``layout``: the grouped layouts' own parameters (m_indices or
     masked_m) by name."""
     dtype, element_bytes = ("e4m3", 1) if scales else ("bf16", 2)
     sms = get_num_sms(device) if num_sms is None else _checked_sms(device, num_sms)
     launcher, grid, m_tiles = _plan(device, m, n, k, sms, accumulate, groups,
-                                    masked is not None, masked or 0, dtype, config)
+                                    masked is not None, masked or 0, dtype, bias is not None,
+                                    config)
     maps = launcher.tensor_maps
     d_bytes = 4 if accumulate else 2
     # The masked layout's group is a third dimension of A, D and sa.
@@ -148,6 +151,8 @@ def _launch(device: int, m: int, n: int, k: int, a, b, d, *, scales=None, accumu
             maps["tmap_sa"], sa_ptr, (m, ceil_div(k, gemm_kernel.BLOCK_K)) + group,
             (4 * sa_column,) + ((4 * sa_group,) if masked else ()))
         arguments["sb"], arguments["sb_row_stride"] = sb_ptr, sb_row
+    if bias is not None:
+        arguments["bias"] = bias
     if layout:
         arguments["m_rows"] = m
     if not masked:  # the masked kernel counts its tiles on the GPU
@@ -167,9 +172,10 @@ def _span(ptr: int, shape, strides, itemsize: int) -> tuple[int, int]:
 
 
 def fp8_gemm_nt(a, b, d: torch.Tensor, c: torch.Tensor | None = None, *,
-                num_sms: int | None = None, config=None) -> None:
-    """``d = a @ b.T`` (or ``d = c + a @ b.T``) with DeepGEMM's fine-grained FP8 scaling,
-    written into ``d``.
+                bias: torch.Tensor | None = None, num_sms: int | None = None,
+                config=None) -> None:
+    """``d = a @ b.T`` (or ``d = c + a @ b.T``, or ``d = a @ b.T + bias``) with DeepGEMM's
+    fine-grained FP8 scaling, written into ``d``.
 
     a: ``(A, sa)``, A e4m3 [M, K], sa f32 [M, ceil(K/128)] (one scale per row per 128 of K).
     b: ``(B, sb)``, B e4m3 [N, K], sb f32 [ceil(N/128), ceil(K/128)] (one per 128x128 block).
@@ -177,10 +183,12 @@ def fp8_gemm_nt(a, b, d: torch.Tensor, c: torch.Tensor | None = None, *,
     (16-byte rows).
     c: f32 [M, N] or None. ``c`` may be ``d`` itself (accumulate in place, the fast path);
     another tensor is first copied into ``d`` (one more kernel, on the same stream).
+    bias: bf16 [N] or None, added to every row in f32 before d is rounded to bf16 (fused
+    into the kernel's epilogue; not with ``c``).
 
     num_sms: SMs the persistent CTAs may use (by default ``get_num_sms()``), so that
     another kernel can run beside this one on the rest. config: a tile to use instead of
-    the model's choice (``sm90_fp8_gemm_1d2d.make_config``), checked against the call.
+    the model's choice (``kernels.sm90_gemm.make_config``), checked against the call.
 
     Fast path: sa in the MN-major TMA-aligned layout that ``quantize_fp8_per_token``
     writes by default. A row-major sa is converted (one copy) on every call.
@@ -198,8 +206,9 @@ def fp8_gemm_nt(a, b, d: torch.Tensor, c: torch.Tensor | None = None, *,
     d_ptr, d_row, copy_c = _output(d, c, m, n, device, *a_spans,
                                    row_span(b_ptr, n, b_strides[0], k, 1),
                                    row_span(sb_ptr, sb_shape[0], sb_strides[0], k_groups, 4))
+    bias_ptr = _bias(bias, c, n, device, (d_ptr, d.itemsize * m * n))
     if config is not None:
-        _check_config(config, n, k, c is not None, 0, False, "e4m3")
+        _check_config(config, n, k, c is not None, 0, False, "e4m3", bias is not None)
     require_cuda("a[0]", a[0], device)
     if copy_c:
         d.copy_(c)
@@ -208,18 +217,18 @@ def fp8_gemm_nt(a, b, d: torch.Tensor, c: torch.Tensor | None = None, *,
     _launch(device, m, n, k, (a_ptr, a_row), (b_ptr, b_strides[0], n), (d_ptr, d_row),
             scales=(_sa_pointer(sa, sa_ptr), get_tma_aligned_size(m, 4), None, sb_ptr,
                     sb_strides[0]),
-            accumulate=c is not None, num_sms=num_sms, config=config)
+            accumulate=c is not None, bias=bias_ptr, num_sms=num_sms, config=config)
 
 
 def bf16_gemm_nt(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor,
-                 c: torch.Tensor | None = None, *, num_sms: int | None = None,
-                 config=None) -> None:
-    """``d = a @ b.T`` (or ``d = c + a @ b.T``) in bf16 with f32 accumulation, written into
-    ``d``: the FP8 GEMM's kernel with bf16 operands and no scales.
+                 c: torch.Tensor | None = None, *, bias: torch.Tensor | None = None,
+                 num_sms: int | None = None, config=None) -> None:
+    """``d = a @ b.T`` (or ``d = c + a @ b.T``, or ``d = a @ b.T + bias``) in bf16 with f32
+    accumulation, written into ``d``: the FP8 GEMM's kernel with bf16 operands and no scales.
 
     a: bf16 [M, K], b: bf16 [N, K] (rows 16-byte aligned), d: bf16 [M, N], contiguous; with
     ``c``, f32 [M, N] (``c`` may be ``d``: accumulate in place; another c is copied first).
-    num_sms, config: as ``fp8_gemm_nt``'s.
+    bias, num_sms, config: as ``fp8_gemm_nt``'s.
     """
     (m, k), a_strides, a_ptr, device = inspect("a", a, torch.bfloat16, 2)
     (n, kb_), b_strides, b_ptr, _ = inspect("b", b, torch.bfloat16, 2, device=device)
@@ -227,15 +236,30 @@ def bf16_gemm_nt(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor,
         raise ValueError(f"a and b must share K, got a {tuple(a.shape)} and b {tuple(b.shape)}")
     d_ptr, d_row, copy_c = _output(d, c, m, n, device, row_span(a_ptr, m, a_strides[0], k, 2),
                                    row_span(b_ptr, n, b_strides[0], k, 2))
+    bias_ptr = _bias(bias, c, n, device, (d_ptr, d.itemsize * m * n))
     if config is not None:
-        _check_config(config, n, k, c is not None, 0, False, "bf16")
+        _check_config(config, n, k, c is not None, 0, False, "bf16", bias is not None)
     require_cuda("a", a, device)
     if copy_c:
         d.copy_(c)
     if m == 0:
         return
     _launch(device, m, n, k, (a_ptr, a_strides[0]), (b_ptr, b_strides[0], n), (d_ptr, d_row),
-            accumulate=c is not None, num_sms=num_sms, config=config)
+            accumulate=c is not None, bias=bias_ptr, num_sms=num_sms, config=config)
+
+
+def _bias(bias, c, n: int, device: int, d_span) -> int | None:
+    """Check ``bias`` (None, or bf16 [N] with unit stride, 4-byte aligned: the epilogue
+    reads it in column pairs, not overlapping ``d``) and return its pointer."""
+    if bias is None:
+        return None
+    if c is not None:
+        raise ValueError("bias is added to a bf16 d; it cannot be combined with c (f32 "
+                         "accumulation): add it to c instead")
+    shape, _, ptr, _ = inspect("bias", bias, torch.bfloat16, 1, align=4, device=device)
+    require_shape("bias", shape, (n,))
+    require_disjoint("d", d_span, (ptr, 2 * n))
+    return ptr
 
 
 def _output(d, c, m: int, n: int, device: int, *input_spans) -> tuple[int, int, bool]:

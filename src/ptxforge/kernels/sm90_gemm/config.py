@@ -1,0 +1,288 @@
+"""The GEMM's config: the tile, the stage count, the registers, the layout (dense, MoE
+contiguous or masked), the operand dtype and the epilogue, with the one shared-memory plan
+that the heuristic's capacity check, the generator's offsets and the launch all read, and
+the tensor maps the kernel takes (their boxes also give the stages' expect-tx bytes).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ...arch import Arch
+from ...patterns.pipeline import BARRIER_BYTES
+from ...ptx import LaunchShape, TensorMap
+from .epilogue import Epilogue, epilogue_for
+
+BLOCK_K = 128            # one scale group of A and B per K block (e4m3)
+ROW_BYTES = 128          # a stage row of A or B: K = 128 e4m3 or 64 bf16 (one swizzle row)
+PRODUCER_REGISTERS = 40
+SWIZZLE_ATOM = 1024      # 8 rows x 128 bytes: the 128-byte swizzle repeats every 1024 bytes
+RASTER_GROUP = 16        # block rows per raster group: 16 A rows + ~8 B columns stay in L2
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    n: int
+    k: int
+    block_m: int           # 64 or 128: one math warpgroup per 64 rows
+    block_n: int           # a multiple of 8 (wgmma's n step), see block_n_candidates
+    stages: int
+    ctas_per_sm: int
+    math_registers: int
+    target: str
+    multicast: int = 1     # CTAs of a cluster sharing each A tile (neighbours along N)
+    part_buffers: int = 1  # 2: a K block's wgmma runs while the one before it promotes
+    accumulate: bool = False  # D is f32 and the tile is added into it (d = c + a.b^T)
+    groups: int = 0        # > 0: MoE, B holds `groups` matrices; contiguous layout: each row
+                           # of A names its group in m_indices (see _tile_group)
+    masked: bool = False   # MoE, masked layout: A and D [groups, M_max, ...], the valid rows
+                           # of each group in masked_m (read on the GPU)
+    dtype: str = "e4m3"    # of A and B: e4m3 with DeepGEMM's scales, or bf16 (no scales)
+    producers: int = 2     # producer warps, taking turns over the K blocks (see the producer)
+    bias: bool = False     # a bf16 [N] bias added to every row of D before it is rounded
+
+    @property
+    def name(self) -> str:
+        kind = "fp8_gemm_1d2d" if self.scaled else "bf16_gemm"
+        return (f"sm90_{kind}_n{self.n}_k{self.k}_bm{self.block_m}_bn{self.block_n}"
+                f"_s{self.stages}_c{self.ctas_per_sm}_mc{self.multicast}_p{self.part_buffers}"
+                + ("_acc" if self.accumulate else "")
+                + (f"_g{self.groups}" if self.groups else "") + ("m" if self.masked else "")
+                + (f"_w{self.producers}" if self.producers > 1 else "")
+                + ("_bias" if self.bias else ""))
+
+    @property
+    def math_warpgroups(self) -> int:
+        return self.block_m // 64
+
+    @property
+    def threads(self) -> int:
+        return 128 * (1 + self.math_warpgroups)
+
+    @property
+    def scaled(self) -> bool:
+        """e4m3 operands with 1x128 / 128x128 scales, promoted per K block."""
+        return self.dtype == "e4m3"
+
+    @property
+    def k_per_block(self) -> int:
+        """K of one stage: a 128-byte row of A and B."""
+        return ROW_BYTES // (1 if self.scaled else 2)
+
+    @property
+    def k_blocks(self) -> int:
+        return -(-self.k // self.k_per_block)
+
+    @property
+    def n_tiles(self) -> int:
+        return -(-self.n // self.block_n)
+
+    @property
+    def straddles(self) -> bool:
+        """Whether a tile can cover two 128-column blocks of B scales (block_n does not
+        divide 128); block_n_candidates keeps it to at most two."""
+        return self.scaled and BLOCK_K % self.block_n != 0
+
+    @property
+    def scale_row_splits(self) -> tuple[int, ...]:
+        """The counts of a tile's 8-column groups in its first B-scale row, over all tile
+        starts (a tile not straddling has all its groups there)."""
+        groups = self.block_n // 8
+        return tuple(sorted({min((BLOCK_K - j * self.block_n % BLOCK_K) // 8, groups)
+                             for j in range(BLOCK_K)}))
+
+    @property
+    def epilogue(self) -> type[Epilogue]:
+        """What the math warpgroups do with a finished tile: see epilogue.py."""
+        return epilogue_for(self)
+
+    @property
+    def d_element_bytes(self) -> int:
+        return self.epilogue.element_bytes
+
+    @property
+    def d_box_cols(self) -> int:
+        """Columns of one TMA store box: the widest whose rows are 128, 64, 32 or 16 bytes and
+        that divides block_n."""
+        return next(c for c in (row // self.d_element_bytes for row in (128, 64, 32, 16))
+                    if self.block_n % c == 0)
+
+    @property
+    def d_swizzle(self) -> int:
+        """The store boxes' swizzle: the box row's bytes; 16-byte rows need none."""
+        row = self.d_element_bytes * self.d_box_cols
+        return row if row >= 32 else 0
+
+    @property
+    def a_box_rows(self) -> int:
+        """Rows of A one CTA loads per stage (and multicasts to the cluster)."""
+        return self.block_m // self.multicast
+
+    @property
+    def a_stage_bytes(self) -> int:
+        return self.block_m * ROW_BYTES
+
+    @property
+    def b_stage_bytes(self) -> int:
+        return self.block_n * ROW_BYTES
+
+    @property
+    def sa_stage_bytes(self) -> int:
+        return self.block_m * 4 if self.scaled else 0
+
+    @property
+    def b_offset(self) -> int:
+        return self.stages * self.a_stage_bytes
+
+    @property
+    def d_offset(self) -> int:
+        return self.b_offset + self.stages * self.b_stage_bytes
+
+    @property
+    def d_bytes(self) -> int:
+        return self.block_m * self.block_n * self.d_element_bytes
+
+    @property
+    def sa_offset(self) -> int:
+        return self.d_offset + self.d_bytes
+
+    @property
+    def full_offset(self) -> int:
+        return self.sa_offset + self.stages * self.sa_stage_bytes
+
+    @property
+    def empty_offset(self) -> int:
+        return self.full_offset + self.stages * BARRIER_BYTES
+
+    @property
+    def dynamic_shared_bytes(self) -> int:
+        # + SWIZZLE_ATOM: the kernel rounds the dynamic base up to a swizzle atom.
+        return self.empty_offset + self.stages * BARRIER_BYTES + SWIZZLE_ATOM
+
+    @property
+    def tensor_maps(self) -> dict[str, TensorMap]:
+        """The TMA descriptors the kernel reads and writes, by parameter name: A and B in
+        128-byte swizzled rows, sa one column of block_m scales, D in store boxes of 64
+        rows. The masked layout's group is a third dimension, one group per box."""
+        element = "float8_e4m3fn" if self.scaled else "bfloat16"
+        group = (1,) if self.masked else ()
+        maps = {"tmap_a": TensorMap(element, (self.k_per_block, self.a_box_rows) + group,
+                                    swizzle=ROW_BYTES),
+                "tmap_b": TensorMap(element, (self.k_per_block, self.block_n), swizzle=ROW_BYTES)}
+        if self.scaled:
+            maps["tmap_sa"] = TensorMap("float32", (self.block_m, 1) + group)
+        maps["tmap_d"] = TensorMap(self.epilogue.element, (self.d_box_cols, 64) + group,
+                                   swizzle=self.d_swizzle)
+        return maps
+
+    @property
+    def launch(self) -> LaunchShape:
+        return LaunchShape(block=self.threads, shared_bytes=self.dynamic_shared_bytes,
+                           cluster=self.multicast)
+
+    @property
+    def tx_bytes(self) -> int:
+        """Bytes the TMA copies of one stage deliver: the loads' boxes (full, even at the
+        edges), A's from every CTA of the cluster."""
+        maps = self.tensor_maps
+        return (self.multicast * maps["tmap_a"].box_bytes + maps["tmap_b"].box_bytes
+                + (maps["tmap_sa"].box_bytes if self.scaled else 0))
+
+
+MAX_STAGES = 16
+# Registers a math thread needs besides the accumulators (acc and part: block_n of them).
+# 40 is what ptxas needs: every tile it admits assembles without spills (tests/cpu), among
+# them 128 x 192 with one part buffer and 128 x 128 with two (232 registers).
+MATH_REGISTERS_BESIDES_ACCUMULATORS = 40
+
+
+def block_n_candidates(arch: Arch, max_block_n: int = 256, scaled: bool = True) -> tuple[int, ...]:
+    """Tile widths: wgmma's n steps (multiples of 8) from 16 up; with ``scaled`` (e4m3) only
+    those whose tiles, starting at any multiple of the width, cover at most two 128-column
+    blocks of B scales."""
+    mma = arch.mma
+    return tuple(bn for bn in range(max(16, mma["n_min"]), min(mma["n_max"], max_block_n) + 1,
+                                    mma["n_step"])
+                 if not scaled or bn <= BLOCK_K + math.gcd(bn, BLOCK_K))
+
+
+def require_problem(arch: Arch, n: int, k: int) -> None:
+    arch.require("wgmma", "the GEMM")
+    arch.require("tma", "the GEMM")
+    if n <= 0 or n % 8 or k <= 0 or k % 16:
+        raise ValueError(f"the GEMM needs N a positive multiple of 8 and K of 16 "
+                         f"(16-byte rows), got N={n}, K={k}")
+
+
+def make_config(arch: Arch, n: int, k: int, block_m: int, block_n: int,
+                ctas_per_sm: int = 1, multicast: int = 1,
+                part_buffers: int | None = None, accumulate: bool = False,
+                groups: int = 0, masked: bool = False, dtype: str = "e4m3",
+                producers: int = 2, bias: bool = False) -> GemmConfig:
+    """A config for one tile shape: as many stages as the CTA's share of shared memory
+    holds, and the math registers that residency leaves. ``multicast`` 2: clusters of two
+    CTAs on neighbouring tiles of one block row, each loading half of the shared A tile.
+    ``part_buffers``: 1 or 2 registers sets a K block's wgmma accumulates into (2 overlap
+    a K block's promotion with the next one's wgmma); by default 2 where they fit.
+    ``accumulate``: D is f32 and each tile is added into it by a TMA reduction (the f32 D
+    tile takes shared memory from the stages). ``groups`` > 0: MoE, B holding that many
+    [N, K] matrices, in the contiguous layout or with ``masked`` the masked one (neither
+    with ``accumulate``). ``dtype`` "bf16": bf16 A and B, no scales, K blocks of 64.
+    ``producers``: warps issuing the loads (1, 2 or 4), each every producers-th K block.
+    ``bias``: a bf16 [N] bias added to D's rows (dense, bf16 D only)."""
+    require_problem(arch, n, k)
+    widths = block_n_candidates(arch, scaled=dtype == "e4m3")
+    if block_m not in (64, 128) or block_n not in widths:
+        raise ValueError(f"no {dtype} GEMM tile {block_m} x {block_n}: block_m is 64 or 128, "
+                         f"block_n one of {widths}")
+    if multicast not in (1, 2) or -(-n // block_n) % multicast:
+        raise ValueError(f"multicast {multicast} needs 1 or 2 and a tile count along N "
+                         f"({-(-n // block_n)}) it divides")
+    if multicast > 1:
+        arch.require("clusters", "the GEMM's TMA multicast")
+    if producers not in (1, 2, 4):
+        raise ValueError(f"producers must be 1, 2 or 4 warps, got {producers}")
+    if dtype not in ("e4m3", "bf16"):
+        raise ValueError(f"dtype must be e4m3 or bf16, got {dtype!r}")
+    if groups < 0 or (groups and accumulate) or (masked and not groups):
+        raise ValueError(f"groups must be >= 0 (0: not grouped), is not combined with "
+                         f"accumulate, and masked needs groups; got groups={groups}, "
+                         f"accumulate={accumulate}, masked={masked}")
+    if bias and (accumulate or groups):
+        raise ValueError(f"bias is added to a dense GEMM's bf16 D only, got accumulate="
+                         f"{accumulate}, groups={groups}")
+    math_wgs = block_m // 64
+    budget = min(arch.shared_memory_per_sm // ctas_per_sm - arch.shared_memory_reserved_per_block,
+                 arch.max_shared_memory_per_block)
+    # The shared-memory plan (the config's offsets) decides the stages: as many as fit.
+    plan = lambda stages: GemmConfig(n, k, block_m, block_n, stages, ctas_per_sm, 0, arch.target,
+                                     multicast, accumulate=accumulate, groups=groups,
+                                     masked=masked, dtype=dtype, bias=bias)
+    stages = max((s for s in range(1, MAX_STAGES + 1) if plan(s).dynamic_shared_bytes <= budget),
+                 default=0)
+    if stages < max(2, producers):
+        raise ValueError(f"the GEMM's {block_m} x {block_n} tiles do not fit "
+                         f"{max(2, producers)} times in {budget} bytes of shared memory")
+    # setmaxnreg moves registers between the warps of one CTA: the math warpgroups can gain
+    # only what the producer gives up from the CTA's allocation at launch (a larger request
+    # waits forever).
+    threads = 128 * (1 + math_wgs)
+    at_launch = min(arch.max_registers_per_thread,
+                    arch.registers_per_sm // (ctas_per_sm * threads)) // 8 * 8
+    math_registers = (at_launch * threads - 128 * PRODUCER_REGISTERS) // (128 * math_wgs) // 8 * 8
+    math_registers = min(math_registers, 256)
+    # acc and each part buffer (e4m3 only: bf16 accumulates in acc) hold block_n / 2 registers.
+    scaled = dtype == "e4m3"
+    fits = lambda buffers: (block_n // 2 * (1 + buffers * scaled)
+                            + MATH_REGISTERS_BESIDES_ACCUMULATORS <= math_registers)
+    if part_buffers is None:
+        # Two part buffers speed up the math of a 128-row tile so much that, measured, A
+        # from L2 falls behind at long K unless the cluster pair shares it (multicast).
+        part_buffers = 2 if scaled and fits(2) and (block_m == 64 or multicast > 1) else 1
+    if part_buffers not in (1, 2) or not fits(part_buffers):
+        raise ValueError(f"the GEMM's {block_m} x {block_n} tiles with {part_buffers} part "
+                         f"buffer(s) need more than the {math_registers} registers a math thread "
+                         f"gets at {ctas_per_sm} CTA(s) an SM")
+    return GemmConfig(n, k, block_m, block_n, stages, ctas_per_sm, math_registers, arch.target,
+                      multicast, part_buffers, accumulate, groups, masked, dtype, producers, bias)

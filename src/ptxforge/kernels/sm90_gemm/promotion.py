@@ -1,0 +1,134 @@
+"""The FP32 promotion of DeepGEMM's fine-grained FP8 scaling: each 128-wide K block's wgmma
+writes a *part* buffer of f32 registers, which is folded into the accumulators with
+``acc += part * sa[row] * sb[block]`` on the CUDA cores, so that the fp8 products of two
+scale blocks never accumulate inside the tensor core.
+
+sa (one scale per row per K block) comes with each stage, by TMA, into shared memory; sb
+(one per 128 x 128 block of B) is read by the math threads from global memory, one K
+block ahead. A tile whose columns straddle two 128-column rows of B scales (a block_n
+that does not divide 128) takes each 8-column group's sb from its own row.
+"""
+
+from __future__ import annotations
+
+from ...ptx import addr
+from .config import BLOCK_K
+
+# A straddling tile width with at most this many scale-row splits gets a promotion per split.
+MAX_PROMOTION_VARIANTS = 4
+
+
+class Promotion:
+    """One math thread's scales and part buffers. Made once per kernel (it loads the sb
+    parameters and finds the thread's row of sa in stage 0); per tile ``start_tile``, per
+    K block ``scales`` (before the wgmma wait) and ``fold`` (after it)."""
+
+    def __init__(self, k, cfg, params, thread, base):
+        self.k, self.cfg = k, cfg
+        self.parts = [k.regs("f32", cfg.block_n // 2, f"part{b}_") for b in range(cfg.part_buffers)]
+        self.sb_base = k.reg("u64", "sb_base")
+        # This tile's B scales: the row of its first column, and for a straddling tile the next.
+        self.sb_ptrs = k.regs("u64", 1 + cfg.straddles, "sb_ptr")
+        if cfg.straddles:
+            self.low_groups = k.reg("u32", "low_groups")  # 8-column groups in the first row
+        self.sb_stride, self.sb_index = k.reg("u32", "sb_stride"), k.reg("u32", "sb_index")
+        k.ld_param(self.sb_base, params.sb)
+        k.ld_param(self.sb_stride, params.sb_row_stride)
+        self.sa_row = k.reg("u32", "sa_row")   # the thread's row of sa in stage 0
+        k.mad(self.sa_row, thread.row_in_tile, 4, base, mode="lo")
+        k.add(self.sa_row, self.sa_row, cfg.sa_offset)
+        self.sa = k.regs("f32", 2, "sa")       # of the thread's rows: row_in_tile and + 8
+        # sb of the next K block (one load ahead: its latency hides behind a K block).
+        self.sb = k.regs("f32", 1 + cfg.straddles, "sb")
+        # scale[block][h]: sa of row h times sb of scale row `block`.
+        self.scale = [k.regs("f32", 2, f"scale{block}_") for block in range(1 + cfg.straddles)]
+        self.kb, self.more = k.reg("u32", "kb"), k.pred("more")
+        self._at = k.reg("u32", "sa_at")
+
+    def start_tile(self, tiles, acc) -> None:
+        """Zero the accumulators; point at the tile's B scales and load the first K block's."""
+        k, cfg = self.k, self.cfg
+        for a in acc:
+            k.mov(a, 0.0)
+        # The tile's first column n0 lies in row n0 / 128 of B scales; a straddling tile's
+        # columns from 128 - n0 % 128 on lie in the next row (clamped at the last row,
+        # where those columns are past N and never stored).
+        n0, sb_row = k.reg("u32", "sb_n0"), k.reg("u32", "sb_row")
+        k.mul(n0, tiles.n_block, cfg.block_n, mode="lo")
+        scale_rows = -(-cfg.n // BLOCK_K)
+        first_row = 0   # of the tile's B scales: a grouped B's are its group's rows
+        if tiles.group is not None:
+            first_row = k.reg("u32", "sb_first_row")
+            k.mul(first_row, tiles.group, scale_rows, mode="lo")
+        k.shr(sb_row, n0, 7)
+        k.add(self.sb_index, sb_row, first_row)
+        k.mul(self.sb_index, self.sb_index, self.sb_stride, mode="lo")
+        k.mad(self.sb_ptrs[0], self.sb_index, 4, self.sb_base, mode="wide")
+        if cfg.straddles:
+            k.add(sb_row, sb_row, 1)
+            k.min(sb_row, sb_row, scale_rows - 1)
+            k.add(sb_row, sb_row, first_row)
+            k.mul(self.sb_index, sb_row, self.sb_stride, mode="lo")
+            k.mad(self.sb_ptrs[1], self.sb_index, 4, self.sb_base, mode="wide")
+            k.and_(n0, n0, BLOCK_K - 1)
+            k.sub(self.low_groups, BLOCK_K, n0)
+            k.shr(self.low_groups, self.low_groups, 3)
+            k.min(self.low_groups, self.low_groups, cfg.block_n // 8)
+        for block, ptr in enumerate(self.sb_ptrs):
+            k.ld(self.sb[block], addr(ptr), nc=True)
+        k.mov(self.kb, 0)
+
+    def scales(self, stage) -> None:
+        """The K block in stage ``stage``: its scales (sa from the stage, times the sb loaded
+        one block ahead), and the next block's sb."""
+        k, sa = self.k, self.sa
+        k.mad(self._at, stage, self.cfg.sa_stage_bytes, self.sa_row, mode="lo")
+        k.ld(sa[0], addr(self._at), space="shared")
+        k.ld(sa[1], addr(self._at, 8 * 4), space="shared")
+        k.add(self.kb, self.kb, 1)
+        k.setp("lt", self.more, self.kb, self.cfg.k_blocks, type="u32")
+        for block, ptr in enumerate(self.sb_ptrs):
+            k.mul(self.scale[block][0], sa[0], self.sb[block])
+            k.mul(self.scale[block][1], sa[1], self.sb[block])
+            k.add(ptr, ptr, 4)
+            with k.guard(self.more):
+                k.ld(self.sb[block], addr(ptr), nc=True)
+
+    def fold(self, acc, part) -> None:
+        """acc += part * scale. The thread's accumulators come in 8-column groups of 4:
+        (row, 2 columns) then (row + 8, the same 2 columns). A straddling tile's first
+        low_groups groups take the B scale of its first scale row, the others the next
+        row's. Where a tile width allows few splits, each has its own code and a K block
+        branches to its tile's (no per-group choice); otherwise every group selects its
+        scale."""
+        k, cfg, scale = self.k, self.cfg, self.scale
+        groups = cfg.block_n // 8
+
+        def fma_groups(first, stop, row_scales):
+            for i in range(4 * first, 4 * stop):
+                k.fma(acc[i], part[i], row_scales[(i >> 1) & 1], acc[i])
+
+        if not cfg.straddles:
+            fma_groups(0, groups, scale[0])
+        elif len(cfg.scale_row_splits) <= MAX_PROMOTION_VARIANTS:
+            done, other = k.label("promoted"), k.pred("other_split")
+            *tested, fallthrough = cfg.scale_row_splits
+            for split in tested:
+                next_split = k.label(f"not_split_{split}")
+                k.setp("ne", other, self.low_groups, split, type="u32")
+                with k.guard(other):
+                    k.bra(next_split, uniform=True)
+                fma_groups(0, split, scale[0])
+                fma_groups(split, groups, scale[1])
+                k.bra(done, uniform=True)
+                k.place(next_split)
+            fma_groups(0, fallthrough, scale[0])
+            fma_groups(fallthrough, groups, scale[1])
+            k.place(done)
+        else:
+            low, chosen = k.pred("low_scale_row"), k.regs("f32", 2, "group_scale")
+            for group in range(groups):
+                k.setp("gt", low, self.low_groups, group, type="u32")
+                for h in range(2):
+                    k.selp(chosen[h], scale[0][h], scale[1][h], low)
+                fma_groups(group, group + 1, chosen)

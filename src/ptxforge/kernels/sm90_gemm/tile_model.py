@@ -1,0 +1,84 @@
+"""The GEMM's tile choice: a model of the clocks each config takes, and the config it
+finishes first. Kept apart from the kernel, as DeepGEMM keeps its heuristics apart from
+its kernels: the generator emits any config it is given, the model only ranks them."""
+
+from __future__ import annotations
+
+from ...arch import Arch
+from .config import GemmConfig, ROW_BYTES, require_problem, block_n_candidates, make_config
+
+# Fitted to `bench/gemm_sweep.py` on an H200 (docs/performance.md).
+# A K block of one tile costs the longest of: one math warpgroup's dependent chain (wait
+# for the stage, wgmma, wait, promote: what bounds the small tiles); the MMA plus the
+# promotion of every math warpgroup (measured, the tensor cores idle while the warpgroups
+# promote; two part buffers hide it), with a fixed cost per wgmma instruction (what makes
+# narrow tiles slow in bf16, where nothing else hides it); the tile's operand bytes at what
+# one SM takes in from L2; and the shared-memory bytes the stage's TMA writes and the
+# wgmma reads (why 64-row tiles lose at large M: each reads all of B per 64 rows). A tile
+# straddling two B-scale rows pays for its scale choice; each tile adds the pipeline fill
+# and the epilogue. CTAs sharing an SM share its throughputs but run their chains side by
+# side. Fitted to the FP8, BF16, masked and contiguous sweeps together (46 problems, two
+# producer warps): the model's choice is on average within 1.1% of the best measured tile,
+# at worst 9% (fp8 128x32768x512). The SM's throughputs (tensor-core flops, L2 and shared
+# memory bytes per clock) come from the arch file; the costs below are this kernel's.
+CHAIN_CLOCKS = 150
+PROMOTE_CLOCKS_PER_COLUMN = 0.1    # per math warpgroup
+WGMMA_CLOCKS = 30                  # per wgmma instruction of a math warpgroup
+STRADDLE_CLOCKS = 100
+TILE_CLOCKS = 3000
+
+
+def estimate_clocks(arch: Arch, cfg: GemmConfig, m: int, sms: int) -> float:
+    """The model's clocks for the whole problem on ``sms`` SMs: waves of tiles."""
+    throughput = arch.throughput
+    # A K block is one 128-byte row of A and B: the same MMA clocks in e4m3 (K = 128) and
+    # bf16 (K = 64 at half the rate); only e4m3 promotes.
+    mma = (cfg.block_m * cfg.block_n * cfg.k_per_block * 2
+           / throughput["mma_flops_per_clock"][cfg.dtype]
+           + WGMMA_CLOCKS * cfg.k_per_block // arch.mma["k"][cfg.dtype] * cfg.math_warpgroups)
+    # With two part buffers the promotion overlaps the next K block's wgmma.
+    promote = (PROMOTE_CLOCKS_PER_COLUMN * cfg.block_n * cfg.math_warpgroups
+               * (cfg.scaled and cfg.part_buffers == 1))
+    load = (cfg.a_box_rows + cfg.block_n) * ROW_BYTES / throughput["l2_bytes_per_clock"]
+    # Shared memory: the stage lands once (A and B rows) and each math warpgroup's wgmma
+    # reads its 64 rows of A and all of B.
+    smem = ((cfg.block_m + cfg.block_n + cfg.math_warpgroups * (64 + cfg.block_n)) * ROW_BYTES
+            / throughput["shared_bytes_per_clock"])
+    shared = cfg.ctas_per_sm
+    k_block = (max(CHAIN_CLOCKS, shared * (mma + promote), shared * load, shared * smem)
+               + STRADDLE_CLOCKS * cfg.straddles)
+    tiles = -(-m // cfg.block_m) * cfg.n_tiles
+    waves = -(-tiles // (sms * cfg.ctas_per_sm))
+    return waves * (cfg.k_blocks * k_block + TILE_CLOCKS)
+
+
+MULTICAST_MIN_M = 512  # below, the tiles of a block row are too few to pair up
+
+
+def choose_config(arch: Arch, m: int, n: int, k: int, sms: int | None = None,
+                  accumulate: bool = False, groups: int = 0,
+                  masked: bool = False, dtype: str = "e4m3", bias: bool = False) -> GemmConfig:
+    """The config the model above finishes first on ``sms`` SMs (the device's by default);
+    ties go to no multicast (measured as often 1-3% faster as slower, and simpler), then
+    to the smaller tile."""
+    require_problem(arch, n, k)
+    sms = sms or arch.sm_count
+    best = None
+    multicasts = (1, 2) if m >= MULTICAST_MIN_M and sms % 2 == 0 else (1,)
+    for block_m in (64,) if m <= 64 else (64, 128):
+        # Two CTAs an SM: two K-loop chains overlap (what small tiles are bound by).
+        for ctas_per_sm in (1, 2) if block_m == 64 else (1,):
+            for block_n in block_n_candidates(arch, scaled=dtype == "e4m3"):
+                for multicast in multicasts:
+                    try:
+                        cfg = make_config(arch, n, k, block_m, block_n, ctas_per_sm, multicast,
+                                          accumulate=accumulate, groups=groups, masked=masked,
+                                          dtype=dtype, bias=bias)
+                    except ValueError:
+                        continue
+                    estimate = (estimate_clocks(arch, cfg, m, sms), multicast, ctas_per_sm)
+                    if best is None or estimate < best[0]:
+                        best = (estimate, cfg)
+    if best is None:
+        raise ValueError(f"no GEMM tile fits N={n}, K={k} on {arch.target}")
+    return best[1]
