@@ -31,7 +31,7 @@ def tma_tile_copy() -> KernelBuilder:
     k.mul(y, cta, BOX_ROWS, mode="lo", type="s32")
     base = k.reg("u32", "smem")
     k.mov(base, k.dynamic_shared("tile", align=128))
-    tile = StageRing(k, base, BOX_ROWS * COLS * 4, 1)
+    tile = StageRing.packed(k, base, BOX_ROWS * COLS * 4, 1)
     thread0 = k.pred("thread0")
     k.setp("eq", thread0, tid, 0)
     tile.init(thread0)

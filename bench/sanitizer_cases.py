@@ -1,11 +1,15 @@
-"""The GEMMs' device-side bad-input paths and tile variants, small, for compute-sanitizer:
+"""Every kernel family once, small, through the ops' launch path, for compute-sanitizer:
 
-    compute-sanitizer --tool memcheck --report-api-errors no python bench/memcheck_gemm.py
+    compute-sanitizer --tool memcheck --report-api-errors no python bench/sanitizer_cases.py
+    (and --tool synccheck, --tool racecheck)
 
 (cuda-bindings probes the driver with cuGetProcAddress calls that return INVALID_VALUE:
-API errors are not reported.) Contiguous layout: m_indices past the group count, negative
-and mis-aligned; masked layout: counts past M_max and negative; dense: producer warp and
-CTA-per-SM variants. Prints one line per call; sanitizer findings follow its own format.
+API errors are not reported.) The row kernels (RMSNorm, the two FP8 quantizations and
+their fusion, rows not filling the last CTA); the GEMM's epilogues (bf16 store, f32
+reduce-add, bias) and dense tile variants (producer warps, CTAs per SM, multicast); the
+contiguous layout with m_indices past the group count, negative and mis-aligned; the
+masked layout with counts past M_max and negative. Prints one line per call; sanitizer
+findings follow its own format.
 """
 
 import torch
@@ -17,6 +21,15 @@ from ptxforge.kernels import sm90_gemm as gemm
 from ptxforge.ops import _common
 
 arch = _common.device_arch(0)
+
+x = torch.randn(333, 7168, device="cuda").bfloat16()
+weight = torch.randn(7168, device="cuda").bfloat16()
+ptxforge.rms_norm(x, weight)
+ptxforge.quantize_fp8_per_token(x)
+ptxforge.rms_norm_quantize_fp8(x, weight)
+ptxforge.quantize_fp8_per_block(x[:, :1000])
+torch.cuda.synchronize()
+print("ran the row kernels and the block quantization", flush=True)
 
 
 def forced(cfg, call):
@@ -31,6 +44,17 @@ d = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
 for block_m, block_n, ctas, warps in ((64, 16, 1, 4), (64, 32, 2, 2), (128, 128, 1, 1)):
     cfg = gemm.make_config(arch, n, k, block_m, block_n, ctas, producers=warps)
     forced(cfg, lambda cfg: ptxforge.fp8_gemm_nt(a, b, d, config=cfg))
+cfg = gemm.make_config(arch, n, k, 128, 40, multicast=1, accumulate=True)
+c = torch.randn(m, n, device="cuda")
+forced(cfg, lambda cfg: ptxforge.fp8_gemm_nt(a, b, c, c=c, config=cfg))
+bias = torch.randn(n, device="cuda").bfloat16()
+for block_m, block_n in ((64, 24), (128, 200)):
+    cfg = gemm.make_config(arch, n, k, block_m, block_n, bias=True)
+    forced(cfg, lambda cfg: ptxforge.fp8_gemm_nt(a, b, d, bias=bias, config=cfg))
+big_a, big_b, _ = fp8_gemm_operands(1024, 1024, 512)
+big_d = torch.empty(1024, 1024, device="cuda", dtype=torch.bfloat16)
+cfg = gemm.make_config(arch, 1024, 512, 128, 128, multicast=2)
+forced(cfg, lambda cfg: ptxforge.fp8_gemm_nt(big_a, big_b, big_d, config=cfg))
 a16, b16 = torch.randn(m, k, device="cuda").bfloat16(), torch.randn(n, k, device="cuda").bfloat16()
 cfg = gemm.make_config(arch, n, k, 64, 24, 2, dtype="bf16", producers=4)
 forced(cfg, lambda cfg: ptxforge.bf16_gemm_nt(a16, b16, d, config=cfg))
