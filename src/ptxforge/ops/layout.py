@@ -58,3 +58,6 @@ def get_mn_major_tma_aligned_tensor(s: torch.Tensor) -> torch.Tensor:
     out = out.transpose(1, 2)[:, :rows]
     out.copy_(s)
     return out
+
+
+get_col_major_tma_aligned_tensor = get_mn_major_tma_aligned_tensor  # DeepGEMM's older name
