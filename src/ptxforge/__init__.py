@@ -10,22 +10,18 @@ launch) -> ``kernels`` (one generator per kernel) -> ``ptx`` (the builder) -> ``
 ``arch``; ``testing`` holds the reference recipes, checks and benchmarks.
 """
 
-__version__ = "0.1.0"
+from .public import PTXFORGE_NAMES
 
-_OPS = ("bf16_gemm_nt", "fp8_gemm_nt", "m_grouped_bf16_gemm_nt_contiguous",
-        "m_grouped_bf16_gemm_nt_masked", "m_grouped_fp8_gemm_nt_contiguous", "m_grouped_fp8_gemm_nt_masked",
-        "get_mk_alignment_for_contiguous_layout",
-        "quantize_fp8_per_block", "quantize_fp8_per_token", "rms_norm", "rms_norm_quantize_fp8",
-        "get_mn_major_tma_aligned_tensor", "get_tma_aligned_size")
+__version__ = "0.1.0"
 
 
 def __getattr__(name):
     # The ops import torch; keep `import ptxforge` (and the builder, the CLI's help) light.
-    if name in _OPS:
+    if name in PTXFORGE_NAMES:
         from . import ops
 
         return getattr(ops, name)
     raise AttributeError(f"module 'ptxforge' has no attribute {name!r}")
 
 
-__all__ = list(_OPS)
+__all__ = list(PTXFORGE_NAMES)

@@ -4,23 +4,15 @@ changing one import:
     import ptxforge.deep_gemm as deep_gemm
     deep_gemm.fp8_gemm_nt((a, sa), (b, sb), d)
 
-Implemented: ``bf16_gemm_nt``, ``fp8_gemm_nt`` (with ``c``: f32 ``d = c + a @ b.T``), ``get_num_sms``/``set_num_sms``,
-``get_tma_aligned_size``, ``get_mn_major_tma_aligned_tensor`` (and its older name
-``get_col_major_tma_aligned_tensor``), ``ceil_div``, ``m_grouped_fp8_gemm_nt_contiguous``,
-``m_grouped_fp8_gemm_nt_masked``, their bf16 forms ``m_grouped_bf16_gemm_nt_contiguous``
-and ``m_grouped_bf16_gemm_nt_masked``, and ``get_mk_alignment_for_contiguous_layout``.
+The names are those ``ptxforge.public.PUBLIC`` marks ``in_deep_gemm``: the GEMMs (dense
+fp8, with ``c`` an f32 ``d = c + a @ b.T``, dense bf16, and the MoE grouped forms), their
+layout helpers (``get_col_major_tma_aligned_tensor`` is the older name of
+``get_mn_major_tma_aligned_tensor``), ``ceil_div`` and the process-wide SM count
+(``get_num_sms``/``set_num_sms``).
 """
 
-from .ops.gemm import (bf16_gemm_nt, fp8_gemm_nt, get_mk_alignment_for_contiguous_layout, get_num_sms,
-                       m_grouped_bf16_gemm_nt_contiguous, m_grouped_bf16_gemm_nt_masked,
-                       m_grouped_fp8_gemm_nt_contiguous, m_grouped_fp8_gemm_nt_masked,
-                       set_num_sms)
-from .ops.layout import ceil_div, get_mn_major_tma_aligned_tensor, get_tma_aligned_size
+from .public import DEEP_GEMM_NAMES, load
 
-get_col_major_tma_aligned_tensor = get_mn_major_tma_aligned_tensor
+globals().update(load(DEEP_GEMM_NAMES))
 
-__all__ = ["bf16_gemm_nt", "ceil_div", "fp8_gemm_nt", "get_col_major_tma_aligned_tensor",
-           "get_mk_alignment_for_contiguous_layout", "get_mn_major_tma_aligned_tensor",
-           "get_num_sms", "get_tma_aligned_size", "m_grouped_bf16_gemm_nt_contiguous",
-           "m_grouped_bf16_gemm_nt_masked", "m_grouped_fp8_gemm_nt_contiguous",
-           "m_grouped_fp8_gemm_nt_masked", "set_num_sms"]
+__all__ = list(DEEP_GEMM_NAMES)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -47,6 +48,47 @@ def test_compute_capabilities_match_the_targets():
     assert arch.get("sm_80").compute_capability == (8, 0)
     assert arch.get("sm_89").compute_capability == (8, 9)
     assert arch.get("sm_90a").compute_capability == (9, 0)
+
+
+def test_a_gpu_s_compute_capability_picks_the_target_whose_file_names_it(monkeypatch):
+    def properties(index):
+        return SimpleNamespace(major=9, minor=0, name="NVIDIA H200", multi_processor_count=132,
+                               L2_cache_size=62914560, total_memory=150323855360)
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", properties)
+    arch.for_device.cache_clear()
+    try:
+        described = arch.for_device(0)
+        assert described.target == "sm_90a" and described.device.name == "NVIDIA H200"
+    finally:
+        arch.for_device.cache_clear()
+
+
+def test_a_gpu_no_file_describes_is_named_with_the_described_ones(monkeypatch):
+    def properties(index):
+        return SimpleNamespace(major=7, minor=5, name="Tesla T4")
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", properties)
+    arch.for_device.cache_clear()
+    try:
+        with pytest.raises(ValueError, match=r"Tesla T4\) has compute capability 7\.5; ptxforge "
+                                             r"describes \[\(8, 0\), \(8, 9\), \(9, 0\)\]"):
+            arch.for_device(0)
+    finally:
+        arch.for_device.cache_clear()
+
+
+@pytest.mark.parametrize("target", arch.targets())
+def test_launch_limits_by_target(target):
+    a = arch.get(target)
+    assert a.max_grid == (2**31 - 1, 65535, 65535)
+    assert a.default_shared_memory_per_block == 48 * 1024 <= a.max_shared_memory_per_block
+    assert (a.tma_alignment is not None) == a.has("tma")
+
+
+def test_tma_alignment_is_the_tma_targets():
+    assert arch.tma_alignment() == arch.get("sm_90a").tma_alignment == 16
+    assert arch.get("sm_80").tma_alignment is None
 
 
 def test_features_by_target():

@@ -196,6 +196,22 @@ def test_wgmma_with_wrong_accumulator_count():
     assert k.instruction_count == 0
 
 
+@pytest.mark.parametrize("n, ab_type, target, message", [
+    (264, "bf16", "sm_90a", "wgmma n must be a multiple of 8 in [8, 256] on sm_90a, got 264"),
+    (12, "bf16", "sm_90a", "wgmma n must be a multiple of 8 in [8, 256] on sm_90a, got 12"),
+    (64, "s8", "sm_90a", "wgmma ab_type must be one of e4m3, e5m2, bf16, f16, tf32 on sm_90a, "
+                         "got 's8'"),
+    (64, "bf16", "sm_80", "wgmma.mma_async needs wgmma, which sm_80 (A100 80GB) does not have"),
+])
+def test_wgmma_shape_and_type_come_from_the_target(n, ab_type, target, message):
+    k = KernelBuilder("k", target=target)
+    desc = k.reg("u64", "desc")
+    with pytest.raises(ValueError) as info:
+        k.wgmma_mma_async(k.regs("f32", n // 2, "acc"), desc, desc, n=n, ab_type=ab_type)
+    assert str(info.value) == message
+    assert k.instruction_count == 0
+
+
 def _immediate_kernel():
     k = KernelBuilder("k")
     return k, k.reg("u32", "r"), k.reg("u64", "rd"), k.reg("f32", "f")

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import ptxforge
+from ptxforge import arch
 from ptxforge.testing import checks
 
 pytestmark = pytest.mark.gpu
@@ -74,6 +75,14 @@ def test_misaligned_input_is_refused():
     with pytest.raises(ValueError, match="unit stride"):
         ptxforge.rms_norm(torch.randn(256, 8, device="cuda").to(torch.bfloat16).t(),
                           torch.ones(8, device="cuda", dtype=torch.bfloat16))
+
+
+def test_per_block_rows_past_the_grid_are_refused():
+    """A 128-row block is one CTA row of the grid: the device's max_grid bounds them."""
+    limit = arch.current().max_grid[1] * 128
+    w = torch.zeros(1, 8, device="cuda", dtype=torch.bfloat16).expand(limit + 1, 8)
+    with pytest.raises(ValueError, match=f"w may have at most {limit} rows, got {limit + 1}"):
+        ptxforge.quantize_fp8_per_block(w)
 
 
 def test_cuda_graph_capture_and_replay():

@@ -22,7 +22,6 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 _TARGET_DIR = Path(__file__).with_name("targets")
-_TARGET_BY_CC = {(9, 0): "sm_90a", (8, 9): "sm_89", (8, 0): "sm_80"}
 
 
 @dataclass(frozen=True)
@@ -50,11 +49,14 @@ class Arch:
     max_registers_per_thread: int
     shared_memory_per_sm: int
     max_shared_memory_per_block: int
+    default_shared_memory_per_block: int  # a kernel's dynamic limit until it opts in to more
     shared_memory_reserved_per_block: int
     max_cluster_size: int
+    max_grid: tuple  # CTAs in x, y, z
     features: dict = field(hash=False)
     mma: dict = field(hash=False)
     device: Device = field(hash=False)
+    tma_alignment: int | None = None  # bytes; None on a target without TMA
     throughput: dict = field(hash=False, default_factory=dict)  # per SM per clock: cost models
 
     @property
@@ -96,6 +98,25 @@ def _load(target: str) -> dict:
         return tomllib.load(f)
 
 
+@functools.lru_cache(maxsize=None)
+def _target_by_cc() -> dict:
+    """Compute capability -> the target whose data file describes it."""
+    return {tuple(_load(target)["compute_capability"]): target for target in targets()}
+
+
+@functools.lru_cache(maxsize=None)
+def tma_alignment() -> int:
+    """The bytes a TMA tensor's start address and strides must be a multiple of, for code
+    that has no target at hand (the runtime's descriptor encoding, DeepGEMM's
+    ``get_tma_aligned_size``): every described target with TMA gives the same number."""
+    by_target = {t: get(t).tma_alignment for t in targets() if get(t).has("tma")}
+    alignments = set(by_target.values())
+    if len(alignments) != 1 or None in alignments:
+        raise ValueError(f"every target with TMA needs one and the same tma_alignment, got "
+                         f"{by_target}")
+    return alignments.pop()
+
+
 def get(target: str, device: str | None = None) -> Arch:
     """The description of ``target`` for the named device (first listed device if None)."""
     data = dict(_load(target))
@@ -114,6 +135,7 @@ def get(target: str, device: str | None = None) -> Arch:
         chosen = matches[0]
     chosen = {k: v for k, v in chosen.items() if k != "match"}
     data["compute_capability"] = tuple(data["compute_capability"])
+    data["max_grid"] = tuple(data["max_grid"])
     return Arch(**data, device=Device(**chosen))
 
 
@@ -124,10 +146,11 @@ def for_device(index: int) -> Arch:
 
     props = torch.cuda.get_device_properties(index)
     cc = (props.major, props.minor)
-    if cc not in _TARGET_BY_CC:
+    target_by_cc = _target_by_cc()
+    if cc not in target_by_cc:
         raise ValueError(f"GPU {index} ({props.name}) has compute capability {cc[0]}.{cc[1]}; "
-                         f"ptxforge describes {sorted(_TARGET_BY_CC)}")
-    target = _TARGET_BY_CC[cc]
+                         f"ptxforge describes {sorted(target_by_cc)}")
+    target = target_by_cc[cc]
     try:
         arch = get(target, props.name)
     except ValueError:
@@ -151,4 +174,4 @@ def current() -> Arch:
     return for_device(torch.cuda.current_device())
 
 
-__all__ = ["Arch", "Device", "current", "for_device", "get", "targets"]
+__all__ = ["Arch", "Device", "current", "for_device", "get", "targets", "tma_alignment"]

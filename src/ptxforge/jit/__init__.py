@@ -58,7 +58,8 @@ class CompiledKernel:
             with self._lock:
                 module = self._modules.get(device_index)
                 if module is None:
-                    module = LoadedModule(self.cubin, self.name, device_index, self.params)
+                    module = LoadedModule(self.cubin, self.name, device_index, self.params,
+                                          self.target)
                     self._modules[device_index] = module
         return module
 

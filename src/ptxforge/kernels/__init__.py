@@ -1,7 +1,8 @@
 """Kernel generators, one per file, and the registry the CLI and tests walk.
 
 Each registry entry turns (arch, keyword options) into a config through the kernel's
-own heuristic, and a config into a ``KernelBuilder`` through its generator.
+own heuristic, and a config into a ``KernelBuilder`` through its generator. Each is the
+kernel of a public op, named in that op's row of ``ptxforge.public.PUBLIC``.
 """
 
 from __future__ import annotations
@@ -78,6 +79,10 @@ _DENSE_OPTIONS = {"m": 4096, "n": 7168, "k": 2048}
 _CONTIGUOUS_OPTIONS = {"groups": 4, "m": 4 * 8192, "n": 4096, "k": 7168}
 _MASKED_OPTIONS = {"groups": 1, "expected_m": 1024, "n": 4096, "k": 7168}
 _DENSE_VARIANTS = tuple({"m": m, "n": n, "k": k} for m in (64, 4096) for n, k in GEMM_SHAPES)
+_CONTIGUOUS_VARIANTS = tuple({"groups": g, "m": g * rows, "n": n, "k": k}
+                             for g, rows, n, k in CONTIGUOUS_SHAPES)
+_MASKED_VARIANTS = tuple({"groups": g, "expected_m": rows, "n": n, "k": k}
+                         for g, rows, n, k in MASKED_SHAPES)
 
 REGISTRY = {
     spec.name: spec for spec in (
@@ -94,15 +99,17 @@ REGISTRY = {
         KernelSpec("bf16_gemm_nt", _gemm("bf16"), sm90_gemm.generate, _DENSE_OPTIONS,
                    _DENSE_VARIANTS, "BF16 GEMM"),
         KernelSpec("m_grouped_fp8_gemm_nt_contiguous", _gemm(), sm90_gemm.generate,
-                   _CONTIGUOUS_OPTIONS,
-                   tuple({"groups": g, "m": g * rows, "n": n, "k": k}
-                         for g, rows, n, k in CONTIGUOUS_SHAPES),
+                   _CONTIGUOUS_OPTIONS, _CONTIGUOUS_VARIANTS,
                    "MoE FP8 GEMM, contiguous layout (m: all groups' rows)"),
         KernelSpec("m_grouped_fp8_gemm_nt_masked", _gemm(masked=True), sm90_gemm.generate,
-                   _MASKED_OPTIONS,
-                   tuple({"groups": g, "expected_m": rows, "n": n, "k": k}
-                         for g, rows, n, k in MASKED_SHAPES),
+                   _MASKED_OPTIONS, _MASKED_VARIANTS,
                    "MoE FP8 GEMM, masked layout (expected_m: rows a group)"),
+        KernelSpec("m_grouped_bf16_gemm_nt_contiguous", _gemm("bf16"), sm90_gemm.generate,
+                   _CONTIGUOUS_OPTIONS, _CONTIGUOUS_VARIANTS,
+                   "MoE BF16 GEMM, contiguous layout (m: all groups' rows)"),
+        KernelSpec("m_grouped_bf16_gemm_nt_masked", _gemm("bf16", masked=True),
+                   sm90_gemm.generate, _MASKED_OPTIONS, _MASKED_VARIANTS,
+                   "MoE BF16 GEMM, masked layout (expected_m: rows a group)"),
     )
 }
 

@@ -13,9 +13,6 @@ from ._common import (current_stream, device_arch, inspect, inspect_quantized_ou
 from .layout import ceil_div
 
 
-MAX_GRID_Y = 65535
-
-
 @functools.lru_cache(maxsize=None)
 def _launcher(device_index: int):
     cfg = block_kernel.choose_config(device_arch(device_index))
@@ -37,8 +34,6 @@ def quantize_fp8_per_block(w: torch.Tensor, *, out=None):
         raise ValueError(f"w.shape[1] must be a multiple of {block_kernel.VECTOR}, got {k}")
     block = block_kernel.BLOCK
     scale_shape = (ceil_div(n, block), ceil_div(k, block))
-    if scale_shape[0] > MAX_GRID_Y:  # the blocks' rows are the grid's y dimension
-        raise ValueError(f"w may have at most {MAX_GRID_Y * block} rows, got {n}")
     if out is not None:
         q, scales = pair("out", out, "e4m3 [N, K] and f32 [ceil(N/128), ceil(K/128)]")
         q_ptr, s_ptr, s_strides = inspect_quantized_out(q, scales, shape, scale_shape, device,
@@ -47,6 +42,10 @@ def quantize_fp8_per_block(w: torch.Tensor, *, out=None):
             raise ValueError(f"out[1] must have unit column stride, got strides {tuple(s_strides)}")
         s_row_stride = s_strides[0]
     require_cuda("w", w, device)
+    # The blocks' rows are the grid's y dimension: the device's limit, known once there is one.
+    max_block_rows = device_arch(device).max_grid[1]
+    if scale_shape[0] > max_block_rows:
+        raise ValueError(f"w may have at most {max_block_rows * block} rows, got {n}")
     if out is None:
         q = torch.empty((n, k), dtype=torch.float8_e4m3fn, device=w.device)
         scales = torch.empty(scale_shape, dtype=torch.float32, device=w.device)

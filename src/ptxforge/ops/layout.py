@@ -2,17 +2,17 @@
 
 The GEMM reads activation scales (one per token per 128 channels) with TMA along M, so
 it wants them MN-major: ``s[m, g]`` at ``g * M_aligned + m``, with ``M_aligned`` rounded
-up so each column is a multiple of 16 bytes. ``empty_mn_major_scales`` makes such a tensor,
-viewed as [M, G] with strides (1, M_aligned), which is DeepGEMM's layout too.
+up so each column is a multiple of TMA's alignment (``arch.tma_alignment()``, 16 bytes).
+``empty_mn_major_scales`` makes such a tensor, viewed as [M, G] with strides
+(1, M_aligned), which is DeepGEMM's layout too.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..arch import tma_alignment
 from ._common import inspect
-
-TMA_ALIGNMENT_BYTES = 16
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -20,10 +20,11 @@ def ceil_div(a: int, b: int) -> int:
 
 
 def get_tma_aligned_size(x: int, element_size: int) -> int:
-    """``x`` rounded up so ``x * element_size`` is a multiple of 16 bytes."""
-    if TMA_ALIGNMENT_BYTES % element_size:
-        raise ValueError(f"element_size must divide {TMA_ALIGNMENT_BYTES}, got {element_size}")
-    multiple = TMA_ALIGNMENT_BYTES // element_size
+    """``x`` rounded up so ``x * element_size`` is a multiple of TMA's alignment."""
+    alignment = tma_alignment()
+    if alignment % element_size:
+        raise ValueError(f"element_size must divide {alignment}, got {element_size}")
+    multiple = alignment // element_size
     return ceil_div(x, multiple) * multiple
 
 
@@ -35,9 +36,9 @@ def empty_mn_major_scales(rows: int, groups: int, device) -> torch.Tensor:
 
 def is_mn_major_tma_aligned(shape, strides, ptr: int) -> bool:
     """An [M, G] tensor of this shape, strides and data pointer is MN-major with TMA-aligned
-    columns, starting on a 16-byte boundary. From numbers the caller has read: the GEMM
+    columns, starting on a TMA-aligned address. From numbers the caller has read: the GEMM
     asks on every call."""
-    return (strides[0] == 1 and ptr % TMA_ALIGNMENT_BYTES == 0
+    return (strides[0] == 1 and ptr % tma_alignment() == 0
             and (shape[1] == 1 or strides[1] == get_tma_aligned_size(shape[0], 4)))
 
 
@@ -57,3 +58,6 @@ def get_mn_major_tma_aligned_tensor(s: torch.Tensor) -> torch.Tensor:
     out = out.transpose(1, 2)[:, :rows]
     out.copy_(s)
     return out
+
+
+get_col_major_tma_aligned_tensor = get_mn_major_tma_aligned_tensor  # DeepGEMM's older name

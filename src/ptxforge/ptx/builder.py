@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
+from .. import arch
 from .arith import ArithmeticOps
 from .memory import MemoryOps
 from . import sreg
@@ -139,8 +140,6 @@ class KernelBuilder(ArithmeticOps, MemoryOps, SyncOps, WarpOps, TensorOps):
         self.name = name
         self.target = target
         if ptx_version is None:  # the target's description says which ISA version it needs
-            from .. import arch
-
             ptx_version = arch.get(target).ptx_version
         self.ptx_version = ptx_version
         self.max_threads = max_threads

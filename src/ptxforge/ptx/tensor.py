@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .. import arch
 from .operands import Address, Operand, Reg, vec
 
 
@@ -21,10 +22,6 @@ class TensorCoords:
 
     def __str__(self) -> str:
         return f"[{self.tensormap}, {{{', '.join(str(c) for c in self.coords)}}}]"
-
-
-# wgmma operand types and the K each instruction consumes.
-WGMMA_K = {"e4m3": 32, "e5m2": 32, "bf16": 16, "f16": 16, "tf32": 8}
 
 
 class TensorOps:
@@ -47,12 +44,20 @@ class TensorOps:
         acc (+)= A (shared-memory descriptor) x B (shared-memory descriptor).
 
         ``scale_d`` 0 overwrites the accumulators, 1 (or a predicate) accumulates. fp8 types
-        take no transpose immediates: both operands must be K-major."""
-        k = WGMMA_K[ab_type]
+        take no transpose immediates: both operands must be K-major. The operand types, the
+        K each consumes and the range of n are the target's (its data file's ``[mma]``)."""
+        target = arch.get(self.target)
+        target.require("wgmma", "wgmma.mma_async")
+        mma = target.mma
+        if ab_type not in mma["k"]:
+            raise ValueError(f"wgmma ab_type must be one of {', '.join(mma['k'])} on "
+                             f"{self.target}, got {ab_type!r}")
+        k = mma["k"][ab_type]
         if len(acc) != n // 2:
             raise ValueError(f"m64n{n} needs {n // 2} f32 accumulators per thread, got {len(acc)}")
-        if n % 8 or not 8 <= n <= 256:
-            raise ValueError(f"wgmma n must be a multiple of 8 in [8, 256], got {n}")
+        if n % mma["n_step"] or not mma["n_min"] <= n <= mma["n_max"]:
+            raise ValueError(f"wgmma n must be a multiple of {mma['n_step']} in "
+                             f"[{mma['n_min']}, {mma['n_max']}] on {self.target}, got {n}")
         opcode = f"wgmma.mma_async.sync.aligned.m64n{n}k{k}.f32.{ab_type}.{ab_type}"
         if ab_type in ("e4m3", "e5m2"):
             if trans_a or trans_b:

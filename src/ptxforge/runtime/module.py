@@ -2,23 +2,23 @@
 
 from __future__ import annotations
 
+from .. import arch
 from .driver import ContextScope, bindings, call, primary_context
 from .launch import Launcher
-
-DEFAULT_DYNAMIC_SHARED_LIMIT = 48 * 1024  # a function's limit until raised by attribute
 
 
 class LoadedModule:
     """A cubin loaded into one device's primary context, with its single entry function."""
 
-    def __init__(self, cubin: bytes, entry: str, device_index: int, params):
+    def __init__(self, cubin: bytes, entry: str, device_index: int, params, target: str):
         self.device_index = device_index
         with ContextScope(device_index):
             self.module = call("cuModuleLoadData", cubin)
             self.function = call("cuModuleGetFunction", self.module, entry.encode())
         self._attr = bindings().CUfunction_attribute
         self._params, self._entry = params, entry
-        self._dynamic_shared_limit = DEFAULT_DYNAMIC_SHARED_LIMIT
+        # A function's limit until raised by attribute: launches under it need no driver call.
+        self._dynamic_shared_limit = arch.get(target).default_shared_memory_per_block
 
     def attribute(self, name: str) -> int:
         return call("cuFuncGetAttribute", getattr(self._attr, name), self.function)
@@ -48,7 +48,8 @@ class LoadedModule:
             return call("cuOccupancyMaxActiveClusters", self.function, config)
 
     def allow_dynamic_shared(self, nbytes: int) -> None:
-        """Raise the function's dynamic shared-memory limit (needed above 48 KiB)."""
+        """Raise the function's dynamic shared-memory limit (needed above the target's
+        ``default_shared_memory_per_block``)."""
         if nbytes > self._dynamic_shared_limit:
             call("cuFuncSetAttribute", self.function,
                  self._attr.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, nbytes)

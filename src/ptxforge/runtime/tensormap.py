@@ -11,6 +11,7 @@ import struct
 import threading
 from collections import OrderedDict
 
+from ..arch import tma_alignment
 from .driver import call
 
 _DTYPE_CODES = {  # torch dtype name -> CUtensorMapDataType name
@@ -49,10 +50,11 @@ def encode_tiled(address: int, dtype_name: str, shape: tuple, strides_bytes: tup
             return blob
     if dtype_name not in _DTYPE_CODES:
         raise ValueError(f"no TMA data type for {dtype_name}; supported: {sorted(_DTYPE_CODES)}")
-    if address % 16:
-        raise ValueError(f"TMA needs a 16-byte aligned base address, got {address:#x}")
-    if any(s % 16 for s in strides_bytes):
-        raise ValueError(f"TMA needs 16-byte multiple strides, got {strides_bytes}")
+    alignment = tma_alignment()
+    if address % alignment:
+        raise ValueError(f"TMA needs a {alignment}-byte aligned base address, got {address:#x}")
+    if any(s % alignment for s in strides_bytes):
+        raise ValueError(f"TMA needs {alignment}-byte multiple strides, got {strides_bytes}")
     from cuda.bindings import driver as cu
 
     dtype_code = _DTYPE_CODES[dtype_name]

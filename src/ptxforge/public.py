@@ -1,0 +1,60 @@
+"""Every public function, listed once: the ``ptxforge.ops`` module that defines it, the
+kernel registry entry it launches (``ptxforge.kernels.REGISTRY``, what ``ptxforge
+precompile`` walks), and which namespaces export it.
+
+``ptxforge``, ``ptxforge.ops`` and ``ptxforge.deep_gemm`` take their names from this
+table, and the tests hold the kernel registry to it. Nothing here imports torch until
+``load`` is called, so ``import ptxforge``, which reads the table, stays light.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from importlib import import_module
+
+
+@dataclass(frozen=True)
+class PublicName:
+    name: str
+    module: str                 # the ptxforge.ops module that defines it
+    kernel: str | None = None   # the kernel registry entry it launches, if it launches one
+    in_ptxforge: bool = True    # exported by ptxforge and ptxforge.ops
+    in_deep_gemm: bool = False  # DeepGEMM has the name: exported by ptxforge.deep_gemm
+
+
+PUBLIC = (
+    PublicName("rms_norm", "rowwise", kernel="rms_norm"),
+    PublicName("quantize_fp8_per_token", "rowwise", kernel="quantize_fp8_per_token"),
+    PublicName("rms_norm_quantize_fp8", "rowwise", kernel="rms_norm_quantize_fp8"),
+    PublicName("quantize_fp8_per_block", "block_quant", kernel="quantize_fp8_per_block"),
+    PublicName("fp8_gemm_nt", "gemm", kernel="fp8_gemm_nt", in_deep_gemm=True),
+    PublicName("bf16_gemm_nt", "gemm", kernel="bf16_gemm_nt", in_deep_gemm=True),
+    PublicName("m_grouped_fp8_gemm_nt_contiguous", "gemm",
+               kernel="m_grouped_fp8_gemm_nt_contiguous", in_deep_gemm=True),
+    PublicName("m_grouped_fp8_gemm_nt_masked", "gemm", kernel="m_grouped_fp8_gemm_nt_masked",
+               in_deep_gemm=True),
+    PublicName("m_grouped_bf16_gemm_nt_contiguous", "gemm",
+               kernel="m_grouped_bf16_gemm_nt_contiguous", in_deep_gemm=True),
+    PublicName("m_grouped_bf16_gemm_nt_masked", "gemm", kernel="m_grouped_bf16_gemm_nt_masked",
+               in_deep_gemm=True),
+    PublicName("get_mk_alignment_for_contiguous_layout", "gemm", in_deep_gemm=True),
+    PublicName("get_tma_aligned_size", "layout", in_deep_gemm=True),
+    PublicName("get_mn_major_tma_aligned_tensor", "layout", in_deep_gemm=True),
+    # DeepGEMM's helpers, for its callers; ptxforge's own callers use num_sms= and the above.
+    PublicName("ceil_div", "layout", in_ptxforge=False, in_deep_gemm=True),
+    PublicName("get_num_sms", "gemm", in_ptxforge=False, in_deep_gemm=True),
+    PublicName("set_num_sms", "gemm", in_ptxforge=False, in_deep_gemm=True),
+    PublicName("get_col_major_tma_aligned_tensor", "layout", in_ptxforge=False,
+               in_deep_gemm=True),
+)
+
+PTXFORGE_NAMES = tuple(entry.name for entry in PUBLIC if entry.in_ptxforge)
+DEEP_GEMM_NAMES = tuple(entry.name for entry in PUBLIC if entry.in_deep_gemm)
+
+
+def load(names) -> dict:
+    """name -> the function, for each of ``names``, imported from its ops module (which
+    imports torch)."""
+    modules = {entry.name: entry.module for entry in PUBLIC}
+    return {name: getattr(import_module(f"ptxforge.ops.{modules[name]}"), name)
+            for name in names}

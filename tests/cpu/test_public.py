@@ -1,0 +1,74 @@
+"""The public names come from one table (ptxforge.public): the package, ptxforge.ops and
+ptxforge.deep_gemm export what it lists, each op that launches a kernel has its kernel in
+the registry the CLI walks, and ``import ptxforge`` stays free of torch."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from importlib import import_module
+from pathlib import Path
+
+import pytest
+
+import ptxforge
+import ptxforge.deep_gemm as deep_gemm
+from ptxforge import kernels, ops
+from ptxforge.public import DEEP_GEMM_NAMES, PTXFORGE_NAMES, PUBLIC
+
+SRC = Path(ptxforge.__file__).parents[1]
+
+
+def test_import_ptxforge_does_not_import_torch():
+    env = dict(os.environ,
+               PYTHONPATH=os.pathsep.join(filter(None, [str(SRC), os.environ.get("PYTHONPATH")])))
+    result = subprocess.run(
+        [sys.executable, "-c", "import ptxforge, sys; assert 'torch' not in sys.modules, "
+                               "sorted(m for m in sys.modules if m.startswith('torch'))[:5]"],
+        env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def test_each_name_is_listed_once():
+    names = [entry.name for entry in PUBLIC]
+    assert len(names) == len(set(names))
+
+
+def test_every_registry_kernel_serves_a_public_op():
+    served = {entry.kernel for entry in PUBLIC if entry.kernel is not None}
+    assert set(kernels.REGISTRY) <= served, sorted(set(kernels.REGISTRY) - served)
+
+
+def test_every_public_op_that_launches_a_kernel_has_a_registry_entry():
+    missing = [entry.name for entry in PUBLIC
+               if entry.kernel is not None and entry.kernel not in kernels.REGISTRY]
+    assert not missing
+
+
+def test_the_name_lists_are_the_table_s():
+    assert ptxforge.__all__ == [entry.name for entry in PUBLIC if entry.in_ptxforge]
+    assert ops.__all__ == list(PTXFORGE_NAMES) == ptxforge.__all__
+    assert deep_gemm.__all__ == [entry.name for entry in PUBLIC if entry.in_deep_gemm]
+    assert deep_gemm.__all__ == list(DEEP_GEMM_NAMES)
+
+
+@pytest.mark.parametrize("entry", PUBLIC, ids=lambda entry: entry.name)
+def test_each_name_is_the_function_its_module_defines(entry):
+    defined = getattr(import_module(f"ptxforge.ops.{entry.module}"), entry.name)
+    assert callable(defined)
+    exported = [getattr(namespace, entry.name) for namespace, listed in (
+        (ptxforge, entry.in_ptxforge), (ops, entry.in_ptxforge), (deep_gemm, entry.in_deep_gemm))
+        if listed]
+    assert exported and all(function is defined for function in exported)
+    if not entry.in_ptxforge:
+        with pytest.raises(AttributeError, match=entry.name):
+            getattr(ptxforge, entry.name)
+
+
+def test_deep_gemm_has_its_helpers():
+    extras = {"ceil_div", "get_num_sms", "set_num_sms", "get_col_major_tma_aligned_tensor"}
+    assert extras <= set(deep_gemm.__all__)
+    assert all(callable(getattr(deep_gemm, name)) for name in extras)
+    assert deep_gemm.get_col_major_tma_aligned_tensor is deep_gemm.get_mn_major_tma_aligned_tensor
+    assert deep_gemm.ceil_div(7, 2) == 4 and deep_gemm.get_tma_aligned_size(5, 4) == 8
