@@ -162,6 +162,22 @@ def test_gemm_bias_epilogue_reads_one_pair_per_column_group(block_m, block_n, dt
             gemm.make_config(arch.get("sm_90a"), 2112, 7168, 128, 128, bias=True, **wrong)
 
 
+def test_gemm_admits_only_tiles_ptxas_assembles():
+    """The register rules' edges: at 2 CTAs an SM a bf16 m64n200 wgmma assembles and
+    m64n208 is refused; the bias epilogue's registers take 64 x 144 (e4m3) from two part
+    buffers to one, which assembles without spills."""
+    from ptxforge.kernels import sm90_gemm as gemm
+
+    sm90 = arch.get("sm_90a")
+    widest = gemm.make_config(sm90, 7168, 2048, 64, 200, 2, dtype="bf16")
+    assert jit.build(gemm.generate(widest)).resources.spills == 0
+    with pytest.raises(ValueError, match="208-wide wgmma does not assemble in the 128 registers"):
+        gemm.make_config(sm90, 7168, 2048, 64, 208, 2, dtype="bf16")
+    assert gemm.make_config(sm90, 7168, 2048, 64, 144).part_buffers == 2
+    cfg = gemm.make_config(sm90, 7168, 2048, 64, 144, bias=True)
+    assert cfg.part_buffers == 1 and jit.build(gemm.generate(cfg)).resources.spills == 0
+
+
 @pytest.mark.parametrize("block_m, block_n, multicast", [(128, 128, 2), (64, 24, 1), (128, 160, 1)])
 def test_grouped_gemm_reads_each_tile_group_and_zeroes_foreign_rows(block_m, block_n, multicast):
     from ptxforge.kernels import sm90_gemm as gemm

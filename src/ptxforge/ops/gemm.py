@@ -8,6 +8,7 @@ import functools
 import torch
 
 from .. import jit
+from ..arch import tma_alignment
 from ..runtime.tensormap import encode
 from ..kernels import sm90_gemm as gemm_kernel
 from ._common import (current_stream, device_arch, inspect, pair, require_contiguous_rows,
@@ -432,9 +433,10 @@ def _masked(a_name: str, A, a_strides, a_ptr, device: int, scaled_a, grouped_b, 
     if b_groups != num_groups:
         raise ValueError(f"a [G, M_max, K] and b [G, N, K] must share G, got a "
                          f"{tuple(A.shape)} and b with {b_groups} groups")
-    if a_strides[0] * A.itemsize % 16:
-        raise ValueError(f"a's group stride must be a multiple of 16 bytes, got {a_strides[0]} "
-                         f"elements")
+    alignment = tma_alignment()  # of the 3-D tensor maps' group strides
+    if a_strides[0] * A.itemsize % alignment:
+        raise ValueError(f"a's group stride must be a multiple of {alignment} bytes, got "
+                         f"{a_strides[0]} elements")
     (mm,), _, mm_ptr, _ = inspect("masked_m", masked_m, torch.int32, 1, align=4, device=device)
     if mm != num_groups:
         raise ValueError(f"masked_m must have one entry per group ({num_groups}), got {mm}")
@@ -442,8 +444,9 @@ def _masked(a_name: str, A, a_strides, a_ptr, device: int, scaled_a, grouped_b, 
         raise ValueError(f"expected_m must be a positive int, got {expected_m!r}")
     d_shape, d_strides, d_ptr, _ = inspect("d", d, torch.bfloat16, 3, device=device)
     require_shape("d", d_shape, (num_groups, m_max, n))
-    if (d_strides[0] * 2) % 16:
-        raise ValueError(f"d's group stride must be a multiple of 16 bytes, got {d_strides[0]}")
+    if (d_strides[0] * 2) % alignment:
+        raise ValueError(f"d's group stride must be a multiple of {alignment} bytes, got "
+                         f"{d_strides[0]}")
     spans = [_span(a_ptr, A.shape, a_strides, A.itemsize), (mm_ptr, 4 * num_groups), *b_spans]
     if scaled_a is not None:
         sa, sa_shape, sa_strides, sa_ptr = scaled_a
@@ -457,9 +460,10 @@ def _masked(a_name: str, A, a_strides, a_ptr, device: int, scaled_a, grouped_b, 
         return
     scales = None
     if scaled_a is not None:
-        # The tensor map reads sa MN-major with 16-byte aligned columns and groups; another
+        # The tensor map reads sa MN-major with TMA-aligned columns and groups; another
         # layout is copied into that one.
-        if sa_strides[1] != 1 or sa_strides[0] % 4 or sa_strides[2] % 4 or sa_ptr % 16:
+        if (sa_strides[1] != 1 or 4 * sa_strides[0] % alignment or 4 * sa_strides[2] % alignment
+                or sa_ptr % alignment):
             sa = get_mn_major_tma_aligned_tensor(sa)
             sa_ptr, sa_strides = sa.data_ptr(), sa.stride()
         scales = (sa_ptr, sa_strides[2], sa_strides[0], sb_ptr, sb_row)

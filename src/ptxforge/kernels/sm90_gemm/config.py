@@ -191,10 +191,15 @@ class GemmConfig:
 
 
 MAX_STAGES = 16
-# Registers a math thread needs besides the accumulators (acc and part: block_n of them).
-# 40 is what ptxas needs: every tile it admits assembles without spills (tests/cpu), among
-# them 128 x 192 with one part buffer and 128 x 128 with two (232 registers).
+# Registers a math thread needs besides the accumulators (acc and part: block_n of them)
+# and what its epilogue keeps (Epilogue.registers). 40 is what ptxas needs: every tile it
+# admits assembles without spills (a sweep of all of them with ptxas 13.0), among them
+# 128 x 192 with one part buffer and 128 x 128 with two (232 registers).
 MATH_REGISTERS_BESIDES_ACCUMULATORS = 40
+# ptxas places one wgmma's accumulators within the registers the launch bounds give a
+# thread, not those setmaxnreg raises it to: at 2 CTAs an SM (128), m64n208 and wider
+# fail to assemble (C7602, ptxas 13.0); m64n200 assembles.
+WGMMA_REGISTERS_BESIDES_ACCUMULATORS = 28
 
 
 def block_n_candidates(arch: Arch, max_block_n: int = 256, scaled: bool = True) -> tuple[int, ...]:
@@ -210,9 +215,11 @@ def block_n_candidates(arch: Arch, max_block_n: int = 256, scaled: bool = True) 
 def require_problem(arch: Arch, n: int, k: int) -> None:
     arch.require("wgmma", "the GEMM")
     arch.require("tma", "the GEMM")
-    if n <= 0 or n % 8 or k <= 0 or k % 16:
-        raise ValueError(f"the GEMM needs N a positive multiple of 8 and K of 16 "
-                         f"(16-byte rows), got N={n}, K={k}")
+    # TMA needs every row to start aligned: D's bf16 rows of N, A's e4m3 rows of K.
+    row = arch.tma_alignment
+    if n <= 0 or n % (row // 2) or k <= 0 or k % row:
+        raise ValueError(f"the GEMM needs N a positive multiple of {row // 2} and K of {row} "
+                         f"({row}-byte rows), got N={n}, K={k}")
 
 
 def make_config(arch: Arch, n: int, k: int, block_m: int, block_n: int,
@@ -274,8 +281,8 @@ def make_config(arch: Arch, n: int, k: int, block_m: int, block_n: int,
     math_registers = min(math_registers, 256)
     # acc and each part buffer (e4m3 only: bf16 accumulates in acc) hold block_n / 2 registers.
     scaled = dtype == "e4m3"
-    fits = lambda buffers: (block_n // 2 * (1 + buffers * scaled)
-                            + MATH_REGISTERS_BESIDES_ACCUMULATORS <= math_registers)
+    besides = MATH_REGISTERS_BESIDES_ACCUMULATORS + plan(stages).epilogue.registers
+    fits = lambda buffers: block_n // 2 * (1 + buffers * scaled) + besides <= math_registers
     if part_buffers is None:
         # Two part buffers speed up the math of a 128-row tile so much that, measured, A
         # from L2 falls behind at long K unless the cluster pair shares it (multicast).
@@ -284,5 +291,8 @@ def make_config(arch: Arch, n: int, k: int, block_m: int, block_n: int,
         raise ValueError(f"the GEMM's {block_m} x {block_n} tiles with {part_buffers} part "
                          f"buffer(s) need more than the {math_registers} registers a math thread "
                          f"gets at {ctas_per_sm} CTA(s) an SM")
+    if block_n // 2 + WGMMA_REGISTERS_BESIDES_ACCUMULATORS > at_launch:
+        raise ValueError(f"the GEMM's {block_n}-wide wgmma does not assemble in the {at_launch} "
+                         f"registers a thread has at launch at {ctas_per_sm} CTA(s) an SM")
     return GemmConfig(n, k, block_m, block_n, stages, ctas_per_sm, math_registers, arch.target,
                       multicast, part_buffers, accumulate, groups, masked, dtype, producers, bias)

@@ -27,6 +27,7 @@ class Epilogue:
     element = "bfloat16"   # D's dtype (torch's name, as the tensor map takes it)
     element_bytes = 2
     reduce = False         # add into D (TMA reduce-add) instead of storing
+    registers = 0          # what it keeps in a math thread through the K loop (make_config)
 
     @staticmethod
     def declare_params(k, params) -> None:
@@ -181,6 +182,8 @@ class BiasBf16Store(Bf16Store):
     """bf16 D = the accumulators + bias, bias a bf16 [N] vector (a parameter: its address).
     Each thread reads the bias pair of its columns once per 8-column group (one 4-byte
     load, from L2 after the first tile), and none past N."""
+
+    registers = 8          # the bias base and pointer, columns left, the pair, its two f32
 
     @staticmethod
     def declare_params(k, params) -> None:

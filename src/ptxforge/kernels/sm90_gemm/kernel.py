@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ... import arch
 from ...patterns.pipeline import StageRing, next_stage
 from ...ptx import KernelBuilder, Reg, addr, sreg, vec
 from .config import PRODUCER_REGISTERS, ROW_BYTES, SWIZZLE_ATOM, GemmConfig
@@ -226,6 +227,10 @@ class _StageMma:
         self.stage_a, self.stage_b = k.reg("b64", "stage_desc_a"), k.reg("b64", "stage_desc_b")
         self.offset = k.reg("u64", "stage_desc_offset")
         self.held, self.wrapped = k.reg("u32", "held_stage"), k.pred("held_wrapped")
+        # wgmma's K step (32 e4m3 or 16 bf16: 32 bytes of a 128-byte row) and how many of
+        # them a stage holds.
+        k_step = arch.get(cfg.target).mma["k"][cfg.dtype]
+        self.steps, self.step_bytes = cfg.k_per_block // k_step, ROW_BYTES * k_step // cfg.k_per_block
 
     def start_tile(self) -> None:
         self.k.mov(self.held, self.stage)
@@ -235,15 +240,15 @@ class _StageMma:
         overwrites or adds by ``first_scale_d``); step the ring."""
         k, cfg = self.k, self.cfg
         self.ring.wait_full(self.stage, self.phase)
-        # The stage's descriptors; a K step of 32 bytes (inside the swizzle atom) adds 2.
+        # The stage's descriptors; a K step (inside the swizzle atom) adds its bytes >> 4.
         k.mul(self.offset, self.stage, cfg.a_stage_bytes >> 4, mode="wide")
         k.add(self.stage_a, self.desc_a0, self.offset, type="s64")
         k.mul(self.offset, self.stage, cfg.b_stage_bytes >> 4, mode="wide")
         k.add(self.stage_b, self.desc_b0, self.offset, type="s64")
         k.wgmma_fence()
-        for step in range(ROW_BYTES // 32):
-            k.add(self.desc_a, self.stage_a, 2 * step, type="s64")
-            k.add(self.desc_b, self.stage_b, 2 * step, type="s64")
+        for step in range(self.steps):
+            k.add(self.desc_a, self.stage_a, step * self.step_bytes >> 4, type="s64")
+            k.add(self.desc_b, self.stage_b, step * self.step_bytes >> 4, type="s64")
             k.wgmma_mma_async(accumulator, self.desc_a, self.desc_b, n=cfg.block_n,
                               ab_type=cfg.dtype,
                               scale_d=first_scale_d if step == 0 else self.accumulate)
