@@ -4,6 +4,10 @@ the baseline is loaded twice, so that the gap between its two copies (A/A) shows
 difference the method can resolve.
 
     python bench/host_ab.py BASELINE_SRC [rounds]     # BASELINE_SRC holds a ptxforge/ folder
+    python bench/host_ab.py --native [rounds]         # this tree: ctypes launches (twice) vs C
+
+With --native the baseline is this tree itself launching through ctypes
+(PTXFORGE_NATIVE_LAUNCH=0), against its C launcher (runtime/native.c).
 
 Per round and op: 1000 calls while a sleep kernel keeps the GPU busy (pure host cost, as
 bench/host_breakdown.py's 'host' column); the table gives each side's minimum over rounds
@@ -11,6 +15,7 @@ bench/host_breakdown.py's 'host' column); the table gives each side's minimum ov
 """
 
 import importlib.util
+import os
 import statistics
 import sys
 import time
@@ -71,28 +76,56 @@ def host_us(fn, count: int = 1000) -> float:
     return elapsed / count * 1e6
 
 
-def main() -> None:
-    rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 21
-    package = Path(sys.argv[1]) / "ptxforge"
+def warm(ops) -> None:
+    """Build, load and warm every kernel and cache of one side."""
+    for fn in ops.values():
+        for _ in range(100):
+            fn()
+
+
+def sides_to_compare(baseline: str) -> dict:
+    """side -> its op calls, warmed: the baseline loaded twice (A/A), then the side measured."""
+    if baseline == "--native":
+        # A copy takes its launch path when it makes its first launcher: the ctypes copies
+        # are set up and warmed under PTXFORGE_NATIVE_LAUNCH=0.
+        package = Path(ptxforge.__file__).parent
+        os.environ["PTXFORGE_NATIVE_LAUNCH"] = "0"
+        copies = {"ctypes": load_as("ptxforge_ctypes", package),
+                  "ctypes again": load_as("ptxforge_ctypes_again", package)}
+        sides = {side: calls(copy) for side, copy in copies.items()}
+        for ops in sides.values():
+            warm(ops)
+        del os.environ["PTXFORGE_NATIVE_LAUNCH"]
+        sides["native"] = calls(ptxforge)
+        warm(sides["native"])
+        for side, copy in {**copies, "native": ptxforge}.items():
+            launcher = copy.ops.rowwise._kernel(0, 1024, True, False)[2]
+            print(f"{side}: rms_norm launches through {launcher.path}")
+        return sides
+    package = Path(baseline) / "ptxforge"
     sides = {"baseline": calls(load_as("ptxforge_baseline", package)),
              "baseline again": calls(load_as("ptxforge_baseline_again", package)),
              "this tree": calls(ptxforge)}
-    for ops in sides.values():  # build, load and warm every kernel and cache
-        for fn in ops.values():
-            for _ in range(100):
-                fn()
+    for ops in sides.values():
+        warm(ops)
+    return sides
+
+
+def main() -> None:
+    rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 21
+    sides = sides_to_compare(sys.argv[1])
     torch.cuda.synchronize()
     times = {side: {op: [] for op in ops} for side, ops in sides.items()}
     names = list(sides)
     for r in range(rounds):
         order = names[r % len(names):] + names[:r % len(names)]
-        for op in sides["baseline"]:
+        for op in sides[names[0]]:
             for side in order:
                 times[side][op].append(host_us(sides[side][op]))
     print(f"host us per call, min / median of {rounds} rounds of 1000 calls (GPU kept busy)")
     print(f"{'op':<40} " + " ".join(f"{side:>15}" for side in names)
           + f" {'A/A (min)':>10} {'change (min)':>13}")
-    for op in sides["baseline"]:
+    for op in sides[names[0]]:
         cells = [(min(times[side][op]), statistics.median(times[side][op])) for side in names]
         print(f"{op:<40} " + " ".join(f"{lo:7.2f} /{mid:6.2f}" for lo, mid in cells)
               + f" {cells[1][0] - cells[0][0]:+10.2f} {cells[2][0] - cells[0][0]:+13.2f}")

@@ -68,6 +68,7 @@ torch.cuda.synchronize()
 graph_us = (time.perf_counter() - start) / 2000 * 1e6
 
 out = open(sys.argv[1], "w") if len(sys.argv) > 1 else sys.stdout
+print(f"launches through {launcher.path}", file=out)
 print(f"{'step':<62} {'host us':>8} {'back-to-back us':>16}", file=out)
 for name, fn in steps.items():
     for _ in range(200):

@@ -9,6 +9,7 @@
 | PTXFORGE_CACHE_DIR        | on-disk cubin cache                                              | $XDG_CACHE_HOME/ptxforge    |
 | PTXFORGE_DISABLE_CACHE    | ``1``: never read or write the disk cache                        | 0                           |
 | PTXFORGE_DEBUG            | ``1``: refuse kernels that spill to local memory; keep PTX files | 0                           |
+| PTXFORGE_NATIVE_LAUNCH    | ``0``: launch through ctypes, not the C launcher (native.c)      | 1                           |
 
 (``PTXFORGE_ARCH`` is read by ``ptxforge.arch``; the others here.)
 """
@@ -20,8 +21,9 @@ import os
 from pathlib import Path
 
 
-def _flag(name: str) -> bool:
-    return os.environ.get(name, "0").strip().lower() not in ("", "0", "false", "no")
+def _flag(name: str, default: bool = False) -> bool:
+    value = os.environ.get(name, "").strip().lower()
+    return value not in ("0", "false", "no") if value else default
 
 
 def assembler_name() -> str | None:
@@ -63,3 +65,7 @@ def cache_disabled() -> bool:
 
 def debug() -> bool:
     return _flag("PTXFORGE_DEBUG")
+
+
+def native_launch() -> bool:
+    return _flag("PTXFORGE_NATIVE_LAUNCH", default=True)

@@ -1,12 +1,15 @@
-"""Launches: ``cuLaunchKernelEx`` in libcuda through ctypes, arguments bound by name.
+"""Launches: ``cuLaunchKernelEx`` in libcuda, arguments bound by name.
 
 A ``Launcher`` is made once per kernel and launch shape. Calling it binds the kernel's
 parameters by name (``launcher(grid, stream, x=..., rows=...)``): the parameter list the
 kernel declared decides the order and layout of the argument buffer, so no caller repeats
-it. The call is a method generated for that parameter list (as Triton generates its
-launchers), with a per-thread, pre-laid-out argument buffer: one ``pack_into``, four field
-stores and the ctypes call. Through ctypes the launch costs 6.4 us a call on an H200
-against 8.2 us through ``cuda.bindings`` (``shared/anchors/h200-launch-cost-2026-11-21.md``).
+it. Where the C launcher (``native.c``) is built, the launcher is a C object and a call is
+one C call: bind the keywords, pack the values into the layout given at creation, launch.
+Anything amiss goes to a ``__call__`` generated for the parameter list (as Triton generates
+its launchers), which reports it. Without the C launcher, that generated call launches
+through ctypes: a per-thread, pre-laid-out argument buffer, one ``pack_into``, four field
+stores and the ctypes call (on an H200, 6.4 us a launch through ctypes against 8.2 us
+through ``cuda.bindings``).
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ import functools
 import struct
 import threading
 
+from . import native
 from .driver import bindings, call, check
+from .tensormap import driver_encoding, encode
 
 
 class _LaunchAttribute(ctypes.Structure):
@@ -80,20 +85,34 @@ def argument_layout(params) -> tuple[str, list[int], int]:
     return fmt, offsets, max(offset, 1)
 
 
-# The call of a launcher, specialised on its kernel's parameter names.
-_CALL = """
-def __call__(self, grid, stream, *, {params}):
+# The call of a launcher, specialised on its kernel's parameter names: through the C
+# launcher (``launch``, its positional method), or through ctypes. Each begins by encoding
+# the views given for tensor maps ({views}: _VIEW once per tensor-map parameter).
+_VIEW = """
+    if type({name}) is tuple:
+        {name} = encode(tensor_maps[{name!r}], *{name})"""
+_NATIVE_CALL = """
+def __call__(self, grid, stream{signature}):{views}
+    try:
+        err = launch(grid, stream, {values})
+    except PackingError as exc:
+        self._packing_failed(*exc.args)
+    if err:
+        self._failed(err, lambda: launch(grid, stream, {values}))
+"""
+_CTYPES_CALL = """
+def __call__(self, grid, stream{signature}):{views}
     state = self._local.__dict__.get("state") or self._new_state()
     try:
-        self._pack(state[0], 0, {params})
-    except struct.error as exc:
-        self._packing_failed(exc)
+        self._pack(state[0], 0, {values})
+    except (struct.error, OverflowError):
+        self._packing_failed(*self._refused({values}))
     config = state[1]
     config.gridDimX, config.gridDimY, config.gridDimZ = grid
     config.hStream = stream
     err = self._launch(state[2], self._function, state[3], None)
     if err:
-        self._failed(err, state)
+        self._failed(err, lambda: self._launch(state[2], self._function, state[3], None))
 """
 
 
@@ -101,32 +120,58 @@ class Launcher:
     """Launches one loaded function with one ``LaunchShape`` (block, dynamic shared memory,
     cluster, cooperative and programmatic launch). ``launcher(grid, stream, **arguments)``
     binds every kernel parameter by name; ``grid`` is 3 ints, ``stream`` a cudaStream_t
-    handle as an int. Each launcher is an instance of a subclass whose ``__call__`` is
-    generated for its kernel's parameter list (a missing or unknown name is a TypeError
-    naming the kernel). Each thread has its own buffers: ctypes releases the GIL during
-    the call."""
+    handle as an int. A missing or unknown name is a TypeError naming the kernel. A
+    tensor-map parameter takes its 128-byte descriptor, or a view to encode with the
+    parameter's ``TensorMap``: ``(address, shape, strides_bytes)`` as
+    ``tensormap.encode`` takes them (the C launcher encodes it in the call, uncached).
+
+    Each Launcher is an instance of a class of its own, whose ``__call__`` is generated for
+    its kernel's parameter list. Where the C launcher is built (``native.py``), creating
+    one returns the C launcher standing for it (a ``ptxforge_native.Launch``, which reads
+    its attributes from this object): calling that binds, packs and launches in one C call,
+    and hands any call that goes wrong to this object's ``__call__`` to report. ``path``
+    says which it is: ``native`` or ``ctypes`` (per-thread buffers). Both release the GIL
+    while the driver runs."""
 
     def __new__(cls, function, params, name: str, shape, *, context=None):
         names = [p.name for p in params]
         if {"self", "grid", "stream"} & set(names):
             raise ValueError(f"{name}: a kernel parameter may not be named self, grid or stream")
-        namespace = {"struct": struct}
-        exec(_CALL.format(params=", ".join(names)), namespace)
-        call = namespace["__call__"]
-        call.__qualname__ = name  # TypeErrors read "<kernel>() missing ... argument: 'x'"
-        return object.__new__(type(cls.__name__, (cls,), {"__call__": call}))
-
-    def __init__(self, function, params, name: str, shape, *, context=None):
+        self = object.__new__(type(cls.__name__, (cls,), {}))
         self.name = name
         self.shape = shape
         self.context = context  # the primary context the function was loaded into
         self.params = list(params)
         self.tensor_maps = {p.name: p.tensor_map for p in params if p.tensor_map is not None}
-        self._function = ctypes.c_void_p(int(function))  # converted once, not per call
-        fmt, self._offsets, self._size = argument_layout(params)
-        self._pack = struct.Struct(fmt).pack_into
-        self._local = threading.local()
-        self._launch = self._first_launch  # then libcuda's cuLaunchKernelEx itself
+        fmt, offsets, size = argument_layout(params)
+        extension = native.module()
+        if extension is None:
+            self.path = "ctypes"
+            self._function = ctypes.c_void_p(int(function))  # converted once, not per call
+            self._offsets, self._size = offsets, size
+            self._pack = struct.Struct(fmt).pack_into
+            self._local = threading.local()
+            self._launch = self._first_launch  # then libcuda's cuLaunchKernelEx itself
+            launcher, template, namespace = self, _CTYPES_CALL, {"struct": struct}
+        else:
+            self.path = "native"
+            codes = "".join(_STRUCT_CODE[p.type][-1] for p in params)
+            encodings = tuple(None if p.tensor_map is None else driver_encoding(
+                p.tensor_map.dtype, p.tensor_map.box, p.tensor_map.swizzle) for p in params)
+            launcher = extension.Launch(self, int(function), tuple(names), codes, tuple(offsets),
+                                        encodings, size, shape.block, shape.shared_bytes,
+                                        launch_attributes(shape))
+            template = _NATIVE_CALL
+            namespace = {"launch": launcher.launch, "PackingError": extension.PackingError}
+        namespace.update(encode=encode, tensor_maps=self.tensor_maps)
+        signature = f", *, {', '.join(names)}" if names else ""  # a bare * needs a name after it
+        views = "".join(_VIEW.format(name=name) for name in self.tensor_maps)
+        exec(template.format(signature=signature, views=views, values=", ".join(names)),
+             namespace)
+        call = namespace["__call__"]
+        call.__qualname__ = name  # TypeErrors read "<kernel>() missing ... argument: 'x'"
+        type(self).__call__ = call
+        return launcher
 
     def _first_launch(self, *args) -> int:
         """Find cuLaunchKernelEx (in libcuda: not on a machine without the driver) and
@@ -152,19 +197,30 @@ class Launcher:
         self._local.state = state
         return state
 
-    def _packing_failed(self, exc: struct.error):
-        described = ", ".join(f"{p.name}: {p.type}" for p in self.params)
-        raise TypeError(f"{self.name} takes ({described}); packing the arguments failed: "
-                        f"{exc}") from None
+    def _refused(self, *values) -> tuple[int, str, object]:
+        """(index, struct's message, value) of the first value struct will not pack: what
+        the C launcher reports itself."""
+        for index, (p, value) in enumerate(zip(self.params, values)):
+            try:
+                struct.pack("<" + _STRUCT_CODE[p.type], value)
+            except (struct.error, OverflowError) as exc:
+                return index, str(exc), value
+        raise AssertionError(f"{self.name}: struct refused the arguments but none alone")
 
-    def _failed(self, err: int, state) -> None:
+    def _packing_failed(self, index: int, detail: str, value):
+        described = ", ".join(f"{p.name}: {p.type}" for p in self.params)
+        got = repr(value) if isinstance(value, (int, float)) else type(value).__name__
+        raise TypeError(f"{self.name} takes ({described}); packing the arguments failed: "
+                        f"{self.params[index].name} got {got}: {detail}") from None
+
+    def _failed(self, err: int, relaunch) -> None:
         if err in _WRONG_CONTEXT and self.context is not None:
             # This thread has no context, or another device's: launch again inside the
             # function's own, then restore the caller's. Checking first would cost every
             # launch a driver call.
             call("cuCtxPushCurrent", self.context)
             try:
-                err = self._launch(state[2], self._function, state[3], None)
+                err = relaunch()
             finally:
                 call("cuCtxPopCurrent")
         if err:

@@ -1,8 +1,10 @@
 """TMA descriptors (CUtensorMap) for torch tensors, encoded once and cached.
 
-Encoding costs about 1.6 us per map on an H200; a kernel with four maps would spend
-most of its host budget re-encoding them. The cache key is everything the descriptor
-encodes (address, shape, strides, box, swizzle), so a hit is always the same bytes.
+Encoding through cuda.bindings costs about 1.6 us per map on an H200; a kernel with four
+maps would spend most of its host budget re-encoding them. (Where the C launcher is built,
+``native.py``, a miss is one call into it instead.) The cache key is everything the
+descriptor encodes (address, shape, strides, box, swizzle), so a hit is always the same
+bytes.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ import threading
 from collections import OrderedDict
 
 from ..arch import tma_alignment
-from .driver import call
+from . import native
+from .driver import bindings, call, check
 
 _DTYPE_CODES = {  # torch dtype name -> CUtensorMapDataType name
     "float8_e4m3fn": "CU_TENSOR_MAP_DATA_TYPE_UINT8",
@@ -48,31 +51,48 @@ def encode_tiled(address: int, dtype_name: str, shape: tuple, strides_bytes: tup
         if blob is not None:
             _cache.move_to_end(key)
             return blob
-    if dtype_name not in _DTYPE_CODES:
-        raise ValueError(f"no TMA data type for {dtype_name}; supported: {sorted(_DTYPE_CODES)}")
+    encoding = driver_encoding(dtype_name, box, swizzle, oob_fill_nan)
     alignment = tma_alignment()
     if address % alignment:
         raise ValueError(f"TMA needs a {alignment}-byte aligned base address, got {address:#x}")
     if any(s % alignment for s in strides_bytes):
         raise ValueError(f"TMA needs {alignment}-byte multiple strides, got {strides_bytes}")
-    from cuda.bindings import driver as cu
-
-    dtype_code = _DTYPE_CODES[dtype_name]
-    rank = len(shape)
-    tmap = call(
-        "cuTensorMapEncodeTiled",
-        getattr(cu.CUtensorMapDataType, dtype_code), rank, address,
-        [cu.cuuint64_t(s) for s in shape], [cu.cuuint64_t(s) for s in strides_bytes],
-        [cu.cuuint32_t(b) for b in box], [cu.cuuint32_t(1)] * rank,
-        cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
-        getattr(cu.CUtensorMapSwizzle, _SWIZZLE[swizzle]),
-        cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-        (cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NAN_REQUEST_ZERO_FMA
-         if oob_fill_nan else cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE),
-    )
-    blob = struct.pack("<16Q", *[int(v) for v in tmap.opaque])
+    cu = bindings()
+    extension = native.module()
+    if extension is not None:
+        blob = extension.encode_tiled(address, shape, strides_bytes, encoding)
+        if type(blob) is int:  # the driver's error
+            check(cu, cu.CUresult(blob), "cuTensorMapEncodeTiled")
+    else:
+        data_type, _, swizzle_mode, l2_promotion, oob_fill, _ = encoding
+        rank = len(shape)
+        tmap = call(
+            "cuTensorMapEncodeTiled", cu.CUtensorMapDataType(data_type), rank, address,
+            [cu.cuuint64_t(s) for s in shape], [cu.cuuint64_t(s) for s in strides_bytes],
+            [cu.cuuint32_t(b) for b in box], [cu.cuuint32_t(1)] * rank,
+            cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+            cu.CUtensorMapSwizzle(swizzle_mode), cu.CUtensorMapL2promotion(l2_promotion),
+            cu.CUtensorMapFloatOOBfill(oob_fill))
+        blob = struct.pack("<16Q", *[int(v) for v in tmap.opaque])
     with _lock:
         _cache[key] = blob
         if len(_cache) > _CACHE_ENTRIES:
             _cache.popitem(last=False)
     return blob
+
+
+def driver_encoding(dtype_name: str, box: tuple, swizzle: int = 0,
+                    oob_fill_nan: bool = False) -> tuple:
+    """What cuTensorMapEncodeTiled takes besides the tensor's address, shape and strides, as
+    the C launcher reads it: (data type, box, swizzle, L2 promotion, OOB fill, the address and
+    stride alignment TMA needs), the enums as the driver numbers them."""
+    from cuda.bindings import driver as cu  # its enums: no driver needed
+
+    if dtype_name not in _DTYPE_CODES:
+        raise ValueError(f"no TMA data type for {dtype_name}; supported: {sorted(_DTYPE_CODES)}")
+    oob_fill = (cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NAN_REQUEST_ZERO_FMA
+                if oob_fill_nan else cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+    return (int(getattr(cu.CUtensorMapDataType, _DTYPE_CODES[dtype_name])), tuple(box),
+            int(getattr(cu.CUtensorMapSwizzle, _SWIZZLE[swizzle])),
+            int(cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B), int(oob_fill),
+            tma_alignment())
