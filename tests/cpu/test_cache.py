@@ -77,8 +77,12 @@ def test_round_trip(tmp_path):
     assert cache.get(KEY) == (CUBIN, META)
     assert cache.entries() == [cache.path(KEY)]
     assert cache.size_bytes() == cache.path(KEY).stat().st_size > len(CUBIN)
+    native = tmp_path / "new" / "dir" / "native"
+    native.mkdir()
+    (native / "ptxforge_native.0123.so").write_bytes(b"library")
+    (native / ".ptxforge_native.4567.so.x.tmp").write_bytes(b"half")
     assert cache.clear() == 1
-    assert cache.get(KEY) is None and cache.entries() == []
+    assert cache.get(KEY) is None and cache.entries() == [] and list(native.iterdir()) == []
 
 
 def test_cache_key_separates_its_parts():

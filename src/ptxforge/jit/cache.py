@@ -110,16 +110,19 @@ class DiskCache:
         return None
 
     def clear(self) -> int:
-        """Remove every entry, the temporary files of writers that died, and kept PTX; return
-        how many entries went. (A writer racing with this loses only its own write.) Tries
-        every file, then raises the first OSError if some could not be removed."""
+        """Remove every entry, the temporary files of writers that died, kept PTX and the
+        built C launchers (native/: a process that loaded one keeps it); return how many
+        entries went. (A writer racing with this loses only its own write.) Tries every
+        file, then raises the first OSError if some could not be removed."""
         if not self.directory.is_dir():
             return 0
-        ptx = self.directory / "ptx"
+        ptx, native = self.directory / "ptx", self.directory / "native"
         temporaries = sorted(self.directory.glob(".*.tmp"))
         kept = sorted(ptx.glob("*.ptx")) if ptx.is_dir() else []
+        libraries = (sorted(native.glob("*.so")) + sorted(native.glob(".*.tmp"))
+                     if native.is_dir() else [])
         removed, failure = 0, None
-        for path in self.entries() + temporaries + kept:
+        for path in self.entries() + temporaries + kept + libraries:
             try:
                 path.unlink(missing_ok=True)
             except OSError as exc:

@@ -9,7 +9,6 @@ import torch
 
 from .. import jit
 from ..arch import tma_alignment
-from ..runtime.tensormap import encode
 from ..kernels import sm90_gemm as gemm_kernel
 from ._common import (current_stream, device_arch, inspect, pair, require_contiguous_rows,
                       require_cuda, require_disjoint, require_shape, row_span)
@@ -117,7 +116,8 @@ def _sa_pointer(sa, sa_ptr: int | None) -> int:
 def _launch(device: int, m: int, n: int, k: int, a, b, d, *, scales=None, accumulate=False,
             bias=None, groups: int = 0, masked=None, num_sms=None, config=None,
             **layout) -> None:
-    """Plan (cached), encode the tensor maps the kernel names (cached) and launch.
+    """Plan (cached) and launch; the tensor maps go to the launcher as views (address,
+    shape, byte strides), which it encodes with the kernel's own TensorMap specs.
 
     ``a``, ``d``: (pointer, row stride in elements) of A [M, K] and D [M, N], in the masked
     layout with their group stride after it (and ``m`` is M_max); ``b``: (pointer, row
@@ -132,7 +132,6 @@ def _launch(device: int, m: int, n: int, k: int, a, b, d, *, scales=None, accumu
     launcher, grid, m_tiles = _plan(device, m, n, k, sms, accumulate, groups,
                                     masked is not None, masked or 0, dtype, bias is not None,
                                     config)
-    maps = launcher.tensor_maps
     d_bytes = 4 if accumulate else 2
     # The masked layout's group is a third dimension of A, D and sa.
     group = (groups,) if masked else ()
@@ -140,17 +139,16 @@ def _launch(device: int, m: int, n: int, k: int, a, b, d, *, scales=None, accumu
     a_strides = (element_bytes * a[1],) + ((element_bytes * a[2],) if masked else ())
     d_strides = (d_bytes * d[1],) + ((d_bytes * d[2],) if masked else ())
     arguments = {
-        "tmap_a": encode(maps["tmap_a"], a[0], (k, m) + group, a_strides),
-        "tmap_b": encode(maps["tmap_b"], b[0], (k, b[2]), (element_bytes * b[1],)),
-        "tmap_d": encode(maps["tmap_d"], d[0], (n, m) + group, d_strides),
+        "tmap_a": (a[0], (k, m) + group, a_strides),
+        "tmap_b": (b[0], (k, b[2]), (element_bytes * b[1],)),
+        "tmap_d": (d[0], (n, m) + group, d_strides),
     }
     if scales is not None:
         sa_ptr, sa_column, sa_group, sb_ptr, sb_row = scales
         # sa is MN-major: a column of M scales per 128 of K (its stride unused by a
         # one-column sa, but it must be valid).
-        arguments["tmap_sa"] = encode(
-            maps["tmap_sa"], sa_ptr, (m, ceil_div(k, gemm_kernel.BLOCK_K)) + group,
-            (4 * sa_column,) + ((4 * sa_group,) if masked else ()))
+        arguments["tmap_sa"] = (sa_ptr, (m, ceil_div(k, gemm_kernel.BLOCK_K)) + group,
+                                (4 * sa_column,) + ((4 * sa_group,) if masked else ()))
         arguments["sb"], arguments["sb_row_stride"] = sb_ptr, sb_row
     if bias is not None:
         arguments["bias"] = bias

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import operator
 import struct
 import threading
 
@@ -69,6 +70,30 @@ def _libcuda_launch():
 
 _STRUCT_CODE = {"u32": "I", "s32": "i", "b32": "I", "f32": "f", "u64": "Q", "s64": "q",
                 "b64": "Q", "f64": "d", "tensormap": "128s"}
+
+
+_RANGES = {"I": (0, 2**32 - 1), "i": (-2**31, 2**31 - 1), "Q": (0, 2**64 - 1),
+           "q": (-2**63, 2**63 - 1)}
+
+
+def _why(code: str, value) -> str:
+    """Why struct ``code`` refuses ``value``, in runtime/native.c's words."""
+    if code == "128s":
+        return "needs 128 bytes (an encoded tensor map) or a view (address, shape, byte strides)"
+    if code in "fd":
+        try:
+            float(value)
+        except (TypeError, ValueError):
+            return "needs a float"
+        except OverflowError:
+            pass
+        return "too large for f32"
+    try:
+        operator.index(value)
+    except TypeError:
+        return "needs an integer"
+    low, high = _RANGES[code]
+    return f"outside [{low}, {high}]"
 
 
 def argument_layout(params) -> tuple[str, list[int], int]:
@@ -198,13 +223,13 @@ class Launcher:
         return state
 
     def _refused(self, *values) -> tuple[int, str, object]:
-        """(index, struct's message, value) of the first value struct will not pack: what
-        the C launcher reports itself."""
+        """(index, why, value) of the first value struct will not pack, worded as the C
+        launcher words it (struct's own messages change between Python versions)."""
         for index, (p, value) in enumerate(zip(self.params, values)):
             try:
                 struct.pack("<" + _STRUCT_CODE[p.type], value)
-            except (struct.error, OverflowError) as exc:
-                return index, str(exc), value
+            except (struct.error, OverflowError):
+                return index, _why(_STRUCT_CODE[p.type], value), value
         raise AssertionError(f"{self.name}: struct refused the arguments but none alone")
 
     def _packing_failed(self, index: int, detail: str, value):

@@ -206,17 +206,28 @@ static PyObject *as_integer(PyObject *value, const char **detail)
         return Py_NewRef(value);
     if (PyIndex_Check(value))
         return PyNumber_Index(value);
-    *detail = "required argument is not an integer";
+    *detail = "needs an integer";
     return NULL;
 }
 
-/* An OverflowError becomes struct's message; another error propagates. */
-static int out_of_range(const char **detail)
+/* The refusal of an integer outside struct code's range (launch.py's _why words it alike). */
+static const char *range_of(char code)
+{
+    switch (code) {
+    case 'I': return "outside [0, 4294967295]";
+    case 'i': return "outside [-2147483648, 2147483647]";
+    case 'Q': return "outside [0, 18446744073709551615]";
+    default: return "outside [-9223372036854775808, 9223372036854775807]";
+    }
+}
+
+/* An OverflowError is a refusal (*detail: the code's range); another error propagates. */
+static int out_of_range(char code, const char **detail)
 {
     if (!PyErr_ExceptionMatches(PyExc_OverflowError))
         return -1;
     PyErr_Clear();
-    *detail = "argument out of range";
+    *detail = range_of(code);
     return 1;
 }
 
@@ -234,7 +245,7 @@ static int pack_value(char code, PyObject *value, unsigned char *slot, const cha
             data = PyByteArray_AS_STRING(value);
             n = PyByteArray_GET_SIZE(value);
         } else {
-            *detail = "argument for 's' must be a bytes object";
+            *detail = "needs 128 bytes (an encoded tensor map) or a view (address, shape, byte strides)";
             return 1;
         }
         memcpy(slot, data, n < 128 ? n : 128); /* struct pads a short one with zeros */
@@ -243,8 +254,9 @@ static int pack_value(char code, PyObject *value, unsigned char *slot, const cha
     if (code == 'f' || code == 'd') {
         double x = PyFloat_AsDouble(value);
         if (x == -1.0 && PyErr_Occurred()) {
+            *detail = PyErr_ExceptionMatches(PyExc_OverflowError) ? "too large for f32"
+                                                                   : "needs a float";
             PyErr_Clear();
-            *detail = "required argument is not a float";
             return 1;
         }
         if (code == 'd') {
@@ -253,7 +265,7 @@ static int pack_value(char code, PyObject *value, unsigned char *slot, const cha
         }
         float y = (float)x;
         if (isinf(y) && !isinf(x)) {
-            *detail = "float too large to pack with f format";
+            *detail = "too large for f32";
             return 1;
         }
         memcpy(slot, &y, 4);
@@ -267,9 +279,9 @@ static int pack_value(char code, PyObject *value, unsigned char *slot, const cha
         unsigned long x = PyLong_AsUnsignedLong(n);
         Py_DECREF(n);
         if (x == (unsigned long)-1 && PyErr_Occurred())
-            return out_of_range(detail);
+            return out_of_range(code, detail);
         if (x > UINT32_MAX) {
-            *detail = "'I' format requires 0 <= number <= 4294967295";
+            *detail = range_of(code);
             return 1;
         }
         uint32_t v = (uint32_t)x;
@@ -280,9 +292,9 @@ static int pack_value(char code, PyObject *value, unsigned char *slot, const cha
         long x = PyLong_AsLong(n);
         Py_DECREF(n);
         if (x == -1 && PyErr_Occurred())
-            return out_of_range(detail);
+            return out_of_range(code, detail);
         if (x < INT32_MIN || x > INT32_MAX) {
-            *detail = "'i' format requires -2147483648 <= number <= 2147483647";
+            *detail = range_of(code);
             return 1;
         }
         int32_t v = (int32_t)x;
@@ -293,7 +305,7 @@ static int pack_value(char code, PyObject *value, unsigned char *slot, const cha
         unsigned long long x = PyLong_AsUnsignedLongLong(n);
         Py_DECREF(n);
         if (x == (unsigned long long)-1 && PyErr_Occurred())
-            return out_of_range(detail);
+            return out_of_range(code, detail);
         uint64_t v = x;
         memcpy(slot, &v, 8);
         return 0;
@@ -302,7 +314,7 @@ static int pack_value(char code, PyObject *value, unsigned char *slot, const cha
         long long x = PyLong_AsLongLong(n);
         Py_DECREF(n);
         if (x == -1 && PyErr_Occurred())
-            return out_of_range(detail);
+            return out_of_range(code, detail);
         int64_t v = x;
         memcpy(slot, &v, 8);
         return 0;
