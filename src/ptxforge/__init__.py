@@ -20,7 +20,10 @@ def __getattr__(name):
     if name in PTXFORGE_NAMES:
         from . import ops
 
-        return getattr(ops, name)
+        # Kept as a module global: later lookups do not come here (a call here costs a
+        # microsecond, on every `ptxforge.op(...)`).
+        value = globals()[name] = getattr(ops, name)
+        return value
     raise AttributeError(f"module 'ptxforge' has no attribute {name!r}")
 
 
