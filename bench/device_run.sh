@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One device call: test, build, check and time everything. Full log and results under $OUT
-# (log.txt, jit.json, and json + png for the memory, gemm, grouped and bf16 suites); short tables last.
+# One device call: test, build, sanitize, check and time everything. Full log and results under
+# $OUT (log.txt, jit.json, the sanitizers' reports, and json + png for the memory, gemm, grouped
+# and bf16 suites); short tables last.
 #   run from the repository root: bash bench/device_run.sh
 set -u -o pipefail
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
@@ -17,6 +18,8 @@ step() { echo; echo "### $*"; "$@"; } 2>&1
   step timeout 300 $py -m pytest tests -q -p no:cacheprovider
   step $py bench/jit_timing.py "$OUT/jit.json"
   step $py bench/host_breakdown.py
+  step $py bench/host_ab.py --native 21
+  step bash bench/sanitize.sh
   step $py -m ptxforge.cli asm quantize_fp8_per_token hidden=7168 --sass
   step $py -m ptxforge.cli asm fp8_gemm_nt m=4096 n=7168 k=16384 --sass
   step $py -m ptxforge.cli demo
@@ -26,6 +29,6 @@ step() { echo; echo "### $*"; "$@"; } 2>&1
   step $py -m ptxforge.cli bench bf16-gemm --json "$OUT/bf16.json" --plot "$OUT/bf16.png"
 } > "$log" 2>&1
 grep -E "passed|failed|error" "$log" | grep -v "^|" | tail -5
-sed -n "/### .*jit_timing/,/### .*asm/p" "$log" | grep -v "^\[" | tail -40
+sed -n "/### .*jit_timing/,/### .*asm/p" "$log" | grep -v "^\[" | tail -60
 grep -E "FAIL|checks passed" "$log" | tail -20
 sed -n '/### .*bench memory/,$p' "$log"
