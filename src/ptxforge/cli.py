@@ -14,7 +14,7 @@ import tempfile
 
 from . import arch as arch_mod
 from . import jit, kernels
-from .jit import settings
+from . import settings
 from .jit.assemble import AssemblerUnavailable, find_cuda_tool, get_assembler
 from .jit.cache import DiskCache
 

@@ -72,3 +72,30 @@ def test_deep_gemm_has_its_helpers():
     assert all(callable(getattr(deep_gemm, name)) for name in extras)
     assert deep_gemm.get_col_major_tma_aligned_tensor is deep_gemm.get_mn_major_tma_aligned_tensor
     assert deep_gemm.ceil_div(7, 2) == 4 and deep_gemm.get_tma_aligned_size(5, 4) == 8
+
+
+# Each layer and what it may import of the package (design.md: imports run one way).
+LAYERS = {"ptx": {"arch", "ptx"}, "patterns": {"arch", "ptx", "patterns"},
+          "kernels": {"arch", "ptx", "patterns", "kernels"},
+          "runtime": {"arch", "settings", "runtime"},
+          "jit": {"arch", "settings", "runtime", "jit"}}
+
+
+def test_imports_run_one_way():
+    import ast
+
+    root = Path(ptxforge.__file__).parent
+    wrong = []
+    for layer, allowed in LAYERS.items():
+        for path in (root / layer).rglob("*.py"):
+            package = path.relative_to(root).parent.parts
+            for node in ast.walk(ast.parse(path.read_text())):
+                if not isinstance(node, ast.ImportFrom) or not node.level:
+                    continue
+                # level 1 is the file's own package, each further level one up.
+                base = package[:len(package) - node.level + 1]
+                parts = base + tuple(node.module.split(".")) if node.module else base
+                for name in parts[:1] or [alias.name for alias in node.names]:
+                    if name not in allowed:
+                        wrong.append(f"{path.relative_to(root)} imports {name}")
+    assert not wrong, wrong

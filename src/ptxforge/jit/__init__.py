@@ -19,7 +19,7 @@ import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from . import settings
+from .. import settings
 from .assemble import AssemblerUnavailable, AssemblyError, Resources, get_assembler
 from .cache import DiskCache, cache_key
 

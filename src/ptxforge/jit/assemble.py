@@ -29,7 +29,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
-from . import settings
+from .. import settings
 
 
 class AssemblyError(RuntimeError):

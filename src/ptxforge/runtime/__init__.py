@@ -6,8 +6,7 @@ and launches bound by parameter name.
     launch(grid, stream, x=x_ptr, rows=m)         # per call: a few microseconds
 
 Imports run one way: ``jit`` (assemble, cache) uses this package to load cubins and for the
-driver's PTX JIT; nothing here imports ``jit`` but its settings and cache key, when the C
-launcher is first built (``native.py``).
+driver's PTX JIT; nothing here imports ``jit`` (the knobs come from ``ptxforge.settings``).
 """
 
 from .driver import CudaError

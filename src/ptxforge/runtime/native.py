@@ -15,6 +15,7 @@ directory for this process.
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib.machinery
 import importlib.util
 import os
@@ -26,6 +27,8 @@ import tempfile
 import threading
 import warnings
 from pathlib import Path
+
+from .. import settings
 
 SOURCE = Path(__file__).with_name("native.c")
 NAME = "ptxforge_native"  # native.c's PyInit_ function is named for it
@@ -47,10 +50,6 @@ def module():
 
 @functools.lru_cache(maxsize=None)
 def _module():
-    # Only the JIT's settings (the knobs and where its cache lives), and only at first use:
-    # the runtime imports nothing else of the JIT.
-    from ..jit import settings
-
     if not settings.native_launch():
         return None
     try:
@@ -64,10 +63,9 @@ def _module():
 def build(directory: Path | None):
     """Load native.c's library from ``directory``, compiling it there first when it is not
     built yet (None: in a temporary directory); return the module. Raises BuildError."""
-    from ..jit.cache import cache_key
-
     suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
-    name = f"{NAME}.{cache_key('ptxforge-native-1', SOURCE.read_text(), suffix)[:24]}.so"
+    key = hashlib.sha256(f"ptxforge-native-1\n{suffix}\n{SOURCE.read_text()}".encode())
+    name = f"{NAME}.{key.hexdigest()[:24]}.so"
     if directory is not None:
         path = Path(directory) / name
         if path.is_file():
