@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: test, build, sanitize, check and time everything. Full log and results under
-# $OUT (log.txt, jit.json, the sanitizers' reports, and json + png for the memory, gemm, grouped
-# and bf16 suites); short tables last.
+# $OUT (log.txt, jit.json, the sanitizers' reports, and json + png for the memory, gemm, grouped,
+# bf16 and decode suites); short tables last.
 #   run from the repository root: bash bench/device_run.sh
 set -u -o pipefail
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
@@ -27,8 +27,11 @@ step() { echo; echo "### $*"; "$@"; } 2>&1
   step $py -m ptxforge.cli bench fp8-gemm --json "$OUT/gemm.json" --plot "$OUT/gemm.png"
   step $py -m ptxforge.cli bench grouped-gemm --json "$OUT/grouped.json" --plot "$OUT/grouped.png"
   step $py -m ptxforge.cli bench bf16-gemm --json "$OUT/bf16.json" --plot "$OUT/bf16.png"
+  step $py -m ptxforge.cli bench decode --json "$OUT/decode.json" --plot "$OUT/decode.png"
 } > "$log" 2>&1
 grep -E "passed|failed|error" "$log" | grep -v "^|" | tail -5
 sed -n "/### .*jit_timing/,/### .*asm/p" "$log" | grep -v "^\[" | tail -60
 grep -E "FAIL|checks passed" "$log" | tail -20
-sed -n '/### .*bench memory/,$p' "$log"
+sed -n '/### .*bench memory/,/### .*bench decode/p' "$log"
+# decode's summary lines; its table (104 rows) is in log.txt and decode.json
+sed -n '/### .*bench decode/,$p' "$log" | grep -v -e "^|" -e "^###"

@@ -168,6 +168,9 @@ def cmd_bench(args) -> int:
     elif args.suite == "grouped-gemm":
         result = bench.grouped_gemm_suite()
         text, plot = bench.grouped_gemm_table(result), _plot_grouped
+    elif args.suite == "decode":
+        result = bench.decode_suite()
+        text, plot = bench.decode_table(result), _plot_decode
     else:
         result = bench.gemm_suite()
         text = bench.gemm_table(result)
@@ -229,6 +232,32 @@ def _plot_grouped(result: dict, path: str) -> None:
     ax.set_xlabel("TFLOPS over the valid rows")
     ax.set_title(f"{result['gpu']}: MoE grouped FP8 GEMM")
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def _plot_decode(result: dict, path: str) -> None:
+    """% of the same-size copy's speed against M: a panel per family, a line per shape."""
+    plt = _pyplot()
+    if plt is None:
+        return
+    lines = collections.defaultdict(lambda: collections.defaultdict(list))
+    for r in result["rows"]:
+        lines[r["family"]][(r["groups"], r["n"], r["k"])].append((r["m"], 100 * r["of_copy"]))
+    fig, axes = plt.subplots(1, len(lines), figsize=(5 * len(lines), 4.5), sharey=True,
+                             squeeze=False)
+    for ax, (family, shapes) in zip(axes[0], lines.items()):
+        for (groups, n, k), points in shapes.items():
+            ax.plot(*zip(*points), marker="o",
+                    label=f"{n}x{k}" if groups == 1 else f"{groups} groups, {n}x{k}")
+        ax.set_xscale("log", base=2)
+        tokens = sorted({m for points in shapes.values() for m, _ in points})
+        ax.set_xticks(tokens, [str(m) for m in tokens])
+        ax.set_xlabel("M (tokens; per group when masked)")
+        ax.set_title(family)
+        ax.legend(fontsize=7, loc="lower right")
+    axes[0][0].set_ylabel("% of a same-size copy's speed")
+    fig.suptitle(f"{result['gpu']}: decode GEMMs against the memory limit")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -317,7 +346,7 @@ def main(argv=None) -> int:
     p = command("precompile", "assemble every kernel variant in parallel")
     p.add_argument("--workers", type=int, default=None)
     p = command("bench", "GPU benchmark side by side with torch")
-    p.add_argument("suite", choices=["memory", "fp8-gemm", "grouped-gemm", "bf16-gemm"])
+    p.add_argument("suite", choices=["memory", "fp8-gemm", "grouped-gemm", "bf16-gemm", "decode"])
     p.add_argument("--m", type=int, default=16384)
     p.add_argument("--k", type=int, default=7168)
     p.add_argument("--json", help="write the full results here")

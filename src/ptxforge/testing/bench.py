@@ -18,15 +18,16 @@ import torch
 
 from .. import kernels, ops
 from . import reference
-from .checks import calc_diff
+from .checks import bf16_gemm_operands, calc_diff, fp8_gemm_operands
 
 
 @dataclass
 class Timer:
-    """Median kernel time of a callable: the sum of the GPU kernels (and memsets) it launches,
-    from the profiler (CUPTI), with the L2 cache flushed before each call. This is the
-    anchors' method; CUDA events around a call add 2-4 us of launch latency, which dwarfs
-    the small GEMMs (measured on the H200: 12.2 us by events, 8.5 us by the profiler)."""
+    """Median kernel time of a callable (of each of several: ``each``): the sum of the GPU
+    kernels (and memsets) it launches, from the profiler (CUPTI), with the L2 cache flushed
+    before each call. This is the anchors' method; CUDA events around a call add 2-4 us of
+    launch latency, which dwarfs the small GEMMs (measured on the H200: 12.2 us by events,
+    8.5 us by the profiler)."""
 
     warmup: int = 5
     reps: int = 30
@@ -37,16 +38,23 @@ class Timer:
     FLUSH_KERNEL = "FillFunctor<unsigned char>"
 
     def __call__(self, fn) -> float:
+        return self.each([fn])[0]
+
+    def each(self, fns) -> list[float]:
+        """The median kernel time of each callable, timed one after another in a single
+        profiler session (its start and stop are host work, paid once for the lot)."""
         if self._flush is None:
             self._flush = torch.empty(self.flush_bytes, dtype=torch.uint8, device="cuda")
-        for _ in range(self.warmup):
-            fn()
+        for fn in fns:
+            for _ in range(self.warmup):
+                fn()
         torch.cuda.synchronize()
         activities = [torch.profiler.ProfilerActivity.CUDA]
         with torch.profiler.profile(activities=activities) as prof:
-            for _ in range(self.reps):
-                self._flush.zero_()
-                fn()
+            for fn in fns:
+                for _ in range(self.reps):
+                    self._flush.zero_()
+                    fn()
             torch.cuda.synchronize()
         device_work = sorted((e for e in prof.events() if e.device_type.name == "CUDA"),
                              key=lambda e: e.time_range.start)
@@ -56,18 +64,25 @@ class Timer:
                 calls.append(0.0)
             elif calls:
                 calls[-1] += event.time_range.end - event.time_range.start
-        if len(calls) != self.reps or not all(calls):
+        expected = self.reps * len(fns)
+        if len(calls) != expected or not all(calls):
             raise RuntimeError(f"the profiler saw {len(calls)} calls with device work, "
-                               f"expected {self.reps}")
-        return statistics.median(calls) / 1e3  # us -> ms
+                               f"expected {expected}")
+        return [statistics.median(calls[i:i + self.reps]) / 1e3  # us -> ms
+                for i in range(0, expected, self.reps)]
 
 
-def copy_bandwidth_gbs(timer: Timer, nbytes: int = 2 << 30) -> float:
-    """Device-to-device copy, counting bytes read plus bytes written."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
+def copy_of(nbytes: int):
+    """A device-to-device copy that moves ``nbytes``, counting bytes read plus bytes written
+    (a uint8 tensor of nbytes / 2 into another), as a callable to time."""
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda").random_()
     dst = torch.empty_like(src)
-    ms = timer(lambda: dst.copy_(src))
-    return 2 * nbytes / ms / 1e6
+    return lambda: dst.copy_(src)
+
+
+def copy_bandwidth_gbs(timer: Timer, nbytes: int = 4 << 30) -> float:
+    """The large-copy roofline: GB/s of a device-to-device copy moving ``nbytes``."""
+    return nbytes / timer(copy_of(nbytes)) / 1e6
 
 
 def memory_suite(m: int = 16384, k: int = 7168, timer: Timer | None = None) -> dict:
@@ -344,10 +359,9 @@ def bf16_gemm_suite(shapes=None, timer: Timer | None = None) -> dict:
     timer = timer or Timer()
     rows = []
     for m, n, k in shapes or GEMM_SHAPES:
-        a, b = _bf16_pair(m, n, k)
+        a, b, ref = bf16_gemm_operands(m, n, k)
         d = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
         ops.bf16_gemm_nt(a, b, d)
-        ref = a.double() @ b.double().t()
         flops = 2 * m * n * k
         ms = timer(lambda: ops.bf16_gemm_nt(a, b, d))
         peer_ms = timer(lambda: a @ b.t())
@@ -367,3 +381,122 @@ def bf16_gemm_table(result: dict) -> str:
              f"{result['geomean_speedup_vs_cublas']:.2f}x")
     return title + "\n" + format_table(["M", "N", "K", "TFLOPS", "cuBLAS", "speedup", "calc_diff"],
                                        rows)
+
+
+# Decode-time GEMMs (issue 13): a few tokens against DeepGEMM's weights, bound by the weight
+# stream. M is the tokens; per group for the masked rows, with M_max twice that as in the
+# grouped suite's masked rows.
+DECODE_M = (1, 2, 4, 8, 16, 32, 64, 128)
+DECODE_MASKED = [(groups, tokens, n, k) for n, k in ((4096, 7168), (7168, 2048))
+                 for groups, tokens in ((8, 8), (8, 32), (32, 8), (32, 32))]
+DECODE_PEERS = {"fp8": "cuBLAS blockwise", "bf16": "cuBLAS a @ b.t()"}
+
+
+def decode_problems():
+    """``(family, groups, M, N, K)`` of every decode row."""
+    for family in ("fp8", "bf16"):
+        for n, k in kernels.GEMM_SHAPES:
+            for m in DECODE_M:
+                yield family, 1, m, n, k
+    for groups, tokens, n, k in DECODE_MASKED:
+        yield "masked fp8", groups, tokens, n, k
+
+
+def gemm_bytes(rows_per_group, n: int, k: int, fp8: bool = True) -> int:
+    """The bytes a GEMM must move: for each group with at least one row, its weights B [N, K]
+    (FP8: and their 128x128 block scales), its rows of A (FP8: and their 1x128 scales) and
+    of D (bf16) written. A dense GEMM is one group."""
+    k_blocks, n_blocks = -(-k // 128), -(-n // 128)
+    if fp8:
+        weights, a_row = n * k + 4 * n_blocks * k_blocks, k + 4 * k_blocks
+    else:
+        weights, a_row = 2 * n * k, 2 * k
+    return sum(weights + rows * (a_row + 2 * n) for rows in rows_per_group if rows > 0)
+
+
+def _decode_case(family: str, groups: int, m: int, n: int, k: int):
+    """The call to time, its output (poisoned with NaN) and fp64 reference, and its peer
+    (None for the masked rows, and where torch refuses the shape)."""
+    if family == "masked fp8":
+        a, b, masked_m, ref = masked_operands([m] * groups, 2 * m, n, k)
+        d = torch.full((groups, 2 * m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        call = lambda: ops.m_grouped_fp8_gemm_nt_masked(a, b, d, masked_m, m)
+        return call, d[:, :m], ref[:, :m], None
+    d = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    if family == "bf16":
+        a, b, ref = bf16_gemm_operands(m, n, k)
+        return lambda: ops.bf16_gemm_nt(a, b, d), d, ref, lambda: a @ b.t()
+    a, b, ref = fp8_gemm_operands(m, n, k)
+    try:
+        peer = _torch_blockwise(*a, *b)
+    except RuntimeError:
+        peer = None
+    return lambda: ops.fp8_gemm_nt(a, b, d), d, ref, peer
+
+
+def decode_suite(timer: Timer | None = None) -> dict:
+    """Each decode row's kernel time beside the limit, a device-to-device copy moving the same
+    bytes, and beside its cuBLAS peer, all timed in one profiler session per row; the
+    large-copy roofline measured in the same run."""
+    timer = timer or Timer()
+    copy_gbs = copy_bandwidth_gbs(timer)
+    rows = []
+    for family, groups, m, n, k in decode_problems():
+        call, out, ref, peer = _decode_case(family, groups, m, n, k)
+        call()
+        diff = calc_diff(out, ref)
+        nbytes = gemm_bytes([m] * groups, n, k, fp8=family != "bf16")
+        ms, copy_ms, *peer_ms = timer.each([call, copy_of(nbytes)] + ([peer] if peer else []))
+        peer_ms = peer_ms[0] if peer_ms else None
+        rows.append({"family": family, "groups": groups, "m": m, "n": n, "k": k,
+                     "bytes": nbytes, "ms": ms, "copy_ms": copy_ms, "of_copy": copy_ms / ms,
+                     "of_roofline": nbytes / copy_gbs / 1e6 / ms, "peer_ms": peer_ms,
+                     "speedup": peer_ms / ms if peer_ms else None, "calc_diff": diff})
+    return {"suite": "decode", "gpu": torch.cuda.get_device_name(), "copy_gbs": copy_gbs,
+            "rows": rows, "summary": decode_summary(rows)}
+
+
+def decode_summary(rows: list) -> list[dict]:
+    """What issue 13's targets read, per family: the least fraction of the same-size copy's
+    speed at M <= 64 and at M = 128, and the geomean and least speedup over the peer (on the
+    rows where it ran)."""
+    summary = []
+    for family in dict.fromkeys(r["family"] for r in rows):
+        mine = [r for r in rows if r["family"] == family]
+        speedups = [r["speedup"] for r in mine if r["speedup"]]
+        of_copy = lambda tokens: min((r["of_copy"] for r in mine if tokens(r["m"])), default=None)
+        summary.append({
+            "family": family, "rows": len(mine), "peer_rows": len(speedups),
+            "least_of_copy_m_le_64": of_copy(lambda m: m <= 64),
+            "least_of_copy_m_128": of_copy(lambda m: m == 128),
+            "geomean_speedup": statistics.geometric_mean(speedups) if speedups else None,
+            "least_speedup": min(speedups, default=None)})
+    return summary
+
+
+def _or_na(value, fmt: str, scale: float = 1) -> str:
+    return "n/a" if value is None else fmt.format(value * scale)
+
+
+def decode_table(result: dict) -> str:
+    rows = [[r["family"], r["groups"], r["m"], r["n"], r["k"], f"{r['bytes'] / 1e6:.1f}",
+             f"{r['ms'] * 1e3:.1f}", f"{r['copy_ms'] * 1e3:.1f}", f"{r['of_copy']:.0%}",
+             f"{r['of_roofline']:.0%}", _or_na(r["peer_ms"], "{:.1f}", 1e3),
+             _or_na(r["speedup"], "{:.2f}x"), f"{r['calc_diff']:.1e}"] for r in result["rows"]]
+    title = (f"{result['gpu']}: decode GEMMs against the memory limit, kernel times (profiler, "
+             f"median of 30, L2 flushed). MB = A, B, scales and D; copy = a device-to-device "
+             f"copy moving as many bytes, timed in the same run; roofline = those bytes at the "
+             f"large copy's {result['copy_gbs']:.0f} GB/s; M = tokens (per group when masked); "
+             f"peers: " + ", ".join(f"{peer} ({family})" for family, peer in DECODE_PEERS.items()))
+    lines = []
+    for family in result["summary"]:
+        peer = DECODE_PEERS.get(family["family"])
+        vs_peer = (f"geomean {_or_na(family['geomean_speedup'], '{:.2f}x')} (least "
+                   f"{_or_na(family['least_speedup'], '{:.2f}x')}) vs {peer} over "
+                   f"{family['peer_rows']} of {family['rows']} rows" if peer else "no peer")
+        lines.append(f"{family['family']}: least of copy "
+                     f"{_or_na(family['least_of_copy_m_le_64'], '{:.0%}')} at M <= 64, "
+                     f"{_or_na(family['least_of_copy_m_128'], '{:.0%}')} at M = 128; {vs_peer}")
+    return title + "\n" + format_table(
+        ["family", "groups", "M", "N", "K", "MB", "us", "copy us", "of copy", "of roofline",
+         "peer us", "speedup", "calc_diff"], rows) + "\n" + "\n".join(lines)

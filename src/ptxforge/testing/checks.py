@@ -137,6 +137,13 @@ def fp8_gemm_operands(m: int, n: int, k: int, device="cuda"):
     return (qa, sa), (qb, sb), ref
 
 
+def bf16_gemm_operands(m: int, n: int, k: int, device="cuda"):
+    """Fresh random bf16 GEMM operands a [M, K], b [N, K] and their fp64 product:
+    ``a, b, reference``."""
+    a, b = _randn((m, k), device), _randn((n, k), device)
+    return a, b, a.double() @ b.double().t()
+
+
 def check_fp8_gemm(m: int, n: int, k: int, device="cuda") -> list[CheckResult]:
     (qa, sa), (qb, sb), ref = fp8_gemm_operands(m, n, k, device)
     d = torch.full((m, n), float("nan"), device=device, dtype=torch.bfloat16)

@@ -1,0 +1,118 @@
+"""The benchmark suites' GPU-free parts: the decode suite's rows, byte counts, summary and
+table, and ``ptxforge bench decode`` from the command line with the suite's result given."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import torch
+
+from ptxforge import cli
+from ptxforge.testing import bench
+
+
+def test_decode_rows_are_the_issues_table():
+    problems = list(bench.decode_problems())
+    deepgemm_nk = {(2112, 7168), (24576, 1536), (32768, 512), (7168, 16384), (4096, 7168),
+                   (7168, 2048)}
+    for family in ("fp8", "bf16"):
+        dense = [(groups, m, n, k) for f, groups, m, n, k in problems if f == family]
+        assert sorted(dense) == sorted((1, m, n, k) for m in (1, 2, 4, 8, 16, 32, 64, 128)
+                                       for n, k in deepgemm_nk)
+    masked = [(groups, m, n, k) for f, groups, m, n, k in problems if f == "masked fp8"]
+    assert sorted(masked) == sorted((groups, tokens, n, k)
+                                    for groups, tokens in ((8, 8), (8, 32), (32, 8), (32, 32))
+                                    for n, k in ((4096, 7168), (7168, 2048)))
+    assert len(problems) == 2 * 48 + 8
+
+
+def test_fp8_bytes_counted_by_hand():
+    # M = 1, N = 2112, K = 7168: A 7168, A's scales 4 * 56, B 2112 * 7168, B's scales
+    # 4 * 17 * 56 (2112 / 128 = 16.5 blocks), D 2 * 2112.
+    assert bench.gemm_bytes([1], 2112, 7168) == 7_168 + 224 + 15_138_816 + 3_808 + 4_224
+    assert bench.gemm_bytes([1], 2112, 7168, fp8=False) == 14_336 + 30_277_632 + 4_224
+
+
+def test_masked_bytes_count_the_weights_of_groups_with_tokens():
+    # A group of 8 tokens at N = 4096, K = 7168: B 4096 * 7168, B's scales 4 * 32 * 56,
+    # A 8 * 7168, A's scales 8 * 4 * 56, D 8 * 4096 * 2.
+    group = 29_360_128 + 7_168 + 57_344 + 1_792 + 65_536
+    assert bench.gemm_bytes([8] * 8, 4096, 7168) == 8 * group == 235_935_744
+    assert bench.gemm_bytes([8, 0, 0], 4096, 7168) == group
+
+
+def decode_row(family, m, of_copy, speedup, groups=1):
+    ms = 0.01
+    return {"family": family, "groups": groups, "m": m, "n": 4096, "k": 7168, "bytes": 15_000_000,
+            "ms": ms, "copy_ms": of_copy * ms, "of_copy": of_copy, "of_roofline": 0.7 * of_copy,
+            "peer_ms": speedup and speedup * ms, "speedup": speedup, "calc_diff": 1.4e-6}
+
+
+ROWS = [decode_row("fp8", 1, 0.5, 2.0), decode_row("fp8", 64, 0.9, 0.5),
+        decode_row("fp8", 128, 0.8, None), decode_row("masked fp8", 8, 0.7, None, groups=8)]
+RESULT = {"suite": "decode", "gpu": "NVIDIA H200", "copy_gbs": 4268.0, "rows": ROWS,
+          "summary": bench.decode_summary(ROWS)}
+
+
+def test_decode_summary_reads_off_the_targets():
+    fp8, masked = RESULT["summary"]
+    assert fp8 == {"family": "fp8", "rows": 3, "peer_rows": 2, "least_of_copy_m_le_64": 0.5,
+                   "least_of_copy_m_128": 0.8, "geomean_speedup": 1.0, "least_speedup": 0.5}
+    assert masked == {"family": "masked fp8", "rows": 1, "peer_rows": 0,
+                      "least_of_copy_m_le_64": 0.7, "least_of_copy_m_128": None,
+                      "geomean_speedup": None, "least_speedup": None}
+
+
+def test_decode_table():
+    lines = bench.decode_table(RESULT).splitlines()
+    table = [line for line in lines if line.startswith("|")]
+    cells = [[cell.strip() for cell in line.strip("|").split("|")] for line in table]
+    assert len(cells) == 2 + len(ROWS)
+    assert cells[0][:3] == ["family", "groups", "M"]
+    assert cells[2][7:12] == ["5.0", "50%", "35%", "20.0", "2.00x"]   # copy us, %, peer
+    assert cells[4][10:12] == ["n/a", "n/a"]                            # torch refused the peer
+    assert lines[-2:] == [
+        "fp8: least of copy 50% at M <= 64, 80% at M = 128; geomean 1.00x (least 0.50x) vs "
+        "cuBLAS blockwise over 2 of 3 rows",
+        "masked fp8: least of copy 70% at M <= 64, n/a at M = 128; no peer"]
+
+
+def test_decode_suite_row_arithmetic(monkeypatch):
+    """With a timer that reads each call's time off the call (ours 10 us, the same-size copy
+    8 us, the peer 15 us) and a large copy at 4000 GB/s."""
+    class ReadingTimer:
+        def each(self, fns):
+            return [fn() for fn in fns]
+
+    output = torch.ones(2, 2)
+    case = lambda family, *shape: (lambda: 0.010, output, output,
+                                   None if family == "masked fp8" else lambda: 0.015)
+    monkeypatch.setattr(bench, "_decode_case", case)
+    monkeypatch.setattr(bench, "copy_of", lambda nbytes: lambda: 0.008)
+    monkeypatch.setattr(bench, "copy_bandwidth_gbs", lambda timer: 4000.0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "test GPU")
+    result = bench.decode_suite(ReadingTimer())
+    first, last = result["rows"][0], result["rows"][-1]
+    assert (first["family"], first["m"], first["n"], first["k"]) == ("fp8", 1, 2112, 7168)
+    assert first["bytes"] == 15_154_240
+    assert first["of_copy"] == pytest.approx(0.8) and first["speedup"] == pytest.approx(1.5)
+    assert first["of_roofline"] == pytest.approx(15_154_240 / 4000e9 / 10e-6)
+    assert first["calc_diff"] == 0.0
+    assert (last["family"], last["peer_ms"], last["speedup"]) == ("masked fp8", None, None)
+    assert [s["rows"] for s in result["summary"]] == [48, 48, 8]
+
+
+def test_bench_decode_writes_json_and_plot(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(cli, "_gpu_available", lambda: True)
+    monkeypatch.setattr(bench, "decode_suite", lambda: RESULT)
+    out_json, out_png = tmp_path / "decode.json", tmp_path / "decode.png"
+    assert cli.main(["bench", "decode", "--json", str(out_json), "--plot", str(out_png)]) == 0
+    assert json.loads(out_json.read_text()) == RESULT
+    out = capsys.readouterr().out
+    assert bench.decode_table(RESULT) in out
+    if importlib.util.find_spec("matplotlib"):
+        assert out_png.stat().st_size > 0
+    else:
+        assert "(matplotlib is not installed: no plot)" in out
