@@ -47,7 +47,7 @@ def estimate_clocks(arch: Arch, cfg: GemmConfig, m: int, sms: int) -> float:
     shared = cfg.ctas_per_sm
     k_block = (max(CHAIN_CLOCKS, shared * (mma + promote), shared * load, shared * smem)
                + STRADDLE_CLOCKS * cfg.straddles)
-    tiles = -(-m // cfg.block_m) * cfg.n_tiles
+    tiles = -(-m // cfg.rows) * cfg.n_tiles
     waves = -(-tiles // (sms * cfg.ctas_per_sm))
     return waves * (cfg.k_blocks * k_block + TILE_CLOCKS)
 
