@@ -18,6 +18,7 @@ BLOCK_K = 128            # one scale group of A and B per K block (e4m3)
 ROW_BYTES = 128          # a stage row of A or B: K = 128 e4m3 or 64 bf16 (one swizzle row)
 PRODUCER_REGISTERS = 40
 SWIZZLE_ATOM = 1024      # 8 rows x 128 bytes: the 128-byte swizzle repeats every 1024 bytes
+TMA_SHARED_ALIGNMENT = 128  # a tensor copy's shared-memory address (the PTX ISA's rule)
 RASTER_GROUP = 16        # block rows per raster group: 16 A rows + ~8 B columns stay in L2
 
 
@@ -137,7 +138,9 @@ class GemmConfig:
 
     @property
     def sa_stage_bytes(self) -> int:
-        return self.rows * 4 if self.scaled else 0
+        # A TMA copy lands on a 128-byte aligned shared address: a few rows' scales get
+        # a stage of 128 bytes.
+        return -(-self.rows * 4 // TMA_SHARED_ALIGNMENT) * TMA_SHARED_ALIGNMENT if self.scaled else 0
 
     @property
     def b_offset(self) -> int:
