@@ -162,6 +162,25 @@ def test_gemm_bias_epilogue_reads_one_pair_per_column_group(block_m, block_n, dt
             gemm.make_config(arch.get("sm_90a"), 2112, 7168, 128, 128, bias=True, **wrong)
 
 
+def test_few_tokens_get_tiles_covering_their_rows():
+    """At most 32 rows of a dense GEMM whose tile keeps under 128 KB of weights in flight:
+    the same tile covering 8, 16 or 32 rows (more stages); not where the tile already holds
+    enough (64 x 192 at 24576 x 1536), nor for grouped layouts or more rows."""
+    from ptxforge.kernels import sm90_gemm as gemm
+
+    sm90 = arch.get("sm_90a", "H200")
+    for m, rows in ((1, 8), (8, 8), (9, 16), (16, 16), (32, 32)):
+        cfg = gemm.choose_config(sm90, m, 2112, 7168)
+        plain = gemm.make_config(sm90, 2112, 7168, 64, cfg.block_n)
+        assert cfg.tile_rows == rows and cfg.stages > plain.stages and cfg.name.endswith(f"_r{rows}")
+        assert jit.build(gemm.generate(cfg)).resources.spills == 0
+    assert gemm.choose_config(sm90, 33, 2112, 7168).tile_rows == 0
+    assert gemm.choose_config(sm90, 8, 24576, 1536).tile_rows == 0
+    assert gemm.choose_config(sm90, 8, 4096, 7168, groups=4, masked=True).tile_rows == 0
+    with pytest.raises(ValueError, match="tile_rows must be 8, 16 or 32"):
+        gemm.make_config(sm90, 2112, 7168, 64, 16, tile_rows=8, groups=2)
+
+
 def test_gemm_admits_only_tiles_ptxas_assembles():
     """The register rules' edges: at 2 CTAs an SM a bf16 m64n200 wgmma assembles and
     m64n208 is refused; the bias epilogue's registers take 64 x 144 (e4m3) from two part

@@ -278,3 +278,29 @@ def test_rejects_bad_bias():
                                                            dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="overlaps"):
         ptxforge.fp8_gemm_nt(a, b, d, bias=d[0])
+
+
+def test_few_token_tiles(gpu_arch):
+    """Tiles covering 8, 16 or 32 rows of a 64-row wgmma (the rows past them read what
+    follows the stage and are never stored): every M around the tile's edges, fp8 and bf16,
+    against fp64, NaN-poisoned outputs fully written."""
+    from ptxforge.kernels import sm90_gemm as gemm
+
+    failures = []
+    for tile_rows in (8, 16, 32):
+        for m in (1, tile_rows - 1, tile_rows, tile_rows + 1, 3 * tile_rows + 5):
+            a, b, ref = fp8_gemm_operands(m, 1000, 640)
+            cfg = gemm.make_config(gpu_arch, 1000, 640, 64, 24, tile_rows=tile_rows)
+            d = torch.full((m, 1000), float("nan"), device="cuda", dtype=torch.bfloat16)
+            ptxforge.fp8_gemm_nt(a, b, d, config=cfg)
+            if torch.isnan(d).any() or not relative_error(d, ref) <= 2e-3:
+                failures.append(("e4m3", tile_rows, m, relative_error(d, ref)))
+            x = torch.randn(m, 640, device="cuda", dtype=torch.bfloat16)
+            w = torch.randn(1000, 640, device="cuda", dtype=torch.bfloat16)
+            cfg = gemm.make_config(gpu_arch, 1000, 640, 64, 32, dtype="bf16", tile_rows=tile_rows)
+            d = torch.full((m, 1000), float("nan"), device="cuda", dtype=torch.bfloat16)
+            ptxforge.bf16_gemm_nt(x, w, d, config=cfg)
+            expected = x.double() @ w.double().T
+            if torch.isnan(d).any() or not relative_error(d, expected) <= 2e-3:
+                failures.append(("bf16", tile_rows, m, relative_error(d, expected)))
+    assert not failures, failures

@@ -83,7 +83,7 @@ def _plan(device_index: int, m: int, n: int, k: int, sms: int, accumulate: bool,
         raise ValueError(f"config is for {config.target}, but cuda:{device_index} is "
                          f"{device_arch(device_index).target}")
     launcher, resident_clusters = _launcher(device_index, config)
-    m_tiles = ceil_div(m, config.block_m)
+    m_tiles = ceil_div(m, config.rows)
     tiles = m_tiles * config.n_tiles * (groups if masked else 1)
     # Persistent: no more CTAs (whole clusters) than run at once; at least one cluster.
     clusters = max(min(tiles, sms * config.ctas_per_sm) // config.multicast, 1)

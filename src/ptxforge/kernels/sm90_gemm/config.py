@@ -18,6 +18,7 @@ BLOCK_K = 128            # one scale group of A and B per K block (e4m3)
 ROW_BYTES = 128          # a stage row of A or B: K = 128 e4m3 or 64 bf16 (one swizzle row)
 PRODUCER_REGISTERS = 40
 SWIZZLE_ATOM = 1024      # 8 rows x 128 bytes: the 128-byte swizzle repeats every 1024 bytes
+TMA_SHARED_ALIGNMENT = 128  # a tensor copy's shared-memory address (the PTX ISA's rule)
 RASTER_GROUP = 16        # block rows per raster group: 16 A rows + ~8 B columns stay in L2
 
 
@@ -41,6 +42,9 @@ class GemmConfig:
     dtype: str = "e4m3"    # of A and B: e4m3 with DeepGEMM's scales, or bf16 (no scales)
     producers: int = 2     # producer warps, taking turns over the K blocks (see the producer)
     bias: bool = False     # a bf16 [N] bias added to every row of D before it is rounded
+    tile_rows: int = 0     # 8, 16 or 32: rows of A and D a 64-row tile covers (few tokens);
+                           # 0: block_m. The wgmma still computes 64 rows: those past
+                           # tile_rows read whatever follows the stage and are never stored.
 
     @property
     def name(self) -> str:
@@ -50,7 +54,12 @@ class GemmConfig:
                 + ("_acc" if self.accumulate else "")
                 + (f"_g{self.groups}" if self.groups else "") + ("m" if self.masked else "")
                 + (f"_w{self.producers}" if self.producers > 1 else "")
-                + ("_bias" if self.bias else ""))
+                + ("_bias" if self.bias else "") + (f"_r{self.tile_rows}" if self.tile_rows else ""))
+
+    @property
+    def rows(self) -> int:
+        """Rows of A and D one tile covers (M advances by this much from tile to tile)."""
+        return self.tile_rows or self.block_m
 
     @property
     def math_warpgroups(self) -> int:
@@ -117,11 +126,11 @@ class GemmConfig:
     @property
     def a_box_rows(self) -> int:
         """Rows of A one CTA loads per stage (and multicasts to the cluster)."""
-        return self.block_m // self.multicast
+        return self.rows // self.multicast
 
     @property
     def a_stage_bytes(self) -> int:
-        return self.block_m * ROW_BYTES
+        return self.rows * ROW_BYTES
 
     @property
     def b_stage_bytes(self) -> int:
@@ -129,7 +138,9 @@ class GemmConfig:
 
     @property
     def sa_stage_bytes(self) -> int:
-        return self.block_m * 4 if self.scaled else 0
+        # A TMA copy lands on a 128-byte aligned shared address: a few rows' scales get
+        # a stage of 128 bytes.
+        return -(-self.rows * 4 // TMA_SHARED_ALIGNMENT) * TMA_SHARED_ALIGNMENT if self.scaled else 0
 
     @property
     def b_offset(self) -> int:
@@ -163,16 +174,18 @@ class GemmConfig:
     @property
     def tensor_maps(self) -> dict[str, TensorMap]:
         """The TMA descriptors the kernel reads and writes, by parameter name: A and B in
-        128-byte swizzled rows, sa one column of block_m scales, D in store boxes of 64
-        rows. The masked layout's group is a third dimension, one group per box."""
+        128-byte swizzled rows, sa one column of the tile's scales, D in store boxes of
+        each math warpgroup's rows. The masked layout's group is a third dimension, one
+        group per box."""
         element = "float8_e4m3fn" if self.scaled else "bfloat16"
         group = (1,) if self.masked else ()
         maps = {"tmap_a": TensorMap(element, (self.k_per_block, self.a_box_rows) + group,
                                     swizzle=ROW_BYTES),
                 "tmap_b": TensorMap(element, (self.k_per_block, self.block_n), swizzle=ROW_BYTES)}
         if self.scaled:
-            maps["tmap_sa"] = TensorMap("float32", (self.block_m, 1) + group)
-        maps["tmap_d"] = TensorMap(self.epilogue.element, (self.d_box_cols, 64) + group,
+            maps["tmap_sa"] = TensorMap("float32", (self.rows, 1) + group)
+        maps["tmap_d"] = TensorMap(self.epilogue.element,
+                                   (self.d_box_cols, min(self.rows, 64)) + group,
                                    swizzle=self.d_swizzle)
         return maps
 
@@ -190,7 +203,7 @@ class GemmConfig:
                 + (maps["tmap_sa"].box_bytes if self.scaled else 0))
 
 
-MAX_STAGES = 16
+MAX_STAGES = 48
 # Registers a math thread needs besides the accumulators (acc and part: block_n of them)
 # and what its epilogue keeps (Epilogue.registers). 40 is what ptxas needs: every tile it
 # admits assembles without spills (a sweep of all of them with ptxas 13.0), among them
@@ -226,7 +239,7 @@ def make_config(arch: Arch, n: int, k: int, block_m: int, block_n: int,
                 ctas_per_sm: int = 1, multicast: int = 1,
                 part_buffers: int | None = None, accumulate: bool = False,
                 groups: int = 0, masked: bool = False, dtype: str = "e4m3",
-                producers: int = 2, bias: bool = False) -> GemmConfig:
+                producers: int = 2, bias: bool = False, tile_rows: int = 0) -> GemmConfig:
     """A config for one tile shape: as many stages as the CTA's share of shared memory
     holds, and the math registers that residency leaves. ``multicast`` 2: clusters of two
     CTAs on neighbouring tiles of one block row, each loading half of the shared A tile.
@@ -237,7 +250,9 @@ def make_config(arch: Arch, n: int, k: int, block_m: int, block_n: int,
     [N, K] matrices, in the contiguous layout or with ``masked`` the masked one (neither
     with ``accumulate``). ``dtype`` "bf16": bf16 A and B, no scales, K blocks of 64.
     ``producers``: warps issuing the loads (1, 2 or 4), each every producers-th K block.
-    ``bias``: a bf16 [N] bias added to D's rows (dense, bf16 D only)."""
+    ``bias``: a bf16 [N] bias added to D's rows (dense, bf16 D only). ``tile_rows`` 8, 16
+    or 32: a 64-row tile that covers only that many rows of A and D (dense, no multicast):
+    a few tokens' stages hold less of A, so more of them, more weight bytes, fit."""
     require_problem(arch, n, k)
     widths = block_n_candidates(arch, scaled=dtype == "e4m3")
     if block_m not in (64, 128) or block_n not in widths:
@@ -256,6 +271,11 @@ def make_config(arch: Arch, n: int, k: int, block_m: int, block_n: int,
         raise ValueError(f"groups must be >= 0 (0: not grouped), is not combined with "
                          f"accumulate, and masked needs groups; got groups={groups}, "
                          f"accumulate={accumulate}, masked={masked}")
+    if tile_rows and (tile_rows not in (8, 16, 32) or block_m != 64 or multicast > 1
+                      or groups):
+        raise ValueError(f"tile_rows must be 8, 16 or 32, with block_m 64, no multicast and a "
+                         f"dense layout; got tile_rows={tile_rows}, block_m={block_m}, "
+                         f"multicast={multicast}, groups={groups}")
     if bias and (accumulate or groups):
         raise ValueError(f"bias is added to a dense GEMM's bf16 D only, got accumulate="
                          f"{accumulate}, groups={groups}")
@@ -265,7 +285,8 @@ def make_config(arch: Arch, n: int, k: int, block_m: int, block_n: int,
     # The shared-memory plan (the config's offsets) decides the stages: as many as fit.
     plan = lambda stages: GemmConfig(n, k, block_m, block_n, stages, ctas_per_sm, 0, arch.target,
                                      multicast, accumulate=accumulate, groups=groups,
-                                     masked=masked, dtype=dtype, bias=bias)
+                                     masked=masked, dtype=dtype, bias=bias,
+                                     tile_rows=tile_rows)
     stages = max((s for s in range(1, MAX_STAGES + 1) if plan(s).dynamic_shared_bytes <= budget),
                  default=0)
     if stages < max(2, producers):
@@ -295,4 +316,5 @@ def make_config(arch: Arch, n: int, k: int, block_m: int, block_n: int,
         raise ValueError(f"the GEMM's {block_n}-wide wgmma does not assemble in the {at_launch} "
                          f"registers a thread has at launch at {ctas_per_sm} CTA(s) an SM")
     return GemmConfig(n, k, block_m, block_n, stages, ctas_per_sm, math_registers, arch.target,
-                      multicast, part_buffers, accumulate, groups, masked, dtype, producers, bias)
+                      multicast, part_buffers, accumulate, groups, masked, dtype, producers, bias,
+                      tile_rows)

@@ -113,7 +113,7 @@ class Epilogue:
         with k.stage("epilogue: one thread stores the slice with TMA (clipped at the edges)"):
             with k.if_(self.leader, "stored"):
                 x, y = k.reg("s32", "d_x"), k.reg("s32", "d_y")
-                k.mul(y, tiles.m_block, cfg.block_m, mode="lo", type="s32")
+                k.mul(y, tiles.m_block, cfg.rows, mode="lo", type="s32")
                 k.mad(y, thread.wg, 64, y, mode="lo", type="s32")
                 src = k.reg("u32", "d_src")
                 for box in range(cfg.block_n // cols):
@@ -161,7 +161,7 @@ class GroupRowsBf16Store(Bf16Store):
         k = self.k
         at, row, index = k.reg("u64", "row_at"), k.reg("u32", "group_row"), k.reg("s32", "row_group")
         for half, valid in enumerate(self.valid):
-            k.mad(row, tiles.m_block, self.cfg.block_m, self.thread.row_in_tile, mode="lo")
+            k.mad(row, tiles.m_block, self.cfg.rows, self.thread.row_in_tile, mode="lo")
             if half:
                 k.add(row, row, 8)
             k.setp("lt", valid, row, self.m_rows, type="u32")

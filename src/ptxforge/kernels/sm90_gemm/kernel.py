@@ -143,7 +143,7 @@ def _producer(k, cfg, p, base, tid, ring):
 
             with tiles.loop() as tile:
                 tiles.coordinates(tile)
-                k.mul(m0, tiles.m_block, cfg.block_m, mode="lo", type="s32")
+                k.mul(m0, tiles.m_block, cfg.rows, mode="lo", type="s32")
                 k.mul(n0, tiles.n_block, cfg.block_n, mode="lo", type="s32")
                 tiles.load_group()
                 b_row = tiles.b_row(n0)

@@ -47,7 +47,7 @@ def estimate_clocks(arch: Arch, cfg: GemmConfig, m: int, sms: int) -> float:
     shared = cfg.ctas_per_sm
     k_block = (max(CHAIN_CLOCKS, shared * (mma + promote), shared * load, shared * smem)
                + STRADDLE_CLOCKS * cfg.straddles)
-    tiles = -(-m // cfg.block_m) * cfg.n_tiles
+    tiles = -(-m // cfg.rows) * cfg.n_tiles
     waves = -(-tiles // (sms * cfg.ctas_per_sm))
     return waves * (cfg.k_blocks * k_block + TILE_CLOCKS)
 
@@ -81,4 +81,27 @@ def choose_config(arch: Arch, m: int, n: int, k: int, sms: int | None = None,
                         best = (estimate, cfg)
     if best is None:
         raise ValueError(f"no GEMM tile fits N={n}, K={k} on {arch.target}")
-    return best[1]
+    return few_token_tile(arch, best[1], m)
+
+
+# A few tokens' GEMM streams weights: what bounds it is the weight bytes in flight per SM,
+# which the model above does not see. Measured on an H200 (bench/decode_tiles.py), the
+# chosen tile covering only the tokens' rows (more, smaller stages) gained up to 1.8x of
+# the same-size copy's speed where the tile held less than this many B bytes in flight
+# per SM, and lost up to 7% where it held more (fp8 24576x1536, 64 x 192 tiles).
+FEW_TOKEN_FLIGHT_BYTES = 128 << 10
+FEW_TOKEN_ROWS = (8, 16, 32)
+
+
+def few_token_tile(arch: Arch, cfg: GemmConfig, m: int) -> GemmConfig:
+    """``cfg``, or for at most 32 rows of a dense GEMM whose 64-row tile keeps too few
+    weight bytes in flight, the same tile covering only the smallest of 8, 16 or 32 rows
+    that holds them."""
+    rows = next((r for r in FEW_TOKEN_ROWS if m <= r), 0)
+    flight = cfg.stages * cfg.b_stage_bytes * cfg.ctas_per_sm
+    if (not rows or cfg.block_m != 64 or cfg.multicast > 1 or cfg.groups
+            or flight >= FEW_TOKEN_FLIGHT_BYTES):
+        return cfg
+    return make_config(arch, cfg.n, cfg.k, 64, cfg.block_n, cfg.ctas_per_sm, dtype=cfg.dtype,
+                       accumulate=cfg.accumulate, bias=cfg.bias, producers=cfg.producers,
+                       tile_rows=rows)
