@@ -44,10 +44,14 @@ def test_a_value_of_the_wrong_type_names_the_parameters():
         launch((1, 1, 1), 0, out=0, value="seven")
 
 
-def test_reserved_parameter_names_are_refused():
+@pytest.mark.parametrize("names", [("stream",), ("state", "x"), ("launch", "encode"), ("in",)])
+def test_reserved_parameter_names_are_refused(names):
+    """The generated call's own names (a parameter would shadow them) and Python keywords."""
     k = KernelBuilder("clash", target="sm_90a", max_threads=32)
-    k.param("stream", "u64")
-    with pytest.raises(ValueError, match="may not be named self, grid or stream"):
+    for name in names:
+        k.param(name, "u64")
+    taken = ", ".join(sorted(n for n in names if n != "x"))
+    with pytest.raises(ValueError, match=f"^clash: a kernel parameter may not be named {taken}: "):
         launcher_of(k)
 
 

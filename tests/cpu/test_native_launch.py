@@ -175,6 +175,18 @@ class _Index:
         return 1 // 0 if self.value is None else self.value
 
 
+class _Float:
+    def __float__(self):
+        return 1 / 0
+
+
+def test_a_float_s_own_error_propagates_on_both_paths(launcher):
+    k = kernel(["f32"])
+    for path in ("native", "ctypes"):
+        with pytest.raises(ZeroDivisionError):
+            launcher(k, path)((1, 1, 1), 0, p0=_Float())
+
+
 def test_integers_by_index_pack_and_their_errors_propagate(launcher):
     k = kernel(["u32", "s64"])
     assert launcher(k, "native").pack(_Index(7), _Index(-3)) == struct.pack(
@@ -192,6 +204,7 @@ BAD_VALUES = [("u32", "seven", "needs an integer"), ("u32", -1, U32), ("u32", 2*
               ("s64", 2**63, "outside [-9223372036854775808, 9223372036854775807]"),
               ("f32", "x", "needs a float"), ("f32", 1e300, "too large for f32"),
               ("f32", 2**2000, "too large for f32"), ("f64", None, "needs a float"),
+              ("f64", 2**2000, "too large for f64"),
               ("tensormap", 5, "needs 128 bytes (an encoded tensor map) or a view (address, "
                                "shape, byte strides)"), ("b32", 1.5, "needs an integer")]
 
@@ -360,6 +373,16 @@ view = (1 << 40, (1024, 4), (1024,))
 encoded = extension.encode_tiled(*view, driver_encoding("float8_e4m3fn", (128, 64), 128))
 out["view"] = [record(made, k, (1, 1, 1), 0, [view, 1])["params"][:256], encoded.hex(),
                made.pack(view, 1)[:128].hex()]
+
+class Index:  # a numpy or torch integer: an int by __index__
+    def __init__(self, value):
+        self.value = value
+
+    def __index__(self):
+        return self.value
+
+indexed = (Index(1 << 40), (Index(1024), Index(4)), (Index(1024),))
+out["view by index"] = record(made, k, (Index(1), 1, 1), 0, [indexed, Index(1)])["params"][:256]
 print(json.dumps(out))
 """
 
@@ -389,7 +412,7 @@ def test_both_paths_hand_the_driver_the_same_launch(tmp_path):
     assert [struct.unpack_from("<iQQ", attributes, 72 * i)[0] for i in range(3)] == [4, 2, 6]
     assert struct.unpack_from("<I4xQQ", attributes, 0)[1:] == (2 | 1 << 32, 1)  # cluster 2x1x1
     launched, encoded, packed = result["view"]
-    assert launched == encoded == packed
+    assert launched == encoded == packed == result["view by index"]
     retried = [["cuCtxPushCurrent", "ctx"], ["cuCtxPopCurrent"]]
     assert result["native retry"] == [3, 0, retried]
     assert result["ctypes retry"] == [2, 0, retried]

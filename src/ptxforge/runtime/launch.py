@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import keyword
 import operator
+import re
 import struct
 import threading
 
@@ -87,7 +89,7 @@ def _why(code: str, value) -> str:
             return "needs a float"
         except OverflowError:
             pass
-        return "too large for f32"
+        return "too large for f32" if code == "f" else "too large for f64"
     try:
         operator.index(value)
     except TypeError:
@@ -140,6 +142,11 @@ def __call__(self, grid, stream{signature}):{views}
         self._failed(err, lambda: self._launch(state[2], self._function, state[3], None))
 """
 
+# Every name the generated calls use (their own locals and globals among them): a
+# parameter of the same name would shadow it.
+_CALL_NAMES = frozenset(re.findall(r"(?<![.\w])[A-Za-z_]\w*", re.sub(r"\{\w+(!r)?\}", "",
+                                                                 _VIEW + _NATIVE_CALL + _CTYPES_CALL)))
+
 
 class Launcher:
     """Launches one loaded function with one ``LaunchShape`` (block, dynamic shared memory,
@@ -160,8 +167,10 @@ class Launcher:
 
     def __new__(cls, function, params, name: str, shape, *, context=None):
         names = [p.name for p in params]
-        if {"self", "grid", "stream"} & set(names):
-            raise ValueError(f"{name}: a kernel parameter may not be named self, grid or stream")
+        taken = sorted(n for n in names if n in _CALL_NAMES or keyword.iskeyword(n))
+        if taken:
+            raise ValueError(f"{name}: a kernel parameter may not be named {', '.join(taken)}: "
+                             f"the generated call uses those names")
         self = object.__new__(type(cls.__name__, (cls,), {}))
         self.name = name
         self.shape = shape

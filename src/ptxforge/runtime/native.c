@@ -102,6 +102,10 @@ static int driver_ready(void)
     return 1;
 }
 
+/* A kernel's parameters take at most this many bytes (the CUDA limit on sm_70 and later):
+ * the buffer packed on the C stack is never larger. */
+#define MAX_PARAMETER_BYTES 32764
+
 /* What a descriptor takes besides its tensor's address, shape and strides: as tensormap.py's
  * driver_encoding gives it, (data type, box, swizzle, L2 promotion, OOB fill, alignment),
  * the enums as the driver numbers them, the box innermost first. rank 0: none. */
@@ -112,6 +116,18 @@ typedef struct {
     uint64_t alignment; /* of the address and the strides, in bytes */
 } Encoding;
 
+/* An int, or anything with __index__ (numpy and torch integers), as an unsigned 64-bit
+ * value: 0 with an exception set when it is not one. */
+static int read_u64(PyObject *value, unsigned long long *out)
+{
+    PyObject *n = PyNumber_Index(value);
+    if (!n)
+        return 0;
+    *out = PyLong_AsUnsignedLongLong(n);
+    Py_DECREF(n);
+    return !(*out == (unsigned long long)-1 && PyErr_Occurred());
+}
+
 /* Read a sequence of count ints into out, each at most limit. 0 with ValueError set when
  * it is not that. */
 static int read_dims(PyObject *sequence, const char *name, Py_ssize_t count, uint64_t limit,
@@ -120,8 +136,9 @@ static int read_dims(PyObject *sequence, const char *name, Py_ssize_t count, uin
     PyObject *items = PySequence_Fast(sequence, "");
     int ok = items && PySequence_Fast_GET_SIZE(items) == count;
     for (Py_ssize_t i = 0; ok && i < count; i++) {
-        out[i] = PyLong_AsUnsignedLongLong(PySequence_Fast_GET_ITEM(items, i));
-        ok = !(out[i] == (unsigned long long)-1 && PyErr_Occurred()) && out[i] <= limit;
+        unsigned long long x;
+        ok = read_u64(PySequence_Fast_GET_ITEM(items, i), &x) && x <= limit;
+        out[i] = x;
     }
     Py_XDECREF(items);
     if (!ok) {
@@ -163,8 +180,8 @@ static int encode(const Encoding *e, PyObject *address, PyObject *shape, PyObjec
 {
     static const uint32_t element_strides[5] = {1, 1, 1, 1, 1};
     uint64_t dims[5], steps[5];
-    unsigned long long start = PyLong_AsUnsignedLongLong(address);
-    if ((start == (unsigned long long)-1 && PyErr_Occurred())
+    unsigned long long start;
+    if (!read_u64(address, &start)
         || !read_dims(shape, "shape", e->rank, UINT64_MAX, dims)
         || !read_dims(strides, "strides", e->rank - 1, UINT64_MAX, steps))
         return 0;
@@ -254,8 +271,12 @@ static int pack_value(char code, PyObject *value, unsigned char *slot, const cha
     if (code == 'f' || code == 'd') {
         double x = PyFloat_AsDouble(value);
         if (x == -1.0 && PyErr_Occurred()) {
-            *detail = PyErr_ExceptionMatches(PyExc_OverflowError) ? "too large for f32"
-                                                                   : "needs a float";
+            if (PyErr_ExceptionMatches(PyExc_OverflowError))
+                *detail = code == 'd' ? "too large for f64" : "too large for f32";
+            else if (PyErr_ExceptionMatches(PyExc_TypeError))
+                *detail = "needs a float";
+            else
+                return -1; /* the value's own __float__ failed: as struct, let it through */
             PyErr_Clear();
             return 1;
         }
@@ -366,7 +387,7 @@ static int pack(Launch *self, PyObject *const *values, unsigned char *buffer)
     for (Py_ssize_t i = 0; i < self->count; i++) {
         const char *detail = NULL;
         unsigned char *slot = buffer + self->offsets[i];
-        int status = self->encodings[i].rank && PyTuple_Check(values[i])
+        int status = self->encodings[i].rank && PyTuple_CheckExact(values[i])
                          ? pack_view(&self->encodings[i], values[i], slot, &detail)
                          : pack_value(self->codes[i], values[i], slot, &detail);
         if (status == 1) {
@@ -384,8 +405,8 @@ static int pack(Launch *self, PyObject *const *values, unsigned char *buffer)
 
 static int read_uint32(PyObject *value, unsigned int *out)
 {
-    unsigned long x = PyLong_AsUnsignedLong(value);
-    if ((x == (unsigned long)-1 && PyErr_Occurred()) || x > UINT32_MAX)
+    unsigned long long x;
+    if (!read_u64(value, &x) || x > UINT32_MAX)
         return 0;
     *out = (unsigned int)x;
     return 1;
@@ -559,9 +580,9 @@ static PyObject *Launch_new(PyTypeObject *type, PyObject *args, PyObject *kwargs
     }
     memcpy(self->codes, codes, count);
     if (PyTuple_GET_SIZE(names) != count || PyTuple_GET_SIZE(offsets) != count
-        || PyTuple_GET_SIZE(encodings) != count || size < 0) {
+        || PyTuple_GET_SIZE(encodings) != count || size < 0 || size > MAX_PARAMETER_BYTES) {
         PyErr_SetString(PyExc_ValueError, "Launch needs a name, an offset and an encoding per "
-                                          "code, and a size >= 0");
+                                          "code, and a size in [0, 32764]");
         goto fail;
     }
     self->names = PyTuple_New(count);
@@ -588,7 +609,7 @@ static PyObject *Launch_new(PyTypeObject *type, PyObject *args, PyObject *kwargs
             goto fail;
         }
         Py_ssize_t width = code_size(codes[i]);
-        if (!width || offset < 0 || offset + width > size) {
+        if (!width || offset < 0 || offset > size - width) {
             PyErr_Format(PyExc_ValueError, "parameter %zd: code %c at offset %zd does not fit "
                          "a %zd-byte buffer", i, codes[i], offset, size);
             goto fail;

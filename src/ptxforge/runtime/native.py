@@ -54,7 +54,7 @@ def _module():
         return None
     try:
         return build(None if settings.cache_disabled() else settings.cache_dir() / "native")
-    except BuildError as exc:
+    except (BuildError, OSError) as exc:  # OSError: no source, no writable directory at all
         warnings.warn(f"ptxforge: no native launcher ({exc}); launching through ctypes, a few "
                       f"microseconds slower per call")
         return None
@@ -121,6 +121,10 @@ def _compile(path: Path) -> None:
             lines = result.stderr.strip().splitlines() or [f"exit code {result.returncode}"]
             first_error = next((line for line in lines if "error" in line), lines[-1])
             raise BuildError(f"{shlex.join(compiler)} failed: {first_error.strip()}")
+        # mkstemp made it private to this user: readable by whoever shares the cache.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(temporary, 0o755 & ~umask)
         os.replace(temporary, path)
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
