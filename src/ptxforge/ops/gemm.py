@@ -1,5 +1,6 @@
-"""The FP8 GEMMs with fine-grained scaling, on torch tensors: DeepGEMM's ``fp8_gemm_nt``
-and the MoE grouped ``m_grouped_fp8_gemm_nt_contiguous`` and ``_masked``."""
+"""The GEMMs on torch tensors: DeepGEMM's ``fp8_gemm_nt`` (fine-grained FP8 scaling) and
+``bf16_gemm_nt``, with ``c`` or a fused ``bias``, the MoE grouped forms (contiguous and
+masked layouts) of both, and the SM budget (``set_num_sms``, a call's ``num_sms=``)."""
 
 from __future__ import annotations
 

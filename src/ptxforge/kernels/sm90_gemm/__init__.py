@@ -20,7 +20,9 @@ Warp roles (persistent CTAs walk the output tiles of block_m x block_n, schedule
 Tiles are block_m (64 or 128: one math warpgroup per 64 rows) x block_n (16..256 in steps
 of 8); tile_model.py picks the shape by a model of waves x clocks per K block fitted to
 measurements. From M = 512 on, two CTAs of a cluster may share the A tile of neighbouring
-tiles along N: each loads half of it with a TMA multicast into both.
+tiles along N: each loads half of it with a TMA multicast into both. A few tokens (M <= 32)
+may get a 64-row tile covering only 8, 16 or 32 rows (``tile_rows``: smaller A stages, more
+of them, more weight bytes in flight).
 
 Pipeline, per K block kb (stage = kb % stages, phase flips each wrap; patterns/pipeline.py):
 
@@ -33,8 +35,10 @@ Pipeline, per K block kb (stage = kb % stages, phase flips each wrap; patterns/p
 Shared memory (config.py's plan; A, B and D regions 1024-byte aligned for the 128-byte
 swizzle):
 
-    | A stages: S x block_m x 128 B | B stages: S x block_n x 128 B | D tile: block_m x block_n x 2 (4) B |
-    | sa stages: S x block_m x 4 B | full barriers: S x 8 B | empty barriers: S x 8 B |
+    | A stages: S x rows x 128 B | B stages: S x block_n x 128 B | D tile: block_m x block_n x 2 (4) B |
+    | sa stages: S x rows x 4 B (at least 128) | full barriers: S x 8 B | empty barriers: S x 8 B |
+
+(rows: block_m, or tile_rows.)
 
 Scales: sa comes by TMA from the MN-major TMA-aligned [M, ceil(K/128)] tensor the
 quantizer writes; sb (a few KB) is read by the math threads from global memory.

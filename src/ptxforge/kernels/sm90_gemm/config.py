@@ -19,7 +19,6 @@ ROW_BYTES = 128          # a stage row of A or B: K = 128 e4m3 or 64 bf16 (one s
 PRODUCER_REGISTERS = 40
 SWIZZLE_ATOM = 1024      # 8 rows x 128 bytes: the 128-byte swizzle repeats every 1024 bytes
 TMA_SHARED_ALIGNMENT = 128  # a tensor copy's shared-memory address (the PTX ISA's rule)
-RASTER_GROUP = 16        # block rows per raster group: 16 A rows + ~8 B columns stay in L2
 
 
 @dataclass(frozen=True)
@@ -36,7 +35,7 @@ class GemmConfig:
     part_buffers: int = 1  # 2: a K block's wgmma runs while the one before it promotes
     accumulate: bool = False  # D is f32 and the tile is added into it (d = c + a.b^T)
     groups: int = 0        # > 0: MoE, B holds `groups` matrices; contiguous layout: each row
-                           # of A names its group in m_indices (see _tile_group)
+                           # of A names its group in m_indices (ContiguousTiles)
     masked: bool = False   # MoE, masked layout: A and D [groups, M_max, ...], the valid rows
                            # of each group in masked_m (read on the GPU)
     dtype: str = "e4m3"    # of A and B: e4m3 with DeepGEMM's scales, or bf16 (no scales)
@@ -44,7 +43,15 @@ class GemmConfig:
     bias: bool = False     # a bf16 [N] bias added to every row of D before it is rounded
     tile_rows: int = 0     # 8, 16 or 32: rows of A and D a 64-row tile covers (few tokens);
                            # 0: block_m. The wgmma still computes 64 rows: those past
-                           # tile_rows read whatever follows the stage and are never stored.
+                           # tile_rows read what follows in shared memory (A) or their
+                           # stage's last scales (sa), and are never stored.
+
+    def __post_init__(self):
+        # The layouts' schedulers and the multicast split assume whole 64-row tiles.
+        if self.tile_rows and (self.block_m != 64 or self.multicast > 1 or self.groups):
+            raise ValueError(f"tile_rows needs block_m 64, no multicast and a dense layout, got "
+                             f"block_m={self.block_m}, multicast={self.multicast}, "
+                             f"groups={self.groups}")
 
     @property
     def name(self) -> str:
@@ -308,6 +315,9 @@ def make_config(arch: Arch, n: int, k: int, block_m: int, block_n: int,
         # Two part buffers speed up the math of a 128-row tile so much that, measured, A
         # from L2 falls behind at long K unless the cluster pair shares it (multicast).
         part_buffers = 2 if scaled and fits(2) and (block_m == 64 or multicast > 1) else 1
+    if part_buffers == 2 and not scaled:
+        raise ValueError("part_buffers 2 needs e4m3 operands: bf16 K blocks accumulate "
+                         "straight into the accumulators")
     if part_buffers not in (1, 2) or not fits(part_buffers):
         raise ValueError(f"the GEMM's {block_m} x {block_n} tiles with {part_buffers} part "
                          f"buffer(s) need more than the {math_registers} registers a math thread "

@@ -36,7 +36,7 @@ class Epilogue:
     def __init__(self, k, cfg, params, thread, base):
         """Set-up once per kernel: the warpgroup's slice of the D tile, its leader thread
         and named barrier, the D tensor map."""
-        self.k, self.cfg, self.params, self.thread = k, cfg, params, thread
+        self.k, self.cfg, self.thread = k, cfg, thread
         self.d_smem = k.reg("u32", "d_smem")
         k.mad(self.d_smem, thread.wg, 64 * cfg.d_box_cols * cfg.d_element_bytes, base, mode="lo")
         k.add(self.d_smem, self.d_smem, cfg.d_offset)
@@ -195,7 +195,7 @@ class BiasBf16Store(Bf16Store):
         k.ld_param(self.bias_base, params.bias)
         self.bias_at, self.columns_left = k.reg("u64", "bias_at"), k.reg("u32", "columns_left")
         self.pair, self.inside = k.reg("b32", "bias_pair"), k.pred("bias_inside")
-        self.bias = k.regs("f32", 2, "bias")
+        self.bias, self.biased = k.regs("f32", 2, "bias"), k.regs("f32", 2, "biased")
 
     def start_tile(self, tiles) -> None:
         """The thread's first bias pair (column n0 + 2 * (lane % 4)) and the columns left
@@ -220,9 +220,9 @@ class BiasBf16Store(Bf16Store):
         k.and_(self.bias[1], self.pair, 0xFFFF0000, type="b32")
 
     def write(self, where, pair, half: int) -> None:
-        for value, bias in zip(pair, self.bias):
-            self.k.add(value, value, bias)
-        super().write(where, pair, half)
+        for biased, value, bias in zip(self.biased, pair, self.bias):
+            self.k.add(biased, value, bias)  # not into the accumulators: they stay a.b^T
+        super().write(where, self.biased, half)
 
 
 def epilogue_for(cfg) -> type[Epilogue]:

@@ -35,7 +35,13 @@ class Promotion:
         k.ld_param(self.sb_base, params.sb)
         k.ld_param(self.sb_stride, params.sb_row_stride)
         self.sa_row = k.reg("u32", "sa_row")   # the thread's row of sa in stage 0
-        k.mad(self.sa_row, thread.row_in_tile, 4, base, mode="lo")
+        row = thread.row_in_tile
+        if cfg.tile_rows:
+            # A tile of a few rows: rows past them (never stored) read the last rows of
+            # the stage's own sa, not the next stage's or the barriers after the last.
+            row = k.reg("u32", "sa_row_in_stage")
+            k.min(row, thread.row_in_tile, cfg.sa_stage_bytes // 4 - 9)
+        k.mad(self.sa_row, row, 4, base, mode="lo")
         k.add(self.sa_row, self.sa_row, cfg.sa_offset)
         self.sa = k.regs("f32", 2, "sa")       # of the thread's rows: row_in_tile and + 8
         # sb of the next K block (one load ahead: its latency hides behind a K block).

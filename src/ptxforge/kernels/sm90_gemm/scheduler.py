@@ -6,7 +6,7 @@ the layout:
     with tiles.loop() as tile:
         tiles.coordinates(tile)                       # m_block, n_block (masked: group)
         tiles.load_group()                            # contiguous: the tile's group
-        ... tiles.b_row(b_row, n0), tiles.group, tiles.extra_coordinates ...
+        ... tiles.b_row(n0), tiles.group, tiles.extra_coordinates ...
 
 A cluster of ``multicast`` CTAs takes tile groups g = cluster, cluster + clusters, ... <
 count, where a tile group is ``multicast`` neighbouring tiles along N (they share A). The
@@ -69,7 +69,7 @@ class TileScheduler:
                            step=self.step, uniform=True, hint="tile")
 
     def coordinates(self, tile) -> None:
-        """m_block, n_block of ``tile`` in its raster group (about 12 instructions)."""
+        """m_block, n_block of ``tile`` in its raster group (9 instructions)."""
         k, raster, rows = self.k, self._raster, self._rows
         tiles_per_raster = RASTER_GROUP * self.n_groups
         k.div(raster, tile, tiles_per_raster, type="u32")
@@ -116,7 +116,7 @@ class ContiguousTiles(TileScheduler):
         out of range, a segment not aligned to the tile) are the epilogue's to write as
         zeros: never a read outside B."""
         k = self.k
-        k.mul(self._at, self.m_block, self.cfg.block_m * 4, mode="wide")
+        k.mul(self._at, self.m_block, self.cfg.rows * 4, mode="wide")
         k.add(self._at, self._at, self.m_indices)
         k.ld(self.group, addr(self._at), nc=True)
         k.max(self.group, self.group, 0)
@@ -154,8 +154,8 @@ class MaskedTiles(TileScheduler):
         k.setp("ge", negative, rows, 1 << 31, type="u32")   # a negative count: no rows
         k.selp(rows, 0, rows, negative)
         k.min(rows, rows, self._m_rows)
-        k.add(rows, rows, self.cfg.block_m - 1)
-        k.div(rows, rows, self.cfg.block_m, type="u32")
+        k.add(rows, rows, self.cfg.rows - 1)
+        k.div(rows, rows, self.cfg.rows, type="u32")
         k.mul(rows, rows, self.n_groups, mode="lo")
 
     def coordinates(self, tile) -> None:

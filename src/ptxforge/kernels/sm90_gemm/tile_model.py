@@ -42,7 +42,7 @@ def estimate_clocks(arch: Arch, cfg: GemmConfig, m: int, sms: int) -> float:
     load = (cfg.a_box_rows + cfg.block_n) * ROW_BYTES / throughput["l2_bytes_per_clock"]
     # Shared memory: the stage lands once (A and B rows) and each math warpgroup's wgmma
     # reads its 64 rows of A and all of B.
-    smem = ((cfg.block_m + cfg.block_n + cfg.math_warpgroups * (64 + cfg.block_n)) * ROW_BYTES
+    smem = ((cfg.rows + cfg.block_n + cfg.math_warpgroups * (64 + cfg.block_n)) * ROW_BYTES
             / throughput["shared_bytes_per_clock"])
     shared = cfg.ctas_per_sm
     k_block = (max(CHAIN_CLOCKS, shared * (mma + promote), shared * load, shared * smem)
@@ -60,7 +60,8 @@ def choose_config(arch: Arch, m: int, n: int, k: int, sms: int | None = None,
                   masked: bool = False, dtype: str = "e4m3", bias: bool = False) -> GemmConfig:
     """The config the model above finishes first on ``sms`` SMs (the device's by default);
     ties go to no multicast (measured as often 1-3% faster as slower, and simpler), then
-    to the smaller tile."""
+    to the smaller tile. A few tokens may then get it covering only their rows
+    (``few_token_tile``)."""
     require_problem(arch, n, k)
     sms = sms or arch.sm_count
     best = None
