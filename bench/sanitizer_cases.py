@@ -86,5 +86,8 @@ ptxforge.m_grouped_fp8_gemm_nt_masked(a3, b3, d3, masked_m, 128)
 ptxforge.m_grouped_bf16_gemm_nt_masked(torch.randn(groups, m_max, k, device="cuda").bfloat16(),
                                        torch.randn(groups, n, k, device="cuda").bfloat16(),
                                        d3, masked_m, 128)
+cfg = gemm.make_config(arch, n, k, 64, 24, groups=groups, masked=True, tile_rows=8)
+forced(cfg, lambda cfg: ptxforge.m_grouped_fp8_gemm_nt_masked(a3, b3, d3, masked_m, 8,
+                                                              config=cfg))
 torch.cuda.synchronize()
 print("ran masked fp8 and bf16 with counts past M_max and negative", flush=True)

@@ -163,9 +163,10 @@ def test_gemm_bias_epilogue_reads_one_pair_per_column_group(block_m, block_n, dt
 
 
 def test_few_tokens_get_tiles_covering_their_rows():
-    """At most 32 rows of a dense GEMM whose tile keeps under 128 KB of weights in flight:
-    the same tile covering 8, 16 or 32 rows (more stages); not where the tile already holds
-    enough (64 x 192 at 24576 x 1536), nor for grouped layouts or more rows."""
+    """At most 32 rows (a group's, masked) of a dense or masked GEMM whose tile keeps under
+    128 KB of weights in flight: the same tile covering 8, 16 or 32 rows (more stages); not
+    where the tile already holds enough (64 x 192 at 24576 x 1536), for the contiguous
+    layout or for more rows."""
     from ptxforge.kernels import sm90_gemm as gemm
 
     sm90 = arch.get("sm_90a", "H200")
@@ -176,9 +177,12 @@ def test_few_tokens_get_tiles_covering_their_rows():
         assert jit.build(gemm.generate(cfg)).resources.spills == 0
     assert gemm.choose_config(sm90, 33, 2112, 7168).tile_rows == 0
     assert gemm.choose_config(sm90, 8, 24576, 1536).tile_rows == 0
-    assert gemm.choose_config(sm90, 8, 4096, 7168, groups=4, masked=True).tile_rows == 0
+    # The masked layout counts a group's rows: 8 groups of 8 tokens get 8-row tiles.
+    masked = gemm.choose_config(sm90, 8 * 8, 4096, 7168, groups=8, masked=True)
+    assert masked.tile_rows == 8 and jit.build(gemm.generate(masked)).resources.spills == 0
+    assert gemm.choose_config(sm90, 8 * 32, 4096, 7168, groups=8, masked=True).tile_rows == 0
     with pytest.raises(ValueError, match="tile_rows must be 8, 16 or 32"):
-        gemm.make_config(sm90, 2112, 7168, 64, 16, tile_rows=8, groups=2)
+        gemm.make_config(sm90, 2112, 7168, 64, 16, tile_rows=8, groups=2)  # contiguous
 
 
 def test_gemm_admits_only_tiles_ptxas_assembles():

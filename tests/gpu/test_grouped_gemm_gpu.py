@@ -110,6 +110,26 @@ def test_masked_matches_fp64_reference(counts, m_max, n, k):
     assert torch.equal(d[valid], again[valid])  # the same bits every run
 
 
+@pytest.mark.parametrize("tile_rows", [8, 16, 32])
+def test_masked_few_token_tiles(gpu_arch, tile_rows):
+    """Masked decode: tiles covering 8, 16 or 32 of a group's rows, counts around the tile
+    edges (and a group with none), against fp64; the model's choice for 8 tokens a group
+    is such a tile."""
+    from ptxforge.kernels import sm90_gemm as gemm
+    from ptxforge.testing.bench import masked_operands
+
+    counts = [1, tile_rows - 1, tile_rows, tile_rows + 1, 0, 3 * tile_rows + 2]
+    a, b, masked_m, ref = masked_operands(counts, 4 * tile_rows, 1000, 640)
+    cfg = gemm.make_config(gpu_arch, 1000, 640, 64, 24, groups=len(counts), masked=True,
+                           tile_rows=tile_rows)
+    d = torch.full((len(counts), 4 * tile_rows, 1000), float("nan"), device="cuda",
+                   dtype=torch.bfloat16)
+    ptxforge.m_grouped_fp8_gemm_nt_masked(a, b, d, masked_m, tile_rows, config=cfg)
+    torch.cuda.synchronize()
+    check_masked(d, ref, counts)
+    assert gemm.choose_config(gpu_arch, 8 * 8, 4096, 7168, groups=8, masked=True).tile_rows == 8
+
+
 def test_masked_graph_replays_new_counts():
     """Captured once; masked_m changes on the GPU between replays: each replay's valid rows
     are those of a call over every row."""

@@ -47,11 +47,12 @@ class GemmConfig:
                            # stage's last scales (sa), and are never stored.
 
     def __post_init__(self):
-        # The layouts' schedulers and the multicast split assume whole 64-row tiles.
-        if self.tile_rows and (self.block_m != 64 or self.multicast > 1 or self.groups):
-            raise ValueError(f"tile_rows needs block_m 64, no multicast and a dense layout, got "
-                             f"block_m={self.block_m}, multicast={self.multicast}, "
-                             f"groups={self.groups}")
+        # The contiguous layout's segments and the multicast split assume whole tiles.
+        if self.tile_rows and (self.block_m != 64 or self.multicast > 1
+                               or (self.groups and not self.masked)):
+            raise ValueError(f"tile_rows needs block_m 64, no multicast and a dense or masked "
+                             f"layout, got block_m={self.block_m}, multicast={self.multicast}, "
+                             f"groups={self.groups}, masked={self.masked}")
 
     @property
     def name(self) -> str:
@@ -258,7 +259,8 @@ def make_config(arch: Arch, n: int, k: int, block_m: int, block_n: int,
     with ``accumulate``). ``dtype`` "bf16": bf16 A and B, no scales, K blocks of 64.
     ``producers``: warps issuing the loads (1, 2 or 4), each every producers-th K block.
     ``bias``: a bf16 [N] bias added to D's rows (dense, bf16 D only). ``tile_rows`` 8, 16
-    or 32: a 64-row tile that covers only that many rows of A and D (dense, no multicast):
+    or 32: a 64-row tile that covers only that many rows of A and D (dense or masked, no
+    multicast):
     a few tokens' stages hold less of A, so more of them, more weight bytes, fit."""
     require_problem(arch, n, k)
     widths = block_n_candidates(arch, scaled=dtype == "e4m3")
@@ -279,10 +281,10 @@ def make_config(arch: Arch, n: int, k: int, block_m: int, block_n: int,
                          f"accumulate, and masked needs groups; got groups={groups}, "
                          f"accumulate={accumulate}, masked={masked}")
     if tile_rows and (tile_rows not in (8, 16, 32) or block_m != 64 or multicast > 1
-                      or groups):
+                      or (groups and not masked)):
         raise ValueError(f"tile_rows must be 8, 16 or 32, with block_m 64, no multicast and a "
-                         f"dense layout; got tile_rows={tile_rows}, block_m={block_m}, "
-                         f"multicast={multicast}, groups={groups}")
+                         f"dense or masked layout; got tile_rows={tile_rows}, block_m={block_m}, "
+                         f"multicast={multicast}, groups={groups}, masked={masked}")
     if bias and (accumulate or groups):
         raise ValueError(f"bias is added to a dense GEMM's bf16 D only, got accumulate="
                          f"{accumulate}, groups={groups}")

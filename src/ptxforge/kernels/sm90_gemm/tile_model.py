@@ -82,7 +82,8 @@ def choose_config(arch: Arch, m: int, n: int, k: int, sms: int | None = None,
                         best = (estimate, cfg)
     if best is None:
         raise ValueError(f"no GEMM tile fits N={n}, K={k} on {arch.target}")
-    return few_token_tile(arch, best[1], m)
+    # The masked layout's m is all groups' rows; a tile covers one group's.
+    return few_token_tile(arch, best[1], m // groups if masked else m)
 
 
 # A few tokens' GEMM streams weights: what bounds it is the weight bytes in flight per SM,
@@ -95,14 +96,14 @@ FEW_TOKEN_ROWS = (8, 16, 32)
 
 
 def few_token_tile(arch: Arch, cfg: GemmConfig, m: int) -> GemmConfig:
-    """``cfg``, or for at most 32 rows of a dense GEMM whose 64-row tile keeps too few
-    weight bytes in flight, the same tile covering only the smallest of 8, 16 or 32 rows
-    that holds them."""
+    """``cfg``, or for at most 32 rows (a group's, masked) of a dense or masked GEMM whose
+    64-row tile keeps too few weight bytes in flight, the same tile covering only the
+    smallest of 8, 16 or 32 rows that holds them."""
     rows = next((r for r in FEW_TOKEN_ROWS if m <= r), 0)
     flight = cfg.stages * cfg.b_stage_bytes * cfg.ctas_per_sm
-    if (not rows or cfg.block_m != 64 or cfg.multicast > 1 or cfg.groups
+    if (not rows or cfg.block_m != 64 or cfg.multicast > 1 or (cfg.groups and not cfg.masked)
             or flight >= FEW_TOKEN_FLIGHT_BYTES):
         return cfg
     return make_config(arch, cfg.n, cfg.k, 64, cfg.block_n, cfg.ctas_per_sm, dtype=cfg.dtype,
                        accumulate=cfg.accumulate, bias=cfg.bias, producers=cfg.producers,
-                       tile_rows=rows)
+                       groups=cfg.groups, masked=cfg.masked, tile_rows=rows)
