@@ -1,10 +1,10 @@
-"""Few-token GEMMs: the tile model's choice against the same tile covering 8, 16 or 32 rows
-(``tile_rows``), as % of a same-size device-to-device copy, in one run.
+"""Few-token GEMMs: the tile model's choice against variants of it (producer warps, tile
+width, rows covered), as % of a same-size device-to-device copy, in one run.
 
-    python bench/decode_tiles.py
+    python bench/decode_variants.py
 
 Bytes per GEMM: A, B, their scales and D; the limit is a torch copy moving as many bytes
-(read + write: a copy of bytes / 2), timed the same way (profiler, L2 flushed, median).
+(read + write), timed the same way (profiler, L2 flushed, median).
 """
 
 import torch
@@ -12,44 +12,40 @@ import torch
 from ptxforge import ops
 from ptxforge.kernels import sm90_gemm as gemm
 from ptxforge.ops import _common
-from ptxforge.testing.bench import Timer
+from ptxforge.testing.bench import Timer, copy_of, gemm_bytes
 from ptxforge.testing.checks import fp8_gemm_operands
 
-SHAPES = ((2112, 7168), (24576, 1536), (32768, 512), (7168, 16384), (4096, 7168), (7168, 2048))
+SHAPES = ((2112, 7168), (4096, 7168), (7168, 16384), (7168, 2048))
+# (rows covered: None keeps the chosen, block_n multiple of the chosen width, producer
+# warps, CTAs an SM)
+VARIANTS = ((0, 1, 2, 1), (None, 1, 1, 1), (None, 1, 4, 1), (None, 2, 2, 1), (None, 2, 4, 1),
+            (None, 1, 2, 2))
 arch = _common.device_arch(0)
 timer = Timer()
-print("dtype    M       N x K     | copy us | chosen tile          us  %copy | rows  8: us %copy | rows 16 | rows 32")
+print("dtype    M       N x K     | chosen                 %copy | " +
+      " | ".join(f"r{'=' if r is None else r} bn x{w} w{p} c{c}" for r, w, p, c in VARIANTS))
 for dtype in ("e4m3", "bf16"):
     for n, k in SHAPES:
-        for m in (1, 8, 16, 32, 64):
+        for m in (1, 8, 32):
             if dtype == "e4m3":
                 a, b, _ = fp8_gemm_operands(m, n, k)
-                nbytes = m * k + n * k + 4 * m * (k // 128) + 4 * (n // 128) * (k // 128) + 2 * m * n
                 call = lambda cfg: ops.fp8_gemm_nt(a, b, d, config=cfg)
             else:
                 a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-                nbytes = 2 * (m * k + n * k + m * n)
                 call = lambda cfg: ops.bf16_gemm_nt(a, b, d, config=cfg)
             d = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-            src = torch.empty(nbytes // 2, device="cuda", dtype=torch.uint8)
-            dst = torch.empty_like(src)
-            copy_us = timer(lambda: dst.copy_(src))
+            copy = copy_of(gemm_bytes([m], n, k, fp8=dtype == "e4m3"))
+            copy_us = timer(copy)
             chosen = gemm.choose_config(arch, m, n, k, dtype=dtype)
-            cells = [f"{chosen.block_m}x{chosen.block_n} s{chosen.stages} c{chosen.ctas_per_sm}",
-                     timer(lambda: call(chosen))]
-            for rows in (8, 16, 32):
-                if rows > 2 * max(m, 8) or chosen.block_m != 64 or chosen.multicast > 1:
-                    cells.append(None)
-                    continue
+            text = f"{dtype:5} {m:4} {n:6} x {k:5} | {chosen.name.split('_', 4)[-1][-32:]:22} {100 * copy_us / timer(lambda: call(chosen)):5.0f}"
+            for rows, widen, warps, ctas in VARIANTS:
                 try:
-                    cfg = gemm.make_config(arch, n, k, 64, chosen.block_n, chosen.ctas_per_sm,
-                                           dtype=dtype, tile_rows=rows)
+                    cfg = gemm.make_config(arch, n, k, 64, chosen.block_n * widen, ctas,
+                                           dtype=dtype, producers=warps,
+                                           tile_rows=chosen.tile_rows if rows is None else rows)
                 except ValueError:
-                    cells.append(None)
+                    text += " |    -"
                     continue
-                cells.append(timer(lambda: call(cfg)))
-            text = f"{dtype:5} {m:4} {n:6} x {k:5} | {copy_us:7.1f} | {cells[0]:18} {cells[1]:6.1f} {100 * copy_us / cells[1]:5.0f}"
-            for us in cells[2:]:
-                text += " |   -     -" if us is None else f" | {us:6.1f} {100 * copy_us / us:4.0f}"
+                text += f" | {100 * copy_us / timer(lambda: call(cfg)):5.0f}"
             print(text, flush=True)
