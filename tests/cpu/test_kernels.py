@@ -164,7 +164,8 @@ def test_gemm_bias_epilogue_reads_one_pair_per_column_group(block_m, block_n, dt
 
 def test_few_tokens_get_tiles_covering_their_rows():
     """At most 32 rows (a group's, masked) of a dense or masked GEMM whose tile keeps under
-    128 KB of weights in flight: the same tile covering 8, 16 or 32 rows (more stages); not
+    128 KB of weights in flight: the same tile covering 8, 16 or 32 rows, two CTAs an SM
+    (more weight bytes in flight); not
     where the tile already holds enough (64 x 192 at 24576 x 1536), for the contiguous
     layout or for more rows."""
     from ptxforge.kernels import sm90_gemm as gemm
@@ -173,7 +174,9 @@ def test_few_tokens_get_tiles_covering_their_rows():
     for m, rows in ((1, 8), (8, 8), (9, 16), (16, 16), (32, 32)):
         cfg = gemm.choose_config(sm90, m, 2112, 7168)
         plain = gemm.make_config(sm90, 2112, 7168, 64, cfg.block_n)
-        assert cfg.tile_rows == rows and cfg.stages > plain.stages and cfg.name.endswith(f"_r{rows}")
+        flight = lambda c: c.stages * c.b_stage_bytes * c.ctas_per_sm
+        assert cfg.tile_rows == rows and cfg.ctas_per_sm == 2 and flight(cfg) > flight(plain)
+        assert cfg.name.endswith(f"_r{rows}")
         assert jit.build(gemm.generate(cfg)).resources.spills == 0
     assert gemm.choose_config(sm90, 33, 2112, 7168).tile_rows == 0
     assert gemm.choose_config(sm90, 8, 24576, 1536).tile_rows == 0

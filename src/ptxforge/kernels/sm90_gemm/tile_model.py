@@ -86,11 +86,13 @@ def choose_config(arch: Arch, m: int, n: int, k: int, sms: int | None = None,
     return few_token_tile(arch, best[1], m // groups if masked else m)
 
 
-# A few tokens' GEMM streams weights: what bounds it is the weight bytes in flight per SM,
-# which the model above does not see. Measured on an H200 (bench/decode_tiles.py), the
-# chosen tile covering only the tokens' rows (more, smaller stages) gained up to 1.8x of
-# the same-size copy's speed where the tile held less than this many B bytes in flight
-# per SM, and lost up to 7% where it held more (fp8 24576x1536, 64 x 192 tiles).
+# A few tokens' GEMM streams weights: what bounds it is the weight bytes in flight per SM
+# and how many producer chains issue them, which the model above does not see. Measured
+# on an H200 (bench/decode_tiles.py), the chosen tile covering only the tokens' rows (more,
+# smaller stages) gained up to 1.8x of the same-size copy's speed where the tile held less
+# than this many B bytes in flight per SM, and lost up to 7% where it held more (fp8
+# 24576x1536, 64 x 192 tiles); two such CTAs an SM then gained another 3-21% on 23 of 24
+# decode rows (one level) over one CTA with twice the stages.
 FEW_TOKEN_FLIGHT_BYTES = 128 << 10
 FEW_TOKEN_ROWS = (8, 16, 32)
 
@@ -98,12 +100,18 @@ FEW_TOKEN_ROWS = (8, 16, 32)
 def few_token_tile(arch: Arch, cfg: GemmConfig, m: int) -> GemmConfig:
     """``cfg``, or for at most 32 rows (a group's, masked) of a dense or masked GEMM whose
     64-row tile keeps too few weight bytes in flight, the same tile covering only the
-    smallest of 8, 16 or 32 rows that holds them."""
+    smallest of 8, 16 or 32 rows that holds them, two CTAs an SM."""
     rows = next((r for r in FEW_TOKEN_ROWS if m <= r), 0)
     flight = cfg.stages * cfg.b_stage_bytes * cfg.ctas_per_sm
     if (not rows or cfg.block_m != 64 or cfg.multicast > 1 or (cfg.groups and not cfg.masked)
             or flight >= FEW_TOKEN_FLIGHT_BYTES):
         return cfg
-    return make_config(arch, cfg.n, cfg.k, 64, cfg.block_n, cfg.ctas_per_sm, dtype=cfg.dtype,
-                       accumulate=cfg.accumulate, bias=cfg.bias, producers=cfg.producers,
-                       groups=cfg.groups, masked=cfg.masked, tile_rows=rows)
+    for ctas_per_sm in (2, cfg.ctas_per_sm):  # two CTAs an SM where their registers fit
+        try:
+            return make_config(arch, cfg.n, cfg.k, 64, cfg.block_n, ctas_per_sm,
+                               dtype=cfg.dtype, accumulate=cfg.accumulate, bias=cfg.bias,
+                               producers=cfg.producers, groups=cfg.groups, masked=cfg.masked,
+                               tile_rows=rows)
+        except ValueError:
+            continue
+    return cfg
