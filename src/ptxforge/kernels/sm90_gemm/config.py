@@ -211,7 +211,11 @@ class GemmConfig:
                 + (maps["tmap_sa"].box_bytes if self.scaled else 0))
 
 
-MAX_STAGES = 48
+# Stages beyond these were slower, measured on an H200 at 1-128 tokens (bench/decode_tiles.py
+# and a stage sweep): e4m3 at 8-12 stages ran 5-17% faster than at 21-35 (2112x7168, M=1:
+# 10.9 us at 12, 13.2 at 35), likely as the flood of weight loads delays the math warps'
+# per-K-block loads of B scales; bf16, which has none, was best at 16-24.
+MAX_STAGES = {"e4m3": 12, "bf16": 24}
 # Registers a math thread needs besides the accumulators (acc and part: block_n of them)
 # and what its epilogue keeps (Epilogue.registers). 40 is what ptxas needs: every tile it
 # admits assembles without spills (a sweep of all of them with ptxas 13.0), among them
@@ -296,8 +300,8 @@ def make_config(arch: Arch, n: int, k: int, block_m: int, block_n: int,
                                      multicast, accumulate=accumulate, groups=groups,
                                      masked=masked, dtype=dtype, bias=bias,
                                      tile_rows=tile_rows)
-    stages = max((s for s in range(1, MAX_STAGES + 1) if plan(s).dynamic_shared_bytes <= budget),
-                 default=0)
+    stages = max((s for s in range(1, MAX_STAGES[dtype] + 1)
+                  if plan(s).dynamic_shared_bytes <= budget), default=0)
     if stages < max(2, producers):
         raise ValueError(f"the GEMM's {block_m} x {block_n} tiles do not fit "
                          f"{max(2, producers)} times in {budget} bytes of shared memory")
