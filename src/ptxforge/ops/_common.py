@@ -100,6 +100,17 @@ def row_span(ptr: int, rows: int, row_stride: int, cols: int, itemsize: int) -> 
     return ptr, (((rows - 1) * row_stride + cols) * itemsize if rows and cols else 0)
 
 
+def strided_span(ptr: int, shape, strides, itemsize: int) -> tuple[int, int]:
+    """(first byte, byte count) a strided tensor's elements lie within. A plain loop: this
+    runs on every call, and a generator with sum() costs twice as much."""
+    last = 0
+    for size, stride in zip(shape, strides):
+        if not size:
+            return ptr, 0
+        last += (size - 1) * stride
+    return ptr, (last + 1) * itemsize
+
+
 def require_disjoint(name: str, span: tuple[int, int], *inputs: tuple[int, int]) -> None:
     """An output must not overlap an input: the kernels read inputs through the read-only
     cache, which must not see writes."""
@@ -127,9 +138,8 @@ def inspect_quantized_out(q, scales, shape, scale_shape, device: int, *input_spa
     require_shape("out[1]", s_shape, scale_shape)
     q_span = (q_ptr, shape[0] * shape[1])
     require_disjoint("out[0]", q_span, *input_spans)
-    rows, cols = scale_shape
-    s_bytes = 4 * (1 + (rows - 1) * s_strides[0] + (cols - 1) * s_strides[1]) if rows and cols else 0
-    if s_bytes > 4 << 32:  # the kernels index scales with 32-bit element offsets
+    s_span = strided_span(s_ptr, scale_shape, s_strides, 4)
+    if s_span[1] > 4 << 32:  # the kernels index scales with 32-bit element offsets
         raise ValueError(f"out[1] must span fewer than 2**32 elements, got strides {tuple(s_strides)}")
-    require_disjoint("out[1]", (s_ptr, s_bytes), q_span, *input_spans)
+    require_disjoint("out[1]", s_span, q_span, *input_spans)
     return q_ptr, s_ptr, s_strides

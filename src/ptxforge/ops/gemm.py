@@ -12,7 +12,8 @@ from .. import jit
 from ..arch import tma_alignment
 from ..kernels import sm90_gemm as gemm_kernel
 from ._common import (current_stream, device_arch, inspect, pair, require_contiguous_rows,
-                      require_cuda, require_disjoint, require_shape, row_span)
+                      require_cuda, require_disjoint, require_shape, row_span,
+                      strided_span)
 from .layout import (ceil_div, get_mn_major_tma_aligned_tensor, get_tma_aligned_size,
                      is_mn_major_tma_aligned)
 
@@ -103,7 +104,8 @@ def _scaled_a(a):
     sa_shape, sa_strides, sa_ptr, _ = inspect("a[1]", sa, torch.float32, 2, align=4,
                                               device=device, rows=False)
     require_shape("a[1]", sa_shape, (m, ceil_div(k, gemm_kernel.BLOCK_K)))
-    spans = row_span(a_ptr, m, a_strides[0], k, 1), _span(sa_ptr, sa_shape, sa_strides, 4)
+    spans = (row_span(a_ptr, m, a_strides[0], k, 1),
+             strided_span(sa_ptr, sa_shape, sa_strides, 4))
     mn_major = is_mn_major_tma_aligned(sa_shape, sa_strides, sa_ptr)
     return m, k, a_strides[0], a_ptr, device, spans, sa, sa_ptr if mn_major else None
 
@@ -158,17 +160,6 @@ def _launch(device: int, m: int, n: int, k: int, a, b, d, *, scales=None, accumu
     if not masked:  # the masked kernel counts its tiles on the GPU
         arguments["m_tiles"] = m_tiles
     launcher((grid, 1, 1), current_stream(device), **arguments, **layout)
-
-
-def _span(ptr: int, shape, strides, itemsize: int) -> tuple[int, int]:
-    """(first byte, byte count) a strided tensor's elements lie within. A plain loop: this
-    runs on every call, and a generator with sum() costs twice as much."""
-    last = 0
-    for size, stride in zip(shape, strides):
-        if not size:
-            return ptr, 0
-        last += (size - 1) * stride
-    return ptr, (last + 1) * itemsize
 
 
 def fp8_gemm_nt(a, b, d: torch.Tensor, c: torch.Tensor | None = None, *,
@@ -446,11 +437,11 @@ def _masked(a_name: str, A, a_strides, a_ptr, device: int, scaled_a, grouped_b, 
     if (d_strides[0] * 2) % alignment:
         raise ValueError(f"d's group stride must be a multiple of {alignment} bytes, got "
                          f"{d_strides[0]}")
-    spans = [_span(a_ptr, A.shape, a_strides, A.itemsize), (mm_ptr, 4 * num_groups), *b_spans]
+    spans = [strided_span(a_ptr, A.shape, a_strides, A.itemsize), (mm_ptr, 4 * num_groups), *b_spans]
     if scaled_a is not None:
         sa, sa_shape, sa_strides, sa_ptr = scaled_a
-        spans.append(_span(sa_ptr, sa_shape, sa_strides, 4))
-    require_disjoint("d", _span(d_ptr, d_shape, d_strides, 2), *spans)
+        spans.append(strided_span(sa_ptr, sa_shape, sa_strides, 4))
+    require_disjoint("d", strided_span(d_ptr, d_shape, d_strides, 2), *spans)
     if options.get("config") is not None:
         _check_config(options["config"], n, k, False, num_groups, True,
                       "bf16" if scaled_a is None else "e4m3")
