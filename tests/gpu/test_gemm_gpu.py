@@ -304,3 +304,50 @@ def test_few_token_tiles(gpu_arch):
             if torch.isnan(d).any() or not relative_error(d, expected) <= 2e-3:
                 failures.append(("bf16", tile_rows, m, relative_error(d, expected)))
     assert not failures, failures
+
+
+def test_split_k(gpu_arch):
+    """Split-K (a cluster of 2-8 CTAs per tile, rank 0 adding the others' partials): fp8
+    and bf16, with and without bias, few-token and 64-row tiles, K blocks the splits do
+    not divide, M around the tile's edges and over several block rows (each cluster then
+    takes several tiles: the partial slots are reused) against fp64; NaN-poisoned outputs
+    fully written; bitwise repeatable, also when replayed from a CUDA graph."""
+    from ptxforge.kernels import sm90_gemm as gemm
+
+    failures = []
+    n, k = 1000, 1408     # 11 K blocks of e4m3, 22 of bf16
+    for splits, tile_rows, m in ((2, 8, 1), (3, 8, 7), (4, 16, 16), (5, 32, 33), (8, 0, 64),
+                                 (7, 0, 130), (2, 8, 300), (6, 16, 77)):
+        for dtype, block_n in (("e4m3", 64), ("bf16", 64 if splits > 4 else 128)):
+            cfg = gemm.make_config(gpu_arch, n, k, 64, block_n, dtype=dtype, tile_rows=tile_rows,
+                                   splits=splits, bias=m % 2 == 1)
+            if dtype == "e4m3":
+                a, b, expected = fp8_gemm_operands(m, n, k)
+                call = lambda out: ptxforge.fp8_gemm_nt(a, b, out, config=cfg, bias=bias,
+                                                        num_sms=sms)
+            else:
+                a, b = (torch.randn(rows, k, device="cuda", dtype=torch.bfloat16) for rows in (m, n))
+                expected = a.double() @ b.double().T
+                call = lambda out: ptxforge.bf16_gemm_nt(a, b, out, config=cfg, bias=bias,
+                                                         num_sms=sms)
+            bias, sms = None, 16 if m > 100 else None   # 16 SMs: many tiles per cluster
+            if cfg.bias:
+                bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+                expected = expected + bias.double()
+            d, again = (torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+                        for _ in range(2))
+            call(d)
+            call(again)
+            if (torch.isnan(d).any() or not relative_error(d, expected) <= 2e-3
+                    or not torch.equal(d, again)):
+                failures.append((dtype, splits, tile_rows, m, relative_error(d, expected)))
+    assert not failures, failures
+    # Replayed from a graph: the same bits as the eager call.
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    replayed = torch.full_like(d, float("nan"))
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph, stream=stream):
+            call(replayed)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(replayed, d)

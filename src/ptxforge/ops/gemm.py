@@ -48,7 +48,7 @@ def _launcher(device_index: int, cfg):
     compiled = jit.build(gemm_kernel.generate(cfg))
     module = compiled.load(device_index)
     launcher = module.launcher(compiled.launch)
-    if cfg.multicast == 1:
+    if cfg.cluster == 1:
         return launcher, None
     return launcher, module.max_active_clusters(compiled.launch)
 
@@ -88,10 +88,11 @@ def _plan(device_index: int, m: int, n: int, k: int, sms: int, accumulate: bool,
     m_tiles = ceil_div(m, config.rows)
     tiles = m_tiles * config.n_tiles * (groups if masked else 1)
     # Persistent: no more CTAs (whole clusters) than run at once; at least one cluster.
-    clusters = max(min(tiles, sms * config.ctas_per_sm) // config.multicast, 1)
+    # A cluster takes `multicast` tiles at a time, or one tile in `splits` K splits.
+    clusters = max(min(tiles // config.multicast, sms * config.ctas_per_sm // config.cluster), 1)
     if resident_clusters is not None:
         clusters = min(clusters, resident_clusters)
-    return launcher, clusters * config.multicast, m_tiles
+    return launcher, clusters * config.cluster, m_tiles
 
 
 def _scaled_a(a):
