@@ -138,3 +138,62 @@ def test_the_path_check_finds_an_access_a_branch_takes_before_the_wait():
     check_waits(kernel(False))
     with pytest.raises(AssertionError, match="before griddepcontrol.wait"):
         check_waits(kernel(True))
+
+
+# --------------------------------------------------------------------------- the ops' launchers
+class _Module:
+    """A loaded module's stand-in: its launcher is the LaunchShape it was made for."""
+
+    def launcher(self, shape):
+        return shape
+
+    def max_active_clusters(self, shape):
+        return 66
+
+
+@pytest.fixture
+def launchers(monkeypatch, tmp_path):
+    """The ops' launcher caches, empty, on an sm_90a without a GPU: a launcher is the
+    LaunchShape it would launch with."""
+    from ptxforge import jit
+    from ptxforge.ops import _common, block_quant, gemm as gemm_ops, rowwise
+
+    monkeypatch.setenv("PTXFORGE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(jit.CompiledKernel, "load", lambda self, device_index=0: _Module())
+    for module in (gemm_ops, rowwise, block_quant):
+        monkeypatch.setattr(module, "device_arch", lambda device_index: arch.get("sm_90a"))
+    caches = (gemm_ops._launcher, gemm_ops._plan, rowwise._kernel, block_quant._launcher,
+              _common.default_pdl)
+    for cache in caches:
+        cache.cache_clear()
+    yield {"gemm": lambda pdl: gemm_ops._plan(0, 8, 4096, 7168, 132, False, 0, False, 0,
+                                              "e4m3", False, None, pdl)[0],
+           "masked gemm": lambda pdl: gemm_ops._plan(0, 16, 7168, 2048, 132, False, 4, True,
+                                                     8, "e4m3", False, None, pdl)[0],
+           "rms_norm": lambda pdl: rowwise._kernel(0, 7168, True, False, pdl)[2],
+           "quantize_fp8_per_token": lambda pdl: rowwise._kernel(0, 7168, False, True, pdl)[2],
+           "quantize_fp8_per_block": lambda pdl: block_quant._launcher(0, pdl)}
+    for cache in caches:
+        cache.cache_clear()
+
+
+OP_LAUNCHERS = ["gemm", "masked gemm", "rms_norm", "quantize_fp8_per_token",
+                "quantize_fp8_per_block"]
+
+
+@pytest.mark.parametrize("op", OP_LAUNCHERS)
+def test_the_launch_attribute_is_there_iff_the_call_asks_for_pdl(launchers, op):
+    from ptxforge.runtime.launch import launch_attributes
+
+    pdl_attribute = (6, 1, 0)  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION: 1
+    on, off, default = (launchers[op](pdl) for pdl in (True, False, None))
+    assert on.programmatic and pdl_attribute in launch_attributes(on)
+    assert not off.programmatic and pdl_attribute not in launch_attributes(off)
+    assert default == off  # PTXFORGE_PDL unset: off
+    assert on == type(on)(**{**vars(off), "programmatic": True})  # nothing else differs
+
+
+@pytest.mark.parametrize("op", OP_LAUNCHERS)
+def test_ptxforge_pdl_sets_what_pdl_none_means(launchers, monkeypatch, op):
+    monkeypatch.setenv("PTXFORGE_PDL", "1")
+    assert launchers[op](None).programmatic and not launchers[op](False).programmatic
