@@ -27,9 +27,10 @@ def generate(cfg: GemmConfig) -> KernelBuilder:
                      empty_offset=cfg.empty_offset,
                      consumers=4 * cfg.math_warpgroups * cfg.multicast, tx_bytes=cfg.tx_bytes)
     with k.stage("programmatic launch: the next kernel on the stream may start"):
-        # First thing: under a programmatic launch the next kernel's CTAs may then take SMs
-        # as ours leave, and run their own prologue while our last tiles finish (its
-        # griddepcontrol.wait still waits for all of this grid). A no-op otherwise.
+        # First thing: under a programmatic launch the next kernel's CTAs may then take the
+        # SM slots ours leave free or give up, and run their prologue (and prefetch their
+        # first weights) while our tiles finish; its griddepcontrol.wait still waits for
+        # all of this grid. A no-op otherwise.
         k.griddepcontrol_launch_dependents()
     with k.stage("shared memory base (rounded up to a swizzle atom) and barriers"):
         k.mov(base, smem)
