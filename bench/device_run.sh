@@ -27,6 +27,7 @@ step() { echo; echo "### $*"; "$@"; } 2>&1
   step $py -m ptxforge.cli bench fp8-gemm --json "$OUT/gemm.json" --plot "$OUT/gemm.png"
   step $py -m ptxforge.cli bench grouped-gemm --json "$OUT/grouped.json" --plot "$OUT/grouped.png"
   step $py -m ptxforge.cli bench bf16-gemm --json "$OUT/bf16.json" --plot "$OUT/bf16.png"
+  step $py -m ptxforge.cli bench chain --json "$OUT/chain.json"
   step $py -m ptxforge.cli bench decode --json "$OUT/decode.json" --plot "$OUT/decode.png"
 } > "$log" 2>&1
 grep -E "passed|failed|error" "$log" | grep -v "^|" | tail -5

@@ -99,7 +99,7 @@ def sides_to_compare(baseline: str) -> dict:
         sides["native"] = calls(ptxforge)
         warm(sides["native"])
         for side, copy in {**copies, "native": ptxforge}.items():
-            launcher = copy.ops.rowwise._kernel(0, 1024, True, False)[2]
+            launcher = copy.ops.rowwise._kernel(0, 1024, True, False, None)[2]
             print(f"{side}: rms_norm launches through {launcher.path}")
         return sides
     package = Path(baseline) / "ptxforge"

@@ -171,6 +171,9 @@ def cmd_bench(args) -> int:
     elif args.suite == "decode":
         result = bench.decode_suite()
         text, plot = bench.decode_table(result), _plot_decode
+    elif args.suite == "chain":
+        result = bench.chain_suite()
+        text, plot = bench.chain_table(result), None
     else:
         result = bench.gemm_suite()
         text = bench.gemm_table(result)
@@ -346,7 +349,8 @@ def main(argv=None) -> int:
     p = command("precompile", "assemble every kernel variant in parallel")
     p.add_argument("--workers", type=int, default=None)
     p = command("bench", "GPU benchmark side by side with torch")
-    p.add_argument("suite", choices=["memory", "fp8-gemm", "grouped-gemm", "bf16-gemm", "decode"])
+    p.add_argument("suite", choices=["memory", "fp8-gemm", "grouped-gemm", "bf16-gemm", "decode",
+                                     "chain"])
     p.add_argument("--m", type=int, default=16384)
     p.add_argument("--k", type=int, default=7168)
     p.add_argument("--json", help="write the full results here")

@@ -10,8 +10,10 @@
 | PTXFORGE_DISABLE_CACHE    | ``1``: never read or write the disk cache                        | 0                           |
 | PTXFORGE_DEBUG            | ``1``: refuse kernels that spill to local memory; keep PTX files | 0                           |
 | PTXFORGE_NATIVE_LAUNCH    | ``0``: launch through ctypes, not the C launcher (native.c)      | 1                           |
+| PTXFORGE_PDL              | ``1``: an op's ``pdl=None`` means a programmatic launch (PDL)    | 0                           |
 
-(``PTXFORGE_ARCH`` is read by ``ptxforge.arch``; the others here.)
+(``PTXFORGE_ARCH`` is read by ``ptxforge.arch``; the others here. The ops read
+``PTXFORGE_PDL`` once per process, at their first launch.)
 """
 
 from __future__ import annotations
@@ -69,3 +71,7 @@ def debug() -> bool:
 
 def native_launch() -> bool:
     return _flag("PTXFORGE_NATIVE_LAUNCH", default=True)
+
+
+def pdl() -> bool:
+    return _flag("PTXFORGE_PDL")

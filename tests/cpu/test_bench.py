@@ -116,3 +116,44 @@ def test_bench_decode_writes_json_and_plot(monkeypatch, tmp_path, capsys):
         assert out_png.stat().st_size > 0
     else:
         assert "(matplotlib is not installed: no plot)" in out
+
+
+def test_a_call_s_time_is_the_sum_of_its_device_work():
+    """Timer.each sums each call's kernels (us) and takes the median per callable (ms)."""
+    timer = bench.Timer(reps=3)
+    work = {"a": [[(0.0, 1.0), (2.0, 4.0)], [(10.0, 14.0)], [(20.0, 22.0)]],
+            "b": [[(0.0, 5.0)]] * 3}
+    timer.intervals = lambda fns: [call for fn in fns for call in work[fn]]
+    assert timer.each(["a", "b"]) == [pytest.approx(3e-3), pytest.approx(5e-3)]
+
+
+CHAIN = {"suite": "chain", "gpu": "NVIDIA H200", "m": 8,
+         "shapes": [[4096, 7168], [7168, 2048], [4096, 7168], [7168, 2048]],
+         "standalone_us": [40.0, 20.0, 40.0, 20.0], "standalone_sum_us": 120.0,
+         "rows": [{"pdl": False, "chain_us": 126.0, "gaps_us": [2.0, 2.0, 2.0],
+                   "events_us": 131.0, "calc_diff": 2e-6, "of_standalone_sum": 1.05},
+                  {"pdl": True, "chain_us": 114.0, "gaps_us": [-3.0, -2.5, -3.0],
+                   "events_us": 119.0, "calc_diff": 2e-6, "of_standalone_sum": 0.95}]}
+
+
+def test_chain_table():
+    lines = bench.chain_table(CHAIN).splitlines()
+    assert lines[0].endswith("Standalone (each kernel alone, profiler, L2 flushed): "
+                             "40.0 + 20.0 + 40.0 + 20.0 = 120.0 us")
+    cells = [[cell.strip() for cell in line.strip("|").split("|")]
+             for line in lines if line.startswith("|")]
+    assert cells[0] == ["PDL", "chain us", "of standalone sum", "gaps us", "graph us",
+                        "calc_diff"]
+    assert cells[2] == ["off", "126.0", "105.0%", "+2.0, +2.0, +2.0", "131.0", "2.0e-06"]
+    assert cells[3] == ["on", "114.0", "95.0%", "-3.0, -2.5, -3.0", "119.0", "2.0e-06"]
+    assert lines[-2:] == ["PDL off: chain 126.0 us = 105.0% of the standalone sum",
+                          "PDL on: chain 114.0 us = 95.0% of the standalone sum"]
+
+
+def test_bench_chain_writes_json(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(cli, "_gpu_available", lambda: True)
+    monkeypatch.setattr(bench, "chain_suite", lambda: CHAIN)
+    out_json = tmp_path / "chain.json"
+    assert cli.main(["bench", "chain", "--json", str(out_json)]) == 0
+    assert json.loads(out_json.read_text()) == CHAIN
+    assert bench.chain_table(CHAIN) in capsys.readouterr().out

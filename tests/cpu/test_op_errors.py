@@ -210,6 +210,33 @@ def test_a_pair_may_be_a_list():
         call("fp8_gemm_nt", args)
 
 
+# --------------------------------------------------------------------------- pdl= (programmatic dependent launch)
+def test_every_op_that_launches_a_kernel_takes_pdl():
+    for op, _ in CASES.values():
+        parameter = inspect.signature(op).parameters.get("pdl")
+        assert parameter is not None and parameter.kind is parameter.KEYWORD_ONLY, op.__name__
+        assert parameter.default is None, op.__name__
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("pdl", ["yes", 1, 0.0, torch.tensor(True)], ids=repr)
+def test_a_bad_pdl_is_refused_before_the_device(case, pdl):
+    args = arguments(case)
+    args["pdl"] = pdl
+    with pytest.raises(TypeError) as info:
+        call(case, args)
+    assert str(info.value) == f"pdl must be True, False or None, got {pdl!r}"
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("pdl", [True, False, None])
+def test_pdl_true_false_or_none_passes_the_checks_that_need_no_gpu(case, pdl):
+    args = arguments(case)
+    args["pdl"] = pdl
+    with pytest.raises(ValueError, match=" must be on a CUDA device, got cpu$"):
+        call(case, args)
+
+
 # --------------------------------------------------------------------------- (data, scales) pairs
 HOLDS = {  # (case, parameter) -> what the pair holds, as its error says
     ("quantize_fp8_per_token(out=)", "out"): "e4m3 [M, K] and f32 [M, ceil(K/128)]",

@@ -17,7 +17,7 @@ import threading
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .. import settings
 from .assemble import AssemblerUnavailable, AssemblyError, Resources, get_assembler
@@ -45,9 +45,13 @@ class CompiledKernel:
     _modules: dict = field(default_factory=dict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def launcher(self, device_index: int = 0):
-        """A launcher of the kernel with its own LaunchShape, on ``device_index``."""
-        return self.load(device_index).launcher(self.launch)
+    def launcher(self, device_index: int = 0, *, programmatic: bool = False):
+        """A launcher of the kernel with its own LaunchShape, on ``device_index``;
+        ``programmatic``: with programmatic dependent launch as well (the kernel may start
+        while the previous one on its stream finishes, and waits with
+        griddepcontrol.wait)."""
+        shape = replace(self.launch, programmatic=True) if programmatic else self.launch
+        return self.load(device_index).launcher(shape)
 
     def load(self, device_index: int = 0):
         """The module loaded on ``device_index`` (loaded on first use)."""

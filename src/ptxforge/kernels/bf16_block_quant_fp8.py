@@ -61,6 +61,11 @@ def generate(cfg: BlockQuantConfig) -> KernelBuilder:
     q_param, s_param = k.param("q", "u64"), k.param("scales", "u64")
     s_stride_param = k.param("scale_row_stride", "u32")
 
+    with k.stage("programmatic launch: the next kernel on the stream may start"):
+        # Under a programmatic launch the next kernel may then be scheduled once every CTA
+        # of this grid has started (its griddepcontrol.wait still waits for all of this
+        # grid). A no-op otherwise.
+        k.griddepcontrol_launch_dependents()
     with k.stage("coordinates: block origin, this thread's column and first row"):
         rows, cols = k.reg("u32", "rows"), k.reg("u32", "cols")
         k.ld_param(rows, rows_param)
@@ -92,6 +97,9 @@ def generate(cfg: BlockQuantConfig) -> KernelBuilder:
         thread0 = k.pred("thread0")
         k.setp("eq", thread0, tid, 0)
         stage.init(thread0)
+        # w may be the output of the kernel before this one, and every thread stores into
+        # memory it may still read: all wait for it here, after the prologue.
+        k.griddepcontrol_wait()
         bar = addr(base, stage.barrier_offset(0))
         rows_here, row_bytes = k.reg("u32", "rows_here"), k.reg("u32", "row_bytes")
         first_row, first_col = k.reg("u32", "first_row"), k.reg("u32", "first_col")

@@ -155,6 +155,11 @@ def generate(cfg: RowKernelConfig) -> KernelBuilder:
                       min_blocks_per_sm=cfg.ctas_per_sm)
     k.launch = LaunchShape(block=cfg.threads, shared_bytes=cfg.dynamic_shared_bytes)
     p = _Params(k, cfg)
+    with k.stage("programmatic launch: the next kernel on the stream may start"):
+        # Under a programmatic launch the next kernel may then be scheduled once every CTA
+        # of this grid has started, and run its prologue beside our last wave (its
+        # griddepcontrol.wait still waits for all of this grid). A no-op otherwise.
+        k.griddepcontrol_launch_dependents()
     t = _thread_coordinates(k, cfg)
     smem = k.dynamic_shared("stages", align=128)
     base = k.reg("u32", "smem")
@@ -162,6 +167,10 @@ def generate(cfg: RowKernelConfig) -> KernelBuilder:
     stages = StageRing.packed(k, base, cfg.stage_bytes, cfg.groups)
     with k.stage("barriers"):
         stages.init(t.thread0)
+    with k.stage("wait for the kernel before this one"):
+        # x (and the weight) may be its output, and every thread stores into memory it may
+        # still read (a graph's pool reuses buffers): all wait, after the prologue.
+        k.griddepcontrol_wait()
 
     with k.stage("thread 0: copy this CTA's row groups into their stages"):
         first, total = k.reg("u32", "first_group"), k.reg("u32", "total_groups")

@@ -14,6 +14,7 @@ import functools
 import torch
 
 from .. import arch as _arch
+from .. import settings
 
 try:
     _raw_stream = torch._C._cuda_getCurrentRawStream  # the handle, without a Stream object
@@ -118,6 +119,25 @@ def require_disjoint(name: str, span: tuple[int, int], *inputs: tuple[int, int])
     for other, other_bytes in inputs:
         if start < other + other_bytes and other < start + nbytes:
             raise ValueError(f"{name} overlaps an input; outputs must not alias inputs")
+
+
+def require_pdl(pdl) -> None:
+    """A call's ``pdl=`` must be True, False or None; the ops call this only when it is not
+    None, so the default costs a call nothing."""
+    if pdl is not True and pdl is not False:
+        raise TypeError(f"pdl must be True, False or None, got {pdl!r}")
+
+
+@functools.lru_cache(maxsize=None)
+def default_pdl() -> bool:
+    """What ``pdl=None`` means: PTXFORGE_PDL, read once per process."""
+    return settings.pdl()
+
+
+def programmatic(pdl: bool | None) -> bool:
+    """Whether a call's ``pdl=`` asks for a programmatic dependent launch. Called where the
+    ops make their (cached) launchers, never per call."""
+    return default_pdl() if pdl is None else pdl
 
 
 @functools.lru_cache(maxsize=None)

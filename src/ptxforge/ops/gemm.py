@@ -1,6 +1,7 @@
 """The GEMMs on torch tensors: DeepGEMM's ``fp8_gemm_nt`` (fine-grained FP8 scaling) and
 ``bf16_gemm_nt``, with ``c`` or a fused ``bias``, the MoE grouped forms (contiguous and
-masked layouts) of both, and the SM budget (``set_num_sms``, a call's ``num_sms=``)."""
+masked layouts) of both, the SM budget (``set_num_sms``, a call's ``num_sms=``) and a
+call's programmatic dependent launch (``pdl=``)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ import torch
 from .. import jit
 from ..arch import tma_alignment
 from ..kernels import sm90_gemm as gemm_kernel
-from ._common import (current_stream, device_arch, inspect, pair, require_contiguous_rows,
-                      require_cuda, require_disjoint, require_shape, row_span,
-                      strided_span)
+from ._common import (current_stream, device_arch, inspect, pair, programmatic,
+                      require_contiguous_rows, require_cuda, require_disjoint, require_pdl,
+                      require_shape, row_span, strided_span)
 from .layout import (ceil_div, get_mn_major_tma_aligned_tensor, get_tma_aligned_size,
                      is_mn_major_tma_aligned)
 
@@ -43,14 +44,14 @@ def _checked_sms(device_index: int, num_sms) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _launcher(device_index: int, cfg):
-    """(launcher, clusters that fit on the device at once, or None without clusters)."""
+def _launcher(device_index: int, cfg, programmatic: bool):
+    """(launcher, clusters that fit on the device at once, or None without clusters);
+    ``programmatic``: a launcher with programmatic dependent launch (PDL)."""
     compiled = jit.build(gemm_kernel.generate(cfg))
-    module = compiled.load(device_index)
-    launcher = module.launcher(compiled.launch)
+    launcher = compiled.launcher(device_index, programmatic=programmatic)
     if cfg.cluster == 1:
         return launcher, None
-    return launcher, module.max_active_clusters(compiled.launch)
+    return launcher, compiled.load(device_index).max_active_clusters(compiled.launch)
 
 
 def _check_config(config, n: int, k: int, accumulate: bool, groups: int, masked: bool,
@@ -71,12 +72,14 @@ def _check_config(config, n: int, k: int, accumulate: bool, groups: int, masked:
 
 @functools.lru_cache(maxsize=4096)
 def _plan(device_index: int, m: int, n: int, k: int, sms: int, accumulate: bool,
-          groups: int, masked: bool, expected_m: int, dtype: str, bias: bool, config):
+          groups: int, masked: bool, expected_m: int, dtype: str, bias: bool, config,
+          pdl: bool | None):
     """(launcher, grid, m_tiles): all a launch needs besides the tensors, worked
     out once per problem so a call pays one cache lookup. The tile is ``config`` where the
     caller forced one, else the model's choice for M rows (M is a run-time argument of the
     kernel, but the best tile depends on it). The masked layout has ``groups`` matrices of
-    ``m`` rows (M_max) and picks its tile for ``expected_m`` rows a group."""
+    ``m`` rows (M_max) and picks its tile for ``expected_m`` rows a group. ``pdl``: the
+    call's, None for the process default."""
     if config is None:
         config = gemm_kernel.choose_config(device_arch(device_index),
                                            groups * expected_m if masked else m, n, k, sms,
@@ -84,7 +87,7 @@ def _plan(device_index: int, m: int, n: int, k: int, sms: int, accumulate: bool,
     elif config.target != device_arch(device_index).target:
         raise ValueError(f"config is for {config.target}, but cuda:{device_index} is "
                          f"{device_arch(device_index).target}")
-    launcher, resident_clusters = _launcher(device_index, config)
+    launcher, resident_clusters = _launcher(device_index, config, programmatic(pdl))
     m_tiles = ceil_div(m, config.rows)
     tiles = m_tiles * config.n_tiles * (groups if masked else 1)
     # Persistent: no more CTAs (whole clusters) than run at once; at least one cluster.
@@ -118,7 +121,7 @@ def _sa_pointer(sa, sa_ptr: int | None) -> int:
 
 
 def _launch(device: int, m: int, n: int, k: int, a, b, d, *, scales=None, accumulate=False,
-            bias=None, groups: int = 0, masked=None, num_sms=None, config=None,
+            bias=None, groups: int = 0, masked=None, num_sms=None, config=None, pdl=None,
             **layout) -> None:
     """Plan (cached) and launch; the tensor maps go to the launcher as views (address,
     shape, byte strides), which it encodes with the kernel's own TensorMap specs.
@@ -129,13 +132,13 @@ def _launch(device: int, m: int, n: int, k: int, a, b, d, *, scales=None, accumu
     operands' (sa pointer, sa's column stride, sa's group stride or None, sb pointer, sb's
     row stride), all in elements; None: bf16 operands. ``bias``: the bf16 [N] bias's
     pointer, or None. ``masked``: expected_m, the masked
-    layout's tile hint. ``layout``: the grouped layouts' own parameters (m_indices or
-    masked_m) by name."""
+    layout's tile hint. ``pdl``: the call's, checked. ``layout``: the grouped layouts' own
+    parameters (m_indices or masked_m) by name."""
     dtype, element_bytes = ("e4m3", 1) if scales else ("bf16", 2)
     sms = get_num_sms(device) if num_sms is None else _checked_sms(device, num_sms)
     launcher, grid, m_tiles = _plan(device, m, n, k, sms, accumulate, groups,
                                     masked is not None, masked or 0, dtype, bias is not None,
-                                    config)
+                                    config, pdl)
     d_bytes = 4 if accumulate else 2
     # The masked layout's group is a third dimension of A, D and sa.
     group = (groups,) if masked else ()
@@ -165,7 +168,7 @@ def _launch(device: int, m: int, n: int, k: int, a, b, d, *, scales=None, accumu
 
 def fp8_gemm_nt(a, b, d: torch.Tensor, c: torch.Tensor | None = None, *,
                 bias: torch.Tensor | None = None, num_sms: int | None = None,
-                config=None) -> None:
+                config=None, pdl: bool | None = None) -> None:
     """``d = a @ b.T`` (or ``d = c + a @ b.T``, or ``d = a @ b.T + bias``) with DeepGEMM's
     fine-grained FP8 scaling, written into ``d``.
 
@@ -181,6 +184,11 @@ def fp8_gemm_nt(a, b, d: torch.Tensor, c: torch.Tensor | None = None, *,
     num_sms: SMs the persistent CTAs may use (by default ``get_num_sms()``), so that
     another kernel can run beside this one on the rest. config: a tile to use instead of
     the model's choice (``kernels.sm90_gemm.make_config``), checked against the call.
+    pdl: launch with programmatic dependent launch (PDL): the kernel may start while the
+    kernel before it on the stream finishes, its set-up and (dense) an L2 prefetch of its
+    first weights overlapping that kernel's end; it waits for that kernel before it reads
+    an input or writes d. None: the process default, ``PTXFORGE_PDL`` (off unless set).
+    The results are the same bits either way.
 
     Fast path: sa in the MN-major TMA-aligned layout that ``quantize_fp8_per_token``
     writes by default. A row-major sa is converted (one copy) on every call.
@@ -201,6 +209,8 @@ def fp8_gemm_nt(a, b, d: torch.Tensor, c: torch.Tensor | None = None, *,
     bias_ptr = _bias(bias, c, n, device, (d_ptr, d.itemsize * m * n))
     if config is not None:
         _check_config(config, n, k, c is not None, 0, False, "e4m3", bias is not None)
+    if pdl is not None:
+        require_pdl(pdl)
     require_cuda("a[0]", a[0], device)
     if copy_c:
         d.copy_(c)
@@ -209,18 +219,18 @@ def fp8_gemm_nt(a, b, d: torch.Tensor, c: torch.Tensor | None = None, *,
     _launch(device, m, n, k, (a_ptr, a_row), (b_ptr, b_strides[0], n), (d_ptr, d_row),
             scales=(_sa_pointer(sa, sa_ptr), get_tma_aligned_size(m, 4), None, sb_ptr,
                     sb_strides[0]),
-            accumulate=c is not None, bias=bias_ptr, num_sms=num_sms, config=config)
+            accumulate=c is not None, bias=bias_ptr, num_sms=num_sms, config=config, pdl=pdl)
 
 
 def bf16_gemm_nt(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor,
                  c: torch.Tensor | None = None, *, bias: torch.Tensor | None = None,
-                 num_sms: int | None = None, config=None) -> None:
+                 num_sms: int | None = None, config=None, pdl: bool | None = None) -> None:
     """``d = a @ b.T`` (or ``d = c + a @ b.T``, or ``d = a @ b.T + bias``) in bf16 with f32
     accumulation, written into ``d``: the FP8 GEMM's kernel with bf16 operands and no scales.
 
     a: bf16 [M, K], b: bf16 [N, K] (rows 16-byte aligned), d: bf16 [M, N], contiguous; with
     ``c``, f32 [M, N] (``c`` may be ``d``: accumulate in place; another c is copied first).
-    bias, num_sms, config: as ``fp8_gemm_nt``'s.
+    bias, num_sms, config, pdl: as ``fp8_gemm_nt``'s.
     """
     (m, k), a_strides, a_ptr, device = inspect("a", a, torch.bfloat16, 2)
     (n, kb_), b_strides, b_ptr, _ = inspect("b", b, torch.bfloat16, 2, device=device)
@@ -231,13 +241,15 @@ def bf16_gemm_nt(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor,
     bias_ptr = _bias(bias, c, n, device, (d_ptr, d.itemsize * m * n))
     if config is not None:
         _check_config(config, n, k, c is not None, 0, False, "bf16", bias is not None)
+    if pdl is not None:
+        require_pdl(pdl)
     require_cuda("a", a, device)
     if copy_c:
         d.copy_(c)
     if m == 0:
         return
     _launch(device, m, n, k, (a_ptr, a_strides[0]), (b_ptr, b_strides[0], n), (d_ptr, d_row),
-            accumulate=c is not None, bias=bias_ptr, num_sms=num_sms, config=config)
+            accumulate=c is not None, bias=bias_ptr, num_sms=num_sms, config=config, pdl=pdl)
 
 
 def _bias(bias, c, n: int, device: int, d_span) -> int | None:
@@ -319,7 +331,7 @@ def _contiguous(a_name: str, A, device: int, m: int, k: int, a_row, a_ptr, a_spa
                 d, m_indices, sa=None, sa_ptr=None, **options) -> None:
     """The contiguous layout's m_indices and d checks, the device check, then the launch
     (``sa`` and ``sa_ptr`` as ``_scaled_a`` returns them; ``sa`` None: bf16; ``options``:
-    num_sms and config)."""
+    num_sms, config and pdl)."""
     num_groups, n, b_row, b_ptr, sb_ptr, sb_row, b_spans = grouped_b
     (mi,), _, mi_ptr, _ = inspect("m_indices", m_indices, torch.int32, 1, align=4, device=device)
     if mi != m:
@@ -331,6 +343,8 @@ def _contiguous(a_name: str, A, device: int, m: int, k: int, a_row, a_ptr, a_spa
     if options.get("config") is not None:
         _check_config(options["config"], n, k, False, num_groups, False,
                       "bf16" if sa is None else "e4m3")
+    if options.get("pdl") is not None:
+        require_pdl(options["pdl"])
     require_cuda(a_name, A, device)
     if m == 0:
         return
@@ -342,7 +356,8 @@ def _contiguous(a_name: str, A, device: int, m: int, k: int, a_row, a_ptr, a_spa
 
 
 def m_grouped_fp8_gemm_nt_contiguous(a, b, d: torch.Tensor, m_indices: torch.Tensor, *,
-                                     num_sms: int | None = None, config=None) -> None:
+                                     num_sms: int | None = None, config=None,
+                                     pdl: bool | None = None) -> None:
     """MoE, contiguous layout: row i of ``d`` = row i of ``a`` times group ``m_indices[i]``
     of ``b``, transposed, with DeepGEMM's fine-grained FP8 scaling.
 
@@ -355,29 +370,29 @@ def m_grouped_fp8_gemm_nt_contiguous(a, b, d: torch.Tensor, m_indices: torch.Ten
     Rows the GPU finds padding, an index outside [0, G), or a segment not aligned (a
     tile's row whose group differs from its first row's) are written as zeros; nothing is
     read outside B. Nothing is read back to the host: the call can be captured in a graph.
-    num_sms, config: as ``fp8_gemm_nt``'s.
+    num_sms, config, pdl: as ``fp8_gemm_nt``'s.
     """
     m, k, a_row, a_ptr, device, a_spans, sa, sa_ptr = _scaled_a(a)
     _contiguous("a[0]", a[0], device, m, k, a_row, a_ptr, a_spans,
                 _grouped_b(a[0].shape, b, k, device), d, m_indices, sa, sa_ptr,
-                num_sms=num_sms, config=config)
+                num_sms=num_sms, config=config, pdl=pdl)
 
 
 def m_grouped_bf16_gemm_nt_contiguous(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor,
                                       m_indices: torch.Tensor, *, num_sms: int | None = None,
-                                      config=None) -> None:
+                                      config=None, pdl: bool | None = None) -> None:
     """``m_grouped_fp8_gemm_nt_contiguous`` with bf16 operands and no scales: a bf16
     [M, K], b bf16 [G, N, K], d bf16 [M, N], m_indices int32 [M] (same contract)."""
     (m, k), a_strides, a_ptr, device = inspect("a", a, torch.bfloat16, 2)
     _contiguous("a", a, device, m, k, a_strides[0], a_ptr,
                 (row_span(a_ptr, m, a_strides[0], k, 2),),
                 _grouped_b(a.shape, b, k, device, scaled=False), d, m_indices,
-                num_sms=num_sms, config=config)
+                num_sms=num_sms, config=config, pdl=pdl)
 
 
 def m_grouped_fp8_gemm_nt_masked(a, b, d: torch.Tensor, masked_m: torch.Tensor,
                                  expected_m: int, *, num_sms: int | None = None,
-                                 config=None) -> None:
+                                 config=None, pdl: bool | None = None) -> None:
     """MoE, masked layout (decoding under CUDA graphs): for each group g, the first
     ``masked_m[g]`` rows of ``d[g]`` = those rows of ``a[g]`` times ``b[g]``, transposed,
     with DeepGEMM's fine-grained FP8 scaling.
@@ -391,7 +406,7 @@ def m_grouped_fp8_gemm_nt_masked(a, b, d: torch.Tensor, masked_m: torch.Tensor,
 
     A count above M_max is taken as M_max, a negative one as 0. Rows from masked_m[g] on
     are not meaningful: a tile that starts before masked_m[g] is written whole.
-    num_sms, config: as ``fp8_gemm_nt``'s.
+    num_sms, config, pdl: as ``fp8_gemm_nt``'s.
     """
     A, sa = pair("a", a, "e4m3 [G, M_max, K] and f32 [G, M_max, ceil(K/128)]")
     (num_groups, m_max, k), a_strides, a_ptr, device = inspect("a[0]", A, torch.float8_e4m3fn, 3)
@@ -400,25 +415,26 @@ def m_grouped_fp8_gemm_nt_masked(a, b, d: torch.Tensor, masked_m: torch.Tensor,
     require_shape("a[1]", sa_shape, (num_groups, m_max, ceil_div(k, gemm_kernel.BLOCK_K)))
     _masked("a[0]", A, a_strides, a_ptr, device, (sa, sa_shape, sa_strides, sa_ptr),
             _grouped_b(A.shape, b, k, device), d, masked_m, expected_m,
-            num_sms=num_sms, config=config)
+            num_sms=num_sms, config=config, pdl=pdl)
 
 
 def m_grouped_bf16_gemm_nt_masked(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor,
                                   masked_m: torch.Tensor, expected_m: int, *,
-                                  num_sms: int | None = None, config=None) -> None:
+                                  num_sms: int | None = None, config=None,
+                                  pdl: bool | None = None) -> None:
     """``m_grouped_fp8_gemm_nt_masked`` with bf16 operands and no scales: a bf16
     [G, M_max, K], b bf16 [G, N, K], d bf16 [G, M_max, N] (same contract)."""
     (_, _, k), a_strides, a_ptr, device = inspect("a", a, torch.bfloat16, 3)
     _masked("a", a, a_strides, a_ptr, device, None,
             _grouped_b(a.shape, b, k, device, scaled=False), d, masked_m, expected_m,
-            num_sms=num_sms, config=config)
+            num_sms=num_sms, config=config, pdl=pdl)
 
 
 def _masked(a_name: str, A, a_strides, a_ptr, device: int, scaled_a, grouped_b, d, masked_m,
             expected_m, **options) -> None:
     """The masked layout's checks, the device check and the launch: A [G, M_max, K] through
     3-D tensor maps, e4m3 with ``scaled_a`` = (sa, its shape, strides and pointer), or bf16
-    with ``scaled_a`` None; ``options``: num_sms and config."""
+    with ``scaled_a`` None; ``options``: num_sms, config and pdl."""
     num_groups, m_max, k = A.shape
     b_groups, n, b_row, b_ptr, sb_ptr, sb_row, b_spans = grouped_b
     if b_groups != num_groups:
@@ -446,6 +462,8 @@ def _masked(a_name: str, A, a_strides, a_ptr, device: int, scaled_a, grouped_b, 
     if options.get("config") is not None:
         _check_config(options["config"], n, k, False, num_groups, True,
                       "bf16" if scaled_a is None else "e4m3")
+    if options.get("pdl") is not None:
+        require_pdl(options["pdl"])
     require_cuda(a_name, A, device)
     if m_max == 0:
         return

@@ -13,8 +13,8 @@ import torch
 from .. import jit
 from ..kernels import bf16_row_rmsnorm_fp8quant as row_kernel
 from ._common import (current_stream, device_arch, inspect, inspect_quantized_out, pair,
-                      require_contiguous_rows, require_cuda, require_disjoint, require_shape,
-                      row_span)
+                      programmatic, require_contiguous_rows, require_cuda, require_disjoint,
+                      require_pdl, require_shape, row_span)
 from .layout import empty_mn_major_scales
 
 SCALE_LAYOUTS = ("mn_major", "row_major")
@@ -22,18 +22,20 @@ ROW_RANKS = (1, 2, 3, 4, 5, 6, 7, 8)
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(device_index: int, hidden: int, normalize: bool, quantize: bool):
-    """(rows per CTA, row groups per CTA, launcher) for one device and variant."""
+def _kernel(device_index: int, hidden: int, normalize: bool, quantize: bool, pdl: bool | None):
+    """(rows per CTA, row groups per CTA, launcher) for one device and variant; ``pdl``:
+    the call's (None: the process default)."""
     cfg = row_kernel.choose_config(device_arch(device_index), hidden, normalize=normalize,
                                    quantize=quantize)
-    launcher = jit.build(row_kernel.generate(cfg)).launcher(device_index)
+    launcher = jit.build(row_kernel.generate(cfg)).launcher(device_index,
+                                                            programmatic=programmatic(pdl))
     return cfg.rows_per_cta, cfg.groups, launcher
 
 
-def _launcher(rows: int, hidden: int, device: int, normalize: bool, quantize: bool):
+def _launcher(rows: int, hidden: int, device: int, normalize: bool, quantize: bool, pdl):
     """(launcher, grid): one CTA per rows_per_cta x groups rows. The ops call the launcher
     with their arguments by name themselves: one keyword call, no dict passed along."""
-    rows_per_cta, groups, launcher = _kernel(device, hidden, normalize, quantize)
+    rows_per_cta, groups, launcher = _kernel(device, hidden, normalize, quantize, pdl)
     return launcher, (-(-rows // (rows_per_cta * groups)), 1, 1)
 
 
@@ -65,12 +67,16 @@ def _scales(rows: int, groups: int, layout: str, device) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
-             out: torch.Tensor | None = None) -> torch.Tensor:
+             out: torch.Tensor | None = None, pdl: bool | None = None) -> torch.Tensor:
     """``y = x * rsqrt(mean(x^2, -1) + eps) * weight`` with f32 math, bf16 in and out.
 
     x: bf16 [..., K] (2-D inputs may have strided rows); weight: bf16 [K]. K a multiple of 8.
     ``out``: a contiguous bf16 tensor of x's shape to write instead of allocating one (an
     allocation costs several microseconds of host time; see docs/performance.md).
+    ``pdl``: launch with programmatic dependent launch (the kernel may start while the one
+    before it on the stream finishes, and waits for it before it reads or writes global
+    memory); None: the process default, ``PTXFORGE_PDL`` (off unless set). Same bits
+    either way.
     """
     m, k, row_stride, x_ptr, device = _as_rows("x", x)
     w_ptr = _check_weight(weight, k, device)
@@ -83,18 +89,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
             raise ValueError(f"out must be contiguous, got strides {tuple(strides)}")
         require_disjoint("out", (out_ptr, 2 * m * k), row_span(x_ptr, m, row_stride, k, 2),
                          (w_ptr, 2 * k))
+    if pdl is not None:
+        require_pdl(pdl)
     require_cuda("x", x, device)
     if out is None:
         out = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
         out_ptr = out.data_ptr()
     if m:
-        launcher, grid = _launcher(m, k, device, True, False)
+        launcher, grid = _launcher(m, k, device, True, False, pdl)
         launcher(grid, current_stream(device), x=x_ptr, x_row_stride=row_stride, rows=m,
                  weight=w_ptr, eps=float(eps), y=out_ptr)
     return out
 
 
-def quantize_fp8_per_token(x: torch.Tensor, scale_layout: str = "mn_major", *, out=None):
+def quantize_fp8_per_token(x: torch.Tensor, scale_layout: str = "mn_major", *, out=None,
+                           pdl: bool | None = None):
     """Per-token, per-128-channel FP8 quantization (DeepGEMM's activation recipe).
 
     x: bf16 [M, K], K a multiple of 8. Returns ``(q, scales)``: q e4m3 [M, K] and scales
@@ -102,23 +111,25 @@ def quantize_fp8_per_token(x: torch.Tensor, scale_layout: str = "mn_major", *, o
     'mn_major' (default) writes the scales in the MN-major TMA-aligned layout the FP8 GEMM
     reads without a copy; 'row_major' writes a plain contiguous tensor. ``out=(q, scales)``
     writes into given tensors instead (q contiguous; scales of any strides, which then
-    decide the layout).
+    decide the layout). ``pdl``: as ``rms_norm``'s.
     """
     shape, strides, x_ptr, device = inspect("x", x, torch.bfloat16, 2)
-    return _quantize(x, shape, strides[0], x_ptr, device, None, scale_layout, out)
+    return _quantize(x, shape, strides[0], x_ptr, device, None, scale_layout, out, pdl)
 
 
 def rms_norm_quantize_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
-                          scale_layout: str = "mn_major", *, out=None):
+                          scale_layout: str = "mn_major", *, out=None, pdl: bool | None = None):
     """``quantize_fp8_per_token(rms_norm(x, weight, eps))`` in one pass over x, without
-    writing the bf16 intermediate: the same bits as the two calls."""
+    writing the bf16 intermediate: the same bits as the two calls. ``pdl``: as
+    ``rms_norm``'s."""
     shape, strides, x_ptr, device = inspect("x", x, torch.bfloat16, 2)
     w_ptr = _check_weight(weight, shape[1], device)
-    return _quantize(x, shape, strides[0], x_ptr, device, (w_ptr, float(eps)), scale_layout, out)
+    return _quantize(x, shape, strides[0], x_ptr, device, (w_ptr, float(eps)), scale_layout, out,
+                     pdl)
 
 
 def _quantize(x, shape, row_stride: int, x_ptr: int, device: int, weight, scale_layout: str,
-              out):
+              out, pdl):
     """The quantizing kernel on x [M, K]; ``weight``: (pointer, eps) to normalize first, or
     None."""
     m, k = shape
@@ -130,13 +141,15 @@ def _quantize(x, shape, row_stride: int, x_ptr: int, device: int, weight, scale_
         q_ptr, s_ptr, s_strides = inspect_quantized_out(
             q, scales, shape, (m, groups), device, row_span(x_ptr, m, row_stride, k, 2),
             *(((weight[0], 2 * k),) if weight else ()))
+    if pdl is not None:
+        require_pdl(pdl)
     require_cuda("x", x, device)
     if out is None:
         scales = _scales(m, groups, scale_layout, x.device)
         q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
         q_ptr, s_ptr, s_strides = q.data_ptr(), scales.data_ptr(), scales.stride()
     if m:
-        launcher, grid = _launcher(m, k, device, weight is not None, True)
+        launcher, grid = _launcher(m, k, device, weight is not None, True, pdl)
         if weight is None:
             launcher(grid, current_stream(device), x=x_ptr, x_row_stride=row_stride, rows=m,
                      q=q_ptr, scales=s_ptr, scale_row_stride=s_strides[0],

@@ -37,14 +37,26 @@ class Timer:
     # The flush is a fill of a uint8 buffer: its kernel separates one call from the next.
     FLUSH_KERNEL = "FillFunctor<unsigned char>"
 
+    def flush(self) -> None:
+        """Write a buffer larger than the L2 cache, evicting what it held."""
+        if self._flush is None:
+            self._flush = torch.empty(self.flush_bytes, dtype=torch.uint8, device="cuda")
+        self._flush.zero_()
+
     def __call__(self, fn) -> float:
         return self.each([fn])[0]
 
     def each(self, fns) -> list[float]:
         """The median kernel time of each callable, timed one after another in a single
         profiler session (its start and stop are host work, paid once for the lot)."""
-        if self._flush is None:
-            self._flush = torch.empty(self.flush_bytes, dtype=torch.uint8, device="cuda")
+        calls = [sum(end - start for start, end in call) for call in self.intervals(fns)]
+        return [statistics.median(calls[i:i + self.reps]) / 1e3  # us -> ms
+                for i in range(0, len(calls), self.reps)]
+
+    def intervals(self, fns) -> list[list[tuple[float, float]]]:
+        """Each call's device work as (start, end) times in us, in the order it started:
+        ``reps`` calls of each callable after the warm-up, one after another, in a single
+        profiler session, with the L2 flushed before each."""
         for fn in fns:
             for _ in range(self.warmup):
                 fn()
@@ -53,7 +65,7 @@ class Timer:
         with torch.profiler.profile(activities=activities) as prof:
             for fn in fns:
                 for _ in range(self.reps):
-                    self._flush.zero_()
+                    self.flush()
                     fn()
             torch.cuda.synchronize()
         device_work = sorted((e for e in prof.events() if e.device_type.name == "CUDA"),
@@ -61,15 +73,14 @@ class Timer:
         calls = []
         for event in device_work:
             if self.FLUSH_KERNEL in event.name:
-                calls.append(0.0)
+                calls.append([])
             elif calls:
-                calls[-1] += event.time_range.end - event.time_range.start
+                calls[-1].append((event.time_range.start, event.time_range.end))
         expected = self.reps * len(fns)
         if len(calls) != expected or not all(calls):
             raise RuntimeError(f"the profiler saw {len(calls)} calls with device work, "
                                f"expected {expected}")
-        return [statistics.median(calls[i:i + self.reps]) / 1e3  # us -> ms
-                for i in range(0, expected, self.reps)]
+        return calls
 
 
 def copy_of(nbytes: int):
@@ -504,3 +515,96 @@ def decode_table(result: dict) -> str:
     return title + "\n" + format_table(
         ["family", "groups", "M", "N", "K", "MB", "us", "copy us", "of copy", "of roofline",
          "peer us", "speedup", "calc_diff"], rows) + "\n" + "\n".join(lines)
+
+
+# Issue 13's target for programmatic dependent launch: a chain of dependent FP8 GEMMs as a
+# decode step runs them, (N, K) alternating, at M tokens.
+CHAIN_M = 8
+CHAIN_SHAPES = ((4096, 7168), (7168, 2048), (4096, 7168), (7168, 2048))
+
+
+def chain_suite(timer: Timer | None = None) -> dict:
+    """CHAIN_SHAPES' FP8 GEMMs at M = CHAIN_M one after another on one stream, captured in
+    a CUDA graph with pdl False and with pdl True (operands quantized beforehand: the graph
+    holds the four GEMMs alone), each graph replayed with the L2 flushed before every
+    replay. Per graph, medians over the replays: the chain's time (the first kernel's start
+    to the last one's end, from the profiler's kernel records), the gaps between one
+    kernel's end and the next one's start (negative: they overlap), and the replay's time
+    by CUDA events around it (launch included; a check on the profiler's figure). Beside
+    them the sum of the four kernels' times each timed alone (``Timer``), which the chain
+    with PDL should not exceed, and the largest calc_diff of the graph's outputs."""
+    timer = timer or Timer()
+    calls = []
+    for n, k in CHAIN_SHAPES:
+        a, b, ref = fp8_gemm_operands(CHAIN_M, n, k)
+        d = torch.full((CHAIN_M, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        calls.append((lambda pdl, a=a, b=b, d=d: ops.fp8_gemm_nt(a, b, d, pdl=pdl), d, ref))
+    alone = timer.each([lambda call=call: call(False) for call, _, _ in calls])
+    rows = []
+    for pdl in (False, True):
+        graph = _captured(lambda: [call(pdl) for call, _, _ in calls])
+        for _, d, _ in calls:
+            d.fill_(float("nan"))
+        replays = timer.intervals([graph.replay])
+        if any(len(replay) != len(calls) for replay in replays):
+            counts = sorted({len(replay) for replay in replays})
+            raise RuntimeError(f"the profiler saw {counts} kernels in a replay of the graph, "
+                               f"expected {len(calls)}")
+        chains = [max(end for _, end in replay) - replay[0][0] for replay in replays]
+        gaps = [[later[0] - earlier[1] for earlier, later in zip(replay, replay[1:])]
+                for replay in replays]
+        rows.append({"pdl": pdl, "chain_us": statistics.median(chains),
+                     "gaps_us": [statistics.median(gap) for gap in zip(*gaps)],
+                     "events_us": _replay_us(graph, timer),
+                     "calc_diff": max(calc_diff(d, ref) for _, d, ref in calls)})
+        del graph
+    alone_us = [ms * 1e3 for ms in alone]
+    for row in rows:
+        row["of_standalone_sum"] = row["chain_us"] / sum(alone_us)
+    return {"suite": "chain", "gpu": torch.cuda.get_device_name(), "m": CHAIN_M,
+            "shapes": [list(shape) for shape in CHAIN_SHAPES], "standalone_us": alone_us,
+            "standalone_sum_us": sum(alone_us), "rows": rows}
+
+
+def _captured(launch) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of what ``launch()`` enqueues, run once first (plans, launchers)."""
+    launch()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch()
+    return graph
+
+
+def _replay_us(graph, timer: Timer) -> float:
+    """Median time of a replay by CUDA events recorded around it, the L2 flushed first."""
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(timer.reps)]
+    for _ in range(timer.warmup):
+        graph.replay()
+    for start, end in events:
+        timer.flush()
+        start.record()
+        graph.replay()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) for start, end in events) * 1e3
+
+
+def chain_table(result: dict) -> str:
+    shapes = ", ".join(f"{n}x{k}" for n, k in result["shapes"])
+    alone = " + ".join(f"{us:.1f}" for us in result["standalone_us"])
+    rows = [["on" if r["pdl"] else "off", f"{r['chain_us']:.1f}", f"{r['of_standalone_sum']:.1%}",
+             ", ".join(f"{gap:+.1f}" for gap in r["gaps_us"]), f"{r['events_us']:.1f}",
+             f"{r['calc_diff']:.1e}"] for r in result["rows"]]
+    title = (f"{result['gpu']}: a CUDA graph of {len(result['shapes'])} FP8 GEMMs at M = "
+             f"{result['m']}, (N, K) = {shapes}; chain = first kernel's start to last kernel's "
+             f"end (profiler, median of the replays, L2 flushed before each); gaps = next "
+             f"start - end (negative: overlap); graph = a replay by CUDA events, launch "
+             f"included. Standalone (each kernel alone, profiler, L2 flushed): {alone} = "
+             f"{result['standalone_sum_us']:.1f} us")
+    lines = [f"PDL {row[0]}: chain {row[1]} us = {row[2]} of the standalone sum"
+             for row in rows]
+    return (title + "\n" + format_table(
+        ["PDL", "chain us", "of standalone sum", "gaps us", "graph us", "calc_diff"], rows)
+        + "\n" + "\n".join(lines))

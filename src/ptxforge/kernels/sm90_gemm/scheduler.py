@@ -31,16 +31,24 @@ class TileScheduler:
 
     group = None                # the tile's MoE group, a register (grouped layouts)
     extra_coordinates = ()      # the tensor maps' coordinates after (column, row): masked's group
+    # Whether the tiles or their B rows come from device memory (masked_m, m_indices), which
+    # the kernel before this one may still be writing; dense tiles follow from parameters.
+    reads_memory = False
+
+    @staticmethod
+    def layout(cfg) -> type["TileScheduler"]:
+        """The scheduler class for ``cfg``'s layout."""
+        if cfg.masked:
+            return MaskedTiles
+        if cfg.groups:
+            return ContiguousTiles
+        return TileScheduler
 
     @staticmethod
     def create(k, cfg, params) -> "TileScheduler":
         """The scheduler for ``cfg``'s layout; emits its setup (the tile count, this CTA's
         first tile and step)."""
-        if cfg.masked:
-            return MaskedTiles(k, cfg, params)
-        if cfg.groups:
-            return ContiguousTiles(k, cfg, params)
-        return TileScheduler(k, cfg, params)
+        return TileScheduler.layout(cfg)(k, cfg, params)
 
     def __init__(self, k, cfg, params):
         self.k, self.cfg = k, cfg
@@ -127,6 +135,8 @@ class ContiguousTiles(TileScheduler):
     """MoE, contiguous layout: the dense tile order over all groups' rows; each tile takes
     its group from m_indices (a parameter: int32 [M], each row's group, -1 padding)."""
 
+    reads_memory = True
+
     def __init__(self, k, cfg, params):
         super().__init__(k, cfg, params)
         self.m_indices = k.reg("u64", "m_indices")
@@ -150,6 +160,8 @@ class MaskedTiles(TileScheduler):
     """MoE, masked layout: A and D are [groups, M_max, ...] (the group their tensor maps'
     third coordinate); group g's valid rows are masked_m[g] (int32 on the GPU, clamped into
     [0, M_max]); the tile count is the sum of the groups' tile counts."""
+
+    reads_memory = True
 
     def __init__(self, k, cfg, params):
         self.group = k.reg("u32", "moe_group")

@@ -1,0 +1,199 @@
+"""Programmatic dependent launch: every kernel lets the next one start early
+(``griddepcontrol.launch_dependents``) and waits for the one before it
+(``griddepcontrol.wait``) before it touches global memory that kernel may write or read.
+
+The PTX is checked by its control flow, not its text order: the GEMM's producer and math
+warps run different branches, and each must pass a wait before its own first access."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from ptxforge import arch, kernels
+from ptxforge.kernels import sm90_gemm as gemm
+
+from test_golden_ptx import GEMM_MAKE_CONFIG
+
+WAIT, LAUNCH = "griddepcontrol.wait", "griddepcontrol.launch_dependents"
+_INSTRUCTION = re.compile(r"^(@!?%\w+\s+)?([a-z][\w.:]*)\s*(.*?);$")
+
+
+def instructions(ptx: str) -> tuple[list[tuple[bool, str, str]], dict[str, int]]:
+    """The kernel body as (guarded, opcode, operands) and each label's instruction index."""
+    body = ptx[ptx.index("\n{\n") + 3:ptx.rindex("\n}")]
+    program, labels = [], {}
+    for raw in body.splitlines():
+        line = raw.split("//")[0].strip()
+        if not line or line.startswith("."):
+            continue
+        if line.endswith(":"):
+            labels[line[:-1]] = len(program)
+            continue
+        guard, opcode, operands = _INSTRUCTION.match(line).groups()
+        program.append((guard is not None, opcode, operands))
+    return program, labels
+
+
+def passed_on_every_path(ptx: str, opcode: str) -> list[bool]:
+    """For each instruction: whether every path from the kernel's entry to it has executed
+    an ``opcode`` instruction first (a must-analysis over the branches)."""
+    program, labels = instructions(ptx)
+    successors = []
+    for i, (guarded, op, operands) in enumerate(program):
+        if op.startswith("bra"):
+            successors.append([labels[operands]] + ([i + 1] if guarded else []))
+        elif op in ("ret", "exit", "trap"):
+            successors.append([])
+        else:
+            successors.append([i + 1])
+    passed = [False] + [True] * (len(program) - 1)  # on entry to each instruction
+    changed = True
+    while changed:
+        changed = False
+        reached = [False] * len(program)
+        # A guarded instruction may not run: only an unguarded one counts.
+        after = [before or (program[i][1] == opcode and not program[i][0])
+                 for i, before in enumerate(passed)]
+        incoming = [True] * len(program)
+        for i, targets in enumerate(successors):
+            for j in targets:
+                if j < len(program):
+                    reached[j] = True
+                    incoming[j] = incoming[j] and after[i]
+        for j in range(1, len(program)):
+            if reached[j] and incoming[j] != passed[j]:
+                passed[j], changed = incoming[j], True
+    return passed
+
+
+def global_accesses(ptx: str) -> list[int]:
+    """Indices of the instructions that read or write global memory: loads, stores,
+    reductions, bulk and tensor copies (not prefetches, which only warm L2)."""
+    program, _ = instructions(ptx)
+    return [i for i, (_, op, _) in enumerate(program)
+            if "global" in op.split(".") and "prefetch" not in op.split(".")]
+
+
+def check_waits(ptx: str) -> None:
+    program, _ = instructions(ptx)
+    waited, launched = passed_on_every_path(ptx, WAIT), passed_on_every_path(ptx, LAUNCH)
+    accesses = global_accesses(ptx)
+    assert accesses, "no global access found: the check would prove nothing"
+    early = [program[i] for i in accesses if not waited[i]]
+    assert not early, f"global accesses a path reaches before {WAIT}: {early[:3]}"
+    waits = [i for i, (_, op, _) in enumerate(program) if op == WAIT]
+    assert waits and all(launched[i] for i in waits), f"{WAIT} before {LAUNCH} on some path"
+    assert [op for _, op, _ in program].count(LAUNCH) == 1
+
+
+def sm90_variants():
+    a = arch.get("sm_90a")
+    for spec in kernels.REGISTRY.values():
+        for options in spec.variants:
+            yield pytest.param(spec.builder(a, **options), id=f"{spec.name}-{options}")
+    for options in GEMM_MAKE_CONFIG:
+        yield pytest.param(gemm.generate(gemm.make_config(a, **options)),
+                           id="make_config-" + ",".join(f"{k}={v}" for k, v in options.items()))
+
+
+@pytest.mark.parametrize("kernel", list(sm90_variants()))
+def test_every_kernel_launches_dependents_then_waits_before_global_memory(kernel):
+    check_waits(kernel.ptx())
+
+
+def b_prefetches(ptx: str) -> list[int]:
+    program, _ = instructions(ptx)
+    return [i for i, (_, op, operands) in enumerate(program)
+            if op.startswith("cp.async.bulk.prefetch.tensor") and "tmap_b" in operands]
+
+
+@pytest.mark.parametrize("options, prefetched", [
+    (dict(n=4096, k=7168, block_m=64, block_n=32, tile_rows=8, ctas_per_sm=2), True),
+    (dict(n=7168, k=2048, block_m=128, block_n=128, multicast=2), True),
+    (dict(n=2112, k=7168, block_m=128, block_n=96, producers=4, part_buffers=1), True),
+    (dict(n=7168, k=2048, block_m=64, block_n=56, groups=2), False),
+    (dict(n=7168, k=2048, block_m=128, block_n=72, groups=2, masked=True), False)])
+def test_the_dense_gemm_prefetches_the_ring_s_worth_of_weights_before_waiting(options, prefetched):
+    """Dense: before its wait each producer warp pulls its share of the first tile's first
+    `stages` B boxes into L2; the grouped layouts find B's rows in memory the previous
+    kernel may write, so they prefetch nothing."""
+    cfg = gemm.make_config(arch.get("sm_90a"), **options)
+    ptx = gemm.generate(cfg).ptx()
+    waited = passed_on_every_path(ptx, WAIT)
+    before = [i for i in b_prefetches(ptx) if not waited[i]]
+    assert len(before) == (min(cfg.stages, cfg.k_blocks) // cfg.producers if prefetched else 0)
+    assert len(before) == len(b_prefetches(ptx))
+
+
+def test_the_path_check_finds_an_access_a_branch_takes_before_the_wait():
+    """The analysis itself: a load on the branch that skips the wait is caught, the same
+    load after a join of two waiting branches is not."""
+    def kernel(skip_wait_on_one_branch: bool) -> str:
+        other = "" if skip_wait_on_one_branch else "\tgriddepcontrol.wait;\n"
+        return (".visible .entry t(\n)\n{\n\tgriddepcontrol.launch_dependents;\n"
+                "\t@%p bra $L_other;\n\tgriddepcontrol.wait;\n\tbra $L_join;\n$L_other:\n"
+                f"{other}$L_join:\n\tld.global.u32 %r, [%a];\n\tret;\n}}\n")
+    check_waits(kernel(False))
+    with pytest.raises(AssertionError, match="before griddepcontrol.wait"):
+        check_waits(kernel(True))
+
+
+# --------------------------------------------------------------------------- the ops' launchers
+class _Module:
+    """A loaded module's stand-in: its launcher is the LaunchShape it was made for."""
+
+    def launcher(self, shape):
+        return shape
+
+    def max_active_clusters(self, shape):
+        return 66
+
+
+@pytest.fixture
+def launchers(monkeypatch, tmp_path):
+    """The ops' launcher caches, empty, on an sm_90a without a GPU: a launcher is the
+    LaunchShape it would launch with."""
+    from ptxforge import jit
+    from ptxforge.ops import _common, block_quant, gemm as gemm_ops, rowwise
+
+    monkeypatch.setenv("PTXFORGE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(jit.CompiledKernel, "load", lambda self, device_index=0: _Module())
+    for module in (gemm_ops, rowwise, block_quant):
+        monkeypatch.setattr(module, "device_arch", lambda device_index: arch.get("sm_90a"))
+    caches = (gemm_ops._launcher, gemm_ops._plan, rowwise._kernel, block_quant._launcher,
+              _common.default_pdl)
+    for cache in caches:
+        cache.cache_clear()
+    yield {"gemm": lambda pdl: gemm_ops._plan(0, 8, 4096, 7168, 132, False, 0, False, 0,
+                                              "e4m3", False, None, pdl)[0],
+           "masked gemm": lambda pdl: gemm_ops._plan(0, 16, 7168, 2048, 132, False, 4, True,
+                                                     8, "e4m3", False, None, pdl)[0],
+           "rms_norm": lambda pdl: rowwise._kernel(0, 7168, True, False, pdl)[2],
+           "quantize_fp8_per_token": lambda pdl: rowwise._kernel(0, 7168, False, True, pdl)[2],
+           "quantize_fp8_per_block": lambda pdl: block_quant._launcher(0, pdl)}
+    for cache in caches:
+        cache.cache_clear()
+
+
+OP_LAUNCHERS = ["gemm", "masked gemm", "rms_norm", "quantize_fp8_per_token",
+                "quantize_fp8_per_block"]
+
+
+@pytest.mark.parametrize("op", OP_LAUNCHERS)
+def test_the_launch_attribute_is_there_iff_the_call_asks_for_pdl(launchers, op):
+    from ptxforge.runtime.launch import launch_attributes
+
+    pdl_attribute = (6, 1, 0)  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION: 1
+    on, off, default = (launchers[op](pdl) for pdl in (True, False, None))
+    assert on.programmatic and pdl_attribute in launch_attributes(on)
+    assert not off.programmatic and pdl_attribute not in launch_attributes(off)
+    assert default == off  # PTXFORGE_PDL unset: off
+    assert on == type(on)(**{**vars(off), "programmatic": True})  # nothing else differs
+
+
+@pytest.mark.parametrize("op", OP_LAUNCHERS)
+def test_ptxforge_pdl_sets_what_pdl_none_means(launchers, monkeypatch, op):
+    monkeypatch.setenv("PTXFORGE_PDL", "1")
+    assert launchers[op](None).programmatic and not launchers[op](False).programmatic
