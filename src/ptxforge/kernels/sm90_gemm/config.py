@@ -196,19 +196,8 @@ class GemmConfig:
         return self.sa_offset + self.stages * self.sa_stage_bytes
 
     @property
-    def sb_offset(self) -> int:
-        """Each math warpgroup's copy of a tile's B scales (one row, two for a straddling
-        tile, of k_blocks f32), read from global memory once per tile."""
-        return self.partials_offset + (self.splits - 1) * self.rows * self.partial_row_bytes
-
-    @property
-    def sb_row_bytes(self) -> int:
-        return -(-self.k_blocks * 4 // 16) * 16 if self.scaled else 0
-
-    @property
     def full_offset(self) -> int:
-        return (self.sb_offset
-                + self.math_warpgroups * (1 + self.straddles) * self.sb_row_bytes)
+        return self.partials_offset + (self.splits - 1) * self.rows * self.partial_row_bytes
 
     @property
     def empty_offset(self) -> int:

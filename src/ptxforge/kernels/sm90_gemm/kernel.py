@@ -29,8 +29,8 @@ def generate(cfg: GemmConfig) -> KernelBuilder:
                      consumers=4 * cfg.math_warpgroups * cfg.multicast, tx_bytes=cfg.tx_bytes)
     with k.stage("programmatic launch: the next kernel on the stream may start"):
         # First thing: under a programmatic launch the next kernel's CTAs may then take the
-        # SM slots ours leave free or give up, and run their prologue (and prefetch their
-        # first weights) while our tiles finish; its griddepcontrol.wait still waits for
+        # SM slots ours leave free or give up, and run their prologue while our tiles
+        # finish; its griddepcontrol.wait still waits for
         # all of this grid. A no-op otherwise.
         k.griddepcontrol_launch_dependents()
     with k.stage("shared memory base (rounded up to a swizzle atom) and barriers"):
@@ -114,7 +114,12 @@ def _producer(k, cfg, p, base, tid, ring):
 
             tmap_a, tmap_b = tensor_map("tmap_a_ptr", p.tmap_a), tensor_map("tmap_b_ptr", p.tmap_b)
             tmap_sa = tensor_map("tmap_sa_ptr", p.tmap_sa) if cfg.scaled else None
-            tiles = _first_weights_then_wait(k, cfg, p, tid, tmap_b)
+            # A, sa, masked_m and m_indices may be the previous kernel's output (under a
+            # programmatic launch it may still run): the scheduler, which reads the last
+            # two, and every load come after the wait. (Prefetching the first weights into
+            # L2 before it cost 3-14% on every launch, PDL or not: measured, removed.)
+            k.griddepcontrol_wait()
+            tiles = TileScheduler.create(k, cfg, p)
             m0, n0 = k.reg("s32", "m0"), k.reg("s32", "n0")
             if cfg.multicast > 1:
                 m0_share, everyone = k.reg("s32", "m0_share"), k.reg("b16", "cluster_mask")
@@ -170,37 +175,6 @@ def _producer(k, cfg, p, base, tid, ring):
                 if cfg.multicast > 1:
                     k.mad(m0_share, tiles.rank, cfg.a_box_rows, m0, mode="lo", type="s32")
                 load_tile(b_row)
-
-
-def _first_weights_then_wait(k, cfg, p, tid, tmap_b) -> TileScheduler:
-    """The producer's griddepcontrol.wait, and before it what needs nothing the kernel
-    before this one writes. Where the tile order follows from the parameters (the dense
-    layout), each producer warp first pulls the B boxes of its first K blocks of its CTA's
-    first tile into L2 (cp.async.bulk.prefetch.tensor: the ring's worth between the
-    warps, what the loads after the wait will ask for first), so the weight stream starts
-    while that kernel finishes. A prefetch only warms L2, which every later read sees
-    coherently: it is right even for a B written just before. A, sa, masked_m and
-    m_indices may be that kernel's output, so the scheduler of a layout that reads them is
-    made after the wait, and every load of A and sa is issued after it. Returns the
-    scheduler."""
-    layout = TileScheduler.layout(cfg)
-    if layout.reads_memory:
-        k.griddepcontrol_wait()
-        return layout(k, cfg, p)
-    tiles = layout(k, cfg, p)
-    tiles.coordinates(tiles.first)
-    n0, kx, first = k.reg("s32", "prefetch_row"), k.reg("s32", "prefetch_k"), k.reg("u32", "prefetch_kb")
-    k.mul(n0, tiles.n_block, cfg.block_n, mode="lo", type="s32")
-    k.shr(first, tid, 5)
-    if cfg.splits > 1:   # a split-K rank's K blocks start at its own first
-        k.add(first, first, tiles.k_first)
-    # Warp w loads K blocks w, w + producers, ...: it prefetches the first of its own.
-    for j in range(min(cfg.stages, cfg.k_blocks // cfg.splits) // cfg.producers):
-        k.mad(kx, first, cfg.k_per_block, j * cfg.producers * cfg.k_per_block, mode="lo",
-              type="s32")
-        k.cp_async_bulk_prefetch_tensor(tmap_b, [kx, n0])
-    k.griddepcontrol_wait()
-    return tiles
 
 
 @dataclass(frozen=True)

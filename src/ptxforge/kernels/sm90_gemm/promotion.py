@@ -4,13 +4,9 @@ writes a *part* buffer of f32 registers, which is folded into the accumulators w
 scale blocks never accumulate inside the tensor core.
 
 sa (one scale per row per K block) comes with each stage, by TMA, into shared memory; sb
-(one per 128 x 128 block of B) the math warpgroup copies into shared memory at the start
-of each tile, all its K blocks at once: one global-memory latency per tile, while the
-producer fills the stages, instead of one per K block (a few tokens' GEMM streams weights
-so hard that a load issued a K block ahead still stalled the warpgroup: measured, the
-kernel without its scale reads ran 5-20% faster). A tile whose columns straddle two
-128-column rows of B scales (a block_n that does not divide 128) takes each 8-column
-group's sb from its own row.
+(one per 128 x 128 block of B) is read by the math threads from global memory, one K
+block ahead. A tile whose columns straddle two 128-column rows of B scales (a block_n
+that does not divide 128) takes each 8-column group's sb from its own row.
 """
 
 from __future__ import annotations
@@ -28,7 +24,7 @@ class Promotion:
     K block ``scales`` (before the wgmma wait) and ``fold`` (after it)."""
 
     def __init__(self, k, cfg, params, thread, base):
-        self.k, self.cfg, self.thread = k, cfg, thread
+        self.k, self.cfg = k, cfg
         self.parts = [k.regs("f32", cfg.block_n // 2, f"part{b}_") for b in range(cfg.part_buffers)]
         self.sb_base = k.reg("u64", "sb_base")
         # This tile's B scales: the row of its first column, and for a straddling tile the next.
@@ -48,21 +44,15 @@ class Promotion:
         k.mad(self.sa_row, row, 4, base, mode="lo")
         k.add(self.sa_row, self.sa_row, cfg.sa_offset)
         self.sa = k.regs("f32", 2, "sa")       # of the thread's rows: row_in_tile and + 8
-        # The warpgroup's copy of the tile's sb rows, and the thread's place in it.
-        self.sb_smem = k.reg("u32", "sb_smem")
-        k.mad(self.sb_smem, thread.wg, (1 + cfg.straddles) * cfg.sb_row_bytes, base, mode="lo")
-        k.add(self.sb_smem, self.sb_smem, cfg.sb_offset)
-        self.wg_thread = k.reg("u32", "sb_copier")
-        k.and_(self.wg_thread, thread.tid, 127)
+        # sb of the next K block (one load ahead: its latency hides behind a K block).
         self.sb = k.regs("f32", 1 + cfg.straddles, "sb")
         # scale[block][h]: sa of row h times sb of scale row `block`.
         self.scale = [k.regs("f32", 2, f"scale{block}_") for block in range(1 + cfg.straddles)]
-        self.kb = k.reg("u32", "kb")          # the K block's sb, a byte offset in the copy
+        self.kb, self.more = k.reg("u32", "kb"), k.pred("more")
         self._at = k.reg("u32", "sa_at")
 
     def start_tile(self, tiles, acc) -> None:
-        """Zero the accumulators; copy the tile's B scales into the warpgroup's shared
-        memory."""
+        """Zero the accumulators; point at the tile's B scales and load the first K block's."""
         k, cfg = self.k, self.cfg
         for a in acc:
             k.mov(a, 0.0)
@@ -90,47 +80,29 @@ class Promotion:
             k.sub(self.low_groups, BLOCK_K, n0)
             k.shr(self.low_groups, self.low_groups, 3)
             k.min(self.low_groups, self.low_groups, cfg.block_n // 8)
-        self._copy_scales(tiles)
-        if tiles.k_first != 0:     # split-K: from the rank's first K block
-            k.mul(self.kb, tiles.k_first, 4, mode="lo")
-        else:
-            k.mov(self.kb, 0)
-
-    def _copy_scales(self, tiles) -> None:
-        """Thread t of the warpgroup copies K blocks t, t + 128, ... of the tile's sb rows
-        (a split-K rank only its own range) into the warpgroup's copy, between two
-        barriers of the warpgroup: no thread still reads the previous tile's."""
-        k, cfg = self.k, self.cfg
-        barrier = k.reg("u32", "sb_barrier")
-        k.add(barrier, self.thread.wg, 1)
-        k.bar_sync(barrier, 128)
-        kb, at, value = k.reg("u32", "sb_kb"), k.reg("u64", "sb_at"), k.reg("f32", "sb_value")
-        to = k.reg("u32", "sb_to")
-        start = self.wg_thread
-        if tiles.k_first != 0:
-            start = k.reg("u32", "sb_first")
-            k.add(start, self.wg_thread, tiles.k_first)
-        with k.loop(kb, tiles.k_end, start=start, step=128, hint="copy_sb"):
-            k.mad(to, kb, 4, self.sb_smem, mode="lo")
-            for block, ptr in enumerate(self.sb_ptrs):
-                k.mad(at, kb, 4, ptr, mode="wide")
-                k.ld(value, addr(at), nc=True)
-                k.st(addr(to, block * cfg.sb_row_bytes), value, space="shared")
-        k.bar_sync(barrier, 128)
+        if tiles.k_first != 0:   # split-K: from the rank's first K block
+            for ptr in self.sb_ptrs:
+                k.mad(ptr, tiles.k_first, 4, ptr, mode="wide")
+        for block, ptr in enumerate(self.sb_ptrs):
+            k.ld(self.sb[block], addr(ptr), nc=True)
+        k.mov(self.kb, tiles.k_first)
+        self.k_end = tiles.k_end
 
     def scales(self, stage) -> None:
-        """The K block in stage ``stage``: its scales, sa from the stage times sb from the
-        warpgroup's copy."""
+        """The K block in stage ``stage``: its scales (sa from the stage, times the sb loaded
+        one block ahead), and the next block's sb."""
         k, sa = self.k, self.sa
         k.mad(self._at, stage, self.cfg.sa_stage_bytes, self.sa_row, mode="lo")
         k.ld(sa[0], addr(self._at), space="shared")
         k.ld(sa[1], addr(self._at, 8 * 4), space="shared")
-        k.add(self._at, self.sb_smem, self.kb)
-        for block in range(len(self.sb_ptrs)):
-            k.ld(self.sb[block], addr(self._at, block * self.cfg.sb_row_bytes), space="shared")
+        k.add(self.kb, self.kb, 1)
+        k.setp("lt", self.more, self.kb, self.k_end, type="u32")
+        for block, ptr in enumerate(self.sb_ptrs):
             k.mul(self.scale[block][0], sa[0], self.sb[block])
             k.mul(self.scale[block][1], sa[1], self.sb[block])
-        k.add(self.kb, self.kb, 4)
+            k.add(ptr, ptr, 4)
+            with k.guard(self.more):
+                k.ld(self.sb[block], addr(ptr), nc=True)
 
     def fold(self, acc, part) -> None:
         """acc += part * scale. The thread's accumulators come in 8-column groups of 4:

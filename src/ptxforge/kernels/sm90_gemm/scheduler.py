@@ -31,24 +31,16 @@ class TileScheduler:
 
     group = None                # the tile's MoE group, a register (grouped layouts)
     extra_coordinates = ()      # the tensor maps' coordinates after (column, row): masked's group
-    # Whether the tiles or their B rows come from device memory (masked_m, m_indices), which
-    # the kernel before this one may still be writing; dense tiles follow from parameters.
-    reads_memory = False
-
-    @staticmethod
-    def layout(cfg) -> type["TileScheduler"]:
-        """The scheduler class for ``cfg``'s layout."""
-        if cfg.masked:
-            return MaskedTiles
-        if cfg.groups:
-            return ContiguousTiles
-        return TileScheduler
 
     @staticmethod
     def create(k, cfg, params) -> "TileScheduler":
         """The scheduler for ``cfg``'s layout; emits its setup (the tile count, this CTA's
         first tile and step)."""
-        return TileScheduler.layout(cfg)(k, cfg, params)
+        if cfg.masked:
+            return MaskedTiles(k, cfg, params)
+        if cfg.groups:
+            return ContiguousTiles(k, cfg, params)
+        return TileScheduler(k, cfg, params)
 
     def __init__(self, k, cfg, params):
         self.k, self.cfg = k, cfg
@@ -135,8 +127,6 @@ class ContiguousTiles(TileScheduler):
     """MoE, contiguous layout: the dense tile order over all groups' rows; each tile takes
     its group from m_indices (a parameter: int32 [M], each row's group, -1 padding)."""
 
-    reads_memory = True
-
     def __init__(self, k, cfg, params):
         super().__init__(k, cfg, params)
         self.m_indices = k.reg("u64", "m_indices")
@@ -161,32 +151,10 @@ class MaskedTiles(TileScheduler):
     third coordinate); group g's valid rows are masked_m[g] (int32 on the GPU, clamped into
     [0, M_max]); the tile count is the sum of the groups' tile counts."""
 
-    reads_memory = True
-
     def __init__(self, k, cfg, params):
         self.group = k.reg("u32", "moe_group")
         self.extra_coordinates = (self.group,)
         super().__init__(k, cfg, params)
-
-    # The K blocks [k_first, k_end) of every tile this CTA takes, and their count: all of
-    # them (Python ints), or with split-K its rank's share (registers, set once).
-    k_first = 0
-    k_end = k_blocks = None
-
-    def _split_range(self) -> None:
-        """Split-K: the CTA of rank r sums K blocks [r * kb / splits, (r + 1) * kb / splits)
-        of each tile (cfg.split_range), kb the K blocks of the problem."""
-        k, cfg = self.k, self.cfg
-        if cfg.splits == 1:
-            self.k_end = self.k_blocks = cfg.k_blocks
-            return
-        self.k_first, self.k_end = k.reg("u32", "k_first"), k.reg("u32", "k_end")
-        self.k_blocks = k.reg("u32", "k_count")
-        k.mul(self.k_first, self.rank, cfg.k_blocks, mode="lo")
-        k.div(self.k_first, self.k_first, cfg.splits, type="u32")
-        k.mad(self.k_end, self.rank, cfg.k_blocks, cfg.k_blocks, mode="lo")
-        k.div(self.k_end, self.k_end, cfg.splits, type="u32")
-        k.sub(self.k_blocks, self.k_end, self.k_first)
 
     def _count_tiles(self, params) -> None:
         k = self.k
