@@ -169,6 +169,8 @@ def _instruction_calls(k):
         "ldmatrix": lambda: k.ldmatrix(q, addr(u)), "stmatrix": lambda: k.stmatrix(addr(u), q),
         "cp_async_bulk_tensor_load": lambda: k.cp_async_bulk_tensor_load(addr(u), d64, [v, w], addr(u)),
         "cp_async_bulk_load": lambda: k.cp_async_bulk_load(addr(u), a, 256, addr(u)),
+        "cp_async": lambda: k.cp_async(addr(u), a, 4),
+        "cp_async_mbarrier_arrive": lambda: k.cp_async_mbarrier_arrive(addr(u)),
         "cp_async_bulk_tensor_store": lambda: k.cp_async_bulk_tensor_store(d64, [v, w], addr(u)),
         "cp_async_bulk_prefetch_tensor": lambda: k.cp_async_bulk_prefetch_tensor(d64, [v, w]),
         "cp_reduce_async_bulk_tensor": lambda: k.cp_reduce_async_bulk_tensor(d64, [v, w], addr(u)),
@@ -262,6 +264,8 @@ def feature_tour() -> KernelBuilder:
     k.mbarrier_arrive(addr(r), remote=True, cluster_release=True)
     k.mbarrier_arrive(addr(bar))
     k.st_async(addr(r, 8), [r, r], addr(r), type="b32")
+    k.cp_async(addr(base), addr(g), 4)
+    k.cp_async_mbarrier_arrive(addr(bar))
     k.setmaxnreg(40, increase=False)
     return k
 

@@ -28,16 +28,20 @@ BARRIER_BYTES = 8
 class StageRing:
     def __init__(self, k: KernelBuilder, base: Reg, count: int, *, full_offset: int,
                  empty_offset: int | None = None, consumers: int = 0,
-                 tx_bytes: int | None = None, stage_bytes: int = 0):
+                 tx_bytes: int | None = None, stage_bytes: int = 0, fillers: int = 1):
         """``base``: a u32 shared-memory address; the full (and empty) barriers are 8 bytes
         apart from ``full_offset`` (``empty_offset``) past it. ``consumers``: the arrivals
         that free a stage. ``tx_bytes``: what one stage's copies deliver, derived from
-        the copies' boxes, for ``acquire``. ``stage_bytes``: a packed ring's stage size."""
+        the copies' boxes, for ``acquire``. ``stage_bytes``: a packed ring's stage size.
+        ``fillers``: arrivals that complete a full barrier besides its bytes: the
+        producer's expect-tx, and one per other kind of copy that arrives when it lands
+        (``cp.async.mbarrier.arrive.noinc``)."""
         if (empty_offset is None) != (consumers == 0):
             raise ValueError("a ring with empty barriers needs consumers to arrive on them")
         self.k, self.base, self.count = k, base, count
         self.full_offset, self.empty_offset = full_offset, empty_offset
         self.consumers, self.tx_bytes, self.stage_bytes = consumers, tx_bytes, stage_bytes
+        self.fillers = fillers
         self._at = None
 
     @classmethod
@@ -65,7 +69,7 @@ class StageRing:
         k = self.k
         with k.guard(thread0):
             for s in range(self.count):
-                k.mbarrier_init(addr(self.base, self.barrier_offset(s)), 1)
+                k.mbarrier_init(addr(self.base, self.barrier_offset(s)), self.fillers)
                 if self.empty_offset is not None:
                     k.mbarrier_init(addr(self.base, self.empty_offset + s * BARRIER_BYTES),
                                     self.consumers)

@@ -95,6 +95,16 @@ class TensorOps:
             operands.append(cache_hint)
         self.emit(opcode, *operands)
 
+    def cp_async(self, dst: Address, src: Address, nbytes: int) -> None:
+        """Global -> shared copy of 4, 8 or 16 bytes (``cp.async.ca``), tracked by
+        ``cp_async_mbarrier_arrive`` (or cp.async groups)."""
+        self.emit("cp.async.ca.shared.global", dst, src, nbytes)
+
+    def cp_async_mbarrier_arrive(self, bar: Address) -> None:
+        """An arrival on the mbarrier at ``bar`` once this thread's cp.async copies so far
+        have landed. ``.noinc``: the barrier's expected count includes this arrival."""
+        self.emit("cp.async.mbarrier.arrive.noinc.shared::cta.b64", bar)
+
     def cp_async_bulk_load(self, dst: Address, src: Address, nbytes: Operand, bar: Address) -> None:
         """Global -> shared copy of ``nbytes`` contiguous bytes (16-byte aligned, a multiple of
         16) completing on ``bar`` as ``nbytes`` transaction bytes."""

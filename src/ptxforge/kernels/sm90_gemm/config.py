@@ -191,9 +191,19 @@ class GemmConfig:
         return self.rows * self.block_n * 4
 
     @property
+    def sb_stage_bytes(self) -> int:
+        """A stage's B scales: the K block's of the tile's one or two scale rows (f32), in
+        16 bytes."""
+        return 16 if self.scaled else 0
+
+    @property
+    def sb_offset(self) -> int:
+        return self.sa_offset + self.stages * self.sa_stage_bytes
+
+    @property
     def partials_offset(self) -> int:
         """Where the partial tiles of splits 1 .. splits - 1 land (in rank 0)."""
-        return self.sa_offset + self.stages * self.sa_stage_bytes
+        return self.sb_offset + self.stages * self.sb_stage_bytes
 
     @property
     def full_offset(self) -> int:

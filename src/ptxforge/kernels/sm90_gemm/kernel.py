@@ -10,7 +10,7 @@ from ... import arch
 from ...patterns.pipeline import StageRing, next_stage
 from ...ptx import KernelBuilder, Reg, addr, sreg, vec
 from .config import PRODUCER_REGISTERS, ROW_BYTES, SWIZZLE_ATOM, GemmConfig
-from .promotion import Promotion
+from .promotion import Promotion, TileScaleRows
 from .scheduler import TileScheduler
 from .split_k import SplitReduction, init_barriers
 
@@ -26,7 +26,8 @@ def generate(cfg: GemmConfig) -> KernelBuilder:
     # fill it (the cluster's, with multicast).
     ring = StageRing(k, base, cfg.stages, full_offset=cfg.full_offset,
                      empty_offset=cfg.empty_offset,
-                     consumers=4 * cfg.math_warpgroups * cfg.multicast, tx_bytes=cfg.tx_bytes)
+                     consumers=4 * cfg.math_warpgroups * cfg.multicast, tx_bytes=cfg.tx_bytes,
+                     fillers=1 + cfg.scaled)   # e4m3: the B scales' cp.async arrives too
     with k.stage("programmatic launch: the next kernel on the stream may start"):
         # First thing: under a programmatic launch the next kernel's CTAs may then take the
         # SM slots ours leave free or give up, and run their prologue while our tiles
@@ -97,8 +98,8 @@ def _producer(k, cfg, p, base, tid, ring):
     """Lane 0 of each producer warp issues the loads of every producers-th K block (of the
     tile sequence as a whole): one thread's chain of barrier waits, address arithmetic and
     TMA issues per stage is what bounds the small tiles, and warps take it in turns."""
-    with k.stage("producer: lane 0 of the producer warps streams A, B and sa into the stage "
-                 "ring, tile after tile, the warps taking turns over the K blocks"):
+    with k.stage("producer: lane 0 of the producer warps streams A, B, sa and sb into the "
+                 "stage ring, tile after tile, the warps taking turns over the K blocks"):
         k.setmaxnreg(PRODUCER_REGISTERS, increase=False)
         leader, mine = k.pred("producer_leader"), k.reg("u32", "p_leader_bits")
         # tid is 32 * warp (lane 0) with warp < producers: no bits outside 32 * (producers - 1).
@@ -120,6 +121,7 @@ def _producer(k, cfg, p, base, tid, ring):
             # L2 before it cost 3-14% on every launch, PDL or not: measured, removed.)
             k.griddepcontrol_wait()
             tiles = TileScheduler.create(k, cfg, p)
+            scale_rows = TileScaleRows(k, cfg, p) if cfg.scaled else None
             m0, n0 = k.reg("s32", "m0"), k.reg("s32", "n0")
             if cfg.multicast > 1:
                 m0_share, everyone = k.reg("s32", "m0_share"), k.reg("b16", "cluster_mask")
@@ -130,7 +132,8 @@ def _producer(k, cfg, p, base, tid, ring):
             k.mov(stage, first)
             k.mov(phase, 0)
             kx = k.reg("s32", "k0")
-            dst_a, dst_b, dst_sa = (k.reg("u32", n) for n in ("dst_a", "dst_b", "dst_sa"))
+            dst_a, dst_b, dst_sa, dst_sb = (k.reg("u32", n)
+                                            for n in ("dst_a", "dst_b", "dst_sa", "dst_sb"))
             group = list(tiles.extra_coordinates)   # the masked layout's: A's and sa's group
 
             start = first
@@ -162,6 +165,9 @@ def _producer(k, cfg, p, base, tid, ring):
                     if cfg.scaled:
                         k.cp_async_bulk_tensor_load(addr(dst_sa), tmap_sa, [m0, kb] + group,
                                                     addr(full))
+                        k.mad(dst_sb, stage, cfg.sb_stage_bytes, base, mode="lo")
+                        k.add(dst_sb, dst_sb, cfg.sb_offset)
+                        scale_rows.copy(kb, dst_sb, full)
                     next_stage(k, stage, phase, cfg.stages, cfg.producers)
                 if cfg.producers > 1:
                     k.sub(first, kb, tiles.k_end)
@@ -172,6 +178,8 @@ def _producer(k, cfg, p, base, tid, ring):
                 k.mul(n0, tiles.n_block, cfg.block_n, mode="lo", type="s32")
                 tiles.load_group()
                 b_row = tiles.b_row(n0)
+                if cfg.scaled:
+                    scale_rows.start_tile(tiles, n0)
                 if cfg.multicast > 1:
                     k.mad(m0_share, tiles.rank, cfg.a_box_rows, m0, mode="lo", type="s32")
                 load_tile(b_row)
