@@ -34,7 +34,7 @@ def test_registers_params_and_header():
     acc = k.regs("f32", 4, "acc")
     anon = k.reg("u32")
     text = k.ptx()
-    assert text.startswith("// ptxforge kernel demo\n.version 8.1\n.target sm_90a\n.address_size 64")
+    assert text.startswith("// ptxforge kernel demo\n.version 8.0\n.target sm_90a\n.address_size 64")
     assert ".param .u64 x,\n\t.param .align 64 .b8 tmap[128]\n)" in text
     assert ".maxntid 256, 1, 1\n.minnctapersm 2" in text
     assert "\t.reg .u32 %row;" in text and "\t.reg .f32 %acc<4>;" in text
@@ -146,7 +146,6 @@ def _instruction_calls(k):
         "and_pred": lambda: k.and_pred(p, p, p), "cvt": lambda: k.cvt(f, u, rnd="rn"),
         "cvta": lambda: k.cvta(d64, d64, space="global"),
         "ld": lambda: k.ld(q, a), "st": lambda: k.st(a, q), "ld_param": lambda: k.ld_param(d64, k.params[0]),
-        "st_async": lambda: k.st_async(addr(u), [v, w], addr(u), type="b32"),
         "atom": lambda: k.atom(u, a, 1, op="add"), "red": lambda: k.red(a, u, op="add"),
         "prefetch": lambda: k.prefetch(a), "prefetch_tensormap": lambda: k.prefetch_tensormap(a),
         "bar_sync": lambda: k.bar_sync(0), "bar_arrive": lambda: k.bar_arrive(1, 64),
@@ -261,9 +260,7 @@ def feature_tour() -> KernelBuilder:
     k.griddepcontrol_launch_dependents()
     k.mapa(r, base, 1)
     k.mbarrier_arrive(addr(r), remote=True)
-    k.mbarrier_arrive(addr(r), remote=True, cluster_release=True)
     k.mbarrier_arrive(addr(bar))
-    k.st_async(addr(r, 8), [r, r], addr(r), type="b32")
     k.cp_async(addr(base), addr(g), 4)
     k.cp_async_mbarrier_arrive(addr(bar))
     k.setmaxnreg(40, increase=False)

@@ -329,35 +329,21 @@ def test_gemm_multicast_shares_a_across_a_cluster_pair():
     assert compiled.resources.spills == 0
 
 
-def test_gemm_split_k_hands_partials_to_rank_0():
-    """Split-K: a cluster of `splits` CTAs per tile, each over a balanced, non-empty range
-    of K blocks; ranks > 0 send their partial rows into rank 0's shared memory with
-    st.async (completing on rank 0's barrier), rank 0 frees each rank's slot with one
-    cluster-release arrive per tile (not per K block), and only rank 0 stores D."""
+@pytest.mark.parametrize("block_n, dtype", [(64, "e4m3"), (96, "e4m3"), (64, "bf16")])
+def test_gemm_b_scales_come_with_each_stage(block_n, dtype):
+    """e4m3: the producer copies each K block's B scales into its stage (a 4-byte cp.async
+    per scale row: two for a tile straddling two rows) and arrives on the stage's full
+    barrier when they land, so a full barrier expects two arrivals; the math warps read
+    sb from shared memory only. bf16 has no scales: one arrival."""
     from ptxforge.kernels import sm90_gemm as gemm
 
-    sm90 = arch.get("sm_90a")
-    for dtype, block_n, rows, splits in (("e4m3", 64, 8, 4), ("bf16", 128, 0, 3),
-                                         ("e4m3", 128, 16, 7)):
-        cfg = gemm.make_config(sm90, 2112, 7168, 64, block_n, dtype=dtype, tile_rows=rows,
-                               splits=splits)
-        ranges = [cfg.split_range(s) for s in range(splits)]
-        assert ranges[0][0] == 0 and ranges[-1][1] == cfg.k_blocks
-        assert all(end > first for first, end in ranges)
-        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
-        assert cfg.launch.cluster == splits and cfg.name.endswith(f"_k{splits}")
-        ptx = gemm.generate(cfg).ptx()
-        pairs = block_n // 8 * (1 if cfg.rows == 8 else 2)
-        assert ptx.count("st.async.weak.shared::cluster.mbarrier::complete_tx::bytes.v2.b32") == pairs
-        assert ptx.count("mbarrier.arrive.release.cluster.shared::cluster.b64") == splits - 1
-        assert ptx.count("cp.async.bulk.tensor.2d.global.shared::cta") == block_n // cfg.d_box_cols
-        assert jit.build(gemm.generate(cfg)).resources.spills == 0
-    for wrong, why in (({"splits": 9}, "splits must be 1, or 2-8"),
-                       ({"splits": 2, "multicast": 2}, "no multicast"),
-                       ({"splits": 2, "accumulate": True}, "bf16 D"),
-                       ({"splits": 2, "groups": 2}, "dense"),
-                       ({"splits": 57}, "no more than the K blocks")):
-        with pytest.raises(ValueError, match=why):
-            gemm.make_config(sm90, 4096, 7168, 64, 128, **wrong)
-    with pytest.raises(ValueError, match="splits must be"):
-        gemm.make_config(sm90, 2112, 7168, 128, 128, splits=2)   # 128-row tiles
+    cfg = gemm.make_config(arch.get("sm_90a"), 2112, 7168, 64, block_n, dtype=dtype)
+    ptx = gemm.generate(cfg).ptx()
+    rows = 1 + cfg.straddles
+    assert ptx.count("cp.async.ca.shared.global") == (rows if cfg.scaled else 0)
+    assert ptx.count("cp.async.mbarrier.arrive.noinc.shared::cta.b64") == cfg.scaled
+    inits = [line.split(",")[-1].strip(" ;") for line in ptx.splitlines()
+             if "mbarrier.init" in line]
+    assert inits[0:2 * cfg.stages:2] == ["2" if cfg.scaled else "1"] * cfg.stages  # full, empty, ...
+    assert "ld.global.nc.f32" not in ptx    # no per-K-block scale load by the math warps
+    assert jit.build(gemm.generate(cfg)).resources.spills == 0

@@ -49,7 +49,7 @@ def _launcher(device_index: int, cfg, programmatic: bool):
     ``programmatic``: a launcher with programmatic dependent launch (PDL)."""
     compiled = jit.build(gemm_kernel.generate(cfg))
     launcher = compiled.launcher(device_index, programmatic=programmatic)
-    if cfg.cluster == 1:
+    if cfg.multicast == 1:
         return launcher, None
     return launcher, compiled.load(device_index).max_active_clusters(compiled.launch)
 
@@ -91,11 +91,10 @@ def _plan(device_index: int, m: int, n: int, k: int, sms: int, accumulate: bool,
     m_tiles = ceil_div(m, config.rows)
     tiles = m_tiles * config.n_tiles * (groups if masked else 1)
     # Persistent: no more CTAs (whole clusters) than run at once; at least one cluster.
-    # A cluster takes `multicast` tiles at a time, or one tile in `splits` K splits.
-    clusters = max(min(tiles // config.multicast, sms * config.ctas_per_sm // config.cluster), 1)
+    clusters = max(min(tiles, sms * config.ctas_per_sm) // config.multicast, 1)
     if resident_clusters is not None:
         clusters = min(clusters, resident_clusters)
-    return launcher, clusters * config.cluster, m_tiles
+    return launcher, clusters * config.multicast, m_tiles
 
 
 def _scaled_a(a):
@@ -185,8 +184,8 @@ def fp8_gemm_nt(a, b, d: torch.Tensor, c: torch.Tensor | None = None, *,
     another kernel can run beside this one on the rest. config: a tile to use instead of
     the model's choice (``kernels.sm90_gemm.make_config``), checked against the call.
     pdl: launch with programmatic dependent launch (PDL): the kernel may start while the
-    kernel before it on the stream finishes, its set-up and (dense) an L2 prefetch of its
-    first weights overlapping that kernel's end; it waits for that kernel before it reads
+    kernel before it on the stream finishes, its launch and set-up overlapping that
+    kernel's end; it waits for that kernel before it reads
     an input or writes d. None: the process default, ``PTXFORGE_PDL`` (off unless set).
     The results are the same bits either way.
 

@@ -38,16 +38,6 @@ class MemoryOps:
         data, width, t = _vector_and_type(src, type)
         self.emit(f"st.{space}" + _hints(cache, eviction) + f"{width}.{t}", address, data)
 
-    def st_async(self, address: Address, src: Reg | list, barrier: Address, *,
-                 type: str | None = None) -> None:
-        """A store into another CTA's shared memory (``address`` and ``barrier`` are
-        shared::cluster addresses, see ``mapa``) that completes its bytes on the mbarrier
-        at ``barrier`` there: ``st.async.weak.shared::cluster.mbarrier::complete_tx::bytes``.
-        The reader waits on that barrier; no fence is needed."""
-        data, width, t = _vector_and_type(src, type)
-        self.emit(f"st.async.weak.shared::cluster.mbarrier::complete_tx::bytes{width}.{t}",
-                  address, data, barrier)
-
     def ld_param(self, d: Reg, param) -> None:
         self.emit(f"ld.param.{type_of(d)}", d, Address(param))
 

@@ -50,17 +50,12 @@ class SyncOps:
     def mbarrier_init(self, bar: Address, count: Operand) -> None:
         self.emit("mbarrier.init.shared::cta.b64", bar, count)
 
-    def mbarrier_arrive(self, bar: Address, *, remote: bool = False,
-                        cluster_release: bool = False) -> None:
+    def mbarrier_arrive(self, bar: Address, *, remote: bool = False) -> None:
         """Arrive once. ``remote``: ``bar`` is a shared::cluster address (see ``mapa``).
-        Both release at CTA scope (the default): a ``.release.cluster`` arrive
-        (``cluster_release``, remote only) compiles to a GPU-wide MEMBAR before the
-        arrival, which halved the FP8 GEMM's speed where every K block paid it."""
-        if cluster_release and not remote:
-            raise ValueError("cluster_release is for a remote arrive")
+        Both release at CTA scope (the default): a ``.release.cluster`` arrive compiles to a
+        GPU-wide MEMBAR before every arrival, which halved the FP8 GEMM's speed."""
         if remote:
-            self.emit("mbarrier.arrive" + (".release.cluster" if cluster_release else "")
-                      + ".shared::cluster.b64", "_", bar)
+            self.emit("mbarrier.arrive.shared::cluster.b64", "_", bar)
         else:
             self.emit("mbarrier.arrive.shared::cta.b64", "_", bar)
 

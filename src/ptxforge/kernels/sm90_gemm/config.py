@@ -45,9 +45,6 @@ class GemmConfig:
                            # 0: block_m. The wgmma still computes 64 rows: those past
                            # tile_rows read what follows in shared memory (A) or their
                            # stage's last scales (sa), and are never stored.
-    splits: int = 1        # > 1: split-K, a cluster of this many CTAs per tile, each summing
-                           # its own range of K blocks; rank 0 adds the others' partial
-                           # tiles (sent into its shared memory) in rank order and stores D
 
     def __post_init__(self):
         # The contiguous layout's segments and the multicast split assume whole tiles.
@@ -65,22 +62,12 @@ class GemmConfig:
                 + ("_acc" if self.accumulate else "")
                 + (f"_g{self.groups}" if self.groups else "") + ("m" if self.masked else "")
                 + (f"_w{self.producers}" if self.producers > 1 else "")
-                + ("_bias" if self.bias else "") + (f"_r{self.tile_rows}" if self.tile_rows else "")
-                + (f"_k{self.splits}" if self.splits > 1 else ""))
+                + ("_bias" if self.bias else "") + (f"_r{self.tile_rows}" if self.tile_rows else ""))
 
     @property
     def rows(self) -> int:
         """Rows of A and D one tile covers (M advances by this much from tile to tile)."""
         return self.tile_rows or self.block_m
-
-    @property
-    def cluster(self) -> int:
-        """CTAs of a cluster: the multicast pair sharing A, or a tile's K splits."""
-        return self.multicast * self.splits
-
-    def split_range(self, split: int) -> tuple[int, int]:
-        """The K blocks [first, end) that split ``split`` of a tile sums: balanced, none empty."""
-        return split * self.k_blocks // self.splits, (split + 1) * self.k_blocks // self.splits
 
     @property
     def math_warpgroups(self) -> int:
@@ -180,17 +167,6 @@ class GemmConfig:
         return self.d_offset + self.d_bytes
 
     @property
-    def partial_row_bytes(self) -> int:
-        """A row of a split's f32 partial tile in rank 0's shared memory, padded by 32
-        bytes so that the 8 rows a warp reads at once start in different banks."""
-        return self.block_n * 4 + 32
-
-    @property
-    def partial_bytes(self) -> int:
-        """The data of one split's partial tile: its rows x block_n f32."""
-        return self.rows * self.block_n * 4
-
-    @property
     def sb_stage_bytes(self) -> int:
         """A stage's B scales: the K block's of the tile's one or two scale rows (f32), in
         16 bytes."""
@@ -201,29 +177,17 @@ class GemmConfig:
         return self.sa_offset + self.stages * self.sa_stage_bytes
 
     @property
-    def partials_offset(self) -> int:
-        """Where the partial tiles of splits 1 .. splits - 1 land (in rank 0)."""
-        return self.sb_offset + self.stages * self.sb_stage_bytes
-
-    @property
     def full_offset(self) -> int:
-        return self.partials_offset + (self.splits - 1) * self.rows * self.partial_row_bytes
+        return self.sb_offset + self.stages * self.sb_stage_bytes
 
     @property
     def empty_offset(self) -> int:
         return self.full_offset + self.stages * BARRIER_BYTES
 
     @property
-    def split_barriers_offset(self) -> int:
-        """Split-K's two barriers: partials_full (rank 0: the other splits' partial tiles
-        have landed) and partial_free (the others: rank 0 has read this one's)."""
-        return self.empty_offset + self.stages * BARRIER_BYTES
-
-    @property
     def dynamic_shared_bytes(self) -> int:
         # + SWIZZLE_ATOM: the kernel rounds the dynamic base up to a swizzle atom.
-        return (self.split_barriers_offset + 2 * BARRIER_BYTES * (self.splits > 1)
-                + SWIZZLE_ATOM)
+        return self.empty_offset + self.stages * BARRIER_BYTES + SWIZZLE_ATOM
 
     @property
     def tensor_maps(self) -> dict[str, TensorMap]:
@@ -246,7 +210,7 @@ class GemmConfig:
     @property
     def launch(self) -> LaunchShape:
         return LaunchShape(block=self.threads, shared_bytes=self.dynamic_shared_bytes,
-                           cluster=self.cluster)
+                           cluster=self.multicast)
 
     @property
     def tx_bytes(self) -> int:
@@ -262,7 +226,6 @@ class GemmConfig:
 # 10.9 us at 12, 13.2 at 35), likely as the flood of weight loads delays the math warps'
 # per-K-block loads of B scales; bf16, which has none, was best at 16-24.
 MAX_STAGES = {"e4m3": 12, "bf16": 24}
-MAX_SPLITS = 8           # a portable cluster's CTAs
 # Registers a math thread needs besides the accumulators (acc and part: block_n of them)
 # and what its epilogue keeps (Epilogue.registers). 40 is what ptxas needs: every tile it
 # admits assembles without spills (a sweep of all of them with ptxas 13.0), among them
@@ -298,8 +261,7 @@ def make_config(arch: Arch, n: int, k: int, block_m: int, block_n: int,
                 ctas_per_sm: int = 1, multicast: int = 1,
                 part_buffers: int | None = None, accumulate: bool = False,
                 groups: int = 0, masked: bool = False, dtype: str = "e4m3",
-                producers: int = 2, bias: bool = False, tile_rows: int = 0,
-                splits: int = 1) -> GemmConfig:
+                producers: int = 2, bias: bool = False, tile_rows: int = 0) -> GemmConfig:
     """A config for one tile shape: as many stages as the CTA's share of shared memory
     holds, and the math registers that residency leaves. ``multicast`` 2: clusters of two
     CTAs on neighbouring tiles of one block row, each loading half of the shared A tile.
@@ -313,10 +275,7 @@ def make_config(arch: Arch, n: int, k: int, block_m: int, block_n: int,
     ``bias``: a bf16 [N] bias added to D's rows (dense, bf16 D only). ``tile_rows`` 8, 16
     or 32: a 64-row tile that covers only that many rows of A and D (dense or masked, no
     multicast):
-    a few tokens' stages hold less of A, so more of them, more weight bytes, fit.
-    ``splits`` 2-8: split-K over a cluster of that many CTAs per tile (dense, 64-row tiles,
-    bf16 D, no multicast): a few tokens' thin GEMM keeps every SM streaming weights with
-    wide tiles."""
+    a few tokens' stages hold less of A, so more of them, more weight bytes, fit."""
     require_problem(arch, n, k)
     widths = block_n_candidates(arch, scaled=dtype == "e4m3")
     if block_m not in (64, 128) or block_n not in widths:
@@ -340,15 +299,6 @@ def make_config(arch: Arch, n: int, k: int, block_m: int, block_n: int,
         raise ValueError(f"tile_rows must be 8, 16 or 32, with block_m 64, no multicast and a "
                          f"dense or masked layout; got tile_rows={tile_rows}, block_m={block_m}, "
                          f"multicast={multicast}, groups={groups}, masked={masked}")
-    if splits != 1 and (type(splits) is not int or not 2 <= splits <= MAX_SPLITS
-                        or block_m != 64 or multicast > 1 or accumulate or groups
-                        or splits > -(-k // (ROW_BYTES // (1 if dtype == "e4m3" else 2)))):
-        raise ValueError(f"splits must be 1, or 2-{MAX_SPLITS} K splits (no more than the K "
-                         f"blocks) of a dense 64-row tile with a bf16 D and no multicast; got "
-                         f"splits={splits!r}, block_m={block_m}, multicast={multicast}, "
-                         f"accumulate={accumulate}, groups={groups}")
-    if splits > 1:
-        arch.require("clusters", "the GEMM's split-K")
     if bias and (accumulate or groups):
         raise ValueError(f"bias is added to a dense GEMM's bf16 D only, got accumulate="
                          f"{accumulate}, groups={groups}")
@@ -359,7 +309,7 @@ def make_config(arch: Arch, n: int, k: int, block_m: int, block_n: int,
     plan = lambda stages: GemmConfig(n, k, block_m, block_n, stages, ctas_per_sm, 0, arch.target,
                                      multicast, accumulate=accumulate, groups=groups,
                                      masked=masked, dtype=dtype, bias=bias,
-                                     tile_rows=tile_rows, splits=splits)
+                                     tile_rows=tile_rows)
     stages = max((s for s in range(1, MAX_STAGES[dtype] + 1)
                   if plan(s).dynamic_shared_bytes <= budget), default=0)
     if stages < max(2, producers):
@@ -393,4 +343,4 @@ def make_config(arch: Arch, n: int, k: int, block_m: int, block_n: int,
                          f"registers a thread has at launch at {ctas_per_sm} CTA(s) an SM")
     return GemmConfig(n, k, block_m, block_n, stages, ctas_per_sm, math_registers, arch.target,
                       multicast, part_buffers, accumulate, groups, masked, dtype, producers, bias,
-                      tile_rows, splits)
+                      tile_rows)

@@ -12,7 +12,6 @@ from ...ptx import KernelBuilder, Reg, addr, sreg, vec
 from .config import PRODUCER_REGISTERS, ROW_BYTES, SWIZZLE_ATOM, GemmConfig
 from .promotion import Promotion, TileScaleRows
 from .scheduler import TileScheduler
-from .split_k import SplitReduction, init_barriers
 
 
 def generate(cfg: GemmConfig) -> KernelBuilder:
@@ -31,8 +30,8 @@ def generate(cfg: GemmConfig) -> KernelBuilder:
     with k.stage("programmatic launch: the next kernel on the stream may start"):
         # First thing: under a programmatic launch the next kernel's CTAs may then take the
         # SM slots ours leave free or give up, and run their prologue while our tiles
-        # finish; its griddepcontrol.wait still waits for
-        # all of this grid. A no-op otherwise.
+        # finish; its griddepcontrol.wait still waits for all of this grid. A no-op
+        # otherwise.
         k.griddepcontrol_launch_dependents()
     with k.stage("shared memory base (rounded up to a swizzle atom) and barriers"):
         k.mov(base, smem)
@@ -42,10 +41,8 @@ def generate(cfg: GemmConfig) -> KernelBuilder:
         k.mov(tid, sreg.tid.x)
         thread0 = k.pred("thread0")
         k.setp("eq", thread0, tid, 0)
-        with k.guard(thread0):
-            init_barriers(k, cfg, base)
-        # In a cluster the peers' barriers exist before anything lands there.
-        ring.init(thread0, cluster=cfg.cluster > 1)
+        # With multicast the peer's barriers exist before anything lands there.
+        ring.init(thread0, cluster=cfg.multicast > 1)
         warpgroup = k.reg("u32", "warpgroup")
         k.shr(warpgroup, tid, 7)
         is_producer = k.pred("is_producer")
@@ -56,14 +53,14 @@ def generate(cfg: GemmConfig) -> KernelBuilder:
         _producer(k, cfg, p, base, tid, ring)
         k.bra(finish, uniform=True)
     with k.stage("math warpgroups: wait for the kernel before this one"):
-        # Everything the math threads read from global memory (sb, bias, masked_m,
-        # m_indices) may be its output, and D, which they store, may be memory it still
+        # Everything the math threads read from global memory (bias, masked_m, m_indices)
+        # may be its output, and D, which they store, may be memory it still
         # reads (a graph's pool reuses buffers): only the prologue above runs before it ends.
         k.griddepcontrol_wait()
     _math(k, cfg, p, base, tid, warpgroup, ring)
     k.place(finish)
-    if cfg.cluster > 1:
-        with k.stage("finish: no CTA leaves while a peer may still signal its barriers"):
+    if cfg.multicast > 1:
+        with k.stage("finish: no CTA leaves while its peer may still signal its barriers"):
             k.barrier_cluster_arrive(sem="release")
             k.barrier_cluster_wait()
     return k
@@ -136,14 +133,8 @@ def _producer(k, cfg, p, base, tid, ring):
                                             for n in ("dst_a", "dst_b", "dst_sa", "dst_sb"))
             group = list(tiles.extra_coordinates)   # the masked layout's: A's and sa's group
 
-            start = first
-            if cfg.splits > 1:   # the warp's first K block of each tile, from its rank's first
-                start = k.reg("u32", "p_start")
-
             def load_tile(b_row):
-                if cfg.splits > 1:
-                    k.add(start, first, tiles.k_first)
-                with k.loop(k.reg("u32", "p_kb"), tiles.k_end, start=start,
+                with k.loop(k.reg("u32", "p_kb"), cfg.k_blocks, start=first,
                             step=cfg.producers) as kb:
                     full = ring.acquire(stage, phase)
                     k.mad(dst_a, stage, cfg.a_stage_bytes, base, mode="lo")
@@ -170,7 +161,7 @@ def _producer(k, cfg, p, base, tid, ring):
                         scale_rows.copy(kb, dst_sb, full)
                     next_stage(k, stage, phase, cfg.stages, cfg.producers)
                 if cfg.producers > 1:
-                    k.sub(first, kb, tiles.k_end)
+                    k.sub(first, kb, cfg.k_blocks)
 
             with tiles.loop() as tile:
                 tiles.coordinates(tile)
@@ -307,27 +298,20 @@ def _math(k, cfg, p, base, tid, warpgroup, ring):
         mma = _StageMma(k, cfg, ring, thread, base)
         epilogue = cfg.epilogue(k, cfg, p, thread, base)
     tiles = TileScheduler.create(k, cfg, p)
-    if cfg.splits > 1:
-        split = SplitReduction(k, cfg, thread, base, tiles, epilogue.leader)
-        stored = k.label("tile_stored")
     with tiles.loop() as tile:
         tiles.coordinates(tile)
         tiles.load_group()
         epilogue.start_tile(tiles)
         if promotion is None:
-            _k_loop(k, cfg, tiles, acc, mma)
+            _k_loop(k, cfg, acc, mma)
         else:
             _scaled_k_loop(k, cfg, tiles, acc, mma, promotion)
-        if cfg.splits > 1:
-            split.hand_off(acc, stored)
         epilogue.store(tiles, acc)
-        if cfg.splits > 1:
-            k.place(stored)
     with k.stage("drain: the last TMA stores complete before the CTA exits"):
         epilogue.drain()
 
 
-def _k_loop(k, cfg, tiles, acc, mma):
+def _k_loop(k, cfg, acc, mma):
     """bf16: every K block's wgmma accumulates into `acc` (the first overwrites); one group
     stays in flight while the next is issued, and each stage is released once its group is
     done. Only wgmma touches `acc` inside the loop, so the group in flight across the loop's
@@ -335,7 +319,7 @@ def _k_loop(k, cfg, tiles, acc, mma):
     mma.start_tile()
     with k.stage("K loop (bf16): wgmma every K block into `acc`, one group in flight"):
         mma.issue(acc, mma.overwrite)
-        with k.loop(k.reg("u32", "kb"), tiles.k_blocks, start=1, uniform=True):
+        with k.loop(k.reg("u32", "kb"), cfg.k_blocks - 1, uniform=True):
             mma.issue(acc, mma.accumulate)
             k.wgmma_wait_group(1)
             mma.release()
@@ -361,29 +345,13 @@ def _scaled_k_loop(k, cfg, tiles, acc, mma, promotion):
     # With two part buffers, K blocks go in pairs: both wgmma issued, then the first
     # promotes while the second's wgmma runs. (A pipeline across loop iterations, with a
     # wgmma in flight at the back edge, makes ptxas serialize every wgmma: C7514.)
-    parts, blocks = promotion.parts, tiles.k_blocks
+    parts, blocks = promotion.parts, cfg.k_blocks
     with k.stage("K loop: wgmma K blocks into `part`, promote each into `acc`"):
-        odd = None    # whether a K block is left after the pairs: known, or a predicate
-        if isinstance(blocks, int):
-            groups, odd = blocks // len(parts), blocks % len(parts) == 1
-        else:         # split-K: the rank's K blocks are a register
-            groups = k.reg("u32", "kb_groups")
-            k.shr(groups, blocks, len(parts) - 1)
-            if len(parts) == 2:
-                odd, last = k.pred("kb_odd"), k.reg("u32", "kb_last")
-                k.and_(last, blocks, 1)
-                k.setp("ne", odd, last, 0)
-        with k.loop(k.reg("u32", "kb_group"), groups, uniform=True):
+        with k.loop(k.reg("u32", "kb_group"), blocks // len(parts), uniform=True):
             for part in parts:
                 mma.issue(part, mma.overwrite)
             for j, part in enumerate(parts):
                 retire(part, len(parts) - 1 - j)
-        if odd is not None and odd is not False:
-            even = k.label("kb_even")
-            if odd is not True:
-                with k.guard(~odd):
-                    k.bra(even, uniform=True)
+        if blocks % len(parts):
             mma.issue(parts[0], mma.overwrite)
             retire(parts[0], 0)
-            if odd is not True:
-                k.place(even)

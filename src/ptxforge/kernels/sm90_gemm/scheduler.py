@@ -9,9 +9,7 @@ the layout:
         ... tiles.b_row(n0), tiles.group, tiles.extra_coordinates ...
 
 A cluster of ``multicast`` CTAs takes tile groups g = cluster, cluster + clusters, ... <
-count, where a tile group is ``multicast`` neighbouring tiles along N (they share A). With
-split-K a cluster of ``splits`` CTAs takes each tile together, each CTA its rank's range
-of K blocks (``k_first``, ``k_end``, ``k_blocks``). The
+count, where a tile group is ``multicast`` neighbouring tiles along N (they share A). The
 dense and contiguous layouts walk the tiles in raster groups of RASTER_GROUP block rows
 (all of a raster group's tiles in one block column before the next column), so the tiles
 running at once share A rows and B columns in L2. The masked layout walks only the tiles
@@ -48,7 +46,7 @@ class TileScheduler:
         self.count = k.reg("u32", "tiles")
         self._count_tiles(params)
         self.first, self.step = k.reg("u32", "first_tile"), k.reg("u32", "tile_step")
-        if cfg.cluster > 1:
+        if cfg.multicast > 1:
             self.rank = k.reg("u32", "cta_rank")
             k.mov(self.rank, sreg.cluster_ctarank)
             k.mov(self.first, sreg.clusterid.x)
@@ -56,29 +54,8 @@ class TileScheduler:
         else:
             k.mov(self.first, sreg.ctaid.x)
             k.mov(self.step, sreg.nctaid.x)
-        self._split_range()
         self.m_block, self.n_block = k.reg("u32", "m_block"), k.reg("u32", "n_block")
         self._rows, self._raster = k.reg("u32", "raster_rows"), k.reg("u32", "raster_group")
-
-    # The K blocks [k_first, k_end) of every tile this CTA takes, and their count: all of
-    # them (Python ints), or with split-K its rank's share (registers, set once).
-    k_first = 0
-    k_end = k_blocks = None
-
-    def _split_range(self) -> None:
-        """Split-K: the CTA of rank r sums K blocks [r * kb / splits, (r + 1) * kb / splits)
-        of each tile (cfg.split_range), kb the K blocks of the problem."""
-        k, cfg = self.k, self.cfg
-        if cfg.splits == 1:
-            self.k_end = self.k_blocks = cfg.k_blocks
-            return
-        self.k_first, self.k_end = k.reg("u32", "k_first"), k.reg("u32", "k_end")
-        self.k_blocks = k.reg("u32", "k_count")
-        k.mul(self.k_first, self.rank, cfg.k_blocks, mode="lo")
-        k.div(self.k_first, self.k_first, cfg.splits, type="u32")
-        k.mad(self.k_end, self.rank, cfg.k_blocks, cfg.k_blocks, mode="lo")
-        k.div(self.k_end, self.k_end, cfg.splits, type="u32")
-        k.sub(self.k_blocks, self.k_end, self.k_first)
 
     def _count_tiles(self, params) -> None:
         k = self.k
