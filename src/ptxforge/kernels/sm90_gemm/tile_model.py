@@ -28,8 +28,10 @@ STRADDLE_CLOCKS = 100
 TILE_CLOCKS = 3000
 
 
-def estimate_clocks(arch: Arch, cfg: GemmConfig, m: int, sms: int) -> float:
-    """The model's clocks for the whole problem on ``sms`` SMs: waves of tiles."""
+def estimate_clocks(arch: Arch, cfg: GemmConfig, m: int, sms: int, groups: int = 1) -> float:
+    """The model's clocks for the whole problem on ``sms`` SMs: waves of tiles. ``groups``
+    > 1: the masked layout, ``m`` rows in each of that many groups (a tile covers one
+    group's rows)."""
     throughput = arch.throughput
     # A K block is one 128-byte row of A and B: the same MMA clocks in e4m3 (K = 128) and
     # bf16 (K = 64 at half the rate); only e4m3 promotes.
@@ -47,7 +49,7 @@ def estimate_clocks(arch: Arch, cfg: GemmConfig, m: int, sms: int) -> float:
     shared = cfg.ctas_per_sm
     k_block = (max(CHAIN_CLOCKS, shared * (mma + promote), shared * load, shared * smem)
                + STRADDLE_CLOCKS * cfg.straddles)
-    tiles = -(-m // cfg.rows) * cfg.n_tiles
+    tiles = groups * -(-m // cfg.rows) * cfg.n_tiles
     waves = -(-tiles // (sms * cfg.ctas_per_sm))
     return waves * (cfg.k_blocks * k_block + TILE_CLOCKS)
 
@@ -64,9 +66,11 @@ def choose_config(arch: Arch, m: int, n: int, k: int, sms: int | None = None,
     (``few_token_tile``)."""
     require_problem(arch, n, k)
     sms = sms or arch.sm_count
+    # The masked layout's m is all groups' rows; a tile covers one group's.
+    group_rows, tile_groups = (m // groups, groups) if masked else (m, 1)
     best = None
     multicasts = (1, 2) if m >= MULTICAST_MIN_M and sms % 2 == 0 else (1,)
-    for block_m in (64,) if m <= 64 else (64, 128):
+    for block_m in (64,) if group_rows <= 64 else (64, 128):
         # Two CTAs an SM: two K-loop chains overlap (what small tiles are bound by).
         for ctas_per_sm in (1, 2) if block_m == 64 else (1,):
             for block_n in block_n_candidates(arch, scaled=dtype == "e4m3"):
@@ -77,13 +81,13 @@ def choose_config(arch: Arch, m: int, n: int, k: int, sms: int | None = None,
                                           dtype=dtype, bias=bias)
                     except ValueError:
                         continue
-                    estimate = (estimate_clocks(arch, cfg, m, sms), multicast, ctas_per_sm)
+                    estimate = (estimate_clocks(arch, cfg, group_rows, sms, tile_groups),
+                                multicast, ctas_per_sm)
                     if best is None or estimate < best[0]:
                         best = (estimate, cfg)
     if best is None:
         raise ValueError(f"no GEMM tile fits N={n}, K={k} on {arch.target}")
-    # The masked layout's m is all groups' rows; a tile covers one group's.
-    return few_token_tile(arch, best[1], m // groups if masked else m)
+    return few_token_tile(arch, best[1], group_rows)
 
 
 # A few tokens' GEMM streams weights: what bounds it is the weight bytes in flight per SM
