@@ -119,8 +119,13 @@ class StageRing:
                 remote: bool = False) -> None:
         """Consumer: the warp is done with stage ``stage``; the lanes where ``lanes`` holds
         arrive on its empty barrier at ``barriers`` (by default this CTA's base; with
-        ``remote``, each lane's own CTA of the cluster, mapped there by the caller)."""
+        ``remote``, each lane's own CTA of the cluster, mapped there by the caller). Every
+        lane of the warp calls it: a warp barrier first orders all lanes' reads of the
+        stage before the arrival (without it only the arriving lanes' reads are, and the
+        producer's next copy into the stage races the others': compute-sanitizer's
+        racecheck saw it once the B scales came by cp.async)."""
         k, at = self.k, self._barrier_at()
+        k.bar_warp_sync()
         k.mad(at, stage, BARRIER_BYTES, self.base if barriers is None else barriers, mode="lo")
         with k.guard(lanes):
             k.mbarrier_arrive(addr(at, self.empty_offset), remote=remote)

@@ -71,6 +71,11 @@ class SyncOps:
         self.emit("mbarrier.try_wait.parity.shared::cta.b64", done, bar, parity)
 
     # ---------------------------------------------------------------- warp and grid control
+    def bar_warp_sync(self, membermask: Operand = 0xFFFFFFFF) -> None:
+        """``bar.warp.sync mask``: the lanes wait for each other, and what each accessed in
+        memory before it is ordered before what any accesses after it."""
+        self.emit("bar.warp.sync", membermask)
+
     def elect_sync(self, leader: Reg, membermask: Operand = 0xFFFFFFFF) -> None:
         """``elect.sync _|p, mask``: ``leader`` is true in exactly one active lane."""
         self.emit("elect.sync", f"_|{leader}", membermask)

@@ -84,6 +84,11 @@ class Promotion:
         k.add(self.sa_row, self.sa_row, cfg.sa_offset)
         self.sb_stage0 = k.reg("u32", "sb_stage0")   # the K block's sb in stage 0
         k.add(self.sb_stage0, base, cfg.sb_offset)
+        # Lane 0 reads the stage's sb and hands it to the warp: the lane that frees the
+        # stage (StageRing.release) is then the only one that read what the producer's next
+        # cp.async overwrites (compute-sanitizer's racecheck holds every reader to it).
+        self.lane0 = k.pred("sb_reader")
+        k.setp("eq", self.lane0, thread.lane, 0)
         self.sa = k.regs("f32", 2, "sa")       # of the thread's rows: row_in_tile and + 8
         self.sb = k.regs("f32", 1 + cfg.straddles, "sb")
         # scale[block][h]: sa of row h times sb of scale row `block`.
@@ -111,7 +116,9 @@ class Promotion:
         k.ld(sa[1], addr(self._at, 8 * 4), space="shared")
         k.mad(self._at, stage, cfg.sb_stage_bytes, self.sb_stage0, mode="lo")
         for block, sb in enumerate(self.sb):
-            k.ld(sb, addr(self._at, 4 * block), space="shared")
+            with k.guard(self.lane0):
+                k.ld(sb, addr(self._at, 4 * block), space="shared")
+            k.shfl_sync(sb, sb, 0, mode="idx")
             k.mul(self.scale[block][0], sa[0], sb)
             k.mul(self.scale[block][1], sa[1], sb)
 
