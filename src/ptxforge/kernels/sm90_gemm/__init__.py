@@ -27,16 +27,19 @@ of them, more weight bytes in flight).
 Pipeline, per K block kb (stage = kb % stages, phase flips each wrap; patterns/pipeline.py):
 
     producer:  wait empty[stage] -> expect_tx(full[stage]) -> TMA A (or its half, multicast),
-               B, sa -> full[stage]
+               B, sa -> full[stage]; cp.async sb (the K block's B scales) -> arrive on
+               full[stage] when landed
     math:      issue: wait full[stage] -> wgmma x4 into a part buffer (two K blocks in flight
-               where the registers hold two) ; retire: read sa, sb -> wait -> one lane per
-               warp arrives on empty[stage] of every CTA of the cluster -> promote
+               where the registers hold two) ; retire: read sa, sb from the stage -> wait ->
+               one lane per warp arrives on empty[stage] of every CTA of the cluster ->
+               promote
 
 Shared memory (config.py's plan; A, B and D regions 1024-byte aligned for the 128-byte
 swizzle):
 
     | A stages: S x rows x 128 B | B stages: S x block_n x 128 B | D tile: block_m x block_n x 2 (4) B |
-    | sa stages: S x rows x 4 B (at least 128) | full barriers: S x 8 B | empty barriers: S x 8 B |
+    | sa stages: S x rows x 4 B (at least 128) | sb stages: S x 16 B |
+    | full barriers: S x 8 B | empty barriers: S x 8 B |
 
 (rows: block_m, or tile_rows.)
 
