@@ -5,4 +5,6 @@ from ..public import PTXFORGE_NAMES, load
 
 globals().update(load(PTXFORGE_NAMES))
 
+from . import library  # noqa: E402  torch.ops.ptxforge.<op>, for torch.compile and graphs
+
 __all__ = list(PTXFORGE_NAMES)

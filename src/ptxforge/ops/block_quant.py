@@ -20,6 +20,15 @@ def _launcher(device_index: int, pdl: bool | None):
                                                           programmatic=programmatic(pdl))
 
 
+def block_quantized_outputs(n: int, k: int, device) -> tuple:
+    """What ``quantize_fp8_per_block`` allocates for w [N, K]: q e4m3 [N, K] and f32
+    scales [ceil(N/128), ceil(K/128)], both contiguous."""
+    block = block_kernel.BLOCK
+    return (torch.empty((n, k), dtype=torch.float8_e4m3fn, device=device),
+            torch.empty((ceil_div(n, block), ceil_div(k, block)), dtype=torch.float32,
+                        device=device))
+
+
 def quantize_fp8_per_block(w: torch.Tensor, *, out=None, pdl: bool | None = None):
     """128x128-block FP8 quantization (DeepGEMM's weight recipe).
 
@@ -51,8 +60,7 @@ def quantize_fp8_per_block(w: torch.Tensor, *, out=None, pdl: bool | None = None
     if scale_shape[0] > max_block_rows:
         raise ValueError(f"w may have at most {max_block_rows * block} rows, got {n}")
     if out is None:
-        q = torch.empty((n, k), dtype=torch.float8_e4m3fn, device=w.device)
-        scales = torch.empty(scale_shape, dtype=torch.float32, device=w.device)
+        q, scales = block_quantized_outputs(n, k, w.device)
         q_ptr, s_ptr, s_row_stride = q.data_ptr(), scales.data_ptr(), scale_shape[1]
     if n and k:
         _launcher(device, pdl)((scale_shape[1], scale_shape[0], 1), current_stream(device), x=w_ptr,

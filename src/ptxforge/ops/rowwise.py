@@ -60,10 +60,20 @@ def _check_weight(weight: torch.Tensor, hidden: int, device: int) -> int:
     return ptr
 
 
-def _scales(rows: int, groups: int, layout: str, device) -> torch.Tensor:
-    if layout == "mn_major":
-        return empty_mn_major_scales(rows, groups, device)
-    return torch.empty((rows, groups), dtype=torch.float32, device=device)
+def normalized_output(x: torch.Tensor) -> torch.Tensor:
+    """What ``rms_norm`` allocates for x (also the shape its torch.library form reports)."""
+    return torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
+
+
+def quantized_outputs(m: int, k: int, scale_layout: str, device) -> tuple:
+    """What the quantizers allocate for x [M, K]: q e4m3 [M, K] and f32 scales
+    [M, ceil(K/128)] in ``scale_layout``."""
+    groups = -(-k // row_kernel.GROUP)
+    if scale_layout == "mn_major":
+        scales = empty_mn_major_scales(m, groups, device)
+    else:
+        scales = torch.empty((m, groups), dtype=torch.float32, device=device)
+    return torch.empty((m, k), dtype=torch.float8_e4m3fn, device=device), scales
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
@@ -93,7 +103,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
         require_pdl(pdl)
     require_cuda("x", x, device)
     if out is None:
-        out = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
+        out = normalized_output(x)
         out_ptr = out.data_ptr()
     if m:
         launcher, grid = _launcher(m, k, device, True, False, pdl)
@@ -145,8 +155,7 @@ def _quantize(x, shape, row_stride: int, x_ptr: int, device: int, weight, scale_
         require_pdl(pdl)
     require_cuda("x", x, device)
     if out is None:
-        scales = _scales(m, groups, scale_layout, x.device)
-        q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+        q, scales = quantized_outputs(m, k, scale_layout, x.device)
         q_ptr, s_ptr, s_strides = q.data_ptr(), scales.data_ptr(), scales.stride()
     if m:
         launcher, grid = _launcher(m, k, device, weight is not None, True, pdl)

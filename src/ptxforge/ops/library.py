@@ -1,0 +1,133 @@
+"""The ops as torch.library operators, ``torch.ops.ptxforge.<name>``: what torch.compile
+traces through (with ``fullgraph=True``) and a CUDA graph replays, for every op that
+launches a kernel.
+
+    import ptxforge.ops                                  # registers them
+    q, s = torch.ops.ptxforge.rms_norm_quantize_fp8(x, w, 1e-6)
+    torch.ops.ptxforge.fp8_gemm_nt(q, s, wq, ws, d)      # mutates d
+
+Each operator's CUDA implementation is the plain function (``ptxforge.fp8_gemm_nt``...),
+whose eager callers keep calling it directly: registering costs them nothing. The fake
+implementations (shapes, dtypes and strides under FakeTensorMode) allocate with the same
+helpers as the functions, so the two cannot drift apart. Registered with ``Library`` +
+``define`` / ``impl`` and ``register_fake``, not ``@custom_op``, whose per-call wrapper
+cost 9-22 us on these torch versions (issue 14).
+
+The schemas spell the functions' tuples out: ``(A, sa)`` is ``a, sa``. What the schema
+cannot carry stays with the Python functions: ``config=`` and ``out=``. The GEMMs write
+``d`` (``Tensor(a!)``) and return nothing, as the functions do.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import block_quant, gemm, rowwise
+
+# The package's own name: a copy imported under another name (bench/host_ab.py) registers
+# its operators under that name instead of colliding with ptxforge's.
+NAMESPACE = __name__.split(".")[0]
+
+_library = torch.library.Library(NAMESPACE, "DEF")
+
+# name -> (schema arguments and returns, the CUDA implementation, the fake implementation)
+_GEMM_OPTIONS = "int? num_sms=None, bool? pdl=None"
+
+
+def _rms_norm(x, weight, eps=1e-6, pdl=None):
+    return rowwise.rms_norm(x, weight, eps, pdl=pdl)
+
+
+def _rms_norm_fake(x, weight, eps=1e-6, pdl=None):
+    return rowwise.normalized_output(x)
+
+
+def _quantize_fp8_per_token(x, scale_layout="mn_major", pdl=None):
+    return rowwise.quantize_fp8_per_token(x, scale_layout, pdl=pdl)
+
+
+def _quantize_fp8_per_token_fake(x, scale_layout="mn_major", pdl=None):
+    return rowwise.quantized_outputs(x.shape[0], x.shape[1], scale_layout, x.device)
+
+
+def _rms_norm_quantize_fp8(x, weight, eps=1e-6, scale_layout="mn_major", pdl=None):
+    return rowwise.rms_norm_quantize_fp8(x, weight, eps, scale_layout, pdl=pdl)
+
+
+def _rms_norm_quantize_fp8_fake(x, weight, eps=1e-6, scale_layout="mn_major", pdl=None):
+    return rowwise.quantized_outputs(x.shape[0], x.shape[1], scale_layout, x.device)
+
+
+def _quantize_fp8_per_block(w, pdl=None):
+    return block_quant.quantize_fp8_per_block(w, pdl=pdl)
+
+
+def _quantize_fp8_per_block_fake(w, pdl=None):
+    return block_quant.block_quantized_outputs(w.shape[0], w.shape[1], w.device)
+
+
+def _fp8_gemm_nt(a, sa, b, sb, d, c=None, bias=None, num_sms=None, pdl=None):
+    gemm.fp8_gemm_nt((a, sa), (b, sb), d, c, bias=bias, num_sms=num_sms, pdl=pdl)
+
+
+def _bf16_gemm_nt(a, b, d, c=None, bias=None, num_sms=None, pdl=None):
+    gemm.bf16_gemm_nt(a, b, d, c, bias=bias, num_sms=num_sms, pdl=pdl)
+
+
+def _m_grouped_fp8_gemm_nt_contiguous(a, sa, b, sb, d, m_indices, num_sms=None, pdl=None):
+    gemm.m_grouped_fp8_gemm_nt_contiguous((a, sa), (b, sb), d, m_indices, num_sms=num_sms,
+                                          pdl=pdl)
+
+
+def _m_grouped_bf16_gemm_nt_contiguous(a, b, d, m_indices, num_sms=None, pdl=None):
+    gemm.m_grouped_bf16_gemm_nt_contiguous(a, b, d, m_indices, num_sms=num_sms, pdl=pdl)
+
+
+def _m_grouped_fp8_gemm_nt_masked(a, sa, b, sb, d, masked_m, expected_m, num_sms=None,
+                                  pdl=None):
+    gemm.m_grouped_fp8_gemm_nt_masked((a, sa), (b, sb), d, masked_m, expected_m,
+                                      num_sms=num_sms, pdl=pdl)
+
+
+def _m_grouped_bf16_gemm_nt_masked(a, b, d, masked_m, expected_m, num_sms=None, pdl=None):
+    gemm.m_grouped_bf16_gemm_nt_masked(a, b, d, masked_m, expected_m, num_sms=num_sms, pdl=pdl)
+
+
+def _writes_d(*args, **kwargs) -> None:
+    """The GEMMs' fake: they only write d, which the caller already holds."""
+
+
+OPERATORS = {
+    "rms_norm": ("(Tensor x, Tensor weight, float eps=1e-06, *, bool? pdl=None) -> Tensor",
+                 _rms_norm, _rms_norm_fake),
+    "quantize_fp8_per_token": ("(Tensor x, str scale_layout=\"mn_major\", *, bool? pdl=None)"
+                               " -> (Tensor, Tensor)",
+                               _quantize_fp8_per_token, _quantize_fp8_per_token_fake),
+    "rms_norm_quantize_fp8": ("(Tensor x, Tensor weight, float eps=1e-06, "
+                              "str scale_layout=\"mn_major\", *, bool? pdl=None) "
+                              "-> (Tensor, Tensor)",
+                              _rms_norm_quantize_fp8, _rms_norm_quantize_fp8_fake),
+    "quantize_fp8_per_block": ("(Tensor w, *, bool? pdl=None) -> (Tensor, Tensor)",
+                               _quantize_fp8_per_block, _quantize_fp8_per_block_fake),
+    "fp8_gemm_nt": (f"(Tensor a, Tensor sa, Tensor b, Tensor sb, Tensor(d!) d, Tensor? c=None, *,"
+                    f" Tensor? bias=None, {_GEMM_OPTIONS}) -> ()", _fp8_gemm_nt, _writes_d),
+    "bf16_gemm_nt": (f"(Tensor a, Tensor b, Tensor(d!) d, Tensor? c=None, *, "
+                     f"Tensor? bias=None, {_GEMM_OPTIONS}) -> ()", _bf16_gemm_nt, _writes_d),
+    "m_grouped_fp8_gemm_nt_contiguous": (
+        f"(Tensor a, Tensor sa, Tensor b, Tensor sb, Tensor(d!) d, Tensor m_indices, *, "
+        f"{_GEMM_OPTIONS}) -> ()", _m_grouped_fp8_gemm_nt_contiguous, _writes_d),
+    "m_grouped_bf16_gemm_nt_contiguous": (
+        f"(Tensor a, Tensor b, Tensor(d!) d, Tensor m_indices, *, {_GEMM_OPTIONS}) -> ()",
+        _m_grouped_bf16_gemm_nt_contiguous, _writes_d),
+    "m_grouped_fp8_gemm_nt_masked": (
+        f"(Tensor a, Tensor sa, Tensor b, Tensor sb, Tensor(d!) d, Tensor masked_m, "
+        f"int expected_m, *, {_GEMM_OPTIONS}) -> ()", _m_grouped_fp8_gemm_nt_masked, _writes_d),
+    "m_grouped_bf16_gemm_nt_masked": (
+        f"(Tensor a, Tensor b, Tensor(d!) d, Tensor masked_m, int expected_m, *, "
+        f"{_GEMM_OPTIONS}) -> ()", _m_grouped_bf16_gemm_nt_masked, _writes_d),
+}
+
+for _name, (_schema, _cuda, _fake) in OPERATORS.items():
+    _library.define(_name + _schema)
+    _library.impl(_name, _cuda, "CUDA")
+    torch.library.register_fake(f"{NAMESPACE}::{_name}", _fake, lib=_library)

@@ -1,0 +1,80 @@
+"""The torch.library operators (torch.ops.ptxforge.*) on the CPU: one per op that launches
+a kernel, the GEMMs mutating d and nothing else, fake implementations that agree with what
+the functions allocate, and a transformer FFN's ops traced into one graph with fake CUDA
+tensors (no GPU needed)."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import ptxforge.ops  # noqa: E402,F401  registers the operators
+from ptxforge.ops import block_quant, library, rowwise  # noqa: E402
+from ptxforge.public import PUBLIC  # noqa: E402
+from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
+from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
+
+
+def test_every_op_that_launches_a_kernel_is_an_operator():
+    assert set(library.OPERATORS) == {entry.name for entry in PUBLIC if entry.kernel}
+    for name in library.OPERATORS:
+        assert hasattr(getattr(torch.ops.ptxforge, name), "default")
+
+
+@pytest.mark.parametrize("name", list(library.OPERATORS))
+def test_the_gemms_write_d_and_the_rest_are_functional(name):
+    schema = getattr(torch.ops.ptxforge, name).default._schema
+    written = [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+    if "gemm" in name:
+        assert written == ["d"] and len(schema.returns) == 0
+    else:
+        assert written == [] and len(schema.returns) >= 1
+
+
+def test_fakes_allocate_what_the_functions_allocate():
+    with FakeTensorMode():
+        x = torch.empty(100, 640, device="cuda", dtype=torch.bfloat16)
+        w = torch.empty(640, device="cuda", dtype=torch.bfloat16)
+        for layout in ("mn_major", "row_major"):
+            q, s = torch.ops.ptxforge.rms_norm_quantize_fp8(x, w, 1e-6, layout)
+            q_real, s_real = rowwise.quantized_outputs(100, 640, layout, x.device)
+            assert (q.shape, q.dtype, q.stride()) == (q_real.shape, q_real.dtype, q_real.stride())
+            assert (s.shape, s.dtype, s.stride()) == (s_real.shape, s_real.dtype, s_real.stride())
+        assert s.shape == (100, 5)
+        q, s = torch.ops.ptxforge.quantize_fp8_per_token(x)
+        assert s.stride() == (1, 100)      # MN-major, TMA-aligned columns
+        y = torch.ops.ptxforge.rms_norm(torch.empty(2, 3, 640, device="cuda",
+                                                    dtype=torch.bfloat16), w)
+        assert y.shape == (2, 3, 640) and y.dtype == torch.bfloat16
+        q, s = torch.ops.ptxforge.quantize_fp8_per_block(torch.empty(300, 640, device="cuda",
+                                                                     dtype=torch.bfloat16))
+        assert (q.shape, s.shape) == ((300, 640), (3, 5))
+        assert s.stride() == block_quant.block_quantized_outputs(300, 640, "cuda")[1].stride()
+
+
+def test_a_ffn_block_traces_into_one_graph_of_ptxforge_operators():
+    """RMSNorm + quantize, the FP8 gate/up GEMM, SwiGLU in torch, quantize, the down GEMM
+    accumulating into the residual: every ptxforge call is one node of the graph."""
+    def ffn(x, norm, gate_up, gate_up_s, down, down_s):
+        q, s = torch.ops.ptxforge.rms_norm_quantize_fp8(x, norm, 1e-6)
+        h = torch.empty(x.shape[0], gate_up.shape[0], device=x.device, dtype=torch.bfloat16)
+        torch.ops.ptxforge.fp8_gemm_nt(q, s, gate_up, gate_up_s, h)
+        g, u = h.chunk(2, dim=-1)
+        q, s = torch.ops.ptxforge.quantize_fp8_per_token(
+            (torch.nn.functional.silu(g) * u).contiguous())
+        out = x.float()
+        torch.ops.ptxforge.fp8_gemm_nt(q, s, down, down_s, out, out)
+        return out
+
+    with FakeTensorMode():
+        hidden, inter = 7168, 2048
+        args = (torch.empty(64, hidden, device="cuda", dtype=torch.bfloat16),
+                torch.empty(hidden, device="cuda", dtype=torch.bfloat16),
+                torch.empty(2 * inter, hidden, device="cuda", dtype=torch.float8_e4m3fn),
+                torch.empty(2 * inter // 128, hidden // 128, device="cuda", dtype=torch.float32),
+                torch.empty(hidden, inter, device="cuda", dtype=torch.float8_e4m3fn),
+                torch.empty(hidden // 128, inter // 128, device="cuda", dtype=torch.float32))
+        graph = make_fx(ffn, tracing_mode="fake")(*args)
+    ops = [node.target for node in graph.graph.nodes if node.op == "call_function"]
+    ptxforge_ops = [str(op) for op in ops if str(op).startswith("ptxforge.")]
+    assert ptxforge_ops == ["ptxforge.rms_norm_quantize_fp8.default", "ptxforge.fp8_gemm_nt.default",
+                            "ptxforge.quantize_fp8_per_token.default", "ptxforge.fp8_gemm_nt.default"]
