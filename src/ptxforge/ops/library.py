@@ -127,7 +127,34 @@ OPERATORS = {
         f"{_GEMM_OPTIONS}) -> ()", _m_grouped_bf16_gemm_nt_masked, _writes_d),
 }
 
-for _name, (_schema, _cuda, _fake) in OPERATORS.items():
+def _linear_output(x, w):
+    return torch.empty((*x.shape[:-1], w.shape[0]), dtype=torch.bfloat16, device=x.device)
+
+
+def _fp8_linear(x, wq, ws, bias=None):
+    rows = x.reshape(-1, x.shape[-1])
+    d = _linear_output(x, wq)
+    gemm.fp8_gemm_nt(rowwise.quantize_fp8_per_token(rows), (wq, ws), d.view(-1, wq.shape[0]),
+                     bias=bias)
+    return d
+
+
+def _bf16_linear(x, w, bias=None):
+    d = _linear_output(x, w)
+    gemm.bf16_gemm_nt(x.reshape(-1, x.shape[-1]), w, d.view(-1, w.shape[0]), bias=bias)
+    return d
+
+
+# What the torch.compile backend (ptxforge.compiler) puts in place of a Linear: functional
+# (they allocate their output), x [..., K] bf16; the FP8 one quantizes x per token itself.
+COMPILER_OPERATORS = {
+    "fp8_linear": ("(Tensor x, Tensor wq, Tensor ws, Tensor? bias=None) -> Tensor",
+                   _fp8_linear, lambda x, wq, ws, bias=None: _linear_output(x, wq)),
+    "bf16_linear": ("(Tensor x, Tensor w, Tensor? bias=None) -> Tensor",
+                    _bf16_linear, lambda x, w, bias=None: _linear_output(x, w)),
+}
+
+for _name, (_schema, _cuda, _fake) in {**OPERATORS, **COMPILER_OPERATORS}.items():
     _library.define(_name + _schema)
     _library.impl(_name, _cuda, "CUDA")
     torch.library.register_fake(f"{NAMESPACE}::{_name}", _fake, lib=_library)
