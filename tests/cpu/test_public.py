@@ -78,7 +78,11 @@ def test_deep_gemm_has_its_helpers():
 LAYERS = {"ptx": {"arch", "ptx"}, "patterns": {"arch", "ptx", "patterns"},
           "kernels": {"arch", "ptx", "patterns", "kernels"},
           "runtime": {"arch", "settings", "runtime"},
-          "jit": {"arch", "settings", "runtime", "jit"}}
+          "jit": {"arch", "settings", "runtime", "jit"},
+          "ops": {"arch", "settings", "runtime", "jit", "ptx", "patterns", "kernels", "public",
+                  "ops"},
+          "compiler": {"arch", "settings", "runtime", "jit", "ptx", "patterns", "kernels",
+                       "public", "ops", "compiler"}}
 
 
 def test_imports_run_one_way():
