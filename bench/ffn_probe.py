@@ -7,7 +7,6 @@ model computed in f32. Not yet the `ptxforge bench model` the issue asks for.
     python bench/ffn_probe.py [--profile]      # --profile: each kernel of one call at 64 tokens
 """
 
-import copy
 import statistics
 import sys
 
@@ -15,18 +14,7 @@ import torch
 
 from ptxforge import compiler
 from ptxforge.testing.checks import calc_diff
-
-
-class Ffn(torch.nn.Module):
-    def __init__(self, hidden=7168, inter=2048):
-        super().__init__()
-        self.norm = torch.nn.RMSNorm(hidden, eps=1e-6)
-        self.gate_up = torch.nn.Linear(hidden, 2 * inter, bias=False)
-        self.down = torch.nn.Linear(inter, hidden, bias=False)
-
-    def forward(self, x):
-        g, u = self.gate_up(self.norm(x)).chunk(2, -1)
-        return x + self.down(torch.nn.functional.silu(g) * u)
+from ptxforge.testing.models import Ffn, in_f32
 
 
 def wall_us(fn, x, calls=50, rounds=5):
@@ -67,7 +55,7 @@ def profile(candidates, tokens=64):
 def main():
     torch.manual_seed(0)
     model = Ffn().cuda().to(torch.bfloat16)
-    reference = copy.deepcopy(model).float()
+    reference = in_f32(model)
     candidates = {
         "eager": model,
         "inductor": torch.compile(model, dynamic=True),

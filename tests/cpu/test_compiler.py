@@ -8,19 +8,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from ptxforge import compiler  # noqa: E402
+from ptxforge.testing.models import Ffn  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
-
-
-class Ffn(torch.nn.Module):
-    def __init__(self, hidden=256, inter=128):
-        super().__init__()
-        self.norm = torch.nn.RMSNorm(hidden)
-        self.gate_up = torch.nn.Linear(hidden, 2 * inter, bias=False)
-        self.down = torch.nn.Linear(inter, hidden)
-
-    def forward(self, x):
-        g, u = self.gate_up(self.norm(x)).chunk(2, -1)
-        return x + self.down(torch.nn.functional.silu(g) * u)
 
 
 def test_a_cpu_model_keeps_its_linears_with_the_reason():
@@ -30,7 +19,7 @@ def test_a_cpu_model_keeps_its_linears_with_the_reason():
         plans.append(compiler.rewrite_linears(gm, example_inputs))
         return gm.forward
 
-    model = Ffn().to(torch.bfloat16)
+    model = Ffn(256, 128).to(torch.bfloat16)
     x = torch.randn(8, 256, dtype=torch.bfloat16)
     torch.compile(model, backend=spy, fullgraph=True)(x)
     (plan,) = plans

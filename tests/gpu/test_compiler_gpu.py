@@ -8,34 +8,21 @@ import torch
 
 from ptxforge import compiler
 from ptxforge.testing.checks import calc_diff
+from ptxforge.testing.models import Ffn, in_f32
 
 pytestmark = pytest.mark.gpu
 
 
-class Ffn(torch.nn.Module):
-    def __init__(self, hidden=1024, inter=512):
-        super().__init__()
-        self.norm = torch.nn.RMSNorm(hidden, eps=1e-6)
-        self.gate_up = torch.nn.Linear(hidden, 2 * inter, bias=False)
-        self.down = torch.nn.Linear(inter, hidden, bias=False)
-
-    def forward(self, x):
-        g, u = self.gate_up(self.norm(x)).chunk(2, -1)
-        return x + self.down(torch.nn.functional.silu(g) * u)
-
-
 def reference(model, x):
     """The bf16 model computed in f32."""
-    import copy
-
-    return copy.deepcopy(model).float()(x.float())
+    return in_f32(model)(x.float())
 
 
 @pytest.mark.parametrize("fp8, limit", [(True, 5e-3), (False, 1e-4)])
 def test_an_ffn_block_runs_on_ptxforge_gemms(fp8, limit):
     from torch._dynamo.utils import counters
 
-    model = Ffn().cuda().to(torch.bfloat16)
+    model = Ffn(1024, 512).cuda().to(torch.bfloat16)
     torch.nn.init.normal_(model.norm.weight, 1.0, 0.1)
     plans = []
 
@@ -58,7 +45,7 @@ def test_an_ffn_block_runs_on_ptxforge_gemms(fp8, limit):
 
 
 def test_the_backend_is_registered_by_name():
-    model = Ffn().cuda().to(torch.bfloat16)
+    model = Ffn(1024, 512).cuda().to(torch.bfloat16)
     x = torch.randn(16, 1024, device="cuda", dtype=torch.bfloat16)
     torch._dynamo.reset()
     with torch.no_grad():
