@@ -7,7 +7,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from ptxforge import compiler  # noqa: E402
+from ptxforge import arch, compiler  # noqa: E402
 from ptxforge.testing.models import Ffn  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 
@@ -55,6 +55,10 @@ def linear_graph(x, weights):
     return torch.fx.GraphModule(torch.nn.Module(), graph), inputs
 
 
+def hopper(device):
+    return arch.get("sm_90a")
+
+
 @pytest.mark.parametrize("fp8", [True, False])
 def test_eligible_linears_become_ptxforge_operators(fp8):
     with FakeTensorMode():
@@ -62,13 +66,14 @@ def test_eligible_linears_become_ptxforge_operators(fp8):
         x = torch.empty(64, 256, device="cuda", dtype=torch.bfloat16)
         gm, inputs = linear_graph(x, [(param(512, 256), None), (param(104, 512), param(104)),
                                       (param(96, 104), None)])   # K = 104: not a multiple of 16
-        plan = compiler.rewrite_linears(gm, inputs, fp8=fp8, device_ok=lambda device: True)
+        plan = compiler.rewrite_linears(gm, inputs, fp8=fp8, arch_of=hopper)
         two, two_inputs = linear_graph(x, [(param(512, 256), None), (param(104, 512), param(104))])
-        compiler.rewrite_linears(two, two_inputs, fp8=fp8, device_ok=lambda device: True)
+        compiler.rewrite_linears(two, two_inputs, fp8=fp8, arch_of=hopper)
         out = two(*two_inputs)     # the operators' fakes: the shape of the last Linear
     operator = "ptxforge.fp8_linear" if fp8 else "ptxforge.bf16_linear"
     assert [r.operator for r in plan] == [operator, operator, None]
-    assert plan[2].reason == "N=96, K=104: the GEMM needs N a multiple of 8 and K of 16"
+    assert plan[2].reason == ("the GEMM needs N a positive multiple of 8 and K of 16 (16-byte "
+                              "rows), got N=96, K=104")
     targets = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
     assert targets == [operator + ".default"] * 2 + ["<built-in function linear>"]
     buffers = dict(gm.named_buffers())
@@ -80,10 +85,15 @@ def test_eligible_linears_become_ptxforge_operators(fp8):
     assert out.shape == (64, 104) and out.dtype == torch.bfloat16
 
 
-def test_a_device_without_the_gemm_keeps_every_linear():
-    with FakeTensorMode():
-        x = torch.empty(64, 256, device="cuda", dtype=torch.bfloat16)
-        gm, inputs = linear_graph(x, [(torch.empty(512, 256, device="cuda",
-                                                   dtype=torch.bfloat16), None)])
-        plan = compiler.rewrite_linears(gm, inputs, device_ok=lambda device: False)
-    assert plan[0].operator is None and "needs Hopper" in plan[0].reason
+def test_a_device_without_the_gemm_or_a_description_keeps_every_linear():
+    reasons = []
+    for arch_of in (lambda device: arch.get("sm_80"), lambda device: "no such GPU"):
+        with FakeTensorMode():
+            x = torch.empty(64, 256, device="cuda", dtype=torch.bfloat16)
+            gm, inputs = linear_graph(x, [(torch.empty(512, 256, device="cuda",
+                                                       dtype=torch.bfloat16), None)])
+            (item,) = compiler.rewrite_linears(gm, inputs, arch_of=arch_of)
+        assert item.operator is None
+        reasons.append(item.reason)
+    assert reasons[0].startswith("the GEMM needs wgmma, which sm_80")
+    assert reasons[1] == "no such GPU"

@@ -7,8 +7,9 @@ rewrites the graph in place, and Inductor compiles what is left.
                       --Inductor-------->  everything else (attention, elementwise, ...)
 
 A Linear stays with Inductor, with its reason in the plan, unless its weight is a
-parameter (a placeholder Dynamo marks static) that is a bf16 [N, K] CUDA tensor on a GPU
-that has the GEMM, N a multiple of 8 and K of 16, and x is bf16 on the same device. The
+parameter (a placeholder Dynamo marks static) that is a bf16 [N, K] CUDA tensor of a
+problem the GEMM takes on that GPU (its own ``require_problem``: wgmma, TMA, N a multiple
+of 8 and K of 16), and x is bf16 on the same device. The
 plan (``Replacement`` records) is logged (logger ``ptxforge.compiler``) and kept on the
 compiled graph module (``ptxforge_plan``). Weights are read when the graph is compiled:
 changing them afterwards needs a new compile (as with any constant folded by a compiler).
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import ops  # noqa: F401  registers torch.ops.ptxforge
+from ..kernels import sm90_gemm as gemm_kernel
 from ..ops import _common
 
 log = logging.getLogger("ptxforge.compiler")
@@ -46,30 +48,33 @@ def _static_input(node, example) -> bool:
     return isinstance(example, torch.nn.Parameter) or marked
 
 
-def _unsupported(x, weight, device_ok) -> str | None:
-    """Why a Linear of x by weight stays with Inductor, or None."""
+def _device_arch(device):
+    """The description of ``device``, or the reason there is none (a string)."""
+    try:
+        return _common.device_arch(device.index or 0)
+    except (RuntimeError, ValueError) as error:   # no driver, or a GPU not described
+        return str(error)
+
+
+def _unsupported(x, weight, arch_of) -> str | None:
+    """Why a Linear of x by weight stays with Inductor, or None. The GEMM's own check of
+    the problem (``require_problem``: wgmma, TMA, N and K's alignment) decides for it."""
     if weight is None:
         return "the weight is not a parameter of the model"
     if weight.dtype != torch.bfloat16 or weight.dim() != 2:
         return f"the weight is {weight.dtype} {tuple(weight.shape)}, not a bf16 matrix"
     if weight.device.type != "cuda":
         return f"the weight is on {weight.device}"
-    if not device_ok(weight.device):
-        return f"{weight.device} has no wgmma/TMA (needs Hopper, sm_90a)"
-    n, k = weight.shape
-    if n % 8 or k % 16:
-        return f"N={n}, K={k}: the GEMM needs N a multiple of 8 and K of 16"
+    arch = arch_of(weight.device)
+    if isinstance(arch, str):
+        return arch
+    try:
+        gemm_kernel.require_problem(arch, *weight.shape)
+    except ValueError as error:
+        return str(error)
     if x is None or x.dtype != torch.bfloat16 or x.device != weight.device:
         return f"x is {getattr(x, 'dtype', None)} on {getattr(x, 'device', None)}, not bf16 there"
     return None
-
-
-def _has_gemm(device) -> bool:
-    try:
-        arch = _common.device_arch(device.index or 0)
-    except (RuntimeError, ValueError):   # no driver, or a GPU with no description
-        return False
-    return arch.has("wgmma") and arch.has("tma")
 
 
 def _add_constant(gm, name: str, value) -> None:
@@ -85,10 +90,11 @@ def _add_constant(gm, name: str, value) -> None:
 
 
 def rewrite_linears(gm: torch.fx.GraphModule, example_inputs, *, fp8: bool = True,
-                    device_ok=_has_gemm) -> list[Replacement]:
+                    arch_of=_device_arch) -> list[Replacement]:
     """Put ``ptxforge.fp8_linear`` (``fp8``) or ``ptxforge.bf16_linear`` in place of every
     Linear that can take it, its weight (quantized) now a buffer of ``gm``. Returns the
-    plan, one record per Linear."""
+    plan, one record per Linear. ``arch_of``: a device's description (or why there is
+    none)."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     static = {n: e for n, e in zip(placeholders, example_inputs) if _static_input(n, e)}
     plan = []
@@ -98,7 +104,7 @@ def rewrite_linears(gm: torch.fx.GraphModule, example_inputs, *, fp8: bool = Tru
         x, w, bias = (list(node.args) + [node.kwargs.get("bias")])[:3]
         weight = static.get(w)
         x_value = x.meta.get("example_value") if isinstance(x, torch.fx.Node) else None
-        why = _unsupported(x_value, weight, device_ok)
+        why = _unsupported(x_value, weight, arch_of)
         if why is None and bias is not None and bias not in static:
             why = "the bias is not a parameter of the model"
         if why is not None:
