@@ -121,9 +121,10 @@ class StageRing:
         arrive on its empty barrier at ``barriers`` (by default this CTA's base; with
         ``remote``, each lane's own CTA of the cluster, mapped there by the caller). Every
         lane of the warp calls it: a warp barrier first orders all lanes' reads of the
-        stage before the arrival (without it only the arriving lanes' reads are, and the
-        producer's next copy into the stage races the others': compute-sanitizer's
-        racecheck saw it once the B scales came by cp.async)."""
+        stage before the arrival, which otherwise covers only the arriving lanes' own (the
+        memory model's rule; compute-sanitizer's racecheck does not count it, so a stage
+        written by cp.async, which racecheck tracks, is read by the arriving lane only:
+        the GEMM's B scales)."""
         k, at = self.k, self._barrier_at()
         k.bar_warp_sync()
         k.mad(at, stage, BARRIER_BYTES, self.base if barriers is None else barriers, mode="lo")

@@ -294,7 +294,7 @@ def _math(k, cfg, p, base, tid, warpgroup, ring):
         k.setmaxnreg(cfg.math_registers, increase=True)
         thread = _math_thread(k, tid, warpgroup)
         acc = k.regs("f32", cfg.block_n // 2, "acc")
-        promotion = Promotion(k, cfg, p, thread, base) if cfg.scaled else None
+        promotion = Promotion(k, cfg, thread, base) if cfg.scaled else None
         mma = _StageMma(k, cfg, ring, thread, base)
         epilogue = cfg.epilogue(k, cfg, p, thread, base)
     tiles = TileScheduler.create(k, cfg, p)

@@ -68,7 +68,7 @@ class Promotion:
     thread's row of sa in stage 0); per tile ``start_tile``, per K block ``scales`` (before
     the wgmma wait) and ``fold`` (after it)."""
 
-    def __init__(self, k, cfg, params, thread, base):
+    def __init__(self, k, cfg, thread, base):
         self.k, self.cfg = k, cfg
         self.parts = [k.regs("f32", cfg.block_n // 2, f"part{b}_") for b in range(cfg.part_buffers)]
         if cfg.straddles:
