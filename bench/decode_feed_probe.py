@@ -20,7 +20,6 @@ from ptxforge.kernels.sm90_gemm import config as gemm_config, promotion
 from ptxforge.ops import _common, gemm as gemm_ops
 from ptxforge.ops.layout import ceil_div, get_tma_aligned_size
 from ptxforge.ptx import KernelBuilder
-from ptxforge.runtime import LoadedModule
 from ptxforge.testing.bench import Timer, copy_of, gemm_bytes
 from ptxforge.testing.checks import fp8_gemm_operands
 
@@ -58,12 +57,13 @@ def launcher(cfg, variant):
 
 def call(cfg, variant, m, n, k, a, sa, b, sb, d):
     launch = launcher(cfg, variant)
+    # The grid and tile count the op would launch the unpatched kernel with.
+    _, grid, m_tiles = gemm_ops._plan(0, m, n, k, arch.sm_count, False, 0, False, 0,
+                                      cfg.dtype, False, cfg, None)
     size = 1 if cfg.scaled else 2
-    tiles = ceil_div(m, cfg.rows) * cfg.n_tiles
-    grid = max(min(tiles, arch.sm_count * cfg.ctas_per_sm), 1)
     args = {"tmap_a": (a.data_ptr(), (k, m), (size * k,)),
             "tmap_b": (b.data_ptr(), (k, n), (size * k,)),
-            "tmap_d": (d.data_ptr(), (n, m), (2 * n,)), "m_tiles": ceil_div(m, cfg.rows)}
+            "tmap_d": (d.data_ptr(), (n, m), (2 * n,)), "m_tiles": m_tiles}
     if cfg.scaled:
         args["tmap_sa"] = (sa.data_ptr(), (m, ceil_div(k, 128)), (4 * get_tma_aligned_size(m, 4),))
         args["sb"], args["sb_row_stride"] = sb.data_ptr(), sb.stride(0)
