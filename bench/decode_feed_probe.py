@@ -59,7 +59,7 @@ def call(cfg, variant, m, n, k, a, sa, b, sb, d):
     launch = launcher(cfg, variant)
     # The grid and tile count the op would launch the unpatched kernel with.
     _, grid, m_tiles = gemm_ops._plan(0, m, n, k, arch.sm_count, False, 0, False, 0,
-                                      cfg.dtype, False, cfg, None)
+                                      cfg.dtype, False, False, cfg, None)
     size = 1 if cfg.scaled else 2
     args = {"tmap_a": (a.data_ptr(), (k, m), (size * k,)),
             "tmap_b": (b.data_ptr(), (k, n), (size * k,)),

@@ -6,8 +6,8 @@
 (cuda-bindings probes the driver with cuGetProcAddress calls that return INVALID_VALUE:
 API errors are not reported.) The row kernels (RMSNorm, the two FP8 quantizations and
 their fusion, rows not filling the last CTA); the GEMM's epilogues (bf16 store, f32
-reduce-add, bias) and dense tile variants (producer warps, CTAs per SM, multicast,
-few-token tiles); the
+reduce-add, bias, residual: separate and in place) and dense tile variants (producer
+warps, CTAs per SM, multicast, few-token tiles); the
 contiguous layout with m_indices past the group count, negative and mis-aligned; the
 masked layout with counts past M_max and negative. Prints one line per call; sanitizer
 findings follow its own format.
@@ -52,6 +52,16 @@ bias = torch.randn(n, device="cuda").bfloat16()
 for block_m, block_n in ((64, 24), (128, 160)):
     cfg = gemm.make_config(arch, n, k, block_m, block_n, bias=True)
     forced(cfg, lambda cfg: ptxforge.fp8_gemm_nt(a, b, d, bias=bias, config=cfg))
+residual = torch.randn(m, n, device="cuda").bfloat16()
+for block_m, block_n, rows, tokens in ((64, 24, 0, m), (128, 160, 0, m), (64, 24, 8, 5)):
+    # the residual's reads: none past M, N or the tile's rows; d itself, in place
+    cfg = gemm.make_config(arch, n, k, block_m, block_n, bias=True, residual=True, tile_rows=rows)
+    forced(cfg, lambda cfg: ptxforge.fp8_gemm_nt(a, b, d, bias=bias, residual=residual,
+                                                 config=cfg))
+    few_a, few_b, _ = fp8_gemm_operands(tokens, n, k)
+    in_place = residual[:tokens].clone()
+    forced(cfg, lambda cfg: ptxforge.fp8_gemm_nt(few_a, few_b, in_place, bias=bias,
+                                                 residual=in_place, config=cfg))
 for rows, tokens in ((8, 5), (32, 20)):  # few-token tiles: rows past them read, never stored
     few_a, few_b, _ = fp8_gemm_operands(tokens, n, k)
     few_d = torch.empty(tokens, n, device="cuda", dtype=torch.bfloat16)

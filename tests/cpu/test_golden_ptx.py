@@ -52,7 +52,8 @@ def normalized(ptx: str) -> str:
 
 # GEMM modes the registry's heuristic choices do not reach: f32 accumulation, one and four
 # producer warps, both part-buffer counts, multicast, bf16 grouped and straddling tiles with
-# more scale-row splits than get a promotion of their own (block_n 40, 56, 72), the bias.
+# more scale-row splits than get a promotion of their own (block_n 40, 56, 72), the bias and
+# the residual (alone, with the bias, and in a tile covering 8 rows).
 GEMM_MAKE_CONFIG = (
     dict(n=7168, k=2048, block_m=128, block_n=128, accumulate=True),
     dict(n=4096, k=7168, block_m=64, block_n=128, accumulate=True, multicast=2),
@@ -68,6 +69,9 @@ GEMM_MAKE_CONFIG = (
     dict(n=7168, k=2048, block_m=128, block_n=72, groups=2, masked=True),
     dict(n=7168, k=2048, block_m=128, block_n=128, bias=True),
     dict(n=2112, k=7168, block_m=64, block_n=96, dtype="bf16", bias=True),
+    dict(n=7168, k=2048, block_m=128, block_n=128, residual=True),
+    dict(n=2112, k=7168, block_m=64, block_n=96, dtype="bf16", bias=True, residual=True),
+    dict(n=2112, k=7168, block_m=64, block_n=24, tile_rows=8, residual=True),
 )
 
 

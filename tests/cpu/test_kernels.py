@@ -158,8 +158,73 @@ def test_gemm_bias_epilogue_reads_one_pair_per_column_group(block_m, block_n, dt
     plain = gemm.make_config(arch.get("sm_90a"), 2112, 7168, block_m, block_n, dtype=dtype)
     assert "bias" not in gemm.generate(plain).ptx()
     for wrong in ({"accumulate": True}, {"groups": 4}):
-        with pytest.raises(ValueError, match="bias is added to a dense GEMM's bf16 D only"):
+        with pytest.raises(ValueError, match="bias and residual are added to a dense GEMM's "
+                                             "bf16 D only, got bias=True, residual=False"):
             gemm.make_config(arch.get("sm_90a"), 2112, 7168, 128, 128, bias=True, **wrong)
+
+
+@pytest.mark.parametrize("block_m, block_n, dtype, tile_rows", [
+    (64, 24, "e4m3", 0), (128, 128, "e4m3", 0), (128, 256, "bf16", 0), (64, 96, "bf16", 8),
+    (64, 136, "e4m3", 32)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemm_residual_epilogue_reads_a_pair_per_row_and_column_group(block_m, block_n, dtype,
+                                                                       tile_rows, bias):
+    """Per 8-column group a thread loads the residual pair of each of its two rows (4 bytes,
+    not through the read-only path: the residual may be D itself), guarded by its row
+    against M and the tile's rows and by the group against N, and adds it in f32 after
+    the bias: two f32 adds per pair and addend."""
+    from ptxforge.kernels import sm90_gemm as gemm
+
+    cfg = gemm.make_config(arch.get("sm_90a"), 2112, 7168, block_m, block_n, dtype=dtype,
+                           bias=bias, residual=True, tile_rows=tile_rows)
+    assert cfg.epilogue.__name__ == ("BiasResidualBf16Store" if bias else "ResidualBf16Store")
+    assert "_residual" in cfg.name and ("_bias" in cfg.name) == bias
+    ptx = gemm.generate(cfg).ptx()
+    for param in (".param .u64 residual", ".param .u32 residual_row_stride",
+                  ".param .u32 m_rows"):
+        assert param in ptx
+    groups = block_n // 8
+    assert ptx.count("ld.global.b32") == 2 * groups
+    assert ptx.count("ld.global.nc.b32") == groups * bias
+    assert ptx.count("and.pred") == 2 * groups      # row inside D and group inside N
+    assert ptx.count("add.f32") == block_n // 2 * (1 + bias)
+    # The bias is added first: its sums are what the residual is added to.
+    added_to = "%biased0" if bias else "%acc0"
+    assert f"add.f32 %residual_sum0, {added_to}, %residual0;" in ptx
+    compiled = jit.build(gemm.generate(cfg))
+    assert compiled.resources.spills == 0 and compiled.resources.stack_frame == 0
+    assert "warning" not in compiled.log.lower()
+    for wrong in ({"accumulate": True}, {"groups": 4}):
+        with pytest.raises(ValueError, match="bias and residual are added to a dense GEMM's "
+                                             "bf16 D only, got bias=False, residual=True"):
+            gemm.make_config(arch.get("sm_90a"), 2112, 7168, 128, 128, residual=True, **wrong)
+
+
+def _residual_heuristic_configs():
+    """Every config the tile model picks with a residual (and with or without a bias) for
+    the dense registry shapes at 1, 16, 32 (the few-token tiles), 64, 300 and 4096 rows."""
+    from ptxforge.kernels import sm90_gemm as gemm
+
+    sm90, chosen = arch.get("sm_90a"), {}
+    for dtype in ("e4m3", "bf16"):
+        for m in (1, 16, 32, 64, 300, 4096):
+            for n, k in kernels.GEMM_SHAPES:
+                for bias in (False, True):
+                    cfg = gemm.choose_config(sm90, m, n, k, dtype=dtype, bias=bias, residual=True)
+                    chosen.setdefault(cfg, f"{dtype}-m{m}-n{n}-k{k}" + ("-bias" if bias else ""))
+    return [pytest.param(cfg, id=name) for cfg, name in chosen.items()]
+
+
+@pytest.mark.parametrize("cfg", _residual_heuristic_configs())
+def test_every_residual_config_the_heuristic_picks_assembles_without_spills(cfg):
+    from ptxforge.kernels import sm90_gemm as gemm
+
+    assert cfg.residual
+    compiled = jit.build(gemm.generate(cfg))
+    assert compiled.resources.spills == 0, compiled.log
+    assert compiled.resources.stack_frame == 0, compiled.log
+    assert "warning" not in compiled.log.lower(), compiled.log
+    assert "Performance Loss" not in compiled.log, compiled.log
 
 
 def test_few_tokens_get_tiles_covering_their_rows():

@@ -78,3 +78,49 @@ def test_a_ffn_block_traces_into_one_graph_of_ptxforge_operators():
     ptxforge_ops = [str(op) for op in ops if str(op).startswith("ptxforge.")]
     assert ptxforge_ops == ["ptxforge.rms_norm_quantize_fp8.default", "ptxforge.fp8_gemm_nt.default",
                             "ptxforge.quantize_fp8_per_token.default", "ptxforge.fp8_gemm_nt.default"]
+
+
+@pytest.mark.parametrize("name", ["fp8_gemm_nt", "bf16_gemm_nt"])
+def test_the_dense_gemms_take_a_read_only_residual_by_keyword(name):
+    schema = getattr(torch.ops.ptxforge, name).default._schema
+    residual = next(a for a in schema.arguments if a.name == "residual")
+    assert residual.kwarg_only and residual.alias_info is None
+    assert str(residual.type) == "Optional[Tensor]" and residual.default_value is None
+
+
+def test_the_linears_take_a_residual_of_their_output_s_shape():
+    with FakeTensorMode():
+        x = torch.empty(2, 3, 256, device="cuda", dtype=torch.bfloat16)
+        residual = torch.empty(2, 3, 128, device="cuda", dtype=torch.bfloat16)
+        wq = torch.empty(128, 256, device="cuda", dtype=torch.float8_e4m3fn)
+        ws = torch.empty(1, 2, device="cuda", dtype=torch.float32)
+        w = torch.empty(128, 256, device="cuda", dtype=torch.bfloat16)
+        for d in (torch.ops.ptxforge.fp8_linear(x, wq, ws, None, residual),
+                  torch.ops.ptxforge.bf16_linear(x, w, residual=residual)):
+            assert (d.shape, d.dtype) == ((2, 3, 128), torch.bfloat16)
+    # The real linear checks the residual's shape (here before it needs a GPU): the rows it
+    # reshapes to must be x's, not just as many.
+    x, w = torch.zeros(2, 3, 256, dtype=torch.bfloat16), torch.zeros(128, 256, dtype=torch.bfloat16)
+    wrong = torch.zeros(6, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"^residual must have shape \(2, 3, 128\), got \(6, 128\)$"):
+        library._bf16_linear(x, w, residual=wrong)
+
+
+def test_a_residual_add_after_a_linear_traces_into_the_gemm():
+    """x + o_proj(attn): the residual goes into the GEMM's epilogue, one node, no add."""
+    def block(x, q, s, w, ws):
+        out = torch.empty_like(x)
+        torch.ops.ptxforge.fp8_gemm_nt(q, s, w, ws, out, residual=x)
+        return out
+
+    with FakeTensorMode():
+        args = (torch.empty(64, 512, device="cuda", dtype=torch.bfloat16),
+                torch.empty(64, 256, device="cuda", dtype=torch.float8_e4m3fn),
+                torch.empty(64, 2, device="cuda", dtype=torch.float32),
+                torch.empty(512, 256, device="cuda", dtype=torch.float8_e4m3fn),
+                torch.empty(4, 2, device="cuda", dtype=torch.float32))
+        graph = make_fx(block, tracing_mode="fake")(*args)
+    calls = [node for node in graph.graph.nodes if node.op == "call_function"]
+    gemms = [node for node in calls if str(node.target) == "ptxforge.fp8_gemm_nt.default"]
+    assert len(gemms) == 1 and gemms[0].kwargs["residual"].op == "placeholder"
+    assert not any("add" in str(node.target) for node in calls)

@@ -106,12 +106,17 @@ CASES = {  # case -> (op, well-formed CPU arguments for M rows (each group's M_m
         (scaled(m, K), weight_scaled(N, K), zeros(F32, m, N), zeros(F32, m, N)), {})),
     "fp8_gemm_nt(bias=)": (ptxforge.fp8_gemm_nt, lambda m: (
         (scaled(m, K), weight_scaled(N, K), zeros(BF16, m, N)), {"bias": zeros(BF16, N)})),
+    "fp8_gemm_nt(residual=)": (ptxforge.fp8_gemm_nt, lambda m: (
+        (scaled(m, K), weight_scaled(N, K), zeros(BF16, m, N)), {"residual": zeros(BF16, m, N)})),
     "bf16_gemm_nt": (ptxforge.bf16_gemm_nt, lambda m: (
         (zeros(BF16, m, K), zeros(BF16, N, K), zeros(BF16, m, N)), {})),
     "bf16_gemm_nt(c=)": (ptxforge.bf16_gemm_nt, lambda m: (
         (zeros(BF16, m, K), zeros(BF16, N, K), zeros(F32, m, N), zeros(F32, m, N)), {})),
     "bf16_gemm_nt(bias=)": (ptxforge.bf16_gemm_nt, lambda m: (
         (zeros(BF16, m, K), zeros(BF16, N, K), zeros(BF16, m, N)), {"bias": zeros(BF16, N)})),
+    "bf16_gemm_nt(bias=, residual=)": (ptxforge.bf16_gemm_nt, lambda m: (
+        (zeros(BF16, m, K), zeros(BF16, N, K), zeros(BF16, m, N)),
+        {"bias": zeros(BF16, N), "residual": zeros(BF16, m, N)})),
     "m_grouped_fp8_gemm_nt_contiguous": (ptxforge.m_grouped_fp8_gemm_nt_contiguous, lambda m: (
         (scaled(m, K), weight_scaled(G, N, K), zeros(BF16, m, N), zeros(I32, m)), {})),
     "m_grouped_bf16_gemm_nt_contiguous": (ptxforge.m_grouped_bf16_gemm_nt_contiguous, lambda m: (
@@ -248,6 +253,8 @@ HOLDS = {  # (case, parameter) -> what the pair holds, as its error says
     ("fp8_gemm_nt(c=)", "b"): "e4m3 [N, K] and f32 [ceil(N/128), ceil(K/128)]",
     ("fp8_gemm_nt(bias=)", "a"): "e4m3 [M, K] and f32 [M, ceil(K/128)]",
     ("fp8_gemm_nt(bias=)", "b"): "e4m3 [N, K] and f32 [ceil(N/128), ceil(K/128)]",
+    ("fp8_gemm_nt(residual=)", "a"): "e4m3 [M, K] and f32 [M, ceil(K/128)]",
+    ("fp8_gemm_nt(residual=)", "b"): "e4m3 [N, K] and f32 [ceil(N/128), ceil(K/128)]",
     ("m_grouped_fp8_gemm_nt_contiguous", "a"): "e4m3 [M, K] and f32 [M, ceil(K/128)]",
     ("m_grouped_fp8_gemm_nt_contiguous", "b"):
         "e4m3 [G, N, K] and f32 [G, ceil(N/128), ceil(K/128)]",
@@ -316,6 +323,13 @@ def misaligned(dtype, *shape):
     return flat[1:1 + shape[0] * shape[1]].view(*shape)
 
 
+def overlapping_residual(args):
+    """d and a residual one row after it in the same memory."""
+    rows, n = args["d"].shape
+    flat = torch.zeros((rows + 1) * n, dtype=args["d"].dtype)
+    args["d"], args["residual"] = flat[:rows * n].view(rows, n), flat[n:].view(rows, n)
+
+
 BEFORE_THE_DEVICE = {  # (case, change to its CPU arguments) -> the error instead of the device's
     "K mismatch, fp8": ("fp8_gemm_nt", with_args(b=lambda a: weight_scaled(N, 256)),
                         ValueError, "a[0] and b[0] must share K, got a[0] (4, 128) and b[0] (128, 256)"),
@@ -338,6 +352,23 @@ BEFORE_THE_DEVICE = {  # (case, change to its CPU arguments) -> the error instea
                         ValueError, "d overlaps an input; outputs must not alias inputs"),
     "d overlaps an input": ("bf16_gemm_nt", with_args(d=lambda a: a["a"]),
                             ValueError, "d overlaps an input; outputs must not alias inputs"),
+    "residual's shape": ("fp8_gemm_nt(residual=)", with_args(residual=lambda a: zeros(BF16, 4, 64)),
+                         ValueError, "residual must have shape (4, 128), got (4, 64)"),
+    "residual with c": ("fp8_gemm_nt(c=)", with_args(residual=lambda a: zeros(BF16, 4, N)),
+                        ValueError, "residual is added to a bf16 d; it cannot be combined with c"),
+    "residual overlaps d": ("bf16_gemm_nt(bias=, residual=)", overlapping_residual,
+                            ValueError, "d overlaps an input; outputs must not alias inputs"),
+    "residual's row stride": ("bf16_gemm_nt(bias=, residual=)",
+                              with_args(residual=lambda a: zeros(BF16, 4, 129)[:, :128]),
+                              ValueError, "residual's row stride must be a multiple of 4 bytes, "
+                                          "got 129 elements of 2 bytes"),
+    "residual's column stride": ("fp8_gemm_nt(residual=)",
+                                 with_args(residual=lambda a: zeros(BF16, 128, 4).t()),
+                                 ValueError, "residual must have unit stride in its last "
+                                             "dimension, got strides (1, 4)"),
+    "residual's alignment": ("fp8_gemm_nt(residual=)",
+                             with_args(residual=lambda a: misaligned(BF16, 4, 128)),
+                             ValueError, "residual must start at a 4-byte aligned address"),
     "m_indices' length": ("m_grouped_bf16_gemm_nt_contiguous",
                           with_args(m_indices=lambda a: zeros(I32, 3)),
                           ValueError, "m_indices must have one entry per row of a (4), got 3"),
@@ -361,6 +392,16 @@ BEFORE_THE_DEVICE = {  # (case, change to its CPU arguments) -> the error instea
     "w's alignment": ("quantize_fp8_per_block", with_args(w=lambda a: misaligned(BF16, 128, 128)),
                       ValueError, "w must start at a 16-byte aligned address, got "),
 }
+
+
+@pytest.mark.parametrize("residual", ["d", "a"])
+def test_a_residual_may_be_d_itself_or_an_input(residual):
+    """d itself is read in place (each element before it is written); an input is only read,
+    like the residual: both pass the checks that need no GPU."""
+    args = arguments("bf16_gemm_nt(bias=, residual=)")
+    args["residual"] = args[residual]  # a is bf16 [4, 128]: K = N
+    with pytest.raises(ValueError, match=r"^a must be on a CUDA device, got cpu$"):
+        call("bf16_gemm_nt(bias=, residual=)", args)
 
 
 @pytest.mark.parametrize("what", BEFORE_THE_DEVICE)
@@ -400,7 +441,7 @@ def forced(case: str, **changes):
 
     options = {"n": N, "k": K, "block_m": 64, "block_n": 16, "groups": 0, "masked": False,
                "dtype": "bf16" if "bf16" in case else "e4m3", "accumulate": "c=" in case,
-               "bias": "bias=" in case}
+               "bias": "bias=" in case, "residual": "residual=" in case}
     if "grouped" in case:
         options.update(groups=G, masked="masked" in case)
     options.update(changes)
@@ -434,6 +475,8 @@ def test_a_config_for_another_problem_is_refused_before_the_device(case):
     ("m_grouped_bf16_gemm_nt_masked", {"masked": False}, "masked=False", "masked=True"),
     ("bf16_gemm_nt", {"k": 256, "dtype": "e4m3"}, "k=256, dtype='e4m3'", "k=128, dtype='bf16'"),
     ("fp8_gemm_nt(bias=)", {"bias": False}, "bias=False", "bias=True"),
+    ("fp8_gemm_nt(residual=)", {"residual": False}, "residual=False", "residual=True"),
+    ("bf16_gemm_nt", {"residual": True}, "residual=True", "residual=False"),
 ])
 def test_a_config_names_every_field_that_does_not_fit(case, changes, given, needed):
     args = arguments(case)

@@ -152,9 +152,9 @@ def launchers(monkeypatch, tmp_path):
     for cache in caches:
         cache.cache_clear()
     yield {"gemm": lambda pdl: gemm_ops._plan(0, 8, 4096, 7168, 132, False, 0, False, 0,
-                                              "e4m3", False, None, pdl)[0],
+                                              "e4m3", False, False, None, pdl)[0],
            "masked gemm": lambda pdl: gemm_ops._plan(0, 16, 7168, 2048, 132, False, 4, True,
-                                                     8, "e4m3", False, None, pdl)[0],
+                                                     8, "e4m3", False, False, None, pdl)[0],
            "rms_norm": lambda pdl: rowwise._kernel(0, 7168, True, False, pdl)[2],
            "quantize_fp8_per_token": lambda pdl: rowwise._kernel(0, 7168, False, True, pdl)[2],
            "quantize_fp8_per_block": lambda pdl: block_quant._launcher(0, pdl)}

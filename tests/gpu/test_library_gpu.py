@@ -1,7 +1,8 @@
 """The torch.library operators on a GPU: torch.library.opcheck on every one (schema,
-fake tensors, AOT dispatch), and a transformer FFN written with them compiled by
-torch.compile(fullgraph=True, dynamic=True) once for every token count, plain and with
-CUDA graphs, against the same calls made eagerly."""
+fake tensors, AOT dispatch), the compiler's linears among them, and a transformer FFN
+written with them compiled by torch.compile(fullgraph=True, dynamic=True) once for every
+token count, plain and with CUDA graphs, against the same calls made eagerly; a GEMM's
+residual, given d itself, compiled the same."""
 
 import pytest
 import torch
@@ -20,56 +21,110 @@ def bf16(*shape):
 
 
 def opcheck_cases():
+    """(operator, arguments, keyword arguments)."""
     (qa, sa), (qb, sb), _ = fp8_gemm_operands(64, 256, 512)
     x, w = bf16(64, 512), bf16(512)
-    yield ops.rms_norm, (x, w, 1e-6)
-    yield ops.quantize_fp8_per_token, (x,)
-    yield ops.quantize_fp8_per_token, (x, "row_major")
-    yield ops.rms_norm_quantize_fp8, (x, w, 1e-5)
-    yield ops.quantize_fp8_per_block, (bf16(256, 512),)
+    yield ops.rms_norm, (x, w, 1e-6), {}
+    yield ops.quantize_fp8_per_token, (x,), {}
+    yield ops.quantize_fp8_per_token, (x, "row_major"), {}
+    yield ops.rms_norm_quantize_fp8, (x, w, 1e-5), {}
+    yield ops.quantize_fp8_per_block, (bf16(256, 512),), {}
     yield ops.fp8_gemm_nt, (qa, sa, qb, sb, torch.empty(64, 256, device="cuda",
-                                                        dtype=torch.bfloat16))
+                                                        dtype=torch.bfloat16)), {}
+    yield ops.fp8_gemm_nt, (qa, sa, qb, sb, torch.empty(64, 256, device="cuda",
+                                                        dtype=torch.bfloat16)), {
+        "bias": bf16(256), "residual": bf16(64, 256)}
     yield ops.bf16_gemm_nt, (x, bf16(256, 512), torch.empty(64, 256, device="cuda",
-                                                            dtype=torch.bfloat16))
+                                                            dtype=torch.bfloat16)), {}
+    yield ops.bf16_gemm_nt, (x, bf16(256, 512), torch.empty(64, 256, device="cuda",
+                                                            dtype=torch.bfloat16)), {
+        "residual": bf16(64, 256)}
+    yield ops.fp8_linear, (bf16(2, 32, 512), qb, sb, bf16(256), bf16(2, 32, 256)), {}
+    yield ops.bf16_linear, (bf16(2, 32, 512), bf16(256, 512)), {"residual": bf16(2, 32, 256)}
     (ga, gsa), (gb, gsb), m_indices, _ = grouped_operands([100, 30], 256, 512)
     yield ops.m_grouped_fp8_gemm_nt_contiguous, (
         ga, gsa, gb, gsb, torch.empty(ga.shape[0], 256, device="cuda", dtype=torch.bfloat16),
-        m_indices)
+        m_indices), {}
     (ma, msa), (mb, msb), masked_m, _ = masked_operands([5, 40], 64, 256, 512)
     yield ops.m_grouped_fp8_gemm_nt_masked, (
         ma, msa, mb, msb, torch.empty(2, 64, 256, device="cuda", dtype=torch.bfloat16),
-        masked_m, 32)
+        masked_m, 32), {}
     yield ops.m_grouped_bf16_gemm_nt_contiguous, (
         bf16(ga.shape[0], 512), bf16(2, 256, 512),
-        torch.empty(ga.shape[0], 256, device="cuda", dtype=torch.bfloat16), m_indices)
+        torch.empty(ga.shape[0], 256, device="cuda", dtype=torch.bfloat16), m_indices), {}
     yield ops.m_grouped_bf16_gemm_nt_masked, (
         bf16(2, 64, 512), bf16(2, 256, 512),
-        torch.empty(2, 64, 256, device="cuda", dtype=torch.bfloat16), masked_m, 32)
+        torch.empty(2, 64, 256, device="cuda", dtype=torch.bfloat16), masked_m, 32), {}
 
 
 def test_opcheck_every_operator():
     """opcheck's schema test compares inputs before and after with allclose, which torch
     does not implement for e4m3: for the ops reading e4m3 the test here checks instead that
-    every input but d keeps its bytes and that d is written."""
+    every input keeps its bytes, but d, which is written (the GEMMs), or the result (the
+    linear)."""
     checked = set()
-    for op, args in opcheck_cases():
+    for op, args, kwargs in opcheck_cases():
         fp8 = any(isinstance(a, torch.Tensor) and a.dtype == torch.float8_e4m3fn for a in args)
         if fp8:
-            torch.library.opcheck(op.default, args,
+            torch.library.opcheck(op.default, args, kwargs,
                                   test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
             before = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
-            d = next(i for i, a in enumerate(op.default._schema.arguments) if a.name == "d")
-            args[d].fill_(float("nan"))
-            op(*args)
+            kwargs_before = {name: value.clone() for name, value in kwargs.items()}
+            names = [a.name for a in op.default._schema.arguments]
+            d = names.index("d") if "d" in names else None
+            if d is not None:
+                args[d].fill_(float("nan"))
+            result = op(*args, **kwargs)
             for i, (a, b) in enumerate(zip(args, before)):
                 if isinstance(a, torch.Tensor) and i != d:
                     bits = (lambda t: t.view(torch.uint8)) if a.dtype.itemsize == 1 else (lambda t: t)
                     assert torch.equal(bits(a), bits(b)), (op, i)
-            assert not torch.isnan(args[d]).all(), op
+            for name, value in kwargs.items():  # bf16 bias and residual: read only
+                assert torch.equal(value, kwargs_before[name]), (op, name)
+            written = result if d is None else args[d]
+            assert not torch.isnan(written).all(), op
         else:
-            torch.library.opcheck(op.default, args)
+            torch.library.opcheck(op.default, args, kwargs)
         checked.add(op.default.name().split("::")[1])
-    assert checked == set(ptxforge.ops.library.OPERATORS)
+    library = ptxforge.ops.library
+    assert checked == set(library.OPERATORS) | set(library.COMPILER_OPERATORS)
+
+
+def test_the_linears_add_the_residual():
+    """fp8_linear / bf16_linear with a residual of x's leading shape: the GEMM on x's rows
+    with the residual's rows, the same bits; against fp64 (bf16)."""
+    from ptxforge.testing.checks import calc_diff
+
+    x, residual, bias = bf16(2, 150, 512), bf16(2, 150, 256), bf16(256)
+    w = bf16(256, 512)
+    wq, ws = ptxforge.quantize_fp8_per_block(w)
+    rows = x.view(-1, 512)
+    d = torch.empty(300, 256, device="cuda", dtype=torch.bfloat16)
+    ptxforge.fp8_gemm_nt(ptxforge.quantize_fp8_per_token(rows), (wq, ws), d, bias=bias,
+                         residual=residual.view(-1, 256))
+    got = ops.fp8_linear(x, wq, ws, bias, residual)
+    assert got.shape == (2, 150, 256) and torch.equal(got.view(-1, 256), d)
+    got = ops.bf16_linear(x, w, bias, residual)
+    expected = x.double() @ w.double().T + bias.double() + residual.double()
+    assert calc_diff(got, expected) < 1e-3
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_a_residual_that_is_d_compiles(backend):
+    """ops.fp8_gemm_nt(..., out, residual=out): the schema reads residual and writes d, and
+    the two are one tensor. Functionalization hands the kernel a copy of d to write or,
+    reinplaced, d itself: both give the eager call's bits."""
+    (qa, sa), (qb, sb), _ = fp8_gemm_operands(64, 256, 512)
+
+    def block(x):
+        out = x.clone()
+        ops.fp8_gemm_nt(qa, sa, qb, sb, out, residual=out)
+        return out
+
+    x = bf16(64, 256)
+    torch._dynamo.reset()
+    got = torch.compile(block, backend=backend, fullgraph=True)(x)
+    assert torch.equal(got, block(x))
 
 
 def ffn(x, norm, gate_up, gate_up_s, down, down_s):

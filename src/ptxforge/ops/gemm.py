@@ -1,7 +1,7 @@
 """The GEMMs on torch tensors: DeepGEMM's ``fp8_gemm_nt`` (fine-grained FP8 scaling) and
-``bf16_gemm_nt``, with ``c`` or a fused ``bias``, the MoE grouped forms (contiguous and
-masked layouts) of both, the SM budget (``set_num_sms``, a call's ``num_sms=``) and a
-call's programmatic dependent launch (``pdl=``)."""
+``bf16_gemm_nt``, with ``c`` or a fused ``bias`` and ``residual``, the MoE grouped forms
+(contiguous and masked layouts) of both, the SM budget (``set_num_sms``, a call's
+``num_sms=``) and a call's programmatic dependent launch (``pdl=``)."""
 
 from __future__ import annotations
 
@@ -55,14 +55,14 @@ def _launcher(device_index: int, cfg, programmatic: bool):
 
 
 def _check_config(config, n: int, k: int, accumulate: bool, groups: int, masked: bool,
-                  dtype: str, bias: bool = False) -> None:
+                  dtype: str, bias: bool = False, residual: bool = False) -> None:
     """A ``config=`` given to a GEMM op must be one for this problem (its target is checked
     against the device when the call is planned)."""
     if not isinstance(config, gemm_kernel.GemmConfig):
         raise TypeError(f"config must be a GemmConfig (kernels.sm90_gemm.make_config), "
                         f"got {type(config).__name__}")
     wanted = {"n": n, "k": k, "accumulate": accumulate, "groups": groups, "masked": masked,
-              "dtype": dtype, "bias": bias}
+              "dtype": dtype, "bias": bias, "residual": residual}
     wrong = [key for key, value in wanted.items() if getattr(config, key) != value]
     if wrong:
         has = ", ".join(f"{key}={getattr(config, key)!r}" for key in wrong)
@@ -72,8 +72,8 @@ def _check_config(config, n: int, k: int, accumulate: bool, groups: int, masked:
 
 @functools.lru_cache(maxsize=4096)
 def _plan(device_index: int, m: int, n: int, k: int, sms: int, accumulate: bool,
-          groups: int, masked: bool, expected_m: int, dtype: str, bias: bool, config,
-          pdl: bool | None):
+          groups: int, masked: bool, expected_m: int, dtype: str, bias: bool, residual: bool,
+          config, pdl: bool | None):
     """(launcher, grid, m_tiles): all a launch needs besides the tensors, worked
     out once per problem so a call pays one cache lookup. The tile is ``config`` where the
     caller forced one, else the model's choice for M rows (M is a run-time argument of the
@@ -83,7 +83,7 @@ def _plan(device_index: int, m: int, n: int, k: int, sms: int, accumulate: bool,
     if config is None:
         config = gemm_kernel.choose_config(device_arch(device_index),
                                            groups * expected_m if masked else m, n, k, sms,
-                                           accumulate, groups, masked, dtype, bias)
+                                           accumulate, groups, masked, dtype, bias, residual)
     elif config.target != device_arch(device_index).target:
         raise ValueError(f"config is for {config.target}, but cuda:{device_index} is "
                          f"{device_arch(device_index).target}")
@@ -120,8 +120,8 @@ def _sa_pointer(sa, sa_ptr: int | None) -> int:
 
 
 def _launch(device: int, m: int, n: int, k: int, a, b, d, *, scales=None, accumulate=False,
-            bias=None, groups: int = 0, masked=None, num_sms=None, config=None, pdl=None,
-            **layout) -> None:
+            bias=None, residual=None, groups: int = 0, masked=None, num_sms=None, config=None,
+            pdl=None, **layout) -> None:
     """Plan (cached) and launch; the tensor maps go to the launcher as views (address,
     shape, byte strides), which it encodes with the kernel's own TensorMap specs.
 
@@ -130,14 +130,15 @@ def _launch(device: int, m: int, n: int, k: int, a, b, d, *, scales=None, accumu
     stride, rows) of B as one [rows, K] matrix (N, or groups x N rows). ``scales``: e4m3
     operands' (sa pointer, sa's column stride, sa's group stride or None, sb pointer, sb's
     row stride), all in elements; None: bf16 operands. ``bias``: the bf16 [N] bias's
-    pointer, or None. ``masked``: expected_m, the masked
-    layout's tile hint. ``pdl``: the call's, checked. ``layout``: the grouped layouts' own
-    parameters (m_indices or masked_m) by name."""
+    pointer, or None. ``residual``: the bf16 [M, N] residual's (pointer, row stride in
+    elements), or None. ``masked``: expected_m, the masked layout's tile hint. ``pdl``: the
+    call's, checked. ``layout``: the grouped layouts' own parameters (m_indices or
+    masked_m) by name."""
     dtype, element_bytes = ("e4m3", 1) if scales else ("bf16", 2)
     sms = get_num_sms(device) if num_sms is None else _checked_sms(device, num_sms)
     launcher, grid, m_tiles = _plan(device, m, n, k, sms, accumulate, groups,
                                     masked is not None, masked or 0, dtype, bias is not None,
-                                    config, pdl)
+                                    residual is not None, config, pdl)
     d_bytes = 4 if accumulate else 2
     # The masked layout's group is a third dimension of A, D and sa.
     group = (groups,) if masked else ()
@@ -158,7 +159,9 @@ def _launch(device: int, m: int, n: int, k: int, a, b, d, *, scales=None, accumu
         arguments["sb"], arguments["sb_row_stride"] = sb_ptr, sb_row
     if bias is not None:
         arguments["bias"] = bias
-    if layout:
+    if residual is not None:
+        arguments["residual"], arguments["residual_row_stride"] = residual
+    if layout or residual is not None:  # the kernel reads no row past M (M_max)
         arguments["m_rows"] = m
     if not masked:  # the masked kernel counts its tiles on the GPU
         arguments["m_tiles"] = m_tiles
@@ -166,10 +169,10 @@ def _launch(device: int, m: int, n: int, k: int, a, b, d, *, scales=None, accumu
 
 
 def fp8_gemm_nt(a, b, d: torch.Tensor, c: torch.Tensor | None = None, *,
-                bias: torch.Tensor | None = None, num_sms: int | None = None,
-                config=None, pdl: bool | None = None) -> None:
-    """``d = a @ b.T`` (or ``d = c + a @ b.T``, or ``d = a @ b.T + bias``) with DeepGEMM's
-    fine-grained FP8 scaling, written into ``d``.
+                bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+                num_sms: int | None = None, config=None, pdl: bool | None = None) -> None:
+    """``d = a @ b.T`` (or ``d = c + a @ b.T``, or ``d = a @ b.T + bias + residual``, either
+    term optional) with DeepGEMM's fine-grained FP8 scaling, written into ``d``.
 
     a: ``(A, sa)``, A e4m3 [M, K], sa f32 [M, ceil(K/128)] (one scale per row per 128 of K).
     b: ``(B, sb)``, B e4m3 [N, K], sb f32 [ceil(N/128), ceil(K/128)] (one per 128x128 block).
@@ -179,6 +182,11 @@ def fp8_gemm_nt(a, b, d: torch.Tensor, c: torch.Tensor | None = None, *,
     another tensor is first copied into ``d`` (one more kernel, on the same stream).
     bias: bf16 [N] or None, added to every row in f32 before d is rounded to bf16 (fused
     into the kernel's epilogue; not with ``c``).
+    residual: bf16 [M, N] or None, added in f32 after the bias, before the rounding (fused
+    likewise; not with ``c``): a transformer's ``x + o_proj(attn)`` in one kernel. Rows
+    with unit column stride and any row stride that keeps them 4-byte aligned. It may be
+    ``d`` itself (``residual=d``: d += a @ b.T in place, rounded once); any other residual
+    must not overlap d.
 
     num_sms: SMs the persistent CTAs may use (by default ``get_num_sms()``), so that
     another kernel can run beside this one on the rest. config: a tile to use instead of
@@ -205,9 +213,12 @@ def fp8_gemm_nt(a, b, d: torch.Tensor, c: torch.Tensor | None = None, *,
     d_ptr, d_row, copy_c = _output(d, c, m, n, device, *a_spans,
                                    row_span(b_ptr, n, b_strides[0], k, 1),
                                    row_span(sb_ptr, sb_shape[0], sb_strides[0], k_groups, 4))
-    bias_ptr = _bias(bias, c, n, device, (d_ptr, d.itemsize * m * n))
+    d_span = (d_ptr, d.itemsize * m * n)
+    bias_ptr = _bias(bias, c, n, device, d_span)
+    residual_rows = _residual(residual, c, m, n, device, d_ptr, d_row, d_span)
     if config is not None:
-        _check_config(config, n, k, c is not None, 0, False, "e4m3", bias is not None)
+        _check_config(config, n, k, c is not None, 0, False, "e4m3", bias is not None,
+                      residual is not None)
     if pdl is not None:
         require_pdl(pdl)
     require_cuda("a[0]", a[0], device)
@@ -218,18 +229,21 @@ def fp8_gemm_nt(a, b, d: torch.Tensor, c: torch.Tensor | None = None, *,
     _launch(device, m, n, k, (a_ptr, a_row), (b_ptr, b_strides[0], n), (d_ptr, d_row),
             scales=(_sa_pointer(sa, sa_ptr), get_tma_aligned_size(m, 4), None, sb_ptr,
                     sb_strides[0]),
-            accumulate=c is not None, bias=bias_ptr, num_sms=num_sms, config=config, pdl=pdl)
+            accumulate=c is not None, bias=bias_ptr, residual=residual_rows, num_sms=num_sms,
+            config=config, pdl=pdl)
 
 
 def bf16_gemm_nt(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor,
                  c: torch.Tensor | None = None, *, bias: torch.Tensor | None = None,
-                 num_sms: int | None = None, config=None, pdl: bool | None = None) -> None:
-    """``d = a @ b.T`` (or ``d = c + a @ b.T``, or ``d = a @ b.T + bias``) in bf16 with f32
-    accumulation, written into ``d``: the FP8 GEMM's kernel with bf16 operands and no scales.
+                 residual: torch.Tensor | None = None, num_sms: int | None = None,
+                 config=None, pdl: bool | None = None) -> None:
+    """``d = a @ b.T`` (or ``d = c + a @ b.T``, or ``d = a @ b.T + bias + residual``, either
+    term optional) in bf16 with f32 accumulation, written into ``d``: the FP8 GEMM's kernel
+    with bf16 operands and no scales.
 
     a: bf16 [M, K], b: bf16 [N, K] (rows 16-byte aligned), d: bf16 [M, N], contiguous; with
     ``c``, f32 [M, N] (``c`` may be ``d``: accumulate in place; another c is copied first).
-    bias, num_sms, config, pdl: as ``fp8_gemm_nt``'s.
+    bias, residual, num_sms, config, pdl: as ``fp8_gemm_nt``'s.
     """
     (m, k), a_strides, a_ptr, device = inspect("a", a, torch.bfloat16, 2)
     (n, kb_), b_strides, b_ptr, _ = inspect("b", b, torch.bfloat16, 2, device=device)
@@ -237,9 +251,12 @@ def bf16_gemm_nt(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor,
         raise ValueError(f"a and b must share K, got a {tuple(a.shape)} and b {tuple(b.shape)}")
     d_ptr, d_row, copy_c = _output(d, c, m, n, device, row_span(a_ptr, m, a_strides[0], k, 2),
                                    row_span(b_ptr, n, b_strides[0], k, 2))
-    bias_ptr = _bias(bias, c, n, device, (d_ptr, d.itemsize * m * n))
+    d_span = (d_ptr, d.itemsize * m * n)
+    bias_ptr = _bias(bias, c, n, device, d_span)
+    residual_rows = _residual(residual, c, m, n, device, d_ptr, d_row, d_span)
     if config is not None:
-        _check_config(config, n, k, c is not None, 0, False, "bf16", bias is not None)
+        _check_config(config, n, k, c is not None, 0, False, "bf16", bias is not None,
+                      residual is not None)
     if pdl is not None:
         require_pdl(pdl)
     require_cuda("a", a, device)
@@ -248,7 +265,8 @@ def bf16_gemm_nt(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor,
     if m == 0:
         return
     _launch(device, m, n, k, (a_ptr, a_strides[0]), (b_ptr, b_strides[0], n), (d_ptr, d_row),
-            accumulate=c is not None, bias=bias_ptr, num_sms=num_sms, config=config, pdl=pdl)
+            accumulate=c is not None, bias=bias_ptr, residual=residual_rows, num_sms=num_sms,
+            config=config, pdl=pdl)
 
 
 def _bias(bias, c, n: int, device: int, d_span) -> int | None:
@@ -263,6 +281,26 @@ def _bias(bias, c, n: int, device: int, d_span) -> int | None:
     require_shape("bias", shape, (n,))
     require_disjoint("d", d_span, (ptr, 2 * n))
     return ptr
+
+
+def _residual(residual, c, m: int, n: int, device: int, d_ptr: int, d_row: int,
+              d_span) -> tuple[int, int] | None:
+    """Check ``residual`` (None, or bf16 [M, N] with unit column stride and 4-byte aligned
+    rows: the epilogue reads it in column pairs; ``d`` itself, or not overlapping it) and
+    return its (pointer, row stride in elements)."""
+    if residual is None:
+        return None
+    if c is not None:
+        raise ValueError("residual is added to a bf16 d; it cannot be combined with c (f32 "
+                         "accumulation): add it to c instead")
+    shape, strides, ptr, _ = inspect("residual", residual, torch.bfloat16, 2, align=4,
+                                     device=device)
+    require_shape("residual", shape, (m, n))
+    # d itself is read in place (each element by the thread that writes it, before it is
+    # written: see ResidualBf16Store); any other residual is read while d is written.
+    if (ptr, strides[0]) != (d_ptr, d_row):
+        require_disjoint("d", d_span, row_span(ptr, m, strides[0], n, 2))
+    return ptr, strides[0]
 
 
 def _output(d, c, m: int, n: int, device: int, *input_spans) -> tuple[int, int, bool]:

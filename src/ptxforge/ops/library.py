@@ -15,7 +15,12 @@ cost 9-22 us on these torch versions (issue 14).
 
 The schemas spell the functions' tuples out: ``(A, sa)`` is ``a, sa``. What the schema
 cannot carry stays with the Python functions: ``config=`` and ``out=``. The GEMMs write
-``d`` (``Tensor(a!)``) and return nothing, as the functions do.
+``d`` (``Tensor(a!)``) and return nothing, as the functions do. A GEMM's ``residual`` is
+read-only in its schema and may still be ``d`` itself: torch.compile's functionalization
+then hands the kernel either a copy of d to write (the residual, the old d, disjoint from
+it) or, where Inductor writes in place again, d itself; the kernel takes both. (On torch
+2.13 aot_eager does the former, Inductor the latter; tests/gpu/test_library_gpu.py holds
+both to the eager call.)
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from . import block_quant, gemm, rowwise
+from ._common import require_shape
 
 # The package's own name: a copy imported under another name (bench/host_ab.py) registers
 # its operators under that name instead of colliding with ptxforge's.
@@ -66,12 +72,13 @@ def _quantize_fp8_per_block_fake(w, pdl=None):
     return block_quant.block_quantized_outputs(w.shape[0], w.shape[1], w.device)
 
 
-def _fp8_gemm_nt(a, sa, b, sb, d, c=None, bias=None, num_sms=None, pdl=None):
-    gemm.fp8_gemm_nt((a, sa), (b, sb), d, c, bias=bias, num_sms=num_sms, pdl=pdl)
+def _fp8_gemm_nt(a, sa, b, sb, d, c=None, bias=None, residual=None, num_sms=None, pdl=None):
+    gemm.fp8_gemm_nt((a, sa), (b, sb), d, c, bias=bias, residual=residual, num_sms=num_sms,
+                     pdl=pdl)
 
 
-def _bf16_gemm_nt(a, b, d, c=None, bias=None, num_sms=None, pdl=None):
-    gemm.bf16_gemm_nt(a, b, d, c, bias=bias, num_sms=num_sms, pdl=pdl)
+def _bf16_gemm_nt(a, b, d, c=None, bias=None, residual=None, num_sms=None, pdl=None):
+    gemm.bf16_gemm_nt(a, b, d, c, bias=bias, residual=residual, num_sms=num_sms, pdl=pdl)
 
 
 def _m_grouped_fp8_gemm_nt_contiguous(a, sa, b, sb, d, m_indices, num_sms=None, pdl=None):
@@ -110,9 +117,11 @@ OPERATORS = {
     "quantize_fp8_per_block": ("(Tensor w, *, bool? pdl=None) -> (Tensor, Tensor)",
                                _quantize_fp8_per_block, _quantize_fp8_per_block_fake),
     "fp8_gemm_nt": (f"(Tensor a, Tensor sa, Tensor b, Tensor sb, Tensor(d!) d, Tensor? c=None, *,"
-                    f" Tensor? bias=None, {_GEMM_OPTIONS}) -> ()", _fp8_gemm_nt, _writes_d),
+                    f" Tensor? bias=None, Tensor? residual=None, {_GEMM_OPTIONS}) -> ()",
+                    _fp8_gemm_nt, _writes_d),
     "bf16_gemm_nt": (f"(Tensor a, Tensor b, Tensor(d!) d, Tensor? c=None, *, "
-                     f"Tensor? bias=None, {_GEMM_OPTIONS}) -> ()", _bf16_gemm_nt, _writes_d),
+                     f"Tensor? bias=None, Tensor? residual=None, {_GEMM_OPTIONS}) -> ()",
+                     _bf16_gemm_nt, _writes_d),
     "m_grouped_fp8_gemm_nt_contiguous": (
         f"(Tensor a, Tensor sa, Tensor b, Tensor sb, Tensor(d!) d, Tensor m_indices, *, "
         f"{_GEMM_OPTIONS}) -> ()", _m_grouped_fp8_gemm_nt_contiguous, _writes_d),
@@ -131,27 +140,41 @@ def _linear_output(x, w):
     return torch.empty((*x.shape[:-1], w.shape[0]), dtype=torch.bfloat16, device=x.device)
 
 
-def _fp8_linear(x, wq, ws, bias=None):
-    rows = x.reshape(-1, x.shape[-1])
+def _linear_residual(residual, d):
+    """A linear's residual [..., N] (d's shape: x's leading dimensions) as rows, like the
+    GEMM's d (a view where its strides allow)."""
+    if residual is None:
+        return None
+    require_shape("residual", residual.shape, d.shape)
+    return residual.reshape(-1, d.shape[-1])
+
+
+def _fp8_linear(x, wq, ws, bias=None, residual=None):
     d = _linear_output(x, wq)
-    gemm.fp8_gemm_nt(rowwise.quantize_fp8_per_token(rows), (wq, ws), d.view(-1, wq.shape[0]),
-                     bias=bias)
+    residual_rows = _linear_residual(residual, d)
+    q = rowwise.quantize_fp8_per_token(x.reshape(-1, x.shape[-1]))
+    gemm.fp8_gemm_nt(q, (wq, ws), d.view(-1, wq.shape[0]), bias=bias, residual=residual_rows)
     return d
 
 
-def _bf16_linear(x, w, bias=None):
+def _bf16_linear(x, w, bias=None, residual=None):
     d = _linear_output(x, w)
-    gemm.bf16_gemm_nt(x.reshape(-1, x.shape[-1]), w, d.view(-1, w.shape[0]), bias=bias)
+    residual_rows = _linear_residual(residual, d)
+    gemm.bf16_gemm_nt(x.reshape(-1, x.shape[-1]), w, d.view(-1, w.shape[0]), bias=bias,
+                      residual=residual_rows)
     return d
 
 
 # What the torch.compile backend (ptxforge.compiler) puts in place of a Linear: functional
 # (they allocate their output), x [..., K] bf16; the FP8 one quantizes x per token itself.
+# residual [..., N] (the output's shape) is added in the GEMM's epilogue: h + o_proj(attn)
+# is o_proj's linear of attn with residual=h.
 COMPILER_OPERATORS = {
-    "fp8_linear": ("(Tensor x, Tensor wq, Tensor ws, Tensor? bias=None) -> Tensor",
-                   _fp8_linear, lambda x, wq, ws, bias=None: _linear_output(x, wq)),
-    "bf16_linear": ("(Tensor x, Tensor w, Tensor? bias=None) -> Tensor",
-                    _bf16_linear, lambda x, w, bias=None: _linear_output(x, w)),
+    "fp8_linear": ("(Tensor x, Tensor wq, Tensor ws, Tensor? bias=None, Tensor? residual=None)"
+                   " -> Tensor", _fp8_linear,
+                   lambda x, wq, ws, bias=None, residual=None: _linear_output(x, wq)),
+    "bf16_linear": ("(Tensor x, Tensor w, Tensor? bias=None, Tensor? residual=None) -> Tensor",
+                    _bf16_linear, lambda x, w, bias=None, residual=None: _linear_output(x, w)),
 }
 
 for _name, (_schema, _cuda, _fake) in {**OPERATORS, **COMPILER_OPERATORS}.items():

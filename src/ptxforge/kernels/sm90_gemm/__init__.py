@@ -53,7 +53,8 @@ Layouts (GemmConfig): dense; ``groups`` (MoE: B holds that many matrices; each t
 takes its group from m_indices, contiguous layout) and ``masked`` (A and D [groups,
 M_max, ...] through 3-D tensor maps, each group's valid rows in masked_m on the GPU).
 Epilogues: bf16 store, f32 reduce-add into D (``accumulate``: d = c + a.b^T), the
-contiguous layout's zeroing of other groups' rows, ``bias``.
+contiguous layout's zeroing of other groups' rows, ``bias`` and ``residual`` (alone or
+together).
 """
 
 from .config import (BLOCK_K, GemmConfig, block_n_candidates, make_config,

@@ -45,6 +45,8 @@ class GemmConfig:
                            # 0: block_m. The wgmma still computes 64 rows: those past
                            # tile_rows read what follows in shared memory (A) or their
                            # stage's last scales (sa), and are never stored.
+    residual: bool = False  # a bf16 [M, N] residual (D itself or not) added to D before it
+                            # is rounded, after the bias
 
     def __post_init__(self):
         # The contiguous layout's segments and the multicast split assume whole tiles.
@@ -62,7 +64,8 @@ class GemmConfig:
                 + ("_acc" if self.accumulate else "")
                 + (f"_g{self.groups}" if self.groups else "") + ("m" if self.masked else "")
                 + (f"_w{self.producers}" if self.producers > 1 else "")
-                + ("_bias" if self.bias else "") + (f"_r{self.tile_rows}" if self.tile_rows else ""))
+                + ("_bias" if self.bias else "") + ("_residual" if self.residual else "")
+                + (f"_r{self.tile_rows}" if self.tile_rows else ""))
 
     @property
     def rows(self) -> int:
@@ -261,7 +264,8 @@ def make_config(arch: Arch, n: int, k: int, block_m: int, block_n: int,
                 ctas_per_sm: int = 1, multicast: int = 1,
                 part_buffers: int | None = None, accumulate: bool = False,
                 groups: int = 0, masked: bool = False, dtype: str = "e4m3",
-                producers: int = 2, bias: bool = False, tile_rows: int = 0) -> GemmConfig:
+                producers: int = 2, bias: bool = False, tile_rows: int = 0,
+                residual: bool = False) -> GemmConfig:
     """A config for one tile shape: as many stages as the CTA's share of shared memory
     holds, and the math registers that residency leaves. ``multicast`` 2: clusters of two
     CTAs on neighbouring tiles of one block row, each loading half of the shared A tile.
@@ -272,10 +276,10 @@ def make_config(arch: Arch, n: int, k: int, block_m: int, block_n: int,
     [N, K] matrices, in the contiguous layout or with ``masked`` the masked one (neither
     with ``accumulate``). ``dtype`` "bf16": bf16 A and B, no scales, K blocks of 64.
     ``producers``: warps issuing the loads (1, 2 or 4), each every producers-th K block.
-    ``bias``: a bf16 [N] bias added to D's rows (dense, bf16 D only). ``tile_rows`` 8, 16
-    or 32: a 64-row tile that covers only that many rows of A and D (dense or masked, no
-    multicast):
-    a few tokens' stages hold less of A, so more of them, more weight bytes, fit."""
+    ``bias``: a bf16 [N] bias added to D's rows; ``residual``: a bf16 [M, N] matrix added
+    to D (both dense, bf16 D only). ``tile_rows`` 8, 16 or 32: a 64-row tile that covers
+    only that many rows of A and D (dense or masked, no multicast): a few tokens' stages
+    hold less of A, so more of them, more weight bytes, fit."""
     require_problem(arch, n, k)
     widths = block_n_candidates(arch, scaled=dtype == "e4m3")
     if block_m not in (64, 128) or block_n not in widths:
@@ -299,9 +303,10 @@ def make_config(arch: Arch, n: int, k: int, block_m: int, block_n: int,
         raise ValueError(f"tile_rows must be 8, 16 or 32, with block_m 64, no multicast and a "
                          f"dense or masked layout; got tile_rows={tile_rows}, block_m={block_m}, "
                          f"multicast={multicast}, groups={groups}, masked={masked}")
-    if bias and (accumulate or groups):
-        raise ValueError(f"bias is added to a dense GEMM's bf16 D only, got accumulate="
-                         f"{accumulate}, groups={groups}")
+    if (bias or residual) and (accumulate or groups):
+        raise ValueError(f"bias and residual are added to a dense GEMM's bf16 D only, got "
+                         f"bias={bias}, residual={residual}, accumulate={accumulate}, "
+                         f"groups={groups}")
     math_wgs = block_m // 64
     budget = min(arch.shared_memory_per_sm // ctas_per_sm - arch.shared_memory_reserved_per_block,
                  arch.max_shared_memory_per_block)
@@ -309,7 +314,7 @@ def make_config(arch: Arch, n: int, k: int, block_m: int, block_n: int,
     plan = lambda stages: GemmConfig(n, k, block_m, block_n, stages, ctas_per_sm, 0, arch.target,
                                      multicast, accumulate=accumulate, groups=groups,
                                      masked=masked, dtype=dtype, bias=bias,
-                                     tile_rows=tile_rows)
+                                     tile_rows=tile_rows, residual=residual)
     stages = max((s for s in range(1, MAX_STAGES[dtype] + 1)
                   if plan(s).dynamic_shared_bytes <= budget), default=0)
     if stages < max(2, producers):
@@ -343,4 +348,4 @@ def make_config(arch: Arch, n: int, k: int, block_m: int, block_n: int,
                          f"registers a thread has at launch at {ctas_per_sm} CTA(s) an SM")
     return GemmConfig(n, k, block_m, block_n, stages, ctas_per_sm, math_registers, arch.target,
                       multicast, part_buffers, accumulate, groups, masked, dtype, producers, bias,
-                      tile_rows)
+                      tile_rows, residual)

@@ -9,13 +9,21 @@ warpgroup starts its next tile.
 
 A thread holds column pairs: in each 8-column group, the pair at columns 2 * (lane % 4),
 of rows row_in_wg and row_in_wg + 8 (accumulators 4 * group + 2 * half, + 1). A variant
-overrides what is written for a pair (``write``), what it needs per tile (``start_tile``)
-and per column group (``start_group``), and its element type:
+overrides what is written for a pair (``write``), what it needs per tile (``start_tile``,
+before the K loop; or, wrapping ``store``, after it) and per column group
+(``start_group``), and its element type:
 
-    Bf16Store            bf16 D = the accumulators, rounded
-    F32ReduceAdd         f32 D += the accumulators (TMA reduce-add: d = c + a.b^T)
-    GroupRowsBf16Store   bf16 store; rows whose m_indices name another group are zeros
-    BiasBf16Store        bf16 D = the accumulators + bias[column]
+    Bf16Store              bf16 D = the accumulators, rounded
+    F32ReduceAdd           f32 D += the accumulators (TMA reduce-add: d = c + a.b^T)
+    GroupRowsBf16Store     bf16 store; rows whose m_indices name another group are zeros
+    BiasBf16Store          bf16 D = the accumulators + bias[column]
+    ResidualBf16Store      bf16 D = the accumulators + residual[row, column] (D itself or
+                           another matrix)
+    BiasResidualBf16Store  bf16 D = the accumulators + bias[column] + residual[row, column]
+
+The bias and residual variants add in f32 before the one rounding to bf16; they share
+AddendBf16Store's column guard and compose by cooperative inheritance (each ``write`` adds
+its own, then hands the sum to the next class's).
 """
 
 from __future__ import annotations
@@ -29,9 +37,10 @@ class Epilogue:
     reduce = False         # add into D (TMA reduce-add) instead of storing
     registers = 0          # what it keeps in a math thread through the K loop (make_config)
 
-    @staticmethod
-    def declare_params(k, params) -> None:
-        """Kernel parameters this epilogue reads, declared after the GEMM's own."""
+    @classmethod
+    def declare_params(cls, k, params) -> None:
+        """Kernel parameters this epilogue reads, declared after the GEMM's own (a variant
+        declares its own after calling super(), so that composed ones declare all)."""
 
     def __init__(self, k, cfg, params, thread, base):
         """Set-up once per kernel: the warpgroup's slice of the D tile, its leader thread
@@ -178,46 +187,77 @@ class GroupRowsBf16Store(Bf16Store):
         k.st(where, self.packed, space="shared", type="b32")
 
 
-class BiasBf16Store(Bf16Store):
+def _widen(k, wide, pair) -> None:
+    """The two f32 of a bf16 pair (two instructions): a bf16 is the upper half of an f32."""
+    k.shl(wide[0], pair, 16, type="b32")
+    k.and_(wide[1], pair, 0xFFFF0000, type="b32")
+
+
+class AddendBf16Store(Bf16Store):
+    """What the bf16 stores that add bf16 values from global memory to the accumulators
+    (the bias, the residual) share: the guard of each 8-column group against N (a multiple
+    of 8, so a group lies wholly inside or outside D: none of its columns is read past N),
+    worked out once per group however many addends read it."""
+
+    def __init__(self, k, cfg, params, thread, base):
+        super().__init__(k, cfg, params, thread, base)
+        self.columns_left, self.inside = k.reg("u32", "columns_left"), k.pred("group_inside")
+
+    def store(self, tiles, acc) -> None:
+        """The columns left in D from the tile's first: after the K loop, held through it
+        by no register."""
+        k = self.k
+        k.mul(self.columns_left, tiles.n_block, self.cfg.block_n, mode="lo")
+        k.sub(self.columns_left, self.cfg.n, self.columns_left)
+        super().store(tiles, acc)
+
+    def thread_column(self, tiles, column) -> None:
+        """``column`` = the first of the thread's column pair in the tile's first group:
+        n0 + 2 * (lane % 4) (three instructions)."""
+        k = self.k
+        k.and_(column, self.thread.lane, 3)
+        k.shl(column, column, 1)
+        k.mad(column, tiles.n_block, self.cfg.block_n, column, mode="lo")
+
+    def start_group(self, group: int) -> None:
+        super().start_group(group)
+        self.k.setp("gt", self.inside, self.columns_left, 8 * group, type="u32")
+
+
+class BiasBf16Store(AddendBf16Store):
     """bf16 D = the accumulators + bias, bias a bf16 [N] vector (a parameter: its address).
     Each thread reads the bias pair of its columns once per 8-column group (one 4-byte
-    load, from L2 after the first tile), and none past N."""
+    load, from L2 after the first tile)."""
 
     registers = 8          # the bias base and pointer, columns left, the pair, its two f32
 
-    @staticmethod
-    def declare_params(k, params) -> None:
+    @classmethod
+    def declare_params(cls, k, params) -> None:
+        super().declare_params(k, params)
         params.bias = k.param("bias", "u64")
 
     def __init__(self, k, cfg, params, thread, base):
         super().__init__(k, cfg, params, thread, base)
         self.bias_base = k.reg("u64", "bias_base")
         k.ld_param(self.bias_base, params.bias)
-        self.bias_at, self.columns_left = k.reg("u64", "bias_at"), k.reg("u32", "columns_left")
-        self.pair, self.inside = k.reg("b32", "bias_pair"), k.pred("bias_inside")
+        self.bias_at, self.pair = k.reg("u64", "bias_at"), k.reg("b32", "bias_pair")
         self.bias, self.biased = k.regs("f32", 2, "bias"), k.regs("f32", 2, "biased")
 
     def start_tile(self, tiles) -> None:
-        """The thread's first bias pair (column n0 + 2 * (lane % 4)) and the columns left
-        in D from n0."""
-        k, cfg = self.k, self.cfg
-        column = k.reg("u32", "bias_column")
-        k.mul(self.columns_left, tiles.n_block, cfg.block_n, mode="lo")
-        k.and_(column, self.thread.lane, 3)
-        k.mad(column, column, 2, self.columns_left, mode="lo")
-        k.mad(self.bias_at, column, 2, self.bias_base, mode="wide")
-        k.sub(self.columns_left, cfg.n, self.columns_left)
+        """The thread's first bias pair."""
+        super().start_tile(tiles)
+        column = self.k.reg("u32", "bias_column")
+        self.thread_column(tiles, column)
+        self.k.mad(self.bias_at, column, 2, self.bias_base, mode="wide")
 
     def start_group(self, group: int) -> None:
-        """Load the group's bias pair (zero past N: N is a multiple of 8, so a group lies
-        wholly inside or outside D) and widen it: a bf16 is the upper half of an f32."""
+        """Load the group's bias pair (zero past N) and widen it."""
         k = self.k
-        k.setp("gt", self.inside, self.columns_left, 8 * group, type="u32")
+        super().start_group(group)
         k.mov(self.pair, 0)
         with k.guard(self.inside):
             k.ld(self.pair, addr(self.bias_at, 16 * group), nc=True)
-        k.shl(self.bias[0], self.pair, 16, type="b32")
-        k.and_(self.bias[1], self.pair, 0xFFFF0000, type="b32")
+        _widen(k, self.bias, self.pair)
 
     def write(self, where, pair, half: int) -> None:
         for biased, value, bias in zip(self.biased, pair, self.bias):
@@ -225,10 +265,104 @@ class BiasBf16Store(Bf16Store):
         super().write(where, self.biased, half)
 
 
+class ResidualBf16Store(AddendBf16Store):
+    """bf16 D = the accumulators + residual, residual a bf16 [M, N] matrix with unit column
+    stride (parameters: its address, its row stride in elements, and M). Per 8-column
+    group each thread reads the residual pair of its columns in each of its two rows (a
+    4-byte load), none in a row past M, past the tile's rows (a few-token tile's 64-row
+    wgmma covers the next tile's rows too) or in a group past N.
+
+    The residual may be D itself: each element is read by the one thread that writes it,
+    whose load has returned before the sum goes to shared memory, from where the TMA store
+    takes it only after the warpgroup's barrier; no two tiles share an element, so no
+    element is read after the kernel has written it. It is read with an ordinary load, not
+    through the read-only path (.nc), for that reason (the kernel writes D); each element
+    is read once, so that path would save nothing."""
+
+    # None through the K loop: the parameters are read, and the rows' pointers worked out,
+    # after it (ptxas reads the parameters from the constant bank there). The pointers,
+    # pairs and their f32 live in the epilogue only, beside the accumulators (ptxas issues
+    # all of a tile's residual loads at once there, where the registers allow). With this
+    # count every tile make_config admits with a residual, with and without the bias,
+    # assembles without spills (a sweep of all of them, ptxas 13.0).
+    registers = 0
+
+    @classmethod
+    def declare_params(cls, k, params) -> None:
+        super().declare_params(k, params)
+        params.residual = k.param("residual", "u64")
+        params.residual_row_stride = k.param("residual_row_stride", "u32")   # in elements
+        params.m_rows = k.param("m_rows", "u32")                              # M
+
+    def __init__(self, k, cfg, params, thread, base):
+        super().__init__(k, cfg, params, thread, base)
+        self.params = params
+        self.residual_at = k.regs("u64", 2, "residual_at")
+        self.row_inside = [k.pred("residual_row_inside"), k.pred("residual_row8_inside")]
+        self.load = k.pred("residual_load")
+        self.pairs = k.regs("b32", 2, "residual_pair")
+        self.residual = [k.regs("f32", 2, "residual"), k.regs("f32", 2, "residual8_")]
+        self.summed = k.regs("f32", 2, "residual_sum")
+
+    def store(self, tiles, acc) -> None:
+        """Where the thread's residual pairs of its first group start, in its two rows, and
+        which rows lie in D (inside M and the tile's rows): worked out after the K loop, so
+        that none of it holds registers through it."""
+        k, thread, params = self.k, self.thread, self.params
+        with k.stage("epilogue: the thread's residual rows, and which of them lie inside D"):
+            base, row_bytes = k.reg("u64", "residual_base"), k.reg("u32", "residual_row_bytes")
+            row, limit = k.reg("u32", "residual_row"), k.reg("u32", "residual_rows")
+            column = k.reg("u32", "residual_column")
+            k.ld_param(base, params.residual)
+            k.ld_param(row_bytes, params.residual_row_stride)
+            k.shl(row_bytes, row_bytes, 1)
+            k.ld_param(limit, params.m_rows)
+            k.mul(row, tiles.m_block, self.cfg.rows, mode="lo")     # m0
+            k.sub(limit, limit, row)                                # rows of D from m0 ...
+            k.min(limit, limit, self.cfg.rows)                      # ... and of the tile
+            k.add(row, row, thread.row_in_tile)
+            k.mad(self.residual_at[0], row, row_bytes, base, mode="wide")
+            self.thread_column(tiles, column)
+            k.mad(self.residual_at[0], column, 2, self.residual_at[0], mode="wide")
+            k.mad(self.residual_at[1], row_bytes, 8, self.residual_at[0], mode="wide")
+            k.setp("lt", self.row_inside[0], thread.row_in_tile, limit, type="u32")
+            k.add(row, thread.row_in_tile, 8)
+            k.setp("lt", self.row_inside[1], row, limit, type="u32")
+        super().store(tiles, acc)
+
+    def start_group(self, group: int) -> None:
+        """Load the group's residual pair of each of the thread's rows (zero outside D)
+        and widen them."""
+        k = self.k
+        super().start_group(group)
+        for half in range(2):
+            k.and_pred(self.load, self.row_inside[half], self.inside)
+            k.mov(self.pairs[half], 0)
+            with k.guard(self.load):
+                k.ld(self.pairs[half], addr(self.residual_at[half], 16 * group))
+            _widen(k, self.residual[half], self.pairs[half])
+
+    def write(self, where, pair, half: int) -> None:
+        for summed, value, residual in zip(self.summed, pair, self.residual[half]):
+            self.k.add(summed, value, residual)
+        super().write(where, self.summed, half)
+
+
+class BiasResidualBf16Store(BiasBf16Store, ResidualBf16Store):
+    """bf16 D = (the accumulators + bias) + residual: the two above composed (each write
+    adds its own and hands the sum on, the bias first), one column guard for both."""
+
+    registers = BiasBf16Store.registers + ResidualBf16Store.registers
+
+
 def epilogue_for(cfg) -> type[Epilogue]:
     """The epilogue a config asks for."""
     if cfg.accumulate:
         return F32ReduceAdd
+    if cfg.bias and cfg.residual:
+        return BiasResidualBf16Store
+    if cfg.residual:
+        return ResidualBf16Store
     if cfg.bias:
         return BiasBf16Store
     if cfg.groups and not cfg.masked:

@@ -53,8 +53,8 @@ def generate(cfg: GemmConfig) -> KernelBuilder:
         _producer(k, cfg, p, base, tid, ring)
         k.bra(finish, uniform=True)
     with k.stage("math warpgroups: wait for the kernel before this one"):
-        # Everything the math threads read from global memory (bias, masked_m, m_indices)
-        # may be its output, and D, which they store, may be memory it still
+        # Everything the math threads read from global memory (bias, residual, masked_m,
+        # m_indices) may be its output, and D, which they store, may be memory it still
         # reads (a graph's pool reuses buffers): only the prologue above runs before it ends.
         k.griddepcontrol_wait()
     _math(k, cfg, p, base, tid, warpgroup, ring)

@@ -59,7 +59,8 @@ MULTICAST_MIN_M = 512  # below, the tiles of a block row are too few to pair up
 
 def choose_config(arch: Arch, m: int, n: int, k: int, sms: int | None = None,
                   accumulate: bool = False, groups: int = 0,
-                  masked: bool = False, dtype: str = "e4m3", bias: bool = False) -> GemmConfig:
+                  masked: bool = False, dtype: str = "e4m3", bias: bool = False,
+                  residual: bool = False) -> GemmConfig:
     """The config the model above finishes first on ``sms`` SMs (the device's by default);
     ties go to no multicast (measured as often 1-3% faster as slower, and simpler), then
     to the smaller tile. A few tokens may then get it covering only their rows
@@ -78,7 +79,7 @@ def choose_config(arch: Arch, m: int, n: int, k: int, sms: int | None = None,
                     try:
                         cfg = make_config(arch, n, k, block_m, block_n, ctas_per_sm, multicast,
                                           accumulate=accumulate, groups=groups, masked=masked,
-                                          dtype=dtype, bias=bias)
+                                          dtype=dtype, bias=bias, residual=residual)
                     except ValueError:
                         continue
                     estimate = (estimate_clocks(arch, cfg, group_rows, sms, tile_groups),
@@ -115,7 +116,7 @@ def few_token_tile(arch: Arch, cfg: GemmConfig, m: int) -> GemmConfig:
             return make_config(arch, cfg.n, cfg.k, 64, cfg.block_n, ctas_per_sm,
                                dtype=cfg.dtype, accumulate=cfg.accumulate, bias=cfg.bias,
                                producers=cfg.producers, groups=cfg.groups, masked=cfg.masked,
-                               tile_rows=rows)
+                               tile_rows=rows, residual=cfg.residual)
         except ValueError:
             continue
     return cfg
