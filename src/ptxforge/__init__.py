@@ -3,6 +3,7 @@
     import ptxforge
     q, s = ptxforge.quantize_fp8_per_token(x)          # bf16 [M, K] -> e4m3 + 1x128 scales
     y = ptxforge.rms_norm(x, weight)
+    model = ptxforge.compile(model)                    # torch.compile with ptxforge's backend
 
 The layers, in the order a call passes through them: ``ops`` (validate, pick a config,
 launch) -> ``kernels`` (one generator per kernel) -> ``ptx`` (the builder) -> ``jit``
@@ -24,7 +25,12 @@ def __getattr__(name):
         # microsecond, on every `ptxforge.op(...)`).
         value = globals()[name] = getattr(ops, name)
         return value
+    if name == "compile":
+        from .compiler import compile
+
+        globals()[name] = compile
+        return compile
     raise AttributeError(f"module 'ptxforge' has no attribute {name!r}")
 
 
-__all__ = list(PTXFORGE_NAMES)
+__all__ = [*PTXFORGE_NAMES, "compile"]

@@ -1,4 +1,4 @@
-"""The ``ptxforge`` command: info, ptx, asm, precompile, bench, demo, cache."""
+"""The ``ptxforge`` command: info, ptx, asm, precompile, compile-report, bench, demo, cache."""
 
 from __future__ import annotations
 
@@ -140,11 +140,45 @@ def sass_histogram(cubin: bytes) -> str:
     return "\n".join(lines)
 
 
+def _model_plan(args, a):
+    """The model named by --model, built on the meta device, and the passes' plan for it."""
+    import torch
+
+    from .compiler import report
+    from .testing import models
+
+    with torch.device("meta"):
+        case = models.build(args.model, args.layers)
+    return case, report.trace(case, a, fp8=not args.bf16)
+
+
 def cmd_precompile(args) -> int:
     a = _target_arch(args.arch)
-    compiled = jit.precompile(kernels.all_variants(a), workers=args.workers)
+    if args.model:
+        import time
+
+        from .compiler import precompile, report
+
+        case, graphs = _model_plan(args, a)
+        makers = precompile.builders(report.kernels(graphs), a,
+                                     precompile.every_token_count(args.tokens))
+        start = time.perf_counter()
+        compiled = jit.precompile(makers, workers=args.workers)
+        print(f"{case.name}: {len(compiled)} kernels for 1-{args.tokens} tokens in "
+              f"{time.perf_counter() - start:.1f} s")
+    else:
+        compiled = jit.precompile(kernels.all_variants(a), workers=args.workers)
     print(_resource_rows(compiled))
     return 1 if any(c.resources.spills for c in compiled) else 0
+
+
+def cmd_compile_report(args) -> int:
+    from .compiler import report
+
+    a = _target_arch(args.arch)
+    case, graphs = _model_plan(args, a)
+    print(report.format_report(case, graphs, a))
+    return 0
 
 
 def cmd_bench(args) -> int:
@@ -174,6 +208,11 @@ def cmd_bench(args) -> int:
     elif args.suite == "chain":
         result = bench.chain_suite()
         text, plot = bench.chain_table(result), None
+    elif args.suite == "model":
+        from .testing import model_bench
+
+        result = model_bench.model_suite(args.models.split(","), args.layers)
+        text, plot = model_bench.model_table(result), _plot_models
     else:
         result = bench.gemm_suite()
         text = bench.gemm_table(result)
@@ -265,6 +304,27 @@ def _plot_decode(result: dict, path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def _plot_models(result: dict, path: str) -> None:
+    """Wall time per call, a group of bars (one per candidate) per model and token count."""
+    plt = _pyplot()
+    if plt is None:
+        return
+    cases = list(dict.fromkeys((r["model"], r["tokens"]) for r in result["rows"]))
+    candidates = list(dict.fromkeys(r["candidate"] for r in result["rows"]))
+    times = {(r["model"], r["tokens"], r["candidate"]): r["wall_us"] for r in result["rows"]}
+    fig, axes = plt.subplots(1, len(cases), figsize=(3.2 * len(cases), 4.5), squeeze=False)
+    for ax, (model, tokens) in zip(axes[0], cases):
+        values = [times.get((model, tokens, c), 0) for c in candidates]
+        ax.bar(range(len(candidates)), values,
+               color=["0.6" if not c.startswith("ptxforge") else "tab:orange" for c in candidates])
+        ax.set_xticks(range(len(candidates)), candidates, rotation=60, ha="right", fontsize=7)
+        ax.set_title(f"{model}\n{tokens} tokens", fontsize=8)
+    axes[0][0].set_ylabel("us per call (wall, host included)")
+    fig.suptitle(f"{result['gpu']}: models, ptxforge backend beside eager and Inductor")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def _plot_memory(result: dict, path: str) -> None:
     plt = _pyplot()
     if plt is None:
@@ -346,21 +406,37 @@ def main(argv=None) -> int:
         p.add_argument("options", nargs="*", help="key=value kernel options, e.g. hidden=4096")
         if name == "asm":
             p.add_argument("--sass", action="store_true", help="also print a SASS opcode histogram")
-    p = command("precompile", "assemble every kernel variant in parallel")
+    model_help = "ffn, llama-8b (Llama-3-8B layer sizes) or a transformers config.json"
+
+    def model_options(p, required):
+        p.add_argument("--model", required=required, help=model_help)
+        p.add_argument("--layers", type=int, default=2, help="layers of a transformers model")
+        p.add_argument("--bf16", action="store_true", help="the backend's fp8=False plan")
+
+    p = command("precompile", "assemble every kernel variant (or a model's kernels) in parallel")
     p.add_argument("--workers", type=int, default=None)
+    model_options(p, required=False)
+    p.add_argument("--tokens", type=int, default=16384,
+                   help="with --model: every token count from 1 to this")
+    p = command("compile-report", "what the torch.compile backend does to a model (no GPU "
+                "needed)")
+    model_options(p, required=True)
     p = command("bench", "GPU benchmark side by side with torch")
     p.add_argument("suite", choices=["memory", "fp8-gemm", "grouped-gemm", "bf16-gemm", "decode",
-                                     "chain"])
+                                     "chain", "model"])
     p.add_argument("--m", type=int, default=16384)
     p.add_argument("--k", type=int, default=7168)
     p.add_argument("--json", help="write the full results here")
     p.add_argument("--plot", help="write a PNG plot here")
+    p.add_argument("--models", default="ffn,llama-8b", help="model suite: which models")
+    p.add_argument("--layers", type=int, default=2, help="model suite: transformers layers")
     command("demo", "run (GPU) or assemble (CPU) every kernel, with checks")
     p = command("cache", "show or clear the on-disk cubin cache")
     p.add_argument("action", choices=["show", "clear"], nargs="?", default="show")
     args = parser.parse_args(argv)
     handler = {"info": cmd_info, "ptx": cmd_ptx, "asm": cmd_asm, "precompile": cmd_precompile,
-               "bench": cmd_bench, "demo": cmd_demo, "cache": cmd_cache}[args.command]
+               "compile-report": cmd_compile_report, "bench": cmd_bench, "demo": cmd_demo,
+               "cache": cmd_cache}[args.command]
     try:
         return handler(args)
     except (ValueError, TypeError, jit.AssemblyError, jit.AssemblerUnavailable, jit.SpillError,

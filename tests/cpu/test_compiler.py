@@ -1,13 +1,19 @@
-"""The torch.compile backend's Linear pass on the CPU: on a real (CPU) model every Linear
-stays with Inductor with its reason; on a graph of fake CUDA tensors the eligible Linears
-become ptxforge.fp8_linear (their weights quantized into buffers of the graph module) or,
-with fp8=False, ptxforge.bf16_linear, and the others keep their reason."""
+"""The torch.compile backend's passes on the CPU. On a real (CPU) model every Linear stays
+with Inductor with its reason; on a graph of fake CUDA tensors the eligible Linears become
+ptxforge.fp8_linear (their weights quantized into buffers of the graph module) or, with
+fp8=False, ptxforge.bf16_linear, and the others keep their reason; models built on the
+meta device (the FFN block, a small Llama) get their RMSNorms and SwiGLUs fused with the
+quantization, their parallel Linears joined and their residual adds moved into the GEMM;
+the plan's kernels and the CLI's report come from the same trace."""
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
-from ptxforge import arch, compiler  # noqa: E402
+from ptxforge import arch, cli, compiler  # noqa: E402
+from ptxforge.compiler import passes, precompile  # noqa: E402
+from ptxforge.kernels import sm90_gemm as gemm_kernel  # noqa: E402
+from ptxforge.kernels.sm90_gemm.tile_model import token_counts  # noqa: E402
 from ptxforge.testing.models import Ffn  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 
@@ -16,7 +22,7 @@ def test_a_cpu_model_keeps_its_linears_with_the_reason():
     plans = []
 
     def spy(gm, example_inputs):
-        plans.append(compiler.rewrite_linears(gm, example_inputs))
+        plans.append(compiler.rewrite(gm, example_inputs))
         return gm.forward
 
     model = Ffn(256, 128).to(torch.bfloat16)
@@ -66,9 +72,9 @@ def test_eligible_linears_become_ptxforge_operators(fp8):
         x = torch.empty(64, 256, device="cuda", dtype=torch.bfloat16)
         gm, inputs = linear_graph(x, [(param(512, 256), None), (param(104, 512), param(104)),
                                       (param(96, 104), None)])   # K = 104: not a multiple of 16
-        plan = compiler.rewrite_linears(gm, inputs, fp8=fp8, arch_of=hopper)
+        plan = compiler.rewrite(gm, inputs, fp8=fp8, arch_of=hopper)
         two, two_inputs = linear_graph(x, [(param(512, 256), None), (param(104, 512), param(104))])
-        compiler.rewrite_linears(two, two_inputs, fp8=fp8, arch_of=hopper)
+        compiler.rewrite(two, two_inputs, fp8=fp8, arch_of=hopper)
         out = two(*two_inputs)     # the operators' fakes: the shape of the last Linear
     operator = "ptxforge.fp8_linear" if fp8 else "ptxforge.bf16_linear"
     assert [r.operator for r in plan] == [operator, operator, None]
@@ -78,10 +84,10 @@ def test_eligible_linears_become_ptxforge_operators(fp8):
     assert targets == [operator + ".default"] * 2 + ["<built-in function linear>"]
     buffers = dict(gm.named_buffers())
     if fp8:
-        assert buffers["_ptxforge_linear_0"].dtype == torch.float8_e4m3fn
-        assert buffers["_ptxforge_linear_1"].shape == (4, 2)     # 128x128 block scales
+        assert buffers["_ptxforge_linear_w"].dtype == torch.float8_e4m3fn
+        assert buffers["_ptxforge_linear_ws"].shape == (4, 2)     # 128x128 block scales
     else:
-        assert buffers["_ptxforge_linear_0"].dtype == torch.bfloat16
+        assert buffers["_ptxforge_linear_w"].dtype == torch.bfloat16
     assert out.shape == (64, 104) and out.dtype == torch.bfloat16
 
 
@@ -92,8 +98,133 @@ def test_a_device_without_the_gemm_or_a_description_keeps_every_linear():
             x = torch.empty(64, 256, device="cuda", dtype=torch.bfloat16)
             gm, inputs = linear_graph(x, [(torch.empty(512, 256, device="cuda",
                                                        dtype=torch.bfloat16), None)])
-            (item,) = compiler.rewrite_linears(gm, inputs, arch_of=arch_of)
+            (item,) = compiler.rewrite(gm, inputs, arch_of=arch_of)
         assert item.operator is None
         reasons.append(item.reason)
     assert reasons[0].startswith("the GEMM needs wgmma, which sm_80")
     assert reasons[1] == "no such GPU"
+
+
+def ptxforge_calls(gm):
+    """(operator name, the node) of every ptxforge operator in the graph, in order."""
+    return [(str(n.target).split(".")[1], n) for n in gm.graph.nodes
+            if n.op == "call_function" and str(n.target).startswith("ptxforge.")]
+
+
+def trace_on_meta(model, *args, fp8=True, **kwargs):
+    """Dynamo's graphs of model(*args) on the meta device, rewritten by the passes for
+    sm_90a: [(graph module, plan)]."""
+    graphs = []
+
+    def spy(gm, example_inputs):
+        graphs.append((gm, compiler.rewrite(gm, example_inputs, fp8=fp8, arch_of=hopper)))
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(model, backend=spy, dynamic=True)(*args, **kwargs)
+    return graphs
+
+
+def test_the_ffn_block_becomes_four_ptxforge_kernels():
+    with torch.device("meta"):
+        model = Ffn(256, 128).to(torch.bfloat16)
+        x = torch.empty(8, 256, dtype=torch.bfloat16)
+    ((gm, plan),) = trace_on_meta(model, x)
+    calls = ptxforge_calls(gm)
+    assert [name for name, _ in calls] == ["rms_norm_fp8", "fp8_linear", "silu_mul_fp8",
+                                           "fp8_linear"]
+    (x_node,) = [n for n in gm.graph.nodes if n.op == "placeholder" and "x" in n.name]
+    norm, gate_up, swiglu, down = (node for _, node in calls)
+    assert norm.args[0] is x_node and norm.args[2] == pytest.approx(1e-6)
+    assert gate_up.args[0].args == (norm, 0) and gate_up.args[1].args == (norm, 1)
+    assert down.args[0].args == (swiglu, 0) and down.kwargs["residual"] is x_node
+    assert [n for n in gm.graph.nodes if n.op == "output"][0].args[0] == (down,)
+    assert {item.pattern for item in plan} == {"linear", "rms_norm -> fp8",
+                                               "silu(gate) * up -> fp8", "residual add"}
+
+
+def small_llama(layers=2):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(hidden_size=256, intermediate_size=512,
+                                      num_attention_heads=4, num_key_value_heads=2,
+                                      num_hidden_layers=layers, vocab_size=128)
+    config._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        model = transformers.LlamaModel(config).to(torch.bfloat16)
+        ids = torch.zeros(1, 8, dtype=torch.long)
+    return model, ids
+
+
+@pytest.mark.parametrize("fp8", [True, False])
+def test_a_llama_layer_joins_its_linears_and_fuses_norms_swiglu_and_residuals(fp8):
+    model, ids = small_llama()
+    ((gm, plan),) = trace_on_meta(model, ids, fp8=fp8, use_cache=False)
+    names = [name for name, _ in ptxforge_calls(gm)]
+    if fp8:   # per layer: norm, q/k/v as one GEMM, o (+ residual), norm, gate/up, SwiGLU, down
+        layer = ["rms_norm_fp8", "fp8_linear", "fp8_linear", "rms_norm_fp8", "fp8_linear",
+                 "silu_mul_fp8", "fp8_linear"]
+    else:
+        layer = ["bf16_linear"] * 4
+    assert names == layer * 2
+    joined = [item for item in plan if item.pattern.endswith("linears of one x")]
+    assert [item.pattern for item in joined] == ["3 linears of one x", "2 linears of one x"] * 2
+    assert sum(item.pattern == "residual add" for item in plan) == 4
+    assert all(item.operator for item in plan)
+    linears = [n for n in gm.graph.nodes if passes.kind(n) == "linear"]
+    assert linears == []
+
+
+def test_a_norm_read_by_more_than_linears_is_kept_beside_the_fused_kernel():
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = torch.nn.RMSNorm(256)
+            self.proj = torch.nn.Linear(256, 256, bias=False)
+
+        def forward(self, x):
+            y = self.norm(x)
+            return self.proj(y), y
+
+    with torch.device("meta"):
+        model = Block().to(torch.bfloat16)
+        x = torch.empty(8, 256, dtype=torch.bfloat16)
+    ((gm, plan),) = trace_on_meta(model, x)
+    assert [name for name, _ in ptxforge_calls(gm)] == ["rms_norm_fp8", "fp8_linear"]
+    assert [n for n in gm.graph.nodes if passes.kind(n) == "rms_norm"]   # still y's
+
+
+def test_the_plan_lists_each_kernel_and_its_configs_by_token_count():
+    model, ids = small_llama(layers=1)
+    ((gm, plan),) = trace_on_meta(model, ids, use_cache=False)
+    kernels = [k for ks in precompile.kernels_of(gm.graph).values() for k in ks]
+    gemms = [k for k in kernels if isinstance(k, precompile.Gemm)]
+    assert [(g.n, g.k, g.residual) for g in gemms] == [(512, 256, False), (256, 256, True),
+                                                      (1024, 256, False), (256, 512, True)]
+    sm90 = arch.get("sm_90a")
+    every = precompile.every_token_count(16384)
+    configs = gemms[0].configs(sm90, every)
+    assert len(set(configs)) == len(configs) >= 2
+    assert len(precompile.builders(kernels, sm90, every)) == (
+        sum(len(g.configs(sm90, every)) for g in set(gemms)) + 3)   # + the three row kernels
+
+
+def test_token_counts_stand_for_every_m_the_tile_model_sees():
+    sm90 = arch.get("sm_90a")
+    counts = token_counts(4096)
+    for n, k in ((4096, 7168), (7168, 2048), (6144, 4096)):
+        chosen = {m: gemm_kernel.choose_config(sm90, m, n, k) for m in counts}
+        for m in range(1, 4097):
+            representative = max(c for c in counts if c <= m)
+            assert gemm_kernel.choose_config(sm90, m, n, k) == chosen[representative], (n, k, m)
+
+
+def test_compile_report_prints_the_plan_without_a_gpu(tmp_path, capsys):
+    model, _ = small_llama()
+    path = tmp_path / "config.json"
+    model.config.to_json_file(path)
+    assert cli.main(["compile-report", "--model", str(path), "--layers", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "LlamaModel, 1 layers on sm_90a: 1 graph(s)" in out
+    assert "4 of 4" not in out and "7 of 7 Linears on ptxforge GEMMs" in out
+    assert "silu_mul_quantize_fp8 hidden=512" in out and "e4m3 GEMM N=256 K=512 + residual" in out

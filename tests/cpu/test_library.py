@@ -95,7 +95,7 @@ def test_the_linears_take_a_residual_of_their_output_s_shape():
         wq = torch.empty(128, 256, device="cuda", dtype=torch.float8_e4m3fn)
         ws = torch.empty(1, 2, device="cuda", dtype=torch.float32)
         w = torch.empty(128, 256, device="cuda", dtype=torch.bfloat16)
-        for d in (torch.ops.ptxforge.fp8_linear(x, wq, ws, None, residual),
+        for d in (torch.ops.ptxforge.fp8_linear(x, None, wq, ws, None, residual),
                   torch.ops.ptxforge.bf16_linear(x, w, residual=residual)):
             assert (d.shape, d.dtype) == ((2, 3, 128), torch.bfloat16)
     # The real linear checks the residual's shape (here before it needs a GPU): the rows it

@@ -1,7 +1,8 @@
 """The ptxforge torch.compile backend on a GPU: an FFN block and a small transformers Llama
 compiled with it, their Linears on ptxforge's GEMMs (weights quantized at compile time),
+RMSNorm and SwiGLU fused with the quantization, residual adds in the GEMMs' epilogues,
 against the bf16 model computed in f32 (FP8: calc_diff <= 5e-3; bf16: <= 1e-4), with one
-graph for every token count."""
+graph for every token count; with mode="reduce-overhead", the same bits from CUDA graphs."""
 
 import pytest
 import torch
@@ -39,8 +40,12 @@ def test_an_ffn_block_runs_on_ptxforge_gemms(fp8, limit):
         with torch.no_grad():
             got = compiled(x)
             assert calc_diff(got, reference(model, x)) <= limit
-    operator = "ptxforge.fp8_linear" if fp8 else "ptxforge.bf16_linear"
-    assert [r.operator for r in plans[0]] == [operator, operator]
+    operators = [r.operator for r in plans[0]]
+    if fp8:
+        assert operators == ["ptxforge.fp8_linear", "ptxforge.fp8_linear", "ptxforge.rms_norm_fp8",
+                             "ptxforge.silu_mul_fp8", "ptxforge.fp8_linear"]
+    else:
+        assert operators == ["ptxforge.bf16_linear"] * 3
     assert counters["stats"]["unique_graphs"] == 1
 
 
@@ -71,6 +76,35 @@ def test_a_small_llama_compiles_onto_ptxforge_gemms():
     with torch.no_grad():
         expected = model(ids).last_hidden_state.float()
         got = torch.compile(model, backend=backend)(ids).last_hidden_state
-    replaced = [r for plan in plans for r in plan if r.operator]
-    assert len(replaced) == 2 * 7          # q, k, v, o, gate, up, down in each layer
+    linears = [name for plan in plans for r in plan if r.operator and "linear" in r.pattern
+               for name in r.node.split(", ")]
+    assert len(linears) == 2 * 7          # q, k, v, o, gate, up, down in each layer
     assert calc_diff(got, expected) <= 5e-3
+
+
+def test_reduce_overhead_replays_cuda_graphs_with_the_same_bits():
+    model = Ffn(1024, 512).cuda().to(torch.bfloat16)
+    torch._dynamo.reset()
+    plain = compiler.compile(model)
+    graphs = compiler.compile(model, mode="reduce-overhead")
+    with torch.no_grad():
+        outputs = []
+        for tokens in (64, 5, 64, 300, 5):
+            x = torch.randn(tokens, 1024, device="cuda", dtype=torch.bfloat16)
+            got = graphs(x)
+            assert torch.equal(got, plain(x))     # fresh inputs each call: nothing stale
+            outputs.append((got, got.clone()))
+        for got, copy in outputs:                 # later replays left earlier outputs alone
+            assert torch.equal(got, copy)
+
+
+def test_a_weight_changed_after_compile_is_refused_not_used_stale():
+    model = Ffn(1024, 512).cuda().to(torch.bfloat16)
+    x = torch.randn(8, 1024, device="cuda", dtype=torch.bfloat16)
+    torch._dynamo.reset()
+    compiled = compiler.compile(model)
+    with torch.no_grad():
+        compiled(x)
+        model.down.weight.mul_(2)
+        with pytest.raises(RuntimeError, match="compile the model again"):
+            compiled(x)

@@ -39,7 +39,7 @@ def opcheck_cases():
     yield ops.bf16_gemm_nt, (x, bf16(256, 512), torch.empty(64, 256, device="cuda",
                                                             dtype=torch.bfloat16)), {
         "residual": bf16(64, 256)}
-    yield ops.fp8_linear, (bf16(2, 32, 512), qb, sb, bf16(256), bf16(2, 32, 256)), {}
+    yield ops.fp8_linear, (bf16(2, 32, 512), None, qb, sb, bf16(256), bf16(2, 32, 256)), {}
     yield ops.bf16_linear, (bf16(2, 32, 512), bf16(256, 512)), {"residual": bf16(2, 32, 256)}
     (ga, gsa), (gb, gsb), m_indices, _ = grouped_operands([100, 30], 256, 512)
     yield ops.m_grouped_fp8_gemm_nt_contiguous, (
@@ -102,7 +102,7 @@ def test_the_linears_add_the_residual():
     d = torch.empty(300, 256, device="cuda", dtype=torch.bfloat16)
     ptxforge.fp8_gemm_nt(ptxforge.quantize_fp8_per_token(rows), (wq, ws), d, bias=bias,
                          residual=residual.view(-1, 256))
-    got = ops.fp8_linear(x, wq, ws, bias, residual)
+    got = ops.fp8_linear(x, None, wq, ws, bias, residual)
     assert got.shape == (2, 150, 256) and torch.equal(got.view(-1, 256), d)
     got = ops.bf16_linear(x, w, bias, residual)
     expected = x.double() @ w.double().T + bias.double() + residual.double()

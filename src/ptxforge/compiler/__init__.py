@@ -7,6 +7,6 @@ the patterns it knows in a model's FX graph and hands the rest to Inductor.
 See docs/design.md ("The torch.compile backend") for the passes and the fallback.
 """
 
-from .backend import Replacement, backend, compile, rewrite_linears
+from .backend import Replacement, backend, compile, rewrite
 
-__all__ = ["Replacement", "backend", "compile", "rewrite_linears"]
+__all__ = ["Replacement", "backend", "compile", "rewrite"]

@@ -136,8 +136,14 @@ OPERATORS = {
         f"{_GEMM_OPTIONS}) -> ()", _m_grouped_bf16_gemm_nt_masked, _writes_d),
 }
 
-def _linear_output(x, w):
-    return torch.empty((*x.shape[:-1], w.shape[0]), dtype=torch.bfloat16, device=x.device)
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """t [..., K] as [M, K] rows: a view where the strides allow (the column slices of a
+    fused GEMM's output are), else a copy."""
+    return t.reshape(-1, t.shape[-1])
+
+
+def _linear_output(x, n: int):
+    return torch.empty((*x.shape[:-1], n), dtype=torch.bfloat16, device=x.device)
 
 
 def _linear_residual(residual, d):
@@ -146,35 +152,56 @@ def _linear_residual(residual, d):
     if residual is None:
         return None
     require_shape("residual", residual.shape, d.shape)
-    return residual.reshape(-1, d.shape[-1])
+    return _rows(residual)
 
 
-def _fp8_linear(x, wq, ws, bias=None, residual=None):
-    d = _linear_output(x, wq)
-    residual_rows = _linear_residual(residual, d)
-    q = rowwise.quantize_fp8_per_token(x.reshape(-1, x.shape[-1]))
-    gemm.fp8_gemm_nt(q, (wq, ws), d.view(-1, wq.shape[0]), bias=bias, residual=residual_rows)
+def _fp8_linear(x, x_scales, wq, ws, bias=None, residual=None):
+    d = _linear_output(x, wq.shape[0])
+    a = (_rows(x), x_scales) if x_scales is not None else rowwise.quantize_fp8_per_token(_rows(x))
+    gemm.fp8_gemm_nt(a, (wq, ws), _rows(d), bias=bias, residual=_linear_residual(residual, d))
     return d
 
 
 def _bf16_linear(x, w, bias=None, residual=None):
-    d = _linear_output(x, w)
-    residual_rows = _linear_residual(residual, d)
-    gemm.bf16_gemm_nt(x.reshape(-1, x.shape[-1]), w, d.view(-1, w.shape[0]), bias=bias,
-                      residual=residual_rows)
+    d = _linear_output(x, w.shape[0])
+    gemm.bf16_gemm_nt(_rows(x), w, _rows(d), bias=bias,
+                      residual=_linear_residual(residual, d))
     return d
 
 
-# What the torch.compile backend (ptxforge.compiler) puts in place of a Linear: functional
-# (they allocate their output), x [..., K] bf16; the FP8 one quantizes x per token itself.
-# residual [..., N] (the output's shape) is added in the GEMM's epilogue: h + o_proj(attn)
-# is o_proj's linear of attn with residual=h.
+def _rms_norm_fp8(x, weight, eps):
+    q, scales = rowwise.rms_norm_quantize_fp8(_rows(x), weight, eps)
+    return q.view(x.shape), scales
+
+
+def _silu_mul_fp8(gate, up):
+    q, scales = rowwise.silu_mul_quantize_fp8(_rows(gate), _rows(up))
+    return q.view(gate.shape), scales
+
+
+def _quantized_like(x):
+    q, scales = rowwise.quantized_outputs(x.numel() // x.shape[-1], x.shape[-1], "mn_major",
+                                          x.device)
+    return q.view(x.shape), scales
+
+
+# What the torch.compile backend (ptxforge.compiler) puts in a model's graph: functional
+# operators (they allocate their outputs) on x [..., K] as the model holds it. fp8_linear's
+# x is bf16 (quantized per token inside), or e4m3 with its scales as rms_norm_fp8 and
+# silu_mul_fp8 write them (q shaped like their input, scales MN-major); residual [..., N]
+# is added in the GEMM's epilogue.
 COMPILER_OPERATORS = {
-    "fp8_linear": ("(Tensor x, Tensor wq, Tensor ws, Tensor? bias=None, Tensor? residual=None)"
-                   " -> Tensor", _fp8_linear,
-                   lambda x, wq, ws, bias=None, residual=None: _linear_output(x, wq)),
+    "fp8_linear": ("(Tensor x, Tensor? x_scales, Tensor wq, Tensor ws, Tensor? bias=None, "
+                   "Tensor? residual=None) -> Tensor", _fp8_linear,
+                   lambda x, x_scales, wq, ws, bias=None, residual=None:
+                       _linear_output(x, wq.shape[0])),
     "bf16_linear": ("(Tensor x, Tensor w, Tensor? bias=None, Tensor? residual=None) -> Tensor",
-                    _bf16_linear, lambda x, w, bias=None, residual=None: _linear_output(x, w)),
+                    _bf16_linear,
+                    lambda x, w, bias=None, residual=None: _linear_output(x, w.shape[0])),
+    "rms_norm_fp8": ("(Tensor x, Tensor weight, float eps) -> (Tensor, Tensor)", _rms_norm_fp8,
+                     lambda x, weight, eps: _quantized_like(x)),
+    "silu_mul_fp8": ("(Tensor gate, Tensor up) -> (Tensor, Tensor)", _silu_mul_fp8,
+                     lambda gate, up: _quantized_like(gate)),
 }
 
 for _name, (_schema, _cuda, _fake) in {**OPERATORS, **COMPILER_OPERATORS}.items():

@@ -1,8 +1,12 @@
-"""Model blocks for the compiler's tests and benches (issue 14's cases)."""
+"""The models of issue 14's cases, for the compiler's tests, benches and reports: the FFN
+block, transformers' Llama with Llama-3-8B layer sizes, or any transformers config, each
+with random weights (N(0, 0.02), as the models' own init) and its example inputs."""
 
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -25,3 +29,82 @@ class Ffn(torch.nn.Module):
 def in_f32(model: torch.nn.Module) -> torch.nn.Module:
     """A copy of ``model`` computing in f32: the numerics reference for its bf16 self."""
     return copy.deepcopy(model).float()
+
+
+# Llama-3-8B's layer sizes.
+LLAMA_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "vocab_size": 128256, "rms_norm_eps": 1e-5,
+            "max_position_embeddings": 8192, "rope_theta": 500000.0}
+
+
+@dataclass
+class Case:
+    """A model and how to call it for a number of tokens."""
+    name: str
+    model: torch.nn.Module
+    inputs: Callable        # (tokens, device) -> (args, kwargs)
+    hidden: int
+
+    def output(self, result) -> torch.Tensor:
+        """The tensor a call returns (transformers' models return an output object)."""
+        return getattr(result, "last_hidden_state", result)
+
+
+def _init(model: torch.nn.Module) -> torch.nn.Module:
+    """Weights from N(0, 0.02), norms' weights from N(1, 0.1): every parameter drawn (a
+    module built on the meta device or without init holds garbage)."""
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if parameter.device.type == "meta":
+                continue
+            if parameter.dim() == 1:
+                parameter.normal_(1.0, 0.1)
+            else:
+                parameter.normal_(0.0, 0.02)
+    return model
+
+
+def ffn(hidden: int = 7168, inter: int = 2048) -> Case:
+    model = _init(Ffn(hidden, inter)).to(torch.bfloat16)
+    inputs = lambda tokens, device: ((torch.randn(tokens, hidden, device=device,
+                                                  dtype=torch.bfloat16),), {})
+    return Case(f"FFN {hidden}/{inter}", model, inputs, hidden)
+
+
+def transformers_model(config, layers: int | None = None, name: str | None = None) -> Case:
+    """transformers' base model (no LM head) for ``config`` (a config object, or a path to
+    a config.json), ``layers`` layers, SDPA attention, bf16, called on token ids."""
+    import transformers
+
+    if not isinstance(config, transformers.PretrainedConfig):
+        config = transformers.AutoConfig.from_pretrained(config)
+    config = copy.deepcopy(config)
+    if layers is not None:
+        config.num_hidden_layers = layers
+    config._attn_implementation = "sdpa"
+    model = _init(transformers.AutoModel.from_config(config, dtype=torch.bfloat16)).eval()
+    vocab = config.vocab_size
+
+    def inputs(tokens, device):
+        ids = torch.randint(0, vocab, (1, tokens), device=device)
+        return (ids,), {"use_cache": False}
+
+    label = name or f"{type(model).__name__}"
+    return Case(f"{label}, {config.num_hidden_layers} layers", model, inputs, config.hidden_size)
+
+
+def llama_8b(layers: int = 2) -> Case:
+    import transformers
+
+    return transformers_model(transformers.LlamaConfig(**LLAMA_8B), layers, "Llama-3-8B sizes")
+
+
+def build(name: str, layers: int = 2) -> Case:
+    """"ffn", "llama-8b", or the path of a transformers config.json."""
+    if name == "ffn":
+        return ffn()
+    if name == "llama-8b":
+        return llama_8b(layers)
+    if name.endswith(".json") or "/" in name:
+        return transformers_model(name, layers)
+    raise ValueError(f"model must be ffn, llama-8b or a transformers config.json, got {name!r}")

@@ -6,6 +6,7 @@ the tensor maps the kernel takes (their boxes also give the stages' expect-tx by
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -260,6 +261,7 @@ def require_problem(arch: Arch, n: int, k: int) -> None:
                          f"({row}-byte rows), got N={n}, K={k}")
 
 
+@functools.lru_cache(maxsize=None)   # the tile model asks for each tile at every M
 def make_config(arch: Arch, n: int, k: int, block_m: int, block_n: int,
                 ctas_per_sm: int = 1, multicast: int = 1,
                 part_buffers: int | None = None, accumulate: bool = False,

@@ -4,6 +4,8 @@ its kernels: the generator emits any config it is given, the model only ranks th
 
 from __future__ import annotations
 
+import functools
+
 from ...arch import Arch
 from .config import GemmConfig, ROW_BYTES, require_problem, block_n_candidates, make_config
 
@@ -28,10 +30,8 @@ STRADDLE_CLOCKS = 100
 TILE_CLOCKS = 3000
 
 
-def estimate_clocks(arch: Arch, cfg: GemmConfig, m: int, sms: int, groups: int = 1) -> float:
-    """The model's clocks for the whole problem on ``sms`` SMs: waves of tiles. ``groups``
-    > 1: the masked layout, ``m`` rows in each of that many groups (a tile covers one
-    group's rows)."""
+def tile_clocks(arch: Arch, cfg: GemmConfig) -> float:
+    """The model's clocks for one tile of ``cfg`` (its K loop and its fixed costs)."""
     throughput = arch.throughput
     # A K block is one 128-byte row of A and B: the same MMA clocks in e4m3 (K = 128) and
     # bf16 (K = 64 at half the rate); only e4m3 promotes.
@@ -49,12 +49,44 @@ def estimate_clocks(arch: Arch, cfg: GemmConfig, m: int, sms: int, groups: int =
     shared = cfg.ctas_per_sm
     k_block = (max(CHAIN_CLOCKS, shared * (mma + promote), shared * load, shared * smem)
                + STRADDLE_CLOCKS * cfg.straddles)
+    return cfg.k_blocks * k_block + TILE_CLOCKS
+
+
+def estimate_clocks(arch: Arch, cfg: GemmConfig, m: int, sms: int, groups: int = 1) -> float:
+    """The model's clocks for the whole problem on ``sms`` SMs: waves of tiles. ``groups``
+    > 1: the masked layout, ``m`` rows in each of that many groups (a tile covers one
+    group's rows)."""
+    return _waves(cfg, m, sms, groups) * tile_clocks(arch, cfg)
+
+
+def _waves(cfg: GemmConfig, m: int, sms: int, groups: int) -> int:
     tiles = groups * -(-m // cfg.rows) * cfg.n_tiles
-    waves = -(-tiles // (sms * cfg.ctas_per_sm))
-    return waves * (cfg.k_blocks * k_block + TILE_CLOCKS)
+    return -(-tiles // (sms * cfg.ctas_per_sm))
 
 
 MULTICAST_MIN_M = 512  # below, the tiles of a block row are too few to pair up
+
+
+@functools.lru_cache(maxsize=None)
+def _candidates(arch: Arch, n: int, k: int, block_ms: tuple, multicasts: tuple,
+                accumulate: bool, groups: int, masked: bool, dtype: str, bias: bool,
+                residual: bool) -> tuple:
+    """(config, clocks a tile) for every tile that fits the problem, in the order the ties
+    go: what does not depend on M, worked out once per problem."""
+    found = []
+    for block_m in block_ms:
+        # Two CTAs an SM: two K-loop chains overlap (what small tiles are bound by).
+        for ctas_per_sm in (1, 2) if block_m == 64 else (1,):
+            for block_n in block_n_candidates(arch, scaled=dtype == "e4m3"):
+                for multicast in multicasts:
+                    try:
+                        cfg = make_config(arch, n, k, block_m, block_n, ctas_per_sm, multicast,
+                                          accumulate=accumulate, groups=groups, masked=masked,
+                                          dtype=dtype, bias=bias, residual=residual)
+                    except ValueError:
+                        continue
+                    found.append((cfg, tile_clocks(arch, cfg)))
+    return tuple(found)
 
 
 def choose_config(arch: Arch, m: int, n: int, k: int, sms: int | None = None,
@@ -69,26 +101,32 @@ def choose_config(arch: Arch, m: int, n: int, k: int, sms: int | None = None,
     sms = sms or arch.sm_count
     # The masked layout's m is all groups' rows; a tile covers one group's.
     group_rows, tile_groups = (m // groups, groups) if masked else (m, 1)
-    best = None
     multicasts = (1, 2) if m >= MULTICAST_MIN_M and sms % 2 == 0 else (1,)
-    for block_m in (64,) if group_rows <= 64 else (64, 128):
-        # Two CTAs an SM: two K-loop chains overlap (what small tiles are bound by).
-        for ctas_per_sm in (1, 2) if block_m == 64 else (1,):
-            for block_n in block_n_candidates(arch, scaled=dtype == "e4m3"):
-                for multicast in multicasts:
-                    try:
-                        cfg = make_config(arch, n, k, block_m, block_n, ctas_per_sm, multicast,
-                                          accumulate=accumulate, groups=groups, masked=masked,
-                                          dtype=dtype, bias=bias, residual=residual)
-                    except ValueError:
-                        continue
-                    estimate = (estimate_clocks(arch, cfg, group_rows, sms, tile_groups),
-                                multicast, ctas_per_sm)
-                    if best is None or estimate < best[0]:
-                        best = (estimate, cfg)
+    block_ms = (64,) if group_rows <= 64 else (64, 128)
+    best = None
+    for cfg, clocks in _candidates(arch, n, k, block_ms, multicasts, accumulate, groups,
+                                   masked, dtype, bias, residual):
+        estimate = (_waves(cfg, group_rows, sms, tile_groups) * clocks, cfg.multicast,
+                    cfg.ctas_per_sm)
+        if best is None or estimate < best[0]:
+            best = (estimate, cfg)
     if best is None:
         raise ValueError(f"no GEMM tile fits N={n}, K={k} on {arch.target}")
     return few_token_tile(arch, best[1], group_rows)
+
+
+def token_counts(limit: int) -> list[int]:
+    """One M for each answer ``choose_config`` can give a dense GEMM for 1..limit rows: it
+    sees M only through the 64- and 128-row tile counts, whether M reaches
+    MULTICAST_MIN_M, and the few-token rows (what precompiling for every M needs)."""
+    seen, counts = set(), []
+    for m in range(1, limit + 1):
+        key = (-(-m // 64), -(-m // 128), m >= MULTICAST_MIN_M,
+               next((r for r in FEW_TOKEN_ROWS if m <= r), 0))
+        if key not in seen:
+            seen.add(key)
+            counts.append(m)
+    return counts
 
 
 # A few tokens' GEMM streams weights: what bounds it is the weight bytes in flight per SM

@@ -1,0 +1,86 @@
+"""CUDA graphs for the backend's ``mode="reduce-overhead"``: the compiled function replayed
+as one graph per shape of its inputs, so a call costs a copy in, a replay and a copy out
+on the host instead of a launch per kernel.
+
+    call(*inputs) --shapes seen before?--> copy the inputs that change into the graph's
+                                           own, replay, clone the outputs
+                  --new shapes-----------> run once (warm-up: kernels assembled, buffers
+                                           allocated), capture, replay
+
+The model's parameters and buffers (the inputs Dynamo marks static) are read where they
+are: a graph holds their addresses, as it holds the weights the passes quantized. The
+outputs are cloned because the next replay overwrites the graph's own. Inductor's CUDA
+graphs (cudagraph trees) do the same job with more bookkeeping per call (measured in
+docs/performance.md); this runner is what ``mode="reduce-overhead"`` means here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Graphs kept per compiled function: one per token count a server sees; past it, calls of
+# new shapes run without a graph.
+MAX_GRAPHS = 64
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    inputs: list            # the graph's own copies of the changing inputs, by position
+    outputs: object         # what the captured call returned
+
+
+class GraphRunner:
+    """``fn`` (the compiled graph: flat tensor and int inputs -> tensors) replayed as CUDA
+    graphs; ``static``: the positions of the inputs whose addresses stay (parameters)."""
+
+    def __init__(self, fn, static: set[int]):
+        self.fn, self.static = fn, static
+        self.graphs: dict[tuple, _Graph] = {}
+        self.pool = None
+
+    def _key(self, inputs) -> tuple:
+        return tuple((tuple(x.shape), x.stride(), x.dtype, x.device) if isinstance(x, torch.Tensor)
+                     else x for i, x in enumerate(inputs) if i not in self.static)
+
+    def __call__(self, *inputs):
+        key = self._key(inputs)
+        entry = self.graphs.get(key)
+        if entry is None:
+            if len(self.graphs) >= MAX_GRAPHS or not torch.cuda.is_available():
+                return self.fn(*inputs)
+            entry = self.graphs[key] = self._capture(inputs)
+        for i, copy in entry.inputs:
+            copy.copy_(inputs[i])
+        entry.graph.replay()
+        return _map(entry.outputs, torch.Tensor.clone)
+
+    def _capture(self, inputs) -> _Graph:
+        copies = [(i, x.clone()) for i, x in enumerate(inputs)
+                  if i not in self.static and isinstance(x, torch.Tensor)]
+        args = list(inputs)
+        for i, copy in copies:
+            args[i] = copy
+        # Warm up on a side stream, as torch's graph capture asks: lazy work (assembling
+        # kernels, allocating workspaces) happens before the capture, not inside it.
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self.fn(*args)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self.pool):
+            outputs = self.fn(*args)
+        return _Graph(graph, copies, outputs)
+
+
+def _map(value, fn):
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_map(v, fn) for v in value)
+    return value

@@ -1,0 +1,414 @@
+"""The backend's passes over Dynamo's FX graph (torch-level: ``torch._C._nn.linear``,
+``operator.mul``, ``x.pow(2)`` as the model wrote them, parameters as placeholders).
+
+    linears       Linear -> ptxforge.fp8_linear / bf16_linear, the weight (quantized, 128x128
+                  blocks) a constant of the graph; Linears reading the same x with bias-free
+                  weights become one GEMM over their concatenated weights (q/k/v, gate/up),
+                  each reading its columns of the output
+    producers     (FP8) the Linear's x made by an RMSNorm -> ptxforge.rms_norm_quantize_fp8
+                  writes the Linear's FP8 input (once for all the Linears it feeds); made by
+                  silu(g) * u -> ptxforge.silu_mul_quantize_fp8
+    residual      r + Linear(...) -> the GEMM adds r in its epilogue
+
+Each pass reads a node's value from its ``example_value`` (the fake tensor Dynamo traced),
+and each node it makes gets one, computed by the operator's fake, so the passes after it
+read the graph the same way. What a pass does, or why it leaves a match alone, is one
+``Replacement`` in the plan.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+
+from .. import ops  # noqa: F401  registers torch.ops.ptxforge
+from ..kernels import bf16_row_rmsnorm_fp8quant as row_kernel
+from ..kernels import sm90_gemm as gemm_kernel
+
+_F = torch.nn.functional
+PTXFORGE = torch.ops.ptxforge
+
+# What the model may have written for each operation: functions and method names.
+_SPELLINGS = {
+    "linear": (torch._C._nn.linear, _F.linear),
+    "rms_norm": (torch.rms_norm, _F.rms_norm),
+    "add": (operator.add, torch.add, "add"),
+    "mul": (operator.mul, torch.mul, "mul"),
+    "silu": (_F.silu, "silu"),
+    "rsqrt": (torch.rsqrt, "rsqrt"),
+    "pow": (operator.pow, torch.pow, "pow"),
+    "mean": (torch.mean, "mean"),
+    "to": ("to", "float"),
+    "item": ("item",),
+}
+_KIND = {(spelling if isinstance(spelling, str) else id(spelling)): kind
+         for kind, spellings in _SPELLINGS.items() for spelling in spellings}
+
+
+@dataclass(frozen=True)
+class Replacement:
+    """One pattern instance: what it was (its nodes), what runs instead (the ptxforge
+    operator, or None where it stays with Inductor) and why."""
+    pattern: str
+    node: str
+    operator: str | None
+    reason: str
+
+
+def kind(node) -> str | None:
+    """The operation a node performs, by the table above (None: another one)."""
+    if not isinstance(node, torch.fx.Node):
+        return None
+    if node.op == "call_function":
+        return _KIND.get(id(node.target))
+    if node.op == "call_method":
+        return _KIND.get(node.target)
+    return None
+
+
+def is_static(node, example) -> bool:
+    """Dynamo lifts parameters and buffers to placeholders it marks static."""
+    marked = node.meta.get("tensor_dict", {}).get("_dynamo_static_input_type") is not None
+    return isinstance(example, torch.nn.Parameter) or marked
+
+
+class Graph:
+    """The graph module under rewrite: node values, the model's static tensors (its
+    parameters and buffers, by placeholder), and the making of nodes and constants."""
+
+    def __init__(self, gm: torch.fx.GraphModule, example_inputs):
+        self.gm, self.graph = gm, gm.graph
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        self.inputs = dict(zip(placeholders, example_inputs))
+        self.static = {n: e for n, e in self.inputs.items() if is_static(n, e)}
+        fakes = (n.meta.get("example_value") for n in gm.graph.nodes)
+        self.fake_mode = next((v.fake_mode for v in fakes if hasattr(v, "fake_mode")), None)
+        self.folded: list[torch.Tensor] = []   # parameters copied into the graph's constants
+
+    @staticmethod
+    def value(node):
+        """What the node computes, as traced (a fake tensor), or the argument itself."""
+        return node.meta.get("example_value") if isinstance(node, torch.fx.Node) else node
+
+    def tensor(self, node):
+        """The real tensor behind a static placeholder, or None."""
+        return self.static.get(node)
+
+    def number(self, node):
+        """A Python number: the argument itself, or ``t.item()`` of a one-element input
+        tensor (some torch versions lift a module's float attributes, an RMSNorm's eps, to
+        such inputs), read when the graph is compiled like the weights."""
+        if isinstance(node, (int, float)):
+            return node
+        if kind(node) == "item":
+            value = self.inputs.get(node.args[0])
+            if isinstance(value, torch.Tensor) and value.numel() == 1:
+                return value.item()
+        return None
+
+    def constant(self, name: str, value: torch.Tensor) -> torch.fx.Node:
+        """A tensor the pass made, as a buffer of the module read by a get_attr node.
+        AOTAutograd asks Dynamo where every buffer came from (``_param_name_to_source``):
+        a pass's own buffers get a source of their own, a constant's."""
+        from torch._dynamo.source import ConstantSource
+
+        self.gm.register_buffer(name, value)
+        sources = getattr(self.gm, "_param_name_to_source", None)
+        if sources is not None:
+            sources[name] = ConstantSource(name)
+        node = self.graph.get_attr(name)
+        node.meta["example_value"] = self._fake(value)
+        return node
+
+    def call(self, target, args, kwargs=None) -> torch.fx.Node:
+        """A call_function node (at the graph's insertion point) with its example value."""
+        node = self.graph.call_function(target, tuple(args), kwargs or {})
+        fake = lambda a: self.value(a) if isinstance(a, torch.fx.Node) else a
+        with self.fake_mode or torch._subclasses.fake_tensor.FakeTensorMode():
+            node.meta["example_value"] = target(*map(fake, args),
+                                                **{k: fake(v) for k, v in (kwargs or {}).items()})
+        return node
+
+    def _fake(self, value: torch.Tensor):
+        if self.fake_mode is None or isinstance(value, torch._subclasses.FakeTensor):
+            return value
+        return self.fake_mode.from_tensor(value, static_shapes=True)
+
+
+# --- Linear ---------------------------------------------------------------------------------
+
+@dataclass
+class Linear:
+    """A Linear of the graph the GEMM can take: its node, x, the weight and the bias node."""
+    node: torch.fx.Node
+    x: torch.fx.Node
+    weight: torch.Tensor
+    bias: torch.fx.Node | None
+
+
+def why_not_linear(g: Graph, node, arch_of) -> tuple[Linear | None, str | None]:
+    """The Linear ``node`` as the GEMM would take it, or why it cannot (its weight is not a
+    bf16 [N, K] parameter on a GPU whose GEMM takes N and K, x not bf16 there, or a bias
+    that is not a parameter)."""
+    x, w, bias = (list(node.args) + [node.kwargs.get("bias")])[:3]
+    weight, x_value = g.tensor(w), g.value(x)
+    if weight is None:
+        return None, "the weight is not a parameter of the model"
+    if weight.dtype != torch.bfloat16 or weight.dim() != 2:
+        return None, f"the weight is {weight.dtype} {tuple(weight.shape)}, not a bf16 matrix"
+    if weight.device.type not in ("cuda", "meta"):
+        return None, f"the weight is on {weight.device}"
+    arch = arch_of(weight.device)
+    if isinstance(arch, str):
+        return None, arch
+    try:
+        gemm_kernel.require_problem(arch, *weight.shape)
+    except ValueError as error:
+        return None, str(error)
+    if x_value is None or x_value.dtype != torch.bfloat16 or x_value.device != weight.device:
+        return None, (f"x is {getattr(x_value, 'dtype', None)} on "
+                      f"{getattr(x_value, 'device', None)}, not bf16 there")
+    if bias is not None and g.tensor(bias) is None:
+        return None, "the bias is not a parameter of the model"
+    return Linear(node, x, weight, bias), None
+
+
+def rewrite_linears(g: Graph, *, fp8: bool, arch_of) -> tuple[list, list[Replacement]]:
+    """Put ptxforge's Linear operators in place of every Linear the GEMM takes. Returns the
+    operator nodes made (each with its x as the first argument) and the plan."""
+    plan, taken = [], []   # plan: (position, Replacement), in graph order at the end
+    for position, node in enumerate(g.graph.nodes):
+        if kind(node) != "linear":
+            continue
+        linear, why = why_not_linear(g, node, arch_of)
+        if why is not None:
+            plan.append((position, Replacement("linear", node.name, None, why)))
+        else:
+            taken.append((position, linear))
+    made = []
+    for group in _parallel_groups(taken, fp8):
+        position = group[0][0]
+        group = [linear for _, linear in group]
+        made.append(_rewrite(g, group, fp8))
+        names = ", ".join(linear.node.name for linear in group)
+        shapes = " + ".join(f"[{l.weight.shape[0]}, {l.weight.shape[1]}]" for l in group)
+        weights = "fp8 128x128 blocks" if fp8 else "bf16"
+        pattern = "linear" if len(group) == 1 else f"{len(group)} linears of one x"
+        plan.append((position, Replacement(pattern, names, _operator_name(made[-1]),
+                                           f"{shapes} weight, {weights}")))
+    return made, [item for _, item in sorted(plan, key=lambda pair: pair[0])]
+
+
+def _parallel_groups(linears: list, fp8: bool) -> list[list]:
+    """(position, Linear) pairs grouped: Linears reading the same x, without bias, as one
+    group (one GEMM over their concatenated weights); the rest alone; groups in graph
+    order. FP8 weights join only at multiples of 128 rows, where the 128x128 scale blocks of
+    the parts are those of the whole."""
+    by_x: dict[torch.fx.Node, list] = {}
+    for pair in linears:
+        by_x.setdefault(pair[1].x, []).append(pair)
+    groups = []
+    for members in by_x.values():
+        joinable = [(p, l) for p, l in members if l.bias is None
+                    and (not fp8 or l.weight.shape[0] % 128 == 0)]
+        if len(joinable) < 2:
+            joinable = []
+        else:
+            groups.append(joinable)
+        groups.extend([pair] for pair in members if pair not in joinable)
+    return sorted(groups, key=lambda group: group[0][0])
+
+
+def _rewrite(g: Graph, group: list[Linear], fp8: bool) -> torch.fx.Node:
+    first = group[0]
+    x = first.node.args[0]   # now: an earlier rewrite may have replaced the node first.x was
+    weight = torch.cat([l.weight.detach() for l in group]) if len(group) > 1 else first.weight
+    name = f"_ptxforge_{first.node.name}"
+    if fp8 or len(group) > 1:
+        g.folded.extend(linear.weight for linear in group)
+    with g.graph.inserting_before(first.node):
+        if fp8:
+            wq, ws = PTXFORGE.quantize_fp8_per_block(weight.detach())
+            args = (x, None, g.constant(name + "_w", wq), g.constant(name + "_ws", ws))
+            target = PTXFORGE.fp8_linear.default
+        else:
+            args = (x, g.constant(name + "_w", weight.detach().contiguous()))
+            target = PTXFORGE.bf16_linear.default
+        out = g.call(target, args, {"bias": first.bias})
+        start = 0
+        for linear in group:
+            n = linear.weight.shape[0]
+            part = out if len(group) == 1 else g.call(
+                operator.getitem, (out, (Ellipsis, slice(start, start + n))))
+            start += n
+            part.meta.update({k: v for k, v in linear.node.meta.items() if k != "example_value"})
+            linear.node.replace_all_uses_with(part)
+    for linear in group:   # after the inserts: they are placed before the first of them
+        g.graph.erase_node(linear.node)
+    return out
+
+
+def _operator_name(node) -> str:
+    return str(node.target).rsplit(".", 1)[0]
+
+
+# --- what makes a Linear's x: RMSNorm, SwiGLU -----------------------------------------------
+
+def _args(node):
+    """The two operands of a binary node (either order matters to the caller)."""
+    return node.args[0], node.args[1]
+
+
+def match_rms_norm(g: Graph, node):
+    """(x, weight node, eps) if ``node`` computes RMSNorm(x) * weight over the last
+    dimension of a bf16 x, as ``torch.rms_norm`` / ``F.rms_norm`` or as transformers'
+    modules write it: ``w * (x.to(f32) * rsqrt(x.to(f32).pow(2).mean(-1, keepdim=True) +
+    eps)).to(bf16)``; else None."""
+    if kind(node) == "rms_norm":
+        x, shape, weight = (list(node.args) + [node.kwargs.get("weight")])[:3]
+        eps = node.args[3] if len(node.args) > 3 else node.kwargs.get("eps")
+        eps = torch.finfo(torch.bfloat16).eps if eps is None else g.number(eps)
+        x_value = g.value(x)
+        if (x_value is None or weight is None or eps is None
+                or tuple(shape) != (x_value.shape[-1],)):
+            return None
+        return x, weight, eps
+    if kind(node) != "mul":
+        return None
+    for weight, normed in (_args(node), reversed(_args(node))):
+        if g.tensor(weight) is None or g.tensor(weight).dim() != 1:
+            continue
+        if kind(normed) == "to":
+            normed = normed.args[0]
+        if kind(normed) != "mul":
+            continue
+        for a, r in (_args(normed), reversed(_args(normed))):
+            if kind(r) != "rsqrt" or kind(r.args[0]) != "add":
+                continue
+            variance, eps = r.args[0].args
+            eps = g.number(eps)
+            if eps is None or kind(variance) != "mean" or not _is_square_mean(variance, a):
+                continue
+            x = a.args[0] if kind(a) == "to" else a
+            return x, weight, eps
+    return None
+
+
+def _is_square_mean(mean, a) -> bool:
+    """mean(a.pow(2), -1, keepdim=True)."""
+    square = mean.args[0]
+    dims = mean.args[1] if len(mean.args) > 1 else mean.kwargs.get("dim")
+    keepdim = mean.args[2] if len(mean.args) > 2 else mean.kwargs.get("keepdim", False)
+    return (kind(square) == "pow" and square.args[0] is a and square.args[1] == 2
+            and dims in (-1, [-1], (-1,)) and keepdim)
+
+
+def match_swiglu(g: Graph, node):
+    """(gate, up) if ``node`` is silu(gate) * up; else None."""
+    if kind(node) != "mul":
+        return None
+    for silu, up in (_args(node), reversed(_args(node))):
+        if kind(silu) == "silu" and not silu.kwargs.get("inplace", False):
+            gate = silu.args[0]
+            if isinstance(up, torch.fx.Node) and g.value(gate).shape == g.value(up).shape:
+                return gate, up
+    return None
+
+
+def _row_kernel_takes(hidden: int, arch_of, device, normalize: bool) -> str | None:
+    arch = arch_of(device)
+    if isinstance(arch, str):
+        return arch
+    try:
+        row_kernel.choose_config(arch, hidden, normalize=normalize, quantize=True)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def fuse_producers(g: Graph, made: list, arch_of) -> list[Replacement]:
+    """For each FP8 Linear whose x an RMSNorm or a SwiGLU makes: that kernel, fused with
+    the per-token quantization, writes the Linear's FP8 input (and its scales); the
+    ptxforge node is made once for all the Linears that read it."""
+    plan, quantized = [], {}
+    for linear in made:
+        if linear.target is not PTXFORGE.fp8_linear.default:
+            continue
+        x = linear.args[0]
+        if x not in quantized:
+            quantized[x] = _fused_quantizer(g, x, arch_of, plan)
+        if quantized[x] is not None:
+            q, scales = quantized[x]
+            linear.args = (q, scales, *linear.args[2:])
+    return plan
+
+
+def _fused_quantizer(g: Graph, x, arch_of, plan):
+    """(q, scales) nodes of the fused kernel that makes x, or None (x made otherwise)."""
+    value = g.value(x)
+    norm, swiglu = match_rms_norm(g, x), match_swiglu(g, x)
+    if norm is None and swiglu is None:
+        return None
+    pattern = "rms_norm -> fp8" if norm else "silu(gate) * up -> fp8"
+    why = _row_kernel_takes(value.shape[-1], arch_of, value.device, normalize=bool(norm))
+    if norm and (g.tensor(norm[1]) is None or g.value(norm[0]).dtype != torch.bfloat16):
+        why = "x is not bf16 or the norm's weight is not a parameter"
+    if why is not None:
+        plan.append(Replacement(pattern, x.name, None, why))
+        return None
+    with g.graph.inserting_after(x):
+        if norm:
+            source, weight, eps = norm
+            both = g.call(PTXFORGE.rms_norm_fp8.default, (source, weight, eps))
+        else:
+            both = g.call(PTXFORGE.silu_mul_fp8.default, swiglu)
+    with g.graph.inserting_after(both):
+        scales = g.call(operator.getitem, (both, 1))
+        q = g.call(operator.getitem, (both, 0))
+    plan.append(Replacement(pattern, x.name, _operator_name(both),
+                            f"hidden {value.shape[-1]}, 1x128 per-token scales"))
+    return q, scales
+
+
+# --- residual --------------------------------------------------------------------------------
+
+def fuse_residuals(g: Graph, made: list) -> list[Replacement]:
+    """``r + Linear(x)`` (or ``Linear(x) + r``), r bf16 of the output's shape and the add
+    the Linear's only reader -> the GEMM's epilogue adds r."""
+    plan = []
+    for linear in made:
+        if len(linear.users) != 1:
+            continue
+        (add,) = linear.users
+        if kind(add) != "add" or len(add.args) != 2 or add.kwargs:
+            continue
+        residual = add.args[1] if add.args[0] is linear else add.args[0]
+        value, out = g.value(residual), g.value(linear)
+        if (residual is linear or not isinstance(residual, torch.fx.Node)
+                or value.dtype != torch.bfloat16 or value.shape != out.shape):
+            continue
+        add.prepend(linear)   # after r: the add was after both
+        linear.kwargs = {**linear.kwargs, "residual": residual}
+        linear.meta["example_value"] = g.value(add)
+        add.replace_all_uses_with(linear)
+        g.graph.erase_node(add)
+        plan.append(Replacement("residual add", add.name, _operator_name(linear),
+                                "added in the GEMM's epilogue"))
+    return plan
+
+
+def rewrite(gm: torch.fx.GraphModule, example_inputs, *, fp8: bool, arch_of) -> list[Replacement]:
+    """Every pass, in order; returns the plan. The parameters whose values the graph now
+    holds a copy of (quantized or joined) are left in ``gm.ptxforge_folded``."""
+    g = Graph(gm, example_inputs)
+    made, plan = rewrite_linears(g, fp8=fp8, arch_of=arch_of)
+    if fp8:
+        plan += fuse_producers(g, made, arch_of)
+    plan += fuse_residuals(g, made)
+    g.graph.eliminate_dead_code()
+    g.graph.lint()
+    gm.recompile()
+    gm.ptxforge_folded = g.folded
+    return plan

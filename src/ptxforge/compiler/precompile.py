@@ -1,0 +1,111 @@
+"""The kernels a rewritten graph launches, and assembling all of them ahead of its calls.
+
+A GEMM's tile depends on M, which is a run-time argument: for every token count up to a
+bound, the tile model (``sm90_gemm.choose_config``) gives the config, and the distinct
+configs are assembled in parallel (``jit.precompile``, into the on-disk cache). The row
+kernels depend on the hidden size only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..kernels import bf16_row_rmsnorm_fp8quant as row_kernel
+from ..kernels import sm90_gemm as gemm_kernel
+from ..kernels.sm90_gemm.tile_model import token_counts
+
+PTXFORGE = torch.ops.ptxforge
+
+# The row generator's switches for each row kernel the passes use.
+ROW_VARIANTS = {
+    "quantize_fp8_per_token": {"normalize": False, "quantize": True},
+    "rms_norm_quantize_fp8": {"normalize": True, "quantize": True},
+    "silu_mul_quantize_fp8": {"normalize": False, "quantize": True, "swiglu": True},
+}
+
+
+@dataclass(frozen=True)
+class Gemm:
+    """A GEMM of the graph, less its M."""
+    n: int
+    k: int
+    dtype: str               # "e4m3" or "bf16"
+    bias: bool = False
+    residual: bool = False
+
+    def config(self, arch, m: int):
+        return gemm_kernel.choose_config(arch, m, self.n, self.k, dtype=self.dtype,
+                                         bias=self.bias, residual=self.residual)
+
+    def configs(self, arch, tokens) -> list:
+        """The distinct configs for these token counts (M)."""
+        return list(dict.fromkeys(self.config(arch, m) for m in tokens))
+
+    generate = staticmethod(gemm_kernel.generate)
+
+    def __str__(self):
+        extras = "".join(f" + {name}" for name in ("bias", "residual") if getattr(self, name))
+        return f"{self.dtype} GEMM N={self.n} K={self.k}{extras}"
+
+
+@dataclass(frozen=True)
+class Row:
+    """A row kernel of the graph: its variant and hidden size."""
+    variant: str             # the row generator's variant name
+    hidden: int
+
+    def configs(self, arch, tokens=()) -> list:
+        return [row_kernel.choose_config(arch, self.hidden, **ROW_VARIANTS[self.variant])]
+
+    generate = staticmethod(row_kernel.generate)
+
+    def __str__(self):
+        return f"{self.variant} hidden={self.hidden}"
+
+
+def _shape(node, index=None):
+    value = node.meta["example_value"] if isinstance(node, torch.fx.Node) else node
+    return tuple(value.shape if index is None else value[index].shape)
+
+
+def kernels_of(graph: torch.fx.Graph) -> dict[str, tuple]:
+    """node name -> the kernels its ptxforge operator launches."""
+    found = {}
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        bias = node.kwargs.get("bias") is not None
+        residual = node.kwargs.get("residual") is not None
+        if node.target is PTXFORGE.fp8_linear.default:
+            x, x_scales, wq = node.args[:3]
+            n, k = _shape(wq)
+            kernels = (Gemm(n, k, "e4m3", bias, residual),)
+            if x_scales is None:   # it quantizes x itself
+                kernels = (Row("quantize_fp8_per_token", k),) + kernels
+            found[node.name] = kernels
+        elif node.target is PTXFORGE.bf16_linear.default:
+            n, k = _shape(node.args[1])
+            found[node.name] = (Gemm(n, k, "bf16", bias, residual),)
+        elif node.target is PTXFORGE.rms_norm_fp8.default:
+            found[node.name] = (Row("rms_norm_quantize_fp8", _shape(node.args[0])[-1]),)
+        elif node.target is PTXFORGE.silu_mul_fp8.default:
+            found[node.name] = (Row("silu_mul_quantize_fp8", _shape(node.args[0])[-1]),)
+    return found
+
+
+def builders(kernels, arch, tokens) -> list:
+    """Zero-argument builders of every distinct config of ``kernels`` (an iterable of
+    Gemm / Row) for these token counts (``every_token_count(limit)``: all of 1..limit)."""
+    configs = {}
+    for kernel in dict.fromkeys(kernels):
+        for cfg in kernel.configs(arch, tokens):
+            configs.setdefault(cfg, kernel.generate)
+    return [lambda cfg=cfg, generate=generate: generate(cfg) for cfg, generate in configs.items()]
+
+
+def every_token_count(limit: int) -> list[int]:
+    """Token counts that stand for all of 1..limit: one for each config the GEMMs' tile
+    model can choose among them."""
+    return token_counts(limit)

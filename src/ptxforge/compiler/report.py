@@ -1,0 +1,70 @@
+"""What the backend would do to a model, worked out without a GPU: the model is built on
+the meta device (shapes, no data), Dynamo traces it, the passes run for a given target
+(``sm_90a`` by default) and nothing is compiled or launched.
+
+    ptxforge compile-report --model llama-8b --layers 2
+    ptxforge precompile --model llama-8b --tokens 16384     # the same plan, then assembly
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import passes, precompile
+from .passes import Replacement
+
+
+@dataclass
+class GraphPlan:
+    """One graph Dynamo made of the model: the plan, and the kernels of its ptxforge nodes
+    (node name -> Gemm / Row descriptors)."""
+    plan: list[Replacement]
+    kernels: dict[str, tuple]
+
+
+def trace(case, arch, *, fp8: bool = True, tokens: int = 64) -> list[GraphPlan]:
+    """The passes' plan for ``case`` (a ``testing.models.Case`` built on the meta device)
+    on ``arch``: one GraphPlan per graph."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        plan = passes.rewrite(gm, example_inputs, fp8=fp8, arch_of=lambda device: arch)
+        graphs.append(GraphPlan(plan, precompile.kernels_of(gm.graph)))
+        return gm.forward
+
+    args, kwargs = case.inputs(tokens, "meta")
+    with torch.no_grad():
+        torch.compile(case.model, backend=backend, dynamic=True)(*args, **kwargs)
+    return graphs
+
+
+def kernels(graphs: list[GraphPlan]) -> list:
+    """Every distinct kernel descriptor of the graphs, in graph order."""
+    return list(dict.fromkeys(k for g in graphs for ks in g.kernels.values() for k in ks))
+
+
+def format_report(case, graphs: list[GraphPlan], arch, token_counts=(1, 64, 2048, 16384)) -> str:
+    from ..testing.bench import format_table
+
+    lines = [f"{case.name} on {arch.target}: {len(graphs)} graph(s)"]
+    rows = [[item.pattern, item.node, item.operator or "Inductor", item.reason]
+            for g in graphs for item in g.plan]
+    lines.append(format_table(["pattern", "nodes", "runs on", "detail"], rows))
+    linears = [item for g in graphs for item in g.plan if "linear" in item.pattern]
+    taken = sum(len(item.node.split(", ")) for item in linears if item.operator)
+    total = sum(len(item.node.split(", ")) for item in linears)
+    lines.append(f"\n{taken} of {total} Linears on ptxforge GEMMs")
+    rows = []
+    for kernel in kernels(graphs):
+        if isinstance(kernel, precompile.Gemm):
+            cells = [kernel.config(arch, m).name.split(f"_k{kernel.k}_", 1)[-1]
+                     for m in token_counts]
+        else:
+            (cfg,) = kernel.configs(arch)
+            cells = [cfg.name] * len(token_counts)
+        rows.append([str(kernel), *cells])
+    lines.append("\nkernels, by token count:")
+    lines.append(format_table(["kernel", *(f"M={m}" for m in token_counts)], rows))
+    return "\n".join(lines)

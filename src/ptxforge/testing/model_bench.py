@@ -1,0 +1,180 @@
+"""``ptxforge bench model``: models compiled by the ptxforge backend beside eager PyTorch and
+Inductor, as a user runs them (issue 14's cases and method).
+
+Per model and token count: the wall time of a call as a user sees it (CUDA events around
+50 back-to-back calls after 5 warm-up calls, host included, median of 5 rounds), for eager,
+``torch.compile`` (Inductor) by default and with ``mode="reduce-overhead"``, and the
+ptxforge backend the same two ways; the first call's time (compile, assembly, capture);
+calc_diff of each compiled output against the bf16 model computed in f32; and the number
+of graphs Dynamo made across the token counts (one: no recompile when only they change).
+ptxforge's own share of the compile (its passes and weight quantization, then assembling
+the kernels of the measured token counts into an empty and into a warm cache) is timed
+apart from Dynamo and Inductor.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+
+from .. import arch as arch_mod
+from .. import compiler, jit
+from ..compiler import passes, precompile, report
+from . import models
+from .bench import format_table
+from .checks import calc_diff
+
+CASES = {"ffn": (64, 4096), "llama-8b": (64, 2048)}
+CANDIDATES = ("eager", "inductor", "inductor reduce-overhead", "ptxforge",
+              "ptxforge reduce-overhead")
+
+
+def wall_us(fn, calls: int = 50, rounds: int = 5) -> float:
+    """Median over ``rounds`` of the CUDA-event time of ``calls`` back-to-back calls, per call."""
+    for _ in range(5):
+        fn()
+    times = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(times)
+
+
+def _compiled(case, name: str):
+    """The candidate's callable. The ptxforge backend compiles once for every token count
+    (dynamic shapes); Inductor, the peer, gets a fresh compile per token count with static
+    shapes (its fastest code)."""
+    if name == "eager":
+        return case.model
+    mode = "reduce-overhead" if name.endswith("reduce-overhead") else None
+    if name.startswith("ptxforge"):
+        return compiler.compile(case.model, mode=mode)
+    return torch.compile(case.model, mode=mode, dynamic=False)
+
+
+def ptxforge_share(name: str, layers: int, tokens) -> dict:
+    """Seconds of ptxforge's own compile work for the model: the passes with the weights'
+    quantization (on the GPU model), and assembling the kernels of ``tokens`` token
+    counts into an empty cache and into a warm one."""
+    case = models.build(name, layers)
+    case.model.cuda()
+    a = arch_mod.current()
+    start = time.perf_counter()
+    graphs = _trace(case, a)
+    passes = time.perf_counter() - start
+    kernels = report.kernels(graphs)
+    makers = precompile.builders(kernels, a, tokens)
+    seconds = {}
+    with tempfile.TemporaryDirectory() as empty:
+        saved = os.environ.get("PTXFORGE_CACHE_DIR")
+        os.environ["PTXFORGE_CACHE_DIR"] = empty
+        try:
+            for state in ("cold", "warm"):
+                start = time.perf_counter()
+                jit.precompile(makers, progress=False)
+                seconds[state] = time.perf_counter() - start
+        finally:
+            if saved is None:
+                del os.environ["PTXFORGE_CACHE_DIR"]
+            else:
+                os.environ["PTXFORGE_CACHE_DIR"] = saved
+    return {"passes_s": passes, "kernels": len(makers), "assemble_cold_s": seconds["cold"],
+            "assemble_warm_s": seconds["warm"]}
+
+
+def _trace(case, a):
+    """The passes run on the real (GPU) model, as the backend runs them: its plan."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        plan = passes.rewrite(gm, example_inputs, fp8=True, arch_of=lambda d: a)
+        graphs.append(report.GraphPlan(plan, precompile.kernels_of(gm.graph)))
+        return gm.forward
+
+    args, kwargs = case.inputs(64, "cuda")
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(case.model, backend=backend, dynamic=True)(*args, **kwargs)
+    return graphs
+
+
+def model_suite(names=tuple(CASES), layers: int = 2) -> dict:
+    from torch._dynamo.utils import counters
+
+    rows = []
+    for name in names:
+        torch.manual_seed(0)
+        case = models.build(name, layers)
+        case.model.cuda()
+        reference = models.in_f32(case.model)
+        inputs = {t: case.inputs(t, "cuda") for t in CASES[name]}
+        for candidate in CANDIDATES:
+            torch._dynamo.reset()
+            counters.clear()
+            fn = _compiled(case, candidate)
+            for tokens, (args, kwargs) in inputs.items():
+                if candidate.startswith("inductor"):
+                    torch._dynamo.reset()
+                    counters.clear()
+                    fn = _compiled(case, candidate)
+                with torch.no_grad():
+                    torch.cuda.synchronize()
+                    start = time.perf_counter()
+                    out = case.output(fn(*args, **kwargs))
+                    torch.cuda.synchronize()
+                    first = time.perf_counter() - start
+                    expected = case.output(reference(*_f32(args), **kwargs))
+                    rows.append({
+                        "model": case.name, "tokens": tokens, "candidate": candidate,
+                        "wall_us": wall_us(lambda: fn(*args, **kwargs)),
+                        "first_call_s": first, "calc_diff": calc_diff(out, expected),
+                        "graphs": counters["stats"]["unique_graphs"]})
+            del fn
+        share = ptxforge_share(name, layers, CASES[name])
+        for row in rows:
+            if row["model"] == case.name:
+                row["ptxforge_share"] = share
+        del case, reference
+        torch.cuda.empty_cache()
+    return {"suite": "model", "gpu": torch.cuda.get_device_name(), "rows": rows}
+
+
+def _f32(args):
+    return tuple(a.float() if a.is_floating_point() else a for a in args)
+
+
+def model_table(result: dict) -> str:
+    table, seen = [], {}
+    for row in result["rows"]:
+        key = (row["model"], row["tokens"])
+        seen.setdefault(key, {})[row["candidate"]] = row
+    for (model, tokens), by in seen.items():
+        cells = [f"{by[c]['wall_us']:.1f}" if c in by else "-" for c in CANDIDATES]
+        best_peer = min(by[c]["wall_us"] for c in CANDIDATES[:3] if c in by)
+        ours = min(by[c]["wall_us"] for c in CANDIDATES[3:] if c in by)
+        diffs = "/".join(f"{by[c]['calc_diff']:.1e}" for c in CANDIDATES[3:] if c in by)
+        table.append([model, tokens, *cells, f"{best_peer / ours:.2f}x", diffs])
+    lines = [f"{result['gpu']}: wall us per call (CUDA events, host included, median)",
+             format_table(["model", "tokens", *CANDIDATES, "best peer / ptxforge",
+                           "ptxforge calc_diff"], table)]
+    firsts = [[row["model"], row["tokens"], row["candidate"], f"{row['first_call_s']:.2f}",
+               row["graphs"]] for row in result["rows"] if row["candidate"] != "eager"]
+    lines += ["", "first call (s: compile, assembly, capture) and graphs Dynamo made:",
+              format_table(["model", "tokens", "candidate", "first call s", "graphs"], firsts)]
+    shares = {row["model"]: row["ptxforge_share"] for row in result["rows"]}
+    lines += ["", "ptxforge's own compile share (s): passes + quantization; kernels assembled "
+              "for the token counts above, empty cache / warm cache"]
+    lines += [f"  {model}: passes {s['passes_s']:.2f}, {s['kernels']} kernels "
+              f"{s['assemble_cold_s']:.2f} / {s['assemble_warm_s']:.2f}"
+              for model, s in shares.items()]
+    return "\n".join(lines)
