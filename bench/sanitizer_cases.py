@@ -4,10 +4,10 @@
     (and --tool synccheck, --tool racecheck)
 
 (cuda-bindings probes the driver with cuGetProcAddress calls that return INVALID_VALUE:
-API errors are not reported.) The row kernels (RMSNorm, the two FP8 quantizations and
-their fusion, rows not filling the last CTA); the GEMM's epilogues (bf16 store, f32
-reduce-add, bias, residual: separate and in place) and dense tile variants (producer
-warps, CTAs per SM, multicast, few-token tiles); the
+API errors are not reported.) The row kernels (RMSNorm, the two FP8 quantizations, their
+fusion, SwiGLU + quantization on the halves of one tensor, rows not filling the last
+CTA); the GEMM's epilogues (bf16 store, f32 reduce-add, bias, residual: separate and in
+place) and dense tile variants (producer warps, CTAs per SM, multicast, few-token tiles); the
 contiguous layout with m_indices past the group count, negative and mis-aligned; the
 masked layout with counts past M_max and negative. Prints one line per call; sanitizer
 findings follow its own format.
@@ -28,6 +28,7 @@ weight = torch.randn(7168, device="cuda").bfloat16()
 ptxforge.rms_norm(x, weight)
 ptxforge.quantize_fp8_per_token(x)
 ptxforge.rms_norm_quantize_fp8(x, weight)
+ptxforge.silu_mul_quantize_fp8(*x.chunk(2, dim=-1))
 ptxforge.quantize_fp8_per_block(x[:, :1000])
 torch.cuda.synchronize()
 print("ran the row kernels and the block quantization", flush=True)

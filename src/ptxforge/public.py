@@ -26,6 +26,7 @@ PUBLIC = (
     PublicName("rms_norm", "rowwise", kernel="rms_norm"),
     PublicName("quantize_fp8_per_token", "rowwise", kernel="quantize_fp8_per_token"),
     PublicName("rms_norm_quantize_fp8", "rowwise", kernel="rms_norm_quantize_fp8"),
+    PublicName("silu_mul_quantize_fp8", "rowwise", kernel="silu_mul_quantize_fp8"),
     PublicName("quantize_fp8_per_block", "block_quant", kernel="quantize_fp8_per_block"),
     PublicName("fp8_gemm_nt", "gemm", kernel="fp8_gemm_nt", in_deep_gemm=True),
     PublicName("bf16_gemm_nt", "gemm", kernel="bf16_gemm_nt", in_deep_gemm=True),

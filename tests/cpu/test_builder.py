@@ -92,6 +92,36 @@ def test_golden_snippets():
     ]
 
 
+def test_sfu_approximations_and_packed_bf16_arithmetic():
+    """The forms SwiGLU's silu uses: ex2 and rcp approximations, with and without ftz (without
+    it ptxas adds subnormal handling around the SFU instruction), and bf16x2 arithmetic on
+    b32 registers."""
+    k = KernelBuilder("sfu", target="sm_90a")
+    out = k.param("out", "u64")
+    f, g = k.reg("f32", "f"), k.reg("f32", "g")
+    packed = k.reg("b32", "packed")
+    ptr = k.reg("u64", "ptr")
+    k.mov(f, 0.5)
+    k.ex2(g, f)
+    k.ex2(g, g, ftz=True)
+    k.rcp(g, g)
+    k.rcp(g, g, rnd="approx", ftz=True)
+    k.cvt(packed, g, f, dtype="bf16x2", rnd="rn")
+    k.mul(packed, packed, packed, type="bf16x2", rnd="rn")
+    k.ld_param(ptr, out)
+    k.st(addr(ptr), packed)
+    assert body_lines(k)[1:7] == [
+        "ex2.approx.f32 %g, %f;",
+        "ex2.approx.ftz.f32 %g, %g;",
+        "rcp.rn.f32 %g, %g;",
+        "rcp.approx.ftz.f32 %g, %g;",
+        "cvt.rn.bf16x2.f32 %packed, %g, %f;",
+        "mul.rn.bf16x2 %packed, %packed, %packed;",
+    ]
+    if PTXAS is not None:
+        assert_assembles(k)
+
+
 def test_structured_control_flow():
     k = KernelBuilder("flow")
     i, n = k.reg("u32", "i"), k.reg("u32", "n")

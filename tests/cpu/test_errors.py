@@ -290,6 +290,22 @@ def test_row_kernel_hidden_must_be_a_positive_multiple_of_8(hidden):
         row_kernel.choose_config(SM90, hidden, normalize=True, quantize=False)
 
 
+def test_swiglu_row_kernel_names_gate_in_its_size_error():
+    with pytest.raises(ValueError, match=r"hidden size \(gate.shape\[-1\]\) must be a positive "
+                                         "multiple of 8, got 1004"):
+        row_kernel.choose_config(SM90, 1004, normalize=False, quantize=True, swiglu=True)
+
+
+@pytest.mark.parametrize("normalize, quantize, swiglu", [
+    (False, False, False), (False, False, True), (True, False, True), (True, True, True)])
+def test_row_kernel_refuses_switches_that_name_no_variant(normalize, quantize, swiglu):
+    with pytest.raises(ValueError) as info:
+        row_kernel.choose_config(SM90, 1024, normalize=normalize, quantize=quantize, swiglu=swiglu)
+    assert str(info.value).startswith(f"the row kernel has no variant normalize={normalize}, "
+                                      f"quantize={quantize}, swiglu={swiglu}; its variants")
+    assert "(False, True, True)" in str(info.value)
+
+
 @pytest.mark.parametrize("normalize", [False, True])
 def test_row_kernel_hidden_too_large(normalize):
     largest = ((SM90.max_threads_per_block // 2) * row_kernel.MAX_VECTORS_PER_THREAD[normalize]
@@ -297,15 +313,22 @@ def test_row_kernel_hidden_too_large(normalize):
     assert row_kernel.choose_config(SM90, largest, normalize=normalize, quantize=True).hidden == largest
     with pytest.raises(ValueError, match=f"at most {largest}, got {largest + 8}"):
         row_kernel.choose_config(SM90, largest + 8, normalize=normalize, quantize=True)
+    if not normalize:  # SwiGLU keeps as many vectors a thread as the quantization
+        assert row_kernel.choose_config(SM90, largest, normalize=False, quantize=True,
+                                        swiglu=True).hidden == largest
+        with pytest.raises(ValueError, match=f"at most {largest}, got {largest + 8}"):
+            row_kernel.choose_config(SM90, largest + 8, normalize=False, quantize=True,
+                                     swiglu=True)
 
 
 AMPERE = arch.get("sm_80")
 
 
-@pytest.mark.parametrize("normalize", [False, True], ids=["quantize", "rmsnorm-quantize"])
-def test_fp8_row_kernels_need_fp8(normalize):
+@pytest.mark.parametrize("normalize, swiglu", [(False, False), (True, False), (False, True)],
+                         ids=["quantize", "rmsnorm-quantize", "swiglu-quantize"])
+def test_fp8_row_kernels_need_fp8(normalize, swiglu):
     with pytest.raises(ValueError, match="fp8") as info:
-        row_kernel.choose_config(AMPERE, 4096, normalize=normalize, quantize=True)
+        row_kernel.choose_config(AMPERE, 4096, normalize=normalize, quantize=True, swiglu=swiglu)
     assert "sm_80" in str(info.value)
 
 

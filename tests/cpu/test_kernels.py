@@ -64,7 +64,53 @@ def test_row_kernel_heuristic(normalize, quantize, hidden, threads_per_row, rows
     assert cfg.threads_per_row * cfg.vectors_per_thread * 8 >= hidden
     # What the heuristic promises fits: the CTAs it counts on, with their shared memory.
     shared = cfg.dynamic_shared_bytes + cfg.static_shared_bytes
-    assert a.resident_ctas(cfg.threads, row_kernel.REGISTER_CAP[normalize], shared) >= cfg.ctas_per_sm
+    assert a.resident_ctas(cfg.threads, cfg.registers, shared) >= cfg.ctas_per_sm
+
+
+def test_swiglu_row_kernel_shape_of_the_code():
+    """SwiGLU + quantization: two bulk copies per row (gate's, then up's, into one stage row
+    of 2 x 2I bytes), gate and up vectors read from the stage, silu on the SFU and one bf16x2
+    multiply per pair, then the quantizer's code."""
+    cfg = row_kernel.choose_config(arch.get("sm_90a"), 14336, normalize=False, quantize=True,
+                                   swiglu=True)
+    assert (cfg.threads_per_row, cfg.rows_per_cta, cfg.vectors_per_thread, cfg.groups) == (256, 1, 7, 1)
+    assert cfg.stage_bytes == 2 * 14336 * 2
+    ptx = row_kernel.generate(cfg).ptx()
+    for param in (".param .u64 gate", ".param .u32 gate_row_stride", ".param .u64 up",
+                  ".param .u32 up_row_stride"):
+        assert param in ptx
+    assert ".param .u64 x" not in ptx and "weight" not in ptx
+    copies = [line.strip() for line in ptx.splitlines() if "cp.async.bulk.shared" in line]
+    assert len(copies) == 2
+    assert copies[0].startswith("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%smem], ")
+    assert copies[1].startswith(f"cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%smem+{14336 * 2}], ")
+    assert f"mul.lo.u32 %copy_bytes, %copy_rows, {2 * 14336 * 2};" in ptx  # expect-tx: both rows
+    assert ptx.count("ld.shared.v4.b32") == 2 * 7
+    assert ptx.count("ex2.approx.ftz.f32") == ptx.count("rcp.approx.ftz.f32") == 7 * 8
+    assert ptx.count("cvt.rn.bf16x2.f32") == ptx.count("mul.rn.bf16x2") == 7 * 4
+    assert ptx.count("cvt.rn.satfinite.e4m3x2.f32") == 7 * 4
+    assert ptx.count("rcp.rn.f32") == 7              # the quantizer's 448/amax
+    assert "div." not in ptx
+
+
+@pytest.mark.parametrize("hidden, threads_per_row, rows_per_cta, vectors, ctas", [
+    (8, 16, 8, 1, 8), (128, 16, 8, 1, 8), (776, 16, 8, 7, 7), (1000, 16, 8, 8, 7),
+    (1024, 16, 8, 8, 6), (2048, 32, 4, 8, 6), (4096, 64, 2, 8, 6), (11008, 256, 1, 6, 4),
+    (14336, 256, 1, 7, 3), (18432, 512, 1, 5, 2), (28672, 512, 1, 7, 2), (32768, 512, 1, 8, 1)])
+def test_swiglu_row_kernel_sizes_assemble_without_spills(hidden, threads_per_row, rows_per_cta,
+                                                          vectors, ctas):
+    """The heuristic's configs at FFN intermediate sizes and at its edges: 8 (one vector),
+    1000 (a partial quantization group), 776 (7 vectors with 16 threads a row, which ptxas
+    fits only in 72 registers) and 32768 (the largest it takes)."""
+    a = arch.get("sm_90a")
+    cfg = row_kernel.choose_config(a, hidden, normalize=False, quantize=True, swiglu=True)
+    assert (cfg.threads_per_row, cfg.rows_per_cta, cfg.vectors_per_thread, cfg.ctas_per_sm) == (
+        threads_per_row, rows_per_cta, vectors, ctas)
+    shared = cfg.dynamic_shared_bytes + cfg.static_shared_bytes
+    assert a.resident_ctas(cfg.threads, cfg.registers, shared) >= cfg.ctas_per_sm
+    compiled = jit.build(row_kernel.generate(cfg))
+    assert compiled.resources.spills == 0 and compiled.resources.stack_frame == 0, compiled.log
+    assert "warning" not in compiled.log.lower(), compiled.log
 
 
 def test_gemm_uses_the_fp8_tensor_cores_and_warp_specialisation():

@@ -49,18 +49,24 @@ def test_fakes_allocate_what_the_functions_allocate():
                                                                      dtype=torch.bfloat16))
         assert (q.shape, s.shape) == ((300, 640), (3, 5))
         assert s.stride() == block_quant.block_quantized_outputs(300, 640, "cuda")[1].stride()
+        gate, up = torch.empty(100, 2 * 640, device="cuda", dtype=torch.bfloat16).chunk(2, -1)
+        for layout in ("mn_major", "row_major"):
+            q, s = torch.ops.ptxforge.silu_mul_quantize_fp8(gate, up, layout)
+            q_real, s_real = rowwise.quantized_outputs(100, 640, layout, x.device)
+            assert (q.shape, q.dtype, q.stride()) == (q_real.shape, q_real.dtype, q_real.stride())
+            assert (s.shape, s.dtype, s.stride()) == (s_real.shape, s_real.dtype, s_real.stride())
 
 
-def test_a_ffn_block_traces_into_one_graph_of_ptxforge_operators():
-    """RMSNorm + quantize, the FP8 gate/up GEMM, SwiGLU in torch, quantize, the down GEMM
-    accumulating into the residual: every ptxforge call is one node of the graph."""
+def traced_ffn(swiglu) -> list:
+    """The call nodes of an FFN block written with the operators (RMSNorm + quantize, the
+    FP8 gate/up GEMM, ``swiglu(g, u) -> (q, s)`` on the halves of its output, the down GEMM
+    accumulating into the residual), traced with fake CUDA tensors: no GPU needed."""
     def ffn(x, norm, gate_up, gate_up_s, down, down_s):
         q, s = torch.ops.ptxforge.rms_norm_quantize_fp8(x, norm, 1e-6)
         h = torch.empty(x.shape[0], gate_up.shape[0], device=x.device, dtype=torch.bfloat16)
         torch.ops.ptxforge.fp8_gemm_nt(q, s, gate_up, gate_up_s, h)
         g, u = h.chunk(2, dim=-1)
-        q, s = torch.ops.ptxforge.quantize_fp8_per_token(
-            (torch.nn.functional.silu(g) * u).contiguous())
+        q, s = swiglu(g, u)
         out = x.float()
         torch.ops.ptxforge.fp8_gemm_nt(q, s, down, down_s, out, out)
         return out
@@ -74,10 +80,33 @@ def test_a_ffn_block_traces_into_one_graph_of_ptxforge_operators():
                 torch.empty(hidden, inter, device="cuda", dtype=torch.float8_e4m3fn),
                 torch.empty(hidden // 128, inter // 128, device="cuda", dtype=torch.float32))
         graph = make_fx(ffn, tracing_mode="fake")(*args)
-    ops = [node.target for node in graph.graph.nodes if node.op == "call_function"]
-    ptxforge_ops = [str(op) for op in ops if str(op).startswith("ptxforge.")]
-    assert ptxforge_ops == ["ptxforge.rms_norm_quantize_fp8.default", "ptxforge.fp8_gemm_nt.default",
-                            "ptxforge.quantize_fp8_per_token.default", "ptxforge.fp8_gemm_nt.default"]
+    return [node for node in graph.graph.nodes if node.op == "call_function"]
+
+
+def ptxforge_calls(calls: list) -> list[str]:
+    return [str(node.target) for node in calls if str(node.target).startswith("ptxforge.")]
+
+
+def test_a_ffn_block_traces_into_one_graph_of_ptxforge_operators():
+    """SwiGLU in torch, then quantized: every ptxforge call is one node of the graph."""
+    calls = traced_ffn(lambda g, u: torch.ops.ptxforge.quantize_fp8_per_token(
+        (torch.nn.functional.silu(g) * u).contiguous()))
+    assert ptxforge_calls(calls) == [
+        "ptxforge.rms_norm_quantize_fp8.default", "ptxforge.fp8_gemm_nt.default",
+        "ptxforge.quantize_fp8_per_token.default", "ptxforge.fp8_gemm_nt.default"]
+
+
+def test_a_fused_ffn_block_reads_the_gate_up_output_in_place():
+    """SwiGLU fused into the quantization: the gate/up GEMM's output goes to
+    silu_mul_quantize_fp8 as its two halves, with no copy between them."""
+    calls = traced_ffn(torch.ops.ptxforge.silu_mul_quantize_fp8)
+    assert ptxforge_calls(calls) == [
+        "ptxforge.rms_norm_quantize_fp8.default", "ptxforge.fp8_gemm_nt.default",
+        "ptxforge.silu_mul_quantize_fp8.default", "ptxforge.fp8_gemm_nt.default"]
+    gate_up_gemm = next(node for node in calls if "fp8_gemm_nt" in str(node.target))
+    swiglu = next(node for node in calls if "silu_mul" in str(node.target))
+    (split,) = {half.args[0] for half in swiglu.args[:2]}  # getitem(split(h), 0) and (.., 1)
+    assert str(split.target) == "aten.split.Tensor" and split.args[0] is gate_up_gemm.args[4]
 
 
 @pytest.mark.parametrize("name", ["fp8_gemm_nt", "bf16_gemm_nt"])

@@ -24,6 +24,7 @@ OPS = {  # op name -> (call with the checked tensor, the name its errors use)
     "quantize_fp8_per_token": (lambda x: ptxforge.quantize_fp8_per_token(x), "x"),
     "quantize_fp8_per_block": (lambda w: ptxforge.quantize_fp8_per_block(w), "w"),
     "rms_norm_quantize_fp8": (lambda x: ptxforge.rms_norm_quantize_fp8(x, WEIGHT), "x"),
+    "silu_mul_quantize_fp8": (lambda g: ptxforge.silu_mul_quantize_fp8(g, g), "gate"),
 }
 ops = pytest.mark.parametrize("op", list(OPS))
 
@@ -49,6 +50,7 @@ def test_cpu_tensor_needs_cuda(op):
     ("quantize_fp8_per_token", (2, 4, 128)),
     ("quantize_fp8_per_block", (128,)),
     ("rms_norm_quantize_fp8", (2, 4, 128)),
+    ("silu_mul_quantize_fp8", (2, 4, 128)),
 ])
 def test_wrong_ndim_reports_the_shape(op, shape):
     call, name = OPS[op]
@@ -100,6 +102,10 @@ CASES = {  # case -> (op, well-formed CPU arguments for M rows (each group's M_m
                               lambda m: ((zeros(BF16, m, K), zeros(BF16, K)), {})),
     "rms_norm_quantize_fp8(out=)": (ptxforge.rms_norm_quantize_fp8, lambda m: (
         (zeros(BF16, m, K), zeros(BF16, K)), {"out": scaled(m, K)})),
+    "silu_mul_quantize_fp8": (ptxforge.silu_mul_quantize_fp8,
+                              lambda m: ((zeros(BF16, m, K), zeros(BF16, m, K)), {})),
+    "silu_mul_quantize_fp8(out=)": (ptxforge.silu_mul_quantize_fp8, lambda m: (
+        (zeros(BF16, m, K), zeros(BF16, m, K)), {"out": scaled(m, K)})),
     "fp8_gemm_nt": (ptxforge.fp8_gemm_nt, lambda m: (
         (scaled(m, K), weight_scaled(N, K), zeros(BF16, m, N)), {})),
     "fp8_gemm_nt(c=)": (ptxforge.fp8_gemm_nt, lambda m: (
@@ -246,6 +252,7 @@ def test_pdl_true_false_or_none_passes_the_checks_that_need_no_gpu(case, pdl):
 HOLDS = {  # (case, parameter) -> what the pair holds, as its error says
     ("quantize_fp8_per_token(out=)", "out"): "e4m3 [M, K] and f32 [M, ceil(K/128)]",
     ("rms_norm_quantize_fp8(out=)", "out"): "e4m3 [M, K] and f32 [M, ceil(K/128)]",
+    ("silu_mul_quantize_fp8(out=)", "out"): "e4m3 [M, K] and f32 [M, ceil(K/128)]",
     ("quantize_fp8_per_block(out=)", "out"): "e4m3 [N, K] and f32 [ceil(N/128), ceil(K/128)]",
     ("fp8_gemm_nt", "a"): "e4m3 [M, K] and f32 [M, ceil(K/128)]",
     ("fp8_gemm_nt", "b"): "e4m3 [N, K] and f32 [ceil(N/128), ceil(K/128)]",
@@ -391,6 +398,15 @@ BEFORE_THE_DEVICE = {  # (case, change to its CPU arguments) -> the error instea
                                     "got (64,)"),
     "w's alignment": ("quantize_fp8_per_block", with_args(w=lambda a: misaligned(BF16, 128, 128)),
                       ValueError, "w must start at a 16-byte aligned address, got "),
+    "up's shape": ("silu_mul_quantize_fp8", with_args(up=lambda a: zeros(BF16, 4, 64)),
+                   ValueError, "up must have shape (4, 128), got (4, 64)"),
+    "up's rows": ("silu_mul_quantize_fp8", with_args(up=lambda a: zeros(BF16, 5, 128)),
+                  ValueError, "up must have shape (4, 128), got (5, 128)"),
+    "up's alignment": ("silu_mul_quantize_fp8", with_args(up=lambda a: misaligned(BF16, 4, 128)),
+                       ValueError, "up must start at a 16-byte aligned address, got "),
+    "out overlaps up": ("silu_mul_quantize_fp8(out=)", with_args(
+        out=lambda a: (a["up"].view(E4M3).view(-1)[:4 * K].view(4, K), a["out"][1])),
+        ValueError, "out[0] overlaps an input; outputs must not alias inputs"),
 }
 
 
@@ -412,6 +428,14 @@ def test_checks_that_need_no_gpu_run_before_the_device_check(what):
     with pytest.raises(error) as info:
         call(case, args)
     assert str(info.value).startswith(message)
+
+
+def test_the_halves_of_one_gate_up_tensor_pass_the_checks_that_need_no_gpu():
+    """gate and up may be the two halves of the gate/up projection's [M, 2I] output: strided
+    rows, up 2I bytes past gate's start."""
+    gate_up = zeros(BF16, 4, 2 * K)
+    with pytest.raises(ValueError, match="^gate must be on a CUDA device, got cpu$"):
+        ptxforge.silu_mul_quantize_fp8(gate_up[:, :K], gate_up[:, K:])
 
 
 # --------------------------------------------------------------------------- get_mn_major_tma_aligned_tensor

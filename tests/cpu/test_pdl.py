@@ -155,15 +155,18 @@ def launchers(monkeypatch, tmp_path):
                                               "e4m3", False, False, None, pdl)[0],
            "masked gemm": lambda pdl: gemm_ops._plan(0, 16, 7168, 2048, 132, False, 4, True,
                                                      8, "e4m3", False, False, None, pdl)[0],
-           "rms_norm": lambda pdl: rowwise._kernel(0, 7168, True, False, pdl)[2],
-           "quantize_fp8_per_token": lambda pdl: rowwise._kernel(0, 7168, False, True, pdl)[2],
+           "rms_norm": lambda pdl: rowwise._kernel(0, 7168, True, False, False, pdl)[2],
+           "quantize_fp8_per_token": lambda pdl: rowwise._kernel(0, 7168, False, True, False,
+                                                                 pdl)[2],
+           "silu_mul_quantize_fp8": lambda pdl: rowwise._kernel(0, 18432, False, True, True,
+                                                                pdl)[2],
            "quantize_fp8_per_block": lambda pdl: block_quant._launcher(0, pdl)}
     for cache in caches:
         cache.cache_clear()
 
 
 OP_LAUNCHERS = ["gemm", "masked gemm", "rms_norm", "quantize_fp8_per_token",
-                "quantize_fp8_per_block"]
+                "silu_mul_quantize_fp8", "quantize_fp8_per_block"]
 
 
 @pytest.mark.parametrize("op", OP_LAUNCHERS)

@@ -28,7 +28,11 @@ def opcheck_cases():
     yield ops.quantize_fp8_per_token, (x,), {}
     yield ops.quantize_fp8_per_token, (x, "row_major"), {}
     yield ops.rms_norm_quantize_fp8, (x, w, 1e-5), {}
+    yield ops.silu_mul_quantize_fp8, (x, bf16(64, 512)), {}
+    yield ops.silu_mul_quantize_fp8, (*bf16(64, 2 * 1000).chunk(2, dim=-1), "row_major"), {}
     yield ops.quantize_fp8_per_block, (bf16(256, 512),), {}
+    yield ops.rms_norm_fp8, (bf16(2, 32, 512), w, 1e-6), {}
+    yield ops.silu_mul_fp8, (*bf16(2, 32, 1024).chunk(2, dim=-1)), {}
     yield ops.fp8_gemm_nt, (qa, sa, qb, sb, torch.empty(64, 256, device="cuda",
                                                         dtype=torch.bfloat16)), {}
     yield ops.fp8_gemm_nt, (qa, sa, qb, sb, torch.empty(64, 256, device="cuda",
@@ -137,6 +141,26 @@ def ffn(x, norm, gate_up, gate_up_s, down, down_s):
     out = torch.empty_like(x)
     ops.fp8_gemm_nt(q, s, down, down_s, out)
     return x + out
+
+
+def test_swiglu_on_a_gate_up_output_compiles_for_every_token_count():
+    """The gate/up GEMM's output split in two and handed to silu_mul_quantize_fp8 under
+    torch.compile(fullgraph=True, dynamic=True): one graph, the eager call's bits."""
+    from torch._dynamo.utils import counters
+
+    def swiglu(gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)
+        return ops.silu_mul_quantize_fp8(gate, up)
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(swiglu, fullgraph=True, dynamic=True)
+    for tokens in (64, 7, 300):
+        gate_up = bf16(tokens, 2 * 2048)
+        q, s = compiled(gate_up)
+        rq, rs = swiglu(gate_up)
+        assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs)
+    assert counters["stats"]["unique_graphs"] == 1
 
 
 @pytest.mark.parametrize("backend, mode", [("aot_eager", None), ("inductor", None),

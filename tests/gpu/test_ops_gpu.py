@@ -21,6 +21,16 @@ def _check_cases():
         yield pytest.param(checks.check_rms_norm_quantize, (m, k), id=f"fused-{m}x{k}")
     for n, k in [(1, 8), (129, 136), (300, 200), (7168, 2048), (4096, 7168)]:
         yield pytest.param(checks.check_quantize_per_block, (n, k), id=f"per_block-{n}x{k}")
+    # SwiGLU: FFN intermediate sizes, 1000 (a partial group), 776 (7 vectors, 16 threads a
+    # row), 8 (one vector); gate and up apart or the halves of one tensor.
+    for m, k, layout, halves in [
+            (1, 128, "mn_major", False), (1, 8, "row_major", True), (7, 1000, "mn_major", False),
+            (7, 1000, "row_major", True), (33, 776, "mn_major", True), (64, 2048, "mn_major", True),
+            (64, 4096, "row_major", False), (64, 11008, "mn_major", False),
+            (4096, 14336, "mn_major", True), (4096, 18432, "mn_major", False),
+            (129, 32768, "row_major", True)]:
+        yield pytest.param(checks.check_silu_mul_quantize, (m, k, layout, "cuda", halves),
+                           id=f"silu_mul-{m}x{k}-{layout}{'-halves' if halves else ''}")
 
 
 @pytest.mark.parametrize("check, args", list(_check_cases()))
@@ -42,7 +52,8 @@ def test_outputs_are_bitwise_repeatable():
     x = torch.randn(1000, 7168, device="cuda").to(torch.bfloat16)
     w = torch.randn(7168, device="cuda").to(torch.bfloat16)
     runs = [(ptxforge.rms_norm(x, w), *ptxforge.rms_norm_quantize_fp8(x, w),
-             *ptxforge.quantize_fp8_per_block(x)) for _ in range(3)]
+             *ptxforge.quantize_fp8_per_block(x), *ptxforge.silu_mul_quantize_fp8(x, x))
+            for _ in range(3)]
     for other in runs[1:]:
         for a, b in zip(runs[0], other):
             assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
@@ -64,6 +75,38 @@ def test_empty_input():
     x = torch.empty(0, 256, device="cuda", dtype=torch.bfloat16)
     q, s = ptxforge.quantize_fp8_per_token(x)
     assert q.shape == (0, 256) and s.shape == (0, 2)
+    for layout in ("mn_major", "row_major"):
+        q, s = ptxforge.silu_mul_quantize_fp8(*torch.empty(0, 2000, device="cuda",
+                                                           dtype=torch.bfloat16).chunk(2, -1),
+                                              scale_layout=layout)
+        assert q.shape == (0, 1000) and s.shape == (0, 8)
+
+
+def test_silu_mul_reads_the_halves_of_one_tensor_in_place():
+    """gate and up as the two halves of a gate/up projection's output give the bits of
+    the same values in tensors of their own, in either scale layout and through out=."""
+    gate_up = (torch.randn(300, 2 * 4096, device="cuda") * 3).to(torch.bfloat16)
+    gate, up = gate_up.chunk(2, dim=-1)
+    for layout in ("mn_major", "row_major"):
+        q, s = ptxforge.silu_mul_quantize_fp8(gate, up, scale_layout=layout)
+        rq, rs = ptxforge.silu_mul_quantize_fp8(gate.contiguous(), up.contiguous(),
+                                                scale_layout=layout)
+        assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs)
+    q = torch.empty(300, 4096, dtype=torch.float8_e4m3fn, device="cuda")
+    s = torch.full((300, 32), float("nan"), device="cuda")
+    ptxforge.silu_mul_quantize_fp8(gate, up, out=(q, s))  # row-major scales, as rs's
+    assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs)
+
+
+def test_silu_mul_names_the_argument_on_the_wrong_device():
+    gate = torch.randn(4, 256, device="cuda").to(torch.bfloat16)
+    with pytest.raises(ValueError, match="^up must be on a CUDA device, got cpu$"):
+        ptxforge.silu_mul_quantize_fp8(gate, gate.cpu())
+    with pytest.raises(ValueError, match="^gate must be on a CUDA device, got cpu$"):
+        ptxforge.silu_mul_quantize_fp8(gate.cpu(), gate)
+    if torch.cuda.device_count() > 1:
+        with pytest.raises(ValueError, match="^up is on cuda:1 but the input is on cuda:0$"):
+            ptxforge.silu_mul_quantize_fp8(gate, gate.to("cuda:1"))
 
 
 def test_misaligned_input_is_refused():

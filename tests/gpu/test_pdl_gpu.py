@@ -49,7 +49,8 @@ def step(x: torch.Tensor, w: dict, pdl: bool) -> list[torch.Tensor]:
     h2 = ptxforge.rms_norm(down, w["norm"], pdl=pdl)
     dense = empty(M, INTER)
     ptxforge.bf16_gemm_nt(h2, w["dense_bf16"], dense, pdl=pdl)
-    outputs = [h, *a, up, *a2, down, *b, mixed, acc, h2, dense]
+    a3 = ptxforge.silu_mul_quantize_fp8(*dense.chunk(2, dim=-1), pdl=pdl)  # D's halves
+    outputs = [h, *a, up, *a2, down, *b, mixed, acc, h2, dense, *a3]
     for scaled in (True, False):
         contiguous = empty(M, EXPERT_N)
         m_indices = w["m_indices"] * 1                          # written just before

@@ -26,6 +26,7 @@ import torch
 from .. import ops  # noqa: F401  registers torch.ops.ptxforge
 from ..kernels import bf16_row_rmsnorm_fp8quant as row_kernel
 from ..kernels import sm90_gemm as gemm_kernel
+from .precompile import ROW_VARIANTS
 
 _F = torch.nn.functional
 PTXFORGE = torch.ops.ptxforge
@@ -317,12 +318,13 @@ def match_swiglu(g: Graph, node):
     return None
 
 
-def _row_kernel_takes(hidden: int, arch_of, device, normalize: bool) -> str | None:
+def _row_kernel_takes(variant: str, hidden: int, arch_of, device) -> str | None:
+    """Why the row kernel ``variant`` cannot take rows of ``hidden``, or None."""
     arch = arch_of(device)
     if isinstance(arch, str):
         return arch
     try:
-        row_kernel.choose_config(arch, hidden, normalize=normalize, quantize=True)
+        row_kernel.choose_config(arch, hidden, **ROW_VARIANTS[variant])
     except ValueError as error:
         return str(error)
     return None
@@ -352,7 +354,8 @@ def _fused_quantizer(g: Graph, x, arch_of, plan):
     if norm is None and swiglu is None:
         return None
     pattern = "rms_norm -> fp8" if norm else "silu(gate) * up -> fp8"
-    why = _row_kernel_takes(value.shape[-1], arch_of, value.device, normalize=bool(norm))
+    variant = "rms_norm_quantize_fp8" if norm else "silu_mul_quantize_fp8"
+    why = _row_kernel_takes(variant, value.shape[-1], arch_of, value.device)
     if norm and (g.tensor(norm[1]) is None or g.value(norm[0]).dtype != torch.bfloat16):
         why = "x is not bf16 or the norm's weight is not a parameter"
     if why is not None:

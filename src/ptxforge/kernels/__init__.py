@@ -14,6 +14,9 @@ from . import bf16_block_quant_fp8, bf16_row_rmsnorm_fp8quant, sm90_gemm
 
 # Hidden sizes of DeepSeek-V3 / common LLM layers, for precompiling and the CPU checks.
 HIDDEN_SIZES = (512, 576, 1536, 2048, 2112, 4096, 7168, 8192, 16384)
+# FFN intermediate sizes (SwiGLU's rows): DeepSeek-V3's MoE experts (2048) and dense layers
+# (18432), Llama-2-7B (11008), Llama-3-8B and Mistral-7B (14336), and powers of two.
+INTERMEDIATE_SIZES = (1024, 2048, 4096, 11008, 14336, 18432)
 
 
 @dataclass(frozen=True)
@@ -44,10 +47,10 @@ class KernelSpec:
         return self.generate(self.config(arch, **options))
 
 
-def _row(normalize: bool, quantize: bool):
+def _row(normalize: bool, quantize: bool, swiglu: bool = False):
     def configure(arch, hidden: int):
         return bf16_row_rmsnorm_fp8quant.choose_config(arch, hidden, normalize=normalize,
-                                                       quantize=quantize)
+                                                       quantize=quantize, swiglu=swiglu)
     return configure
 
 
@@ -55,6 +58,8 @@ _ROW_OPTIONS = {"hidden": 7168}
 
 
 _ROW_VARIANTS = tuple({"hidden": h} for h in HIDDEN_SIZES)
+_SWIGLU_OPTIONS = {"hidden": 18432}  # hidden: the intermediate size I of gate and up [M, I]
+_SWIGLU_VARIANTS = tuple({"hidden": i} for i in INTERMEDIATE_SIZES)
 # (N, K) of DeepGEMM's dense benchmark table.
 GEMM_SHAPES = ((2112, 7168), (24576, 1536), (32768, 512), (7168, 16384), (4096, 7168), (7168, 2048))
 # DeepGEMM's MoE rows: (groups, rows per group, N, K).
@@ -92,6 +97,9 @@ REGISTRY = {
                    _ROW_OPTIONS, _ROW_VARIANTS, "bf16 -> e4m3 + 1x128 scales"),
         KernelSpec("rms_norm_quantize_fp8", _row(True, True), bf16_row_rmsnorm_fp8quant.generate,
                    _ROW_OPTIONS, _ROW_VARIANTS, "fused RMSNorm + 1x128 FP8 quantization"),
+        KernelSpec("silu_mul_quantize_fp8", _row(False, True, swiglu=True),
+                   bf16_row_rmsnorm_fp8quant.generate, _SWIGLU_OPTIONS, _SWIGLU_VARIANTS,
+                   "fused SwiGLU silu(gate) * up + 1x128 FP8 quantization (hidden: I)"),
         KernelSpec("quantize_fp8_per_block", bf16_block_quant_fp8.choose_config,
                    bf16_block_quant_fp8.generate, {}, ({},), "bf16 -> e4m3 + 128x128 scales"),
         KernelSpec("fp8_gemm_nt", _gemm(), sm90_gemm.generate, _DENSE_OPTIONS,

@@ -1,15 +1,24 @@
-"""Row kernels over bf16 activations [M, K]: RMSNorm, per-token-group FP8 quantization, or both fused.
+"""Row kernels over bf16 activations [M, K]: RMSNorm, per-token-group FP8 quantization, RMSNorm
+or SwiGLU fused with the quantization.
 
-One generator, three variants chosen by two switches:
+One generator, four variants chosen by three switches:
 
-    normalize quantize   kernel                   writes
-    yes       no         rms_norm                 y  bf16 [M, K]
-    no        yes        quantize_fp8_per_token   q  e4m3 [M, K] + scales f32 (M x ceil(K/128))
-    yes       yes        rms_norm_quantize_fp8    q + scales of rms_norm(x) rounded to bf16
+    normalize quantize swiglu  kernel                   writes
+    yes       no       no      rms_norm                 y  bf16 [M, K]
+    no        yes      no      quantize_fp8_per_token   q  e4m3 [M, K] + scales f32 (M x ceil(K/128))
+    yes       yes      no      rms_norm_quantize_fp8    q + scales of rms_norm(x) rounded to bf16
+    no        yes      yes     silu_mul_quantize_fp8    q + scales of h = silu(gate) * up, rounded
+                                                        as eager PyTorch rounds it
+
+Inputs. A row is x's row, or with ``swiglu`` two rows: gate's and up's (an FFN's gate
+and up projections, [M, K] each with K its intermediate size), each with its own pointer
+and row stride, so they may be two tensors or the two halves of one gate_up output
+[M, 2K] (row stride 2K). A stage row holds the row's inputs back to back: | x | or
+| gate | up |.
 
 Loads. Each CTA takes ``groups`` consecutive row groups (of ``rows_per_cta`` rows) and
-thread 0 hands all of them to the copy engine at once, one bulk copy per row into its
-own shared-memory stage, each stage completing on its own mbarrier:
+thread 0 hands all of them to the copy engine at once, one bulk copy per row and input
+into its own shared-memory stage, each stage completing on its own mbarrier:
 
     thread 0:  [copy group 0 -> stage 0][copy group 1 -> stage 1]
     all:        wait stage 0 | compute, store | wait stage 1 | compute, store
@@ -26,7 +35,9 @@ Work mapping. ``threads_per_row`` threads own one row; thread ``t`` reads the 16
 vectors ``v = j * threads_per_row + t`` (8 bf16 each, j < vectors_per_thread) from the
 stage into registers, so a quantization group (128 elements = 16 vectors) is one aligned
 half-warp and its amax is 4 butterfly shuffles. The RMSNorm weight is loaded into
-registers once per CTA.
+registers once per CTA. With ``swiglu`` the thread reads vector v of gate and of up and
+keeps only h = silu(gate) * up (``patterns.activation.silu_mul_bf16x2``: eager's two bf16
+roundings, its exp and reciprocal on the SFU), which then is quantized like x.
 
 Per row group: [normalize: sum of squares -> row reduction (shuffles, then shared memory
 across warps) -> rstd = rsqrt(mean + eps) -> y = x * rstd * w, rounded to bf16], then
@@ -34,8 +45,8 @@ either store y or [quantize: group amax -> scale, 448/amax -> e4m3 -> 8-byte sto
 scale per group].
 
 Compile-time: K (fixed-size register arrays and stage size), the variant. Run-time: M,
-the input row stride, eps, and the scale strides (so one kernel writes either the plain
-[M, G] layout or the MN-major TMA-aligned layout the FP8 GEMM reads).
+the inputs' pointers and row strides, eps, and the scale strides (so one kernel writes
+either the plain [M, G] layout or the MN-major TMA-aligned layout the FP8 GEMM reads).
 """
 
 from __future__ import annotations
@@ -44,7 +55,7 @@ from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
 from ..arch import Arch
-from ..patterns import fp8, reduce
+from ..patterns import activation, fp8, reduce
 from ..patterns.pipeline import StageRing
 from ..ptx import KernelBuilder, LaunchShape, addr, sreg
 
@@ -52,14 +63,26 @@ GROUP = 128                 # quantization group along K
 VECTOR = 8                  # bf16 per 16-byte vector
 MIN_CTA_THREADS = 128
 MAX_CTAS_PER_SM = 8
-# Row groups per CTA, keyed by (normalize, quantize): measured, see the docstring.
-GROUPS_PER_CTA = {(True, False): 1, (False, True): 1, (True, True): 2}
+# Row groups per CTA, keyed by the variant (normalize, quantize, swiglu): measured, see the
+# docstring, except SwiGLU's, not yet measured (bench/row_experiments.py): one, as for the
+# quantization, whose stage it doubles.
+GROUPS_PER_CTA = {(True, False, False): 1, (False, True, False): 1, (True, True, False): 2,
+                  (False, True, True): 1}
+NAMES = {(True, False, False): "rmsnorm", (False, True, False): "quant_fp8_per_token",
+         (True, True, False): "rmsnorm_quant_fp8_per_token",
+         (False, True, True): "silu_mul_quant_fp8_per_token"}
+# The input rows a stage row holds, keyed by `swiglu`; each is a kernel parameter with its
+# row stride (<name>, <name>_row_stride).
+INPUTS = {False: ("x",), True: ("gate", "up")}
 
 # Vectors per thread and the register cap given to ptxas (through .minnctapersm), from
 # ptxas 13.0's reports on sm_90a: quantization alone fits 8 vectors in 64 registers; with
-# the weight (and y) live, 7 vectors fit in 128 but 8 need 167.
+# the weight (and y) live, 7 vectors fit in 128 but 8 need 167. SwiGLU (gate and up read,
+# only h kept) fits 8 in 64 as well, except 7 vectors with 16 threads a row, which spill
+# 8 bytes at 64 and fit in 72 (``RowKernelConfig.registers``).
 MAX_VECTORS_PER_THREAD = {False: 8, True: 7}   # keyed by `normalize`
 REGISTER_CAP = {False: 64, True: 128}
+SWIGLU_16_THREADS_7_VECTORS_REGISTERS = 72
 
 
 @dataclass(frozen=True)
@@ -67,6 +90,7 @@ class RowKernelConfig:
     hidden: int
     normalize: bool
     quantize: bool
+    swiglu: bool
     threads_per_row: int
     rows_per_cta: int
     groups: int       # row groups per CTA, each in its own shared-memory stage
@@ -75,9 +99,11 @@ class RowKernelConfig:
 
     @property
     def name(self) -> str:
-        op = {(True, False): "rmsnorm", (False, True): "quant_fp8_per_token",
-              (True, True): "rmsnorm_quant_fp8_per_token"}[(self.normalize, self.quantize)]
-        return f"bf16_{op}_k{self.hidden}"
+        return f"bf16_{NAMES[(self.normalize, self.quantize, self.swiglu)]}_k{self.hidden}"
+
+    @property
+    def inputs(self) -> tuple:
+        return INPUTS[self.swiglu]
 
     @property
     def threads(self) -> int:
@@ -92,16 +118,29 @@ class RowKernelConfig:
         return -(-self.vectors_per_row // self.threads_per_row)
 
     @property
+    def registers(self) -> int:
+        """The register cap the heuristic counts resident CTAs with."""
+        if self.swiglu and (self.threads_per_row, self.vectors_per_thread) == (16, 7):
+            return SWIGLU_16_THREADS_7_VECTORS_REGISTERS
+        return REGISTER_CAP[self.normalize]
+
+    @property
     def warps_per_row(self) -> int:
         return max(1, self.threads_per_row // 32)
 
     @property
     def row_bytes(self) -> int:
+        """One input's row."""
         return self.hidden * 2
 
     @property
+    def stage_row_bytes(self) -> int:
+        """A row's inputs, back to back."""
+        return len(self.inputs) * self.row_bytes
+
+    @property
     def stage_bytes(self) -> int:
-        return self.rows_per_cta * self.row_bytes
+        return self.rows_per_cta * self.stage_row_bytes
 
     @property
     def dynamic_shared_bytes(self) -> int:
@@ -117,15 +156,20 @@ class RowKernelConfig:
 
 
 def choose_config(arch: Arch, hidden: int, *, normalize: bool, quantize: bool,
-                  groups: int | None = None) -> RowKernelConfig:
+                  swiglu: bool = False, groups: int | None = None) -> RowKernelConfig:
     """The fewest threads per row (a power of two, at least a half-warp) that keep each
     thread at <= 7-8 vectors; rows packed so a CTA has at least 128 threads; ``groups``
     row groups per CTA (the measured default per variant); then as many resident CTAs an
     SM as threads, registers and shared memory allow."""
-    groups = groups or GROUPS_PER_CTA[(normalize, quantize)]
+    variant = (normalize, quantize, swiglu)
+    if variant not in GROUPS_PER_CTA:
+        raise ValueError(f"the row kernel has no variant normalize={normalize}, "
+                         f"quantize={quantize}, swiglu={swiglu}; its variants (normalize, "
+                         f"quantize, swiglu): {', '.join(map(str, GROUPS_PER_CTA))}")
+    groups = groups or GROUPS_PER_CTA[variant]
     if hidden <= 0 or hidden % VECTOR:
-        raise ValueError(f"hidden size (x.shape[-1]) must be a positive multiple of {VECTOR}, "
-                         f"got {hidden}")
+        raise ValueError(f"hidden size ({INPUTS[swiglu][0]}.shape[-1]) must be a positive "
+                         f"multiple of {VECTOR}, got {hidden}")
     if quantize:
         arch.require("fp8", "FP8 quantization")
     arch.require("mbarrier_tx", "the row kernels' copy-engine pipeline")
@@ -141,10 +185,10 @@ def choose_config(arch: Arch, hidden: int, *, normalize: bool, quantize: bool,
         raise ValueError(f"hidden size must be at most {limit}, got {hidden}")
     rows_per_cta = max(1, MIN_CTA_THREADS // threads_per_row)
     threads = threads_per_row * rows_per_cta
-    cfg = RowKernelConfig(hidden, normalize, quantize, threads_per_row, rows_per_cta, groups, 1,
-                          arch.target)
+    cfg = RowKernelConfig(hidden, normalize, quantize, swiglu, threads_per_row, rows_per_cta,
+                          groups, 1, arch.target)
     shared = cfg.dynamic_shared_bytes + cfg.static_shared_bytes
-    ctas = min(MAX_CTAS_PER_SM, arch.resident_ctas(threads, REGISTER_CAP[normalize], shared))
+    ctas = min(MAX_CTAS_PER_SM, arch.resident_ctas(threads, cfg.registers, shared))
     if ctas < 1:
         raise ValueError(f"hidden size {hidden}: {groups} row groups do not fit in shared memory")
     return replace(cfg, ctas_per_sm=ctas)
@@ -210,8 +254,9 @@ class _Params:
     """Kernel parameters (launches bind them by name)."""
 
     def __init__(self, k: KernelBuilder, cfg: RowKernelConfig):
-        self.x = k.param("x", "u64")
-        self.x_row_stride = k.param("x_row_stride", "u32")  # elements
+        # Each input's (pointer, row stride in elements), in the stage row's order.
+        self.inputs = [(k.param(name, "u64"), k.param(f"{name}_row_stride", "u32"))
+                       for name in cfg.inputs]
         self.rows = k.reg("u32", "rows")
         k.ld_param(self.rows, k.param("rows", "u32"))
         if cfg.normalize:
@@ -227,12 +272,15 @@ class _Params:
 
 
 def _issue_copies(k, cfg, p, stages, first, total) -> None:
-    """Arm stage s with its group's byte count and copy the group's rows into it, for every
-    group of this CTA that exists."""
-    x, stride = k.reg("u64", "x_ptr"), k.reg("u32", "x_stride_bytes")
-    k.ld_param(x, p.x)
-    k.ld_param(stride, p.x_row_stride)
-    k.shl(stride, stride, 1)
+    """Arm stage s with its group's byte count and copy the group's rows of each input into
+    it, for every group of this CTA that exists."""
+    inputs = []
+    for name, (ptr_param, stride_param) in zip(cfg.inputs, p.inputs):
+        ptr, stride = k.reg("u64", f"{name}_ptr"), k.reg("u32", f"{name}_stride_bytes")
+        k.ld_param(ptr, ptr_param)
+        k.ld_param(stride, stride_param)
+        k.shl(stride, stride, 1)
+        inputs.append((ptr, stride))
     group, first_row, rows_here = (k.reg("u32", n) for n in ("copy_group", "copy_row", "copy_rows"))
     nbytes, src = k.reg("u32", "copy_bytes"), k.reg("u64", "copy_src")
     for s in range(cfg.groups):
@@ -243,19 +291,20 @@ def _issue_copies(k, cfg, p, stages, first, total) -> None:
             k.mul(first_row, group, cfg.rows_per_cta, mode="lo")
             k.sub(rows_here, p.rows, first_row)
             k.min(rows_here, rows_here, cfg.rows_per_cta)
-            k.mul(nbytes, rows_here, cfg.row_bytes, mode="lo")
+            k.mul(nbytes, rows_here, cfg.stage_row_bytes, mode="lo")
             bar = addr(stages.base, stages.barrier_offset(s))
             k.mbarrier_arrive_expect_tx(bar, nbytes)
-            k.mad(src, first_row, stride, x, mode="wide")
-            dst = stages.stage_offset(s)
-            k.cp_async_bulk_load(addr(stages.base, dst), addr(src), cfg.row_bytes, bar)
-            for r in range(1, cfg.rows_per_cta):  # the group's other rows, where they exist
-                k.mad(src, stride, 1, src, mode="wide")
-                in_range = k.pred("copy_row_ok")
-                k.setp("gt", in_range, rows_here, r)
-                with k.guard(in_range):
-                    k.cp_async_bulk_load(addr(stages.base, dst + r * cfg.row_bytes), addr(src),
-                                         cfg.row_bytes, bar)
+            for i, (ptr, stride) in enumerate(inputs):
+                k.mad(src, first_row, stride, ptr, mode="wide")
+                dst = stages.stage_offset(s) + i * cfg.row_bytes
+                k.cp_async_bulk_load(addr(stages.base, dst), addr(src), cfg.row_bytes, bar)
+                for r in range(1, cfg.rows_per_cta):  # the group's other rows, where they exist
+                    k.mad(src, stride, 1, src, mode="wide")
+                    in_range = k.pred("copy_row_ok")
+                    k.setp("gt", in_range, rows_here, r)
+                    with k.guard(in_range):
+                        k.cp_async_bulk_load(addr(stages.base, dst + r * cfg.stage_row_bytes),
+                                             addr(src), cfg.row_bytes, bar)
 
 
 def _thread_coordinates(k: KernelBuilder, cfg: RowKernelConfig) -> SimpleNamespace:
@@ -318,25 +367,42 @@ def _load_weight(k, cfg, p, t):
 
 
 def _load_row(k, cfg, t, base, stage, row_ok, valid):
-    with k.stage("read the row group's vectors from its stage"):
+    """The thread's vectors of its row: x's, or with ``swiglu`` h = silu(gate) * up, each
+    computed as soon as its gate and up vectors are read (only h stays in registers)."""
+    what = "h = silu(gate) * up" if cfg.swiglu else "x"
+    with k.stage(f"read the row group's vectors from its stage: {what}"):
         src = k.reg("u32", "stage_ptr")
-        k.mad(src, t.row_in_cta, cfg.row_bytes, base, mode="lo")
+        k.mad(src, t.row_in_cta, cfg.stage_row_bytes, base, mode="lo")
         k.mad(src, t.col, VECTOR * 2, src, mode="lo")
         offset = stage * cfg.stage_bytes
+        scratch = k.regs("f32", 3, "silu") if cfg.swiglu else None
         x = []
         for j in range(cfg.vectors_per_thread):
-            v = k.regs("b32", 4, f"x{j}_")
-            at = addr(src, offset + j * cfg.threads_per_row * VECTOR * 2)
-            if valid[j] is not row_ok:
-                for r in v:
-                    k.mov(r, 0)  # out-of-row slots must not disturb the row's reductions
-                with k.guard(valid[j]):
-                    k.ld(v, at, space="shared")
+            at = offset + j * cfg.threads_per_row * VECTOR * 2
+            if cfg.swiglu:
+                gate = _read_vector(k, f"g{j}_", addr(src, at), valid[j], row_ok)
+                up = _read_vector(k, f"u{j}_", addr(src, at + cfg.row_bytes), valid[j], row_ok)
+                h = k.regs("b32", 4, f"h{j}_")
+                activation.silu_mul_bf16x2(k, h, gate, up, scratch)
+                x.append(h)
             else:
-                # Rows past M read stale shared memory; only their own row's lanes see it.
-                k.ld(v, at, space="shared")
-            x.append(v)
+                x.append(_read_vector(k, f"x{j}_", addr(src, at), valid[j], row_ok))
     return x
+
+
+def _read_vector(k, name, at, valid, row_ok):
+    """The 16-byte vector at ``at`` in the stage. A slot that may lie past the row's end
+    (``valid`` is not ``row_ok``) reads as zeros there."""
+    v = k.regs("b32", 4, name)
+    if valid is not row_ok:
+        for r in v:
+            k.mov(r, 0)  # out-of-row slots must not disturb the row's reductions
+        with k.guard(valid):
+            k.ld(v, at, space="shared")
+    else:
+        # Rows past M read stale shared memory; only their own row's lanes see it.
+        k.ld(v, at, space="shared")
+    return v
 
 
 def _normalize(k, cfg, p, t, x, weight, partials):

@@ -64,6 +64,14 @@ def _rms_norm_quantize_fp8_fake(x, weight, eps=1e-6, scale_layout="mn_major", pd
     return rowwise.quantized_outputs(x.shape[0], x.shape[1], scale_layout, x.device)
 
 
+def _silu_mul_quantize_fp8(gate, up, scale_layout="mn_major", pdl=None):
+    return rowwise.silu_mul_quantize_fp8(gate, up, scale_layout, pdl=pdl)
+
+
+def _silu_mul_quantize_fp8_fake(gate, up, scale_layout="mn_major", pdl=None):
+    return rowwise.quantized_outputs(gate.shape[0], gate.shape[1], scale_layout, gate.device)
+
+
 def _quantize_fp8_per_block(w, pdl=None):
     return block_quant.quantize_fp8_per_block(w, pdl=pdl)
 
@@ -114,6 +122,9 @@ OPERATORS = {
                               "str scale_layout=\"mn_major\", *, bool? pdl=None) "
                               "-> (Tensor, Tensor)",
                               _rms_norm_quantize_fp8, _rms_norm_quantize_fp8_fake),
+    "silu_mul_quantize_fp8": ("(Tensor gate, Tensor up, str scale_layout=\"mn_major\", *, "
+                              "bool? pdl=None) -> (Tensor, Tensor)",
+                              _silu_mul_quantize_fp8, _silu_mul_quantize_fp8_fake),
     "quantize_fp8_per_block": ("(Tensor w, *, bool? pdl=None) -> (Tensor, Tensor)",
                                _quantize_fp8_per_block, _quantize_fp8_per_block_fake),
     "fp8_gemm_nt": (f"(Tensor a, Tensor sa, Tensor b, Tensor sb, Tensor(d!) d, Tensor? c=None, *,"

@@ -1,7 +1,9 @@
-"""RMSNorm, per-token-group FP8 quantization, and the two fused, on torch tensors.
+"""RMSNorm, per-token-group FP8 quantization, and RMSNorm or SwiGLU fused with the
+quantization, on torch tensors.
 
-All three run the one row-kernel generator (``kernels/bf16_row_rmsnorm_fp8quant.py``),
-specialised on the hidden size K; M, strides and eps are run-time arguments.
+All four run the one row-kernel generator (``kernels/bf16_row_rmsnorm_fp8quant.py``),
+specialised on the hidden size K (SwiGLU's intermediate size); M, pointers, strides and
+eps are run-time arguments.
 """
 
 from __future__ import annotations
@@ -22,20 +24,22 @@ ROW_RANKS = (1, 2, 3, 4, 5, 6, 7, 8)
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(device_index: int, hidden: int, normalize: bool, quantize: bool, pdl: bool | None):
+def _kernel(device_index: int, hidden: int, normalize: bool, quantize: bool, swiglu: bool,
+            pdl: bool | None):
     """(rows per CTA, row groups per CTA, launcher) for one device and variant; ``pdl``:
     the call's (None: the process default)."""
     cfg = row_kernel.choose_config(device_arch(device_index), hidden, normalize=normalize,
-                                   quantize=quantize)
+                                   quantize=quantize, swiglu=swiglu)
     launcher = jit.build(row_kernel.generate(cfg)).launcher(device_index,
                                                             programmatic=programmatic(pdl))
     return cfg.rows_per_cta, cfg.groups, launcher
 
 
-def _launcher(rows: int, hidden: int, device: int, normalize: bool, quantize: bool, pdl):
+def _launcher(rows: int, hidden: int, device: int, normalize: bool, quantize: bool,
+              swiglu: bool, pdl):
     """(launcher, grid): one CTA per rows_per_cta x groups rows. The ops call the launcher
     with their arguments by name themselves: one keyword call, no dict passed along."""
-    rows_per_cta, groups, launcher = _kernel(device, hidden, normalize, quantize, pdl)
+    rows_per_cta, groups, launcher = _kernel(device, hidden, normalize, quantize, swiglu, pdl)
     return launcher, (-(-rows // (rows_per_cta * groups)), 1, 1)
 
 
@@ -106,7 +110,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
         out = normalized_output(x)
         out_ptr = out.data_ptr()
     if m:
-        launcher, grid = _launcher(m, k, device, True, False, pdl)
+        launcher, grid = _launcher(m, k, device, True, False, False, pdl)
         launcher(grid, current_stream(device), x=x_ptr, x_row_stride=row_stride, rows=m,
                  weight=w_ptr, eps=float(eps), y=out_ptr)
     return out
@@ -124,7 +128,15 @@ def quantize_fp8_per_token(x: torch.Tensor, scale_layout: str = "mn_major", *, o
     decide the layout). ``pdl``: as ``rms_norm``'s.
     """
     shape, strides, x_ptr, device = inspect("x", x, torch.bfloat16, 2)
-    return _quantize(x, shape, strides[0], x_ptr, device, None, scale_layout, out, pdl)
+    (m, k), row_stride = shape, strides[0]
+    q, scales, q_ptr, s_ptr, s_strides = _checked_outputs(
+        "x", x, shape, device, scale_layout, out, pdl, (x_ptr, m, row_stride))
+    if m:
+        launcher, grid = _launcher(m, k, device, False, True, False, pdl)
+        launcher(grid, current_stream(device), x=x_ptr, x_row_stride=row_stride, rows=m,
+                 q=q_ptr, scales=s_ptr, scale_row_stride=s_strides[0],
+                 scale_group_stride=s_strides[1])
+    return q, scales
 
 
 def rms_norm_quantize_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
@@ -133,38 +145,67 @@ def rms_norm_quantize_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e
     writing the bf16 intermediate: the same bits as the two calls. ``pdl``: as
     ``rms_norm``'s."""
     shape, strides, x_ptr, device = inspect("x", x, torch.bfloat16, 2)
-    w_ptr = _check_weight(weight, shape[1], device)
-    return _quantize(x, shape, strides[0], x_ptr, device, (w_ptr, float(eps)), scale_layout, out,
-                     pdl)
+    (m, k), row_stride = shape, strides[0]
+    w_ptr = _check_weight(weight, k, device)
+    q, scales, q_ptr, s_ptr, s_strides = _checked_outputs(
+        "x", x, shape, device, scale_layout, out, pdl, (x_ptr, m, row_stride), (w_ptr, 1, k))
+    if m:
+        launcher, grid = _launcher(m, k, device, True, True, False, pdl)
+        launcher(grid, current_stream(device), x=x_ptr, x_row_stride=row_stride, rows=m,
+                 weight=w_ptr, eps=float(eps), q=q_ptr, scales=s_ptr,
+                 scale_row_stride=s_strides[0], scale_group_stride=s_strides[1])
+    return q, scales
 
 
-def _quantize(x, shape, row_stride: int, x_ptr: int, device: int, weight, scale_layout: str,
-              out, pdl):
-    """The quantizing kernel on x [M, K]; ``weight``: (pointer, eps) to normalize first, or
-    None."""
+def silu_mul_quantize_fp8(gate: torch.Tensor, up: torch.Tensor, scale_layout: str = "mn_major",
+                          *, out=None, pdl: bool | None = None):
+    """``quantize_fp8_per_token(silu(gate) * up)`` in one pass, without writing the bf16
+    product: SwiGLU feeding an FFN's FP8 down projection.
+
+    gate, up: bf16 [M, I], I a multiple of 8, each with unit stride along I and 16-byte
+    aligned rows: two tensors, or the two halves of one gate_up output [M, 2I]
+    (``t[:, :I], t[:, I:]``, read in place). h is rounded as eager PyTorch's
+    ``F.silu(gate) * up`` rounds it: silu in f32, rounded to bf16, times up, rounded to
+    bf16; the kernel's exp and reciprocal are approximate (one SFU instruction each), so
+    an element of silu lying within a few f32 ulp of a bf16 rounding midpoint may round
+    one bf16 step the other way (``patterns.activation.silu_mul_bf16x2``). Returns
+    ``(q, scales)`` as ``quantize_fp8_per_token`` does, with ``scale_layout``, ``out`` and
+    ``pdl`` as its.
+    """
+    shape, g_strides, g_ptr, device = inspect("gate", gate, torch.bfloat16, 2)
+    u_shape, u_strides, u_ptr, _ = inspect("up", up, torch.bfloat16, 2, device=device)
+    require_shape("up", u_shape, shape)
     m, k = shape
-    groups = -(-k // row_kernel.GROUP)
+    q, scales, q_ptr, s_ptr, s_strides = _checked_outputs(
+        "gate", gate, shape, device, scale_layout, out, pdl, (g_ptr, m, g_strides[0]),
+        (u_ptr, m, u_strides[0]))
+    if m:
+        launcher, grid = _launcher(m, k, device, False, True, True, pdl)
+        launcher(grid, current_stream(device), gate=g_ptr, gate_row_stride=g_strides[0],
+                 up=u_ptr, up_row_stride=u_strides[0], rows=m, q=q_ptr, scales=s_ptr,
+                 scale_row_stride=s_strides[0], scale_group_stride=s_strides[1])
+    return q, scales
+
+
+def _checked_outputs(name: str, x, shape, device: int, scale_layout: str, out, pdl,
+                     *inputs) -> tuple:
+    """A quantizer's remaining checks and its outputs, for x [M, K] (``name``, its first
+    argument): ``scale_layout``, ``out=`` (which must not overlap ``inputs``: each bf16
+    input's (pointer, rows, row stride), K wide), ``pdl``, then x's device. Returns
+    ``(q, scales, q pointer, scales pointer, scales strides)``, allocated unless ``out``
+    gives them."""
+    m, k = shape
     if scale_layout not in SCALE_LAYOUTS:  # checked with out= too, where the strides decide
         raise ValueError(f"scale_layout must be one of {SCALE_LAYOUTS}, got {scale_layout!r}")
     if out is not None:
         q, scales = pair("out", out, "e4m3 [M, K] and f32 [M, ceil(K/128)]")
         q_ptr, s_ptr, s_strides = inspect_quantized_out(
-            q, scales, shape, (m, groups), device, row_span(x_ptr, m, row_stride, k, 2),
-            *(((weight[0], 2 * k),) if weight else ()))
+            q, scales, shape, (m, -(-k // row_kernel.GROUP)), device,
+            *(row_span(ptr, rows, row_stride, k, 2) for ptr, rows, row_stride in inputs))
     if pdl is not None:
         require_pdl(pdl)
-    require_cuda("x", x, device)
+    require_cuda(name, x, device)
     if out is None:
         q, scales = quantized_outputs(m, k, scale_layout, x.device)
         q_ptr, s_ptr, s_strides = q.data_ptr(), scales.data_ptr(), scales.stride()
-    if m:
-        launcher, grid = _launcher(m, k, device, weight is not None, True, pdl)
-        if weight is None:
-            launcher(grid, current_stream(device), x=x_ptr, x_row_stride=row_stride, rows=m,
-                     q=q_ptr, scales=s_ptr, scale_row_stride=s_strides[0],
-                     scale_group_stride=s_strides[1])
-        else:
-            launcher(grid, current_stream(device), x=x_ptr, x_row_stride=row_stride, rows=m,
-                     weight=weight[0], eps=weight[1], q=q_ptr, scales=s_ptr,
-                     scale_row_stride=s_strides[0], scale_group_stride=s_strides[1])
-    return q, scales
+    return q, scales, q_ptr, s_ptr, s_strides

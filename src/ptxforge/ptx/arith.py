@@ -105,9 +105,11 @@ class ArithmeticOps:
         t = type_of(d, type)
         self.emit(f"neg.{t}", d, a, imm_type=t)
 
-    def rcp(self, d: Reg, a: Operand, *, rnd: str = "rn", type: str | None = None) -> None:
+    def rcp(self, d: Reg, a: Operand, *, rnd: str = "rn", ftz: bool = False,
+            type: str | None = None) -> None:
+        """``rnd`` 'rn' (IEEE) or 'approx' (1 ulp; with ``ftz``, one SFU instruction in f32)."""
         t = type_of(d, type)
-        self.emit(f"rcp.{rnd}.{t}", d, a, imm_type=t)
+        self.emit("rcp" + _suffix(rnd, "ftz" if ftz else None, t), d, a, imm_type=t)
 
     def sqrt(self, d: Reg, a: Operand, *, rnd: str = "rn", type: str | None = None) -> None:
         t = type_of(d, type)
@@ -118,9 +120,11 @@ class ArithmeticOps:
         t = type_of(d, type)
         self.emit(f"rsqrt.approx.{t}", d, a, imm_type=t)
 
-    def ex2(self, d: Reg, a: Operand, *, type: str | None = None) -> None:
+    def ex2(self, d: Reg, a: Operand, *, ftz: bool = False, type: str | None = None) -> None:
+        """2^a, approximate. ``ftz``: subnormal inputs and results flush to zero (one SFU
+        instruction in f32; without it ptxas adds the subnormal handling)."""
         t = type_of(d, type)
-        self.emit(f"ex2.approx.{t}", d, a, imm_type=t)
+        self.emit("ex2.approx" + _suffix("ftz" if ftz else None, t), d, a, imm_type=t)
 
     # ---------------------------------------------------------------- bits
     def and_(self, d: Reg, a: Operand, b: Operand, *, type: str | None = None) -> None:

@@ -97,7 +97,8 @@ def copy_bandwidth_gbs(timer: Timer, nbytes: int = 4 << 30) -> float:
 
 
 def memory_suite(m: int = 16384, k: int = 7168, timer: Timer | None = None) -> dict:
-    """The four memory-bound kernels and their torch peers at [m, k]."""
+    """The five memory-bound kernels and their torch peers at [m, k] (SwiGLU's gate and up
+    [m, k] each)."""
     timer = timer or Timer()
     copy_gbs = copy_bandwidth_gbs(timer)
     x = (torch.randn((m, k), device="cuda") * 2).to(torch.bfloat16)
@@ -107,6 +108,8 @@ def memory_suite(m: int = 16384, k: int = 7168, timer: Timer | None = None) -> d
     block_bytes = 2 * m * k + m * k + 4 * (-(-m // 128)) * groups
     norm_bytes = 2 * m * k + 2 * k + 2 * m * k
     fused_bytes = 2 * m * k + 2 * k + m * k + 4 * m * groups
+    swiglu_bytes = 2 * 2 * m * k + m * k + 4 * m * groups
+    up = (torch.randn((m, k), device="cuda") * 2).to(torch.bfloat16)
     cases = [
         ("quantize_fp8_per_token", token_bytes, lambda: ops.quantize_fp8_per_token(x),
          lambda: reference.quantize_fp8_per_token(x)),
@@ -116,6 +119,8 @@ def memory_suite(m: int = 16384, k: int = 7168, timer: Timer | None = None) -> d
          lambda: torch.nn.functional.rms_norm(x, (k,), w, 1e-6)),
         ("rms_norm_quantize_fp8", fused_bytes, lambda: ops.rms_norm_quantize_fp8(x, w),
          lambda: reference.quantize_fp8_per_token(torch.nn.functional.rms_norm(x, (k,), w, 1e-6))),
+        ("silu_mul_quantize_fp8", swiglu_bytes, lambda: ops.silu_mul_quantize_fp8(x, up),
+         lambda: reference.quantize_fp8_per_token(reference.silu_mul(x, up))),
     ]
     rows = []
     for name, nbytes, ours, peer in cases:

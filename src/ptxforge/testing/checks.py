@@ -127,6 +127,86 @@ def check_rms_norm_quantize(m: int, k: int, device="cuda") -> list[CheckResult]:
                         relative_error(reference.dequantize_per_token(q, s), ref), 5e-2)]
 
 
+def silu_other_rounding(gate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(where, other)``: where the kernel's bf16 silu(gate) may round one step away from
+    eager's, and that other bf16 value (eager's, one step towards the exact silu).
+
+    Where: the exact silu (f64) lies within the two f32 computations' error of a bf16
+    rounding midpoint; elsewhere both round as the exact value does. In f32 ulps of the
+    result (an error of n ulp in an operand is up to 2n in the result, one binade down):
+    the kernel's exp, CUDA's __expf, 2 + 1.173|g| ulp, so 4 + 2.35|g|; its add, reciprocal
+    and multiply 1 + 2 + 0.5; the f64 value's rounding to f32 0.5: 8 + 2.35|g|, taken as
+    10 + 2.5|g|. torch's expf and divide err less."""
+    g = gate.double()
+    exact = (g / (1 + torch.exp(-g))).float()
+    to_midpoint = ((exact.view(torch.int32) & 0xFFFF) - 0x8000).abs()
+    where = to_midpoint <= 10 + 2.5 * gate.float().abs()
+    eager = torch.nn.functional.silu(gate)
+    # The int16 view of a bf16 steps its magnitude by one either sign.
+    step = torch.where(exact.abs() > eager.float().abs(), 1, -1).to(torch.int16)
+    return where, (eager.view(torch.int16) + step).view(torch.bfloat16)
+
+
+def amax_fixed_groups(h: torch.Tensor, h_other: torch.Tensor, where: torch.Tensor,
+                      group: int = 128) -> torch.Tensor:
+    """[M, ceil(K/group)]: the groups of h [M, K] whose amax stays whichever of h and
+    h_other each element in ``where`` takes: every such element stays below the largest
+    element outside ``where``."""
+    def per_group(t):
+        return torch.nn.functional.pad(t, (0, -t.shape[1] % group)).view(t.shape[0], -1, group)
+
+    magnitude, other_magnitude = h.float().abs(), h_other.float().abs()
+    fixed_max = per_group(torch.where(where, 0, magnitude)).amax(-1)
+    either_max = per_group(torch.where(where, torch.maximum(magnitude, other_magnitude),
+                                       0)).amax(-1)
+    return either_max < fixed_max
+
+
+def check_silu_mul_quantize(m: int, k: int, layout: str = "mn_major", device="cuda",
+                            halves: bool = False) -> list[CheckResult]:
+    """silu_mul_quantize_fp8 against eager's ``F.silu(gate) * up`` quantized by the
+    reference (m >= 1). ``halves``: gate and up are the two halves of one [M, 2K] tensor.
+
+    Where the kernel's silu may round the other way (``silu_other_rounding``) its h is
+    eager's or the other rounding's; a group whose amax neither can change (every such
+    element stays below the largest that cannot) must then match exactly: its scale, and
+    each e4m3 byte that of eager's h or, where the rounding may differ, of the other h.
+    Every element, in every group: dequantized within 2^-4 (e4m3's rounding) of the
+    kernel's h, which is within 2^-6 of eager's (one bf16 step of silu, up to 2^-7, and
+    the product's rounding), plus 2^-10 scales (half e4m3's subnormal step)."""
+    if halves:
+        gate, up = _randn((m, 2 * k), device, scale=3.0).chunk(2, dim=-1)
+    else:
+        gate, up = _randn((m, k), device, scale=3.0), _randn((m, k), device, scale=3.0)
+    poison_allocator(device, 4 * m * k + (1 << 20))
+    q, s = ops.silu_mul_quantize_fp8(gate, up, scale_layout=layout)
+    h = reference.silu_mul(gate, up)
+    where, other_silu = silu_other_rounding(gate)
+    h_other = torch.where(where, other_silu * up, h)
+    rq, rs = reference.quantize_fp8_per_token(h)
+    oq, _ = reference.quantize_fp8_per_token(h_other)
+    stable = amax_fixed_groups(h, h_other, where)
+    stable_elements = stable.repeat_interleave(128, dim=1)[:, :k]
+    bits, eager_bits, other_bits = (t.view(torch.uint8) for t in (q, rq, oq))
+    explained = (bits == eager_bits) | (where & (bits == other_bits))
+    per_element_scale = s.float().repeat_interleave(128, dim=1)[:, :k]
+    bound = ((2 ** -4 * (1 + 2 ** -6) + 2 ** -6) * h.float().abs()
+             + 2 ** -10 * per_element_scale)
+    dequantized = reference.dequantize_per_token(q, s)
+    name = f"silu_mul_quantize_fp8[{layout}{',halves' if halves else ''}]"
+    shape = (m, k)
+    return [
+        CheckResult(name, shape, "fp8 bits unexplained (amax-fixed groups)",
+                    int((stable_elements & ~explained).sum()), 0),
+        CheckResult(name, shape, "scale ulps vs eager (amax-fixed groups)",
+                    f32_ulps(s[stable], rs[stable]), 1),
+        CheckResult(name, shape, "scale rel. diff. vs eager (all groups)",
+                    float(((s - rs).abs() / rs).max()), 2 ** -6),
+        CheckResult(name, shape, "dequant error over its bound",
+                    float(((dequantized - h.float()).abs() / bound).max()), 1),
+    ]
+
+
 def fp8_gemm_operands(m: int, n: int, k: int, device="cuda"):
     """Fresh random GEMM operands, quantized as DeepGEMM's recipe does, and the fp64
     product of their dequantized values: ``(qa, sa), (qb, sb), reference``."""
@@ -165,6 +245,9 @@ def run_all(device="cuda", big: bool = True) -> list[CheckResult]:
         results += check_rms_norm(m, k, device)
         results += check_rms_norm_quantize(m, k, device)
     results += check_quantize_per_token(64, 7168, "mn_major", device, with_nan=True)
+    for m, k in [(1, 128), (7, 1000), (129, 2048), (512, 18432)]:
+        results += check_silu_mul_quantize(m, k, "mn_major", device)
+        results += check_silu_mul_quantize(m, k, "row_major", device, halves=True)
     for n, k in [(1, 8), (129, 136), (300, 200), (7168, 2048), (4096, 7168)]:
         results += check_quantize_per_block(n, k, device)
     for m, n, k in [(1, 128, 256), (64, 2112, 7168), (129, 1544, 1040), (4096, 7168, 2048)]:

@@ -40,6 +40,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.
     return (xf * rstd * weight.float()).to(torch.bfloat16)
 
 
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's h as eager PyTorch computes it on bf16 tensors: silu(gate) in f32 (with
+    expf and an IEEE divide) rounded to bf16, times up in f32 rounded to bf16. The fused
+    kernel's silu may round a few elements the other way (``checks.silu_other_rounding``)."""
+    return torch.nn.functional.silu(gate) * up
+
+
 def dequantize_per_token(q: torch.Tensor, scales: torch.Tensor, group: int = 128) -> torch.Tensor:
     """f32 q * scale, each scale repeated over its group of channels."""
     k = q.shape[1]
