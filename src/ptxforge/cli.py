@@ -175,9 +175,16 @@ def cmd_precompile(args) -> int:
 def cmd_compile_report(args) -> int:
     from .compiler import report
 
+    from .testing.bench import format_table
+
     a = _target_arch(args.arch)
     case, graphs = _model_plan(args, a)
-    print(report.format_report(case, graphs, a))
+    counts = (1, 64, 2048, 16384)
+    title, plan, summary, kernel_rows = report.report_tables(case, graphs, a, counts)
+    print(title)
+    print(format_table(["pattern", "nodes", "runs on", "detail"], plan))
+    print(f"\n{summary}\n\nkernels, by token count:")
+    print(format_table(["kernel", *(f"M={m}" for m in counts)], kernel_rows))
     return 0
 
 

@@ -45,26 +45,23 @@ def kernels(graphs: list[GraphPlan]) -> list:
     return list(dict.fromkeys(k for g in graphs for ks in g.kernels.values() for k in ks))
 
 
-def format_report(case, graphs: list[GraphPlan], arch, token_counts=(1, 64, 2048, 16384)) -> str:
-    from ..testing.bench import format_table
-
-    lines = [f"{case.name} on {arch.target}: {len(graphs)} graph(s)"]
-    rows = [[item.pattern, item.node, item.operator or "Inductor", item.reason]
+def report_tables(case, graphs: list[GraphPlan], arch, token_counts=(1, 64, 2048, 16384)):
+    """(title, the plan's rows, a summary line, the kernels' rows: each GEMM's tile by token
+    count, each row kernel's config) for a table printer."""
+    plan = [[item.pattern, item.node, item.operator or "Inductor", item.reason]
             for g in graphs for item in g.plan]
-    lines.append(format_table(["pattern", "nodes", "runs on", "detail"], rows))
     linears = [item for g in graphs for item in g.plan if "linear" in item.pattern]
     taken = sum(len(item.node.split(", ")) for item in linears if item.operator)
     total = sum(len(item.node.split(", ")) for item in linears)
-    lines.append(f"\n{taken} of {total} Linears on ptxforge GEMMs")
+    summary = f"{taken} of {total} Linears on ptxforge GEMMs"
     rows = []
     for kernel in kernels(graphs):
         if isinstance(kernel, precompile.Gemm):
-            cells = [kernel.config(arch, m).name.split(f"_k{kernel.k}_", 1)[-1]
+            tiles = [kernel.config(arch, m).name.split(f"_k{kernel.k}_", 1)[-1]
                      for m in token_counts]
         else:
             (cfg,) = kernel.configs(arch)
-            cells = [cfg.name] * len(token_counts)
-        rows.append([str(kernel), *cells])
-    lines.append("\nkernels, by token count:")
-    lines.append(format_table(["kernel", *(f"M={m}" for m in token_counts)], rows))
-    return "\n".join(lines)
+            tiles = [cfg.name] + ["same"] * (len(token_counts) - 1)
+        rows.append([str(kernel), *tiles])
+    title = f"{case.name} on {arch.target}: {len(graphs)} graph(s)"
+    return title, plan, summary, rows
