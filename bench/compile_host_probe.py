@@ -11,12 +11,42 @@ and a cProfile of the ptxforge calls' host side (top functions by own time).
 
 import cProfile
 import pstats
+import time
 
 import torch
 
 from ptxforge import compiler
 from ptxforge.testing.model_bench import wall_us
 from ptxforge.testing.models import ffn
+
+
+def host_us(fn, calls=50):
+    """Host time per call: enqueueing ``calls`` calls, no wait for the GPU (the launch
+    queue holds them)."""
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - start) / calls * 1e6
+    torch.cuda.synchronize()
+    return host
+
+
+def kernels(fn, label):
+    """Each GPU kernel of one call (profiler), and their sum."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    total = sum(e.time_range.end - e.time_range.start for e in events)
+    print(f"== {label}: {len(events)} kernels, {total:.1f} us")
+    for e in events:
+        print(f"   {e.time_range.end - e.time_range.start:7.1f} us  {e.name[:100]}")
 
 
 def main():
@@ -33,6 +63,7 @@ def main():
         torch._dynamo.reset()
         fn = torch.compile(model, backend=dynamo_only, dynamic=True)
         rows["dynamo guards + frame only"] = wall_us(lambda: fn(x))
+        rows["eager (host only)"] = host_us(lambda: model(x))
 
         graph, static_x = torch.cuda.CUDAGraph(), x.clone()
         model(static_x)
@@ -55,6 +86,8 @@ def main():
             torch._dynamo.reset()
             fn = make()
             rows[name] = wall_us(lambda: fn(x))
+            rows[name + " (host only)"] = host_us(lambda: fn(x))
+            kernels(lambda: fn(x), name)
             profile = cProfile.Profile()
             torch.cuda.synchronize()
             profile.enable()

@@ -32,7 +32,7 @@ def opcheck_cases():
     yield ops.silu_mul_quantize_fp8, (*bf16(64, 2 * 1000).chunk(2, dim=-1), "row_major"), {}
     yield ops.quantize_fp8_per_block, (bf16(256, 512),), {}
     yield ops.rms_norm_fp8, (bf16(2, 32, 512), w, 1e-6), {}
-    yield ops.silu_mul_fp8, (*bf16(2, 32, 1024).chunk(2, dim=-1)), {}
+    yield ops.silu_mul_fp8, (*bf16(2, 32, 1024).chunk(2, dim=-1),), {}
     yield ops.fp8_gemm_nt, (qa, sa, qb, sb, torch.empty(64, 256, device="cuda",
                                                         dtype=torch.bfloat16)), {}
     yield ops.fp8_gemm_nt, (qa, sa, qb, sb, torch.empty(64, 256, device="cuda",
