@@ -355,7 +355,8 @@ def _fused_quantizer(g: Graph, x, arch_of, plan):
         return None
     pattern = "rms_norm -> fp8" if norm else "silu(gate) * up -> fp8"
     variant = "rms_norm_quantize_fp8" if norm else "silu_mul_quantize_fp8"
-    why = _row_kernel_takes(variant, value.shape[-1], arch_of, value.device)
+    hidden = int(value.shape[-1])   # static: it matches a weight's
+    why = _row_kernel_takes(variant, hidden, arch_of, value.device)
     if norm and (g.tensor(norm[1]) is None or g.value(norm[0]).dtype != torch.bfloat16):
         why = "x is not bf16 or the norm's weight is not a parameter"
     if why is not None:
@@ -371,7 +372,7 @@ def _fused_quantizer(g: Graph, x, arch_of, plan):
         scales = g.call(operator.getitem, (both, 1))
         q = g.call(operator.getitem, (both, 0))
     plan.append(Replacement(pattern, x.name, _operator_name(both),
-                            f"hidden {value.shape[-1]}, 1x128 per-token scales"))
+                            f"hidden {hidden}, 1x128 per-token scales"))
     return q, scales
 
 

@@ -65,9 +65,14 @@ class Row:
         return f"{self.variant} hidden={self.hidden}"
 
 
-def _shape(node, index=None):
-    value = node.meta["example_value"] if isinstance(node, torch.fx.Node) else node
-    return tuple(value.shape if index is None else value[index].shape)
+def _shape(node):
+    """The node's shape as ints: the sizes a kernel is specialised on are static (a token
+    count, dynamic, is never asked for here)."""
+    return tuple(int(size) for size in node.meta["example_value"].shape)
+
+
+def _last(node) -> int:
+    return int(node.meta["example_value"].shape[-1])
 
 
 def kernels_of(graph: torch.fx.Graph) -> dict[str, tuple]:
@@ -89,9 +94,9 @@ def kernels_of(graph: torch.fx.Graph) -> dict[str, tuple]:
             n, k = _shape(node.args[1])
             found[node.name] = (Gemm(n, k, "bf16", bias, residual),)
         elif node.target is PTXFORGE.rms_norm_fp8.default:
-            found[node.name] = (Row("rms_norm_quantize_fp8", _shape(node.args[0])[-1]),)
+            found[node.name] = (Row("rms_norm_quantize_fp8", _last(node.args[0])),)
         elif node.target is PTXFORGE.silu_mul_fp8.default:
-            found[node.name] = (Row("silu_mul_quantize_fp8", _shape(node.args[0])[-1]),)
+            found[node.name] = (Row("silu_mul_quantize_fp8", _last(node.args[0])),)
     return found
 
 
