@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
+import time
 
 import torch
 
 from ..ops import _common
-from . import graphs, passes
+from . import graphs, passes, precompile
 from .passes import Replacement
 
 log = logging.getLogger("ptxforge.compiler")
@@ -52,14 +54,24 @@ def rewrite(gm: torch.fx.GraphModule, example_inputs, *, fp8: bool = True,
 
 
 def backend(gm: torch.fx.GraphModule, example_inputs, *, fp8: bool = True,
-            mode: str | None = None, options: dict | None = None):
-    """The torch.compile backend: the passes, then Inductor, with torch.compile's ``mode``
-    and ``options`` as Inductor takes them, except that CUDA graphs (``mode=
-    "reduce-overhead"``) are ptxforge's runner (``graphs.py``), not Inductor's."""
+            precompile: int | None = None, mode: str | None = None,
+            options: dict | None = None):
+    """The torch.compile backend: the passes, the kernels of the graph assembled in
+    parallel (for the example inputs' token count, and every token count up to
+    ``precompile`` if given), then Inductor, with torch.compile's ``mode`` and ``options`` as
+    Inductor takes them, except that CUDA graphs (``mode="reduce-overhead"``) are
+    ptxforge's runner (``graphs.py``), not Inductor's. Seconds spent in the passes and in
+    assembly are left in ``gm.ptxforge_seconds``."""
     import torch._inductor
     from torch._inductor.compile_fx import compile_fx
 
+    start = time.perf_counter()
     rewrite(gm, example_inputs, fp8=fp8)
+    seconds = {"passes": time.perf_counter() - start}
+    start = time.perf_counter()
+    assemble(gm, precompile)
+    seconds["assembly"] = time.perf_counter() - start
+    gm.ptxforge_seconds = seconds
     # (list_mode_options(None) lists every mode on some torch versions)
     patches = {**(torch._inductor.list_mode_options(mode) if mode else {}), **(options or {})}
     replay = patches.pop("triton.cudagraphs", False)
@@ -73,6 +85,29 @@ def backend(gm: torch.fx.GraphModule, example_inputs, *, fp8: bool = True,
     steady = {i for i, (node, value) in enumerate(zip(placeholders, example_inputs))
               if passes.is_static(node, value) or not node.users}
     return graphs.GraphRunner(compiled, steady)
+
+
+def assemble(gm: torch.fx.GraphModule, up_to: int | None = None) -> int:
+    """Assemble, in parallel, every kernel the rewritten graph launches at the token count
+    it was traced with (and at every count up to ``up_to``, with a progress bar): the first
+    call then finds them built. Returns how many."""
+    from torch.fx.experimental.symbolic_shapes import hint_int
+
+    from .. import jit
+
+    nodes = precompile.kernels_of(gm.graph)
+    if not nodes:
+        return 0
+    # Each ptxforge operator's first argument is its input rows.
+    values = [n.args[0].meta["example_value"] for n in gm.graph.nodes if n.name in nodes]
+    arch = _device_arch(values[0].device)
+    if isinstance(arch, str):
+        return 0
+    rows = {hint_int(math.prod(v.shape[:-1])) for v in values}
+    tokens = sorted(rows | set(precompile.every_token_count(up_to) if up_to else ()))
+    kernels = [kernel for found in nodes.values() for kernel in found]
+    return len(jit.precompile(precompile.builders(kernels, arch, tokens),
+                              progress=up_to is not None))
 
 
 class FoldedWeights:
@@ -93,12 +128,16 @@ class FoldedWeights:
         return self.fn(*args)
 
 
-def compile(model, *, fp8: bool = True, dynamic: bool | None = True, **options):
+def compile(model, *, fp8: bool = True, precompile: int | None = None,
+            dynamic: bool | None = True, **options):
     """``torch.compile(model, backend=ptxforge's, dynamic=True, **options)``: one compile
     for every token count (M is a run-time argument of every kernel); ``fp8=False`` keeps
-    bf16 numerics (ptxforge's BF16 GEMM); ``mode="reduce-overhead"``: CUDA graphs."""
-    return torch.compile(model, backend=functools.partial(backend, fp8=fp8), dynamic=dynamic,
-                         **options)
+    bf16 numerics (ptxforge's BF16 GEMM); ``precompile=16384``: assemble the kernels of
+    every token count up to that when the model compiles (else each on first use);
+    ``mode="reduce-overhead"``: CUDA graphs."""
+    return torch.compile(model, backend=functools.partial(backend, fp8=fp8,
+                                                          precompile=precompile),
+                         dynamic=dynamic, **options)
 
 
 try:

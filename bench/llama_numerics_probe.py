@@ -1,0 +1,45 @@
+"""Where the FP8 path's error comes from on the Llama-3-8B-sized 2-layer model (issue 14):
+calc_diff against the model computed in f32 for eager bf16, and for the ptxforge backend
+with its passes switched on one by one (Linears alone, + joined Linears, + fused
+RMSNorm/SwiGLU quantization, + residual epilogues), at 64 tokens.
+
+    python bench/llama_numerics_probe.py
+"""
+
+import torch
+
+from ptxforge import compiler
+from ptxforge.compiler import passes
+from ptxforge.testing.checks import calc_diff
+from ptxforge.testing.models import in_f32, llama_8b
+
+
+def main():
+    torch.manual_seed(0)
+    case = llama_8b(2)
+    model = case.model.cuda()
+    reference = in_f32(model)
+    (ids,), kwargs = case.inputs(64, "cuda")
+    with torch.no_grad():
+        expected = case.output(reference(ids, **kwargs))
+        print(f"eager bf16: {calc_diff(case.output(model(ids, **kwargs)), expected):.2e}")
+        joined, producers, residuals = (passes._parallel_groups, passes.fuse_producers,
+                                        passes.fuse_residuals)
+        singles = lambda linears, fp8: [[pair] for pair in linears]
+        steps = {"linears alone": (singles, lambda *a: [], lambda *a: []),
+                 "+ joined": (joined, lambda *a: [], lambda *a: []),
+                 "+ fused norm/swiglu": (joined, producers, lambda *a: []),
+                 "+ residual epilogue": (joined, producers, residuals)}
+        for fp8 in (True, False):
+            for name, (groups, fuse, residual) in steps.items():
+                passes._parallel_groups, passes.fuse_producers = groups, fuse
+                passes.fuse_residuals = residual
+                torch._dynamo.reset()
+                got = case.output(compiler.compile(model, fp8=fp8)(ids, **kwargs))
+                print(f"ptxforge fp8={fp8} {name}: {calc_diff(got, expected):.2e}")
+        passes._parallel_groups, passes.fuse_producers = joined, producers
+        passes.fuse_residuals = residuals
+
+
+if __name__ == "__main__":
+    main()
