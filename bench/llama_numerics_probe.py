@@ -1,7 +1,9 @@
 """Where the FP8 path's error comes from on the Llama-3-8B-sized 2-layer model (issue 14):
-calc_diff against the model computed in f32 for eager bf16, and for the ptxforge backend
-with its passes switched on one by one (Linears alone, + joined Linears, + fused
-RMSNorm/SwiGLU quantization, + residual epilogues), at 64 tokens.
+calc_diff against the model computed in f32 for eager bf16; for eager bf16 with every
+Linear emulating the FP8 recipe in torch (x per token, W per 128x128 block, the reference
+quantizers, dequantized and multiplied in f32: what the recipe itself costs); and for the
+ptxforge backend with its passes switched on one by one (Linears alone, + joined Linears,
++ fused RMSNorm/SwiGLU quantization, + residual epilogues), at 64 tokens.
 
     python bench/llama_numerics_probe.py
 """
@@ -10,8 +12,17 @@ import torch
 
 from ptxforge import compiler
 from ptxforge.compiler import passes
+from ptxforge.testing import reference as recipe
 from ptxforge.testing.checks import calc_diff
 from ptxforge.testing.models import in_f32, llama_8b
+
+
+def fp8_emulated(linear, x):
+    """The FP8 recipe in torch: x per token, W per 128x128 block, f32 product, bf16 out."""
+    rows = x.reshape(-1, x.shape[-1])
+    a = recipe.dequantize_per_token(*recipe.quantize_fp8_per_token(rows))
+    w = recipe.dequantize_per_block(*recipe.quantize_fp8_per_block(linear.weight))
+    return (a.float() @ w.float().T).to(x.dtype).view(*x.shape[:-1], -1)
 
 
 def main():
@@ -23,6 +34,13 @@ def main():
     with torch.no_grad():
         expected = case.output(reference(ids, **kwargs))
         print(f"eager bf16: {calc_diff(case.output(model(ids, **kwargs)), expected):.2e}")
+        linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+        for linear in linears:
+            linear.forward = lambda x, linear=linear: fp8_emulated(linear, x)
+        emulated = case.output(model(ids, **kwargs))
+        print(f"eager bf16, Linears emulating the FP8 recipe: {calc_diff(emulated, expected):.2e}")
+        for linear in linears:
+            del linear.forward
         joined, producers, residuals = (passes._parallel_groups, passes.fuse_producers,
                                         passes.fuse_residuals)
         singles = lambda linears, fp8: [[pair] for pair in linears]

@@ -87,12 +87,15 @@ def backend(gm: torch.fx.GraphModule, example_inputs, *, fp8: bool = True,
     return graphs.GraphRunner(compiled, steady)
 
 
+def _hint(size) -> int:
+    """A size of the traced example: a symbolic one (the token count) by its value then."""
+    return size if isinstance(size, int) else int(size.node.hint)
+
+
 def assemble(gm: torch.fx.GraphModule, up_to: int | None = None) -> int:
     """Assemble, in parallel, every kernel the rewritten graph launches at the token count
     it was traced with (and at every count up to ``up_to``, with a progress bar): the first
     call then finds them built. Returns how many."""
-    from torch.fx.experimental.symbolic_shapes import hint_int
-
     from .. import jit
 
     nodes = precompile.kernels_of(gm.graph)
@@ -103,7 +106,7 @@ def assemble(gm: torch.fx.GraphModule, up_to: int | None = None) -> int:
     arch = _device_arch(values[0].device)
     if isinstance(arch, str):
         return 0
-    rows = {hint_int(math.prod(v.shape[:-1])) for v in values}
+    rows = {_hint(math.prod(v.shape[:-1])) for v in values}
     tokens = sorted(rows | set(precompile.every_token_count(up_to) if up_to else ()))
     kernels = [kernel for found in nodes.values() for kernel in found]
     return len(jit.precompile(precompile.builders(kernels, arch, tokens),
