@@ -1,0 +1,45 @@
+"""Each GPU kernel of one call of a model compiled by the ptxforge backend (profiler,
+summed by kernel name, largest first), beside its wall time: what to speed up next.
+
+    python bench/model_profile.py ffn:4096 llama-8b:64 llama-8b:2048
+"""
+
+import collections
+import sys
+
+import torch
+
+from ptxforge import compiler
+from ptxforge.testing import models
+from ptxforge.testing.model_bench import wall_us
+
+
+def profile(name: str, tokens: int) -> None:
+    torch.manual_seed(0)
+    case = models.build(name)
+    case.model.cuda()
+    args, kwargs = case.inputs(tokens, "cuda")
+    torch._dynamo.reset()
+    fn = compiler.compile(case.model, mode="reduce-overhead")
+    with torch.no_grad():
+        wall = wall_us(lambda: fn(*args, **kwargs))
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                fn(*args, **kwargs)
+            torch.cuda.synchronize()
+    times = collections.defaultdict(float)
+    counts = collections.Counter()
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            times[e.name] += (e.time_range.end - e.time_range.start) / 3
+            counts[e.name] += 1
+    total = sum(times.values())
+    print(f"== {case.name}, {tokens} tokens: wall {wall:.1f} us, kernels {total:.1f} us")
+    for kernel, us in sorted(times.items(), key=lambda kv: -kv[1])[:16]:
+        print(f"  {us:8.1f} us  x{counts[kernel] // 3:<3} {kernel[:110]}")
+
+
+if __name__ == "__main__":
+    for spec in sys.argv[1:]:
+        name, tokens = spec.split(":")
+        profile(name, int(tokens))
