@@ -228,3 +228,43 @@ def test_compile_report_prints_the_plan_without_a_gpu(tmp_path, capsys):
     assert "LlamaModel, 1 layers on sm_90a: 1 graph(s)" in out
     assert "4 of 4" not in out and "7 of 7 Linears on ptxforge GEMMs" in out
     assert "silu_mul_quantize_fp8 hidden=512" in out and "e4m3 GEMM N=256 K=512 + residual" in out
+
+
+def cpu_llama(config_class="LlamaConfig", **extra):
+    transformers = pytest.importorskip("transformers")
+    config = getattr(transformers, config_class)(
+        hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+        num_hidden_layers=1, vocab_size=128, **extra)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return transformers.AutoModel.from_config(config).eval()
+
+
+def test_transformers_causal_mask_becomes_is_causal_with_the_same_result():
+    model = cpu_llama()
+    ids = torch.randint(0, 128, (1, 9))
+    graphs = trace_on_meta(model, ids, use_cache=False)   # real CPU tensors: checked here
+    ((gm, plan),) = graphs
+    (attention,) = [item for item in plan if item.pattern == "causal attention"]
+    assert attention.operator == "SDPA is_causal=True"
+    (sdpa,) = [n for n in gm.graph.nodes if passes.kind(n) == "sdpa"]
+    assert sdpa.kwargs["is_causal"] is True and "attn_mask" not in sdpa.kwargs
+    with torch.no_grad():
+        expected = model(ids, use_cache=False).last_hidden_state
+        torch._dynamo.reset()
+        got = torch.compile(model, backend=lambda gm, ex: (compiler.rewrite(gm, ex), gm.forward)[1],
+                            dynamic=True)(ids, use_cache=False).last_hidden_state
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_padding_mask_or_a_sliding_window_keeps_the_mask():
+    model = cpu_llama()
+    ids, padding = torch.randint(0, 128, (1, 9)), torch.ones(1, 9, dtype=torch.long)
+    padding[0, :2] = 0
+    ((_, plan),) = trace_on_meta(model, ids, attention_mask=padding, use_cache=False)
+    (attention,) = [item for item in plan if item.pattern == "causal attention"]
+    assert attention.operator is None and attention.reason.startswith("the mask depends on the input")
+    window = cpu_llama("MistralConfig", sliding_window=4)
+    ((_, plan),) = trace_on_meta(window, torch.randint(0, 128, (1, 9)), use_cache=False)
+    (attention,) = [item for item in plan if item.pattern == "causal attention"]
+    assert attention.operator is None

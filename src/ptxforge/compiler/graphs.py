@@ -1,6 +1,7 @@
 """CUDA graphs for the backend's ``mode="reduce-overhead"``: the compiled function replayed
 as one graph per shape of its inputs, so a call costs a copy in, a replay and a copy out
-on the host instead of a launch per kernel.
+on the host instead of a launch per kernel. Shapes whose changing inputs are too large to
+be worth the copy (``MAX_COPY_BYTES``) run without a graph.
 
     call(*inputs) --shapes seen before?--> copy the inputs that change into the graph's
                                            own, replay, clone the outputs
@@ -23,6 +24,11 @@ import torch
 # Graphs kept per compiled function: one per token count a server sees; past it, calls of
 # new shapes run without a graph.
 MAX_GRAPHS = 64
+# A graph saves the launches, and costs a copy of the changing inputs in: above this many
+# bytes of them the call runs without one (the FFN block at 4096 tokens, 58 MB of x: its
+# copy and the output's cost 56 us of 425, measured, where launching is hidden behind the
+# kernels anyway).
+MAX_COPY_BYTES = 8 << 20
 
 
 @dataclass
@@ -38,24 +44,32 @@ class GraphRunner:
 
     def __init__(self, fn, static: set[int]):
         self.fn, self.static = fn, static
-        self.graphs: dict[tuple, _Graph] = {}
+        self.graphs: dict[tuple, _Graph | None] = {}   # None: this shape runs without one
         self.pool = None
+        self.changing: list[int] | None = None   # positions of the inputs that are not static
 
     def _key(self, inputs) -> tuple:
-        return tuple((tuple(x.shape), x.stride(), x.dtype, x.device) if isinstance(x, torch.Tensor)
-                     else x for i, x in enumerate(inputs) if i not in self.static)
+        return tuple((x.shape, x.stride(), x.dtype, x.device) if isinstance(x, torch.Tensor)
+                     else x for x in map(inputs.__getitem__, self.changing))
 
     def __call__(self, *inputs):
+        if self.changing is None:
+            self.changing = [i for i in range(len(inputs)) if i not in self.static]
         key = self._key(inputs)
-        entry = self.graphs.get(key)
+        entry = self.graphs.get(key, False)
+        if entry is False:
+            entry = self.graphs[key] = self._capture(inputs) if self._worth(inputs) else None
         if entry is None:
-            if len(self.graphs) >= MAX_GRAPHS or not torch.cuda.is_available():
-                return self.fn(*inputs)
-            entry = self.graphs[key] = self._capture(inputs)
+            return self.fn(*inputs)
         for i, copy in entry.inputs:
             copy.copy_(inputs[i])
         entry.graph.replay()
         return _map(entry.outputs, torch.Tensor.clone)
+
+    def _worth(self, inputs) -> bool:
+        tensors = [inputs[i] for i in self.changing if isinstance(inputs[i], torch.Tensor)]
+        return (len(self.graphs) < MAX_GRAPHS and torch.cuda.is_available()
+                and sum(x.nbytes for x in tensors) <= MAX_COPY_BYTES)
 
     def _capture(self, inputs) -> _Graph:
         copies = [(i, x.clone()) for i, x in enumerate(inputs)

@@ -9,6 +9,8 @@
                   writes the Linear's FP8 input (once for all the Linears it feeds); made by
                   silu(g) * u -> ptxforge.silu_mul_quantize_fp8
     residual      r + Linear(...) -> the GEMM adds r in its epilogue
+    attention     SDPA with transformers' causal mask (built from the sequence length alone)
+                  -> SDPA with is_causal=True: the same result, half the work and no mask
 
 Each pass reads a node's value from its ``example_value`` (the fake tensor Dynamo traced),
 and each node it makes gets one, computed by the operator's fake, so the passes after it
@@ -43,6 +45,7 @@ _SPELLINGS = {
     "mean": (torch.mean, "mean"),
     "to": ("to", "float"),
     "item": ("item",),
+    "sdpa": (torch._C._nn.scaled_dot_product_attention, _F.scaled_dot_product_attention),
 }
 _KIND = {(spelling if isinstance(spelling, str) else id(spelling)): kind
          for kind, spellings in _SPELLINGS.items() for spelling in spellings}
@@ -403,6 +406,97 @@ def fuse_residuals(g: Graph, made: list) -> list[Replacement]:
     return plan
 
 
+# --- causal attention -------------------------------------------------------------------------
+
+# Sequence lengths at which a mask is checked to be causal; with the traced one and a
+# length past the common sliding windows (4096), so that a window is not mistaken for none.
+CHECKED_LENGTHS = (1, 2, 7, 64, 300, 4097)
+
+
+def use_causal_attention(g: Graph) -> list[Replacement]:
+    """SDPA given a boolean mask over [T, T] that is the causal mask (transformers builds it
+    in the graph, under torch.compile, instead of asking for is_causal): is_causal=True.
+    The mask must be made from sequence lengths alone (no input tensor: no padding mask,
+    no position ids from the caller), by no sliding-window or chunked mask function, and
+    equal ``tril`` at every length of CHECKED_LENGTHS and the traced one, evaluated here."""
+    plan = []
+    for node in list(g.graph.nodes):
+        if kind(node) != "sdpa":
+            continue
+        mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+        causal = node.args[5] if len(node.args) > 5 else node.kwargs.get("is_causal", False)
+        if mask is None or causal:
+            continue
+        why = _why_not_causal(g, node, mask)
+        if why is None:
+            args = list(node.args[:3])
+            kwargs = {k: v for k, v in node.kwargs.items() if k != "attn_mask"}
+            node.args, node.kwargs = tuple(args), {**kwargs, "is_causal": True}
+        if why is None and g.value(mask).device.type == "meta":
+            why_not = "a mask of sequence lengths alone (checked causal when compiled for a GPU)"
+        else:
+            why_not = "the mask is causal: checked at lengths " + ", ".join(map(str, CHECKED_LENGTHS))
+        plan.append(Replacement("causal attention", node.name,
+                                None if why else "SDPA is_causal=True", why or why_not))
+    return plan
+
+
+def _why_not_causal(g: Graph, sdpa, mask) -> str | None:
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    q, k = g.value(sdpa.args[0]), g.value(sdpa.args[1])
+    value = g.value(mask)
+    if value is None or value.dtype != torch.bool:
+        return "the mask is not boolean"
+    if not statically_known_true(q.shape[-2] == k.shape[-2]):
+        return "queries and keys may differ in length (a cache)"
+    ancestors = _ancestors(mask)
+    for node in ancestors:
+        if node.op == "placeholder" and isinstance(g.value(node), torch.Tensor):
+            return f"the mask depends on the input {node.name}"
+        if node.op not in ("placeholder", "call_function", "call_method"):
+            return f"the mask depends on {node.op} {node.name}"
+        frames = node.meta.get("stack_trace", "")
+        if "sliding" in frames or "chunk" in frames:
+            return "the mask comes from a sliding-window or chunked mask function"
+    if value.device.type == "meta":
+        return None   # the report's trace: checked when compiled for a GPU
+    sizes = [n for n in ancestors if n.op == "placeholder"]
+    if len(sizes) != 1:
+        return f"the mask depends on {len(sizes)} sizes, not the sequence length alone"
+    evaluate = _subgraph(ancestors, sizes[0], mask)
+    traced = int(q.shape[-2].node.hint) if isinstance(q.shape[-2], torch.SymInt) else q.shape[-2]
+    for length in sorted({*CHECKED_LENGTHS, traced}):
+        got = evaluate(length)
+        causal = torch.ones(length, length, dtype=torch.bool, device=got.device).tril()
+        if got.shape[-2:] != (length, length) or not bool((got == causal).all()):
+            return f"the mask is not causal at length {length}"
+    return None
+
+
+def _ancestors(node) -> list:
+    """The nodes ``node`` is computed from, and itself, in graph order."""
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return [n for n in node.graph.nodes if n in seen]
+
+
+def _subgraph(nodes, size, output):
+    """A function of the sequence length computing ``output`` from ``nodes`` (which read
+    the one size placeholder ``size``)."""
+    graph, copied = torch.fx.Graph(), {}
+    for n in nodes:
+        copied[n] = (graph.placeholder("length") if n is size
+                     else graph.node_copy(n, lambda arg: copied[arg]))
+    graph.output(copied[output])
+    module = torch.fx.GraphModule(torch.nn.Module(), graph)
+    return lambda length: module(length)
+
+
 def rewrite(gm: torch.fx.GraphModule, example_inputs, *, fp8: bool, arch_of) -> list[Replacement]:
     """Every pass, in order; returns the plan. The parameters whose values the graph now
     holds a copy of (quantized or joined) are left in ``gm.ptxforge_folded``."""
@@ -411,6 +505,7 @@ def rewrite(gm: torch.fx.GraphModule, example_inputs, *, fp8: bool, arch_of) -> 
     if fp8:
         plan += fuse_producers(g, made, arch_of)
     plan += fuse_residuals(g, made)
+    plan += use_causal_attention(g)
     g.graph.eliminate_dead_code()
     g.graph.lint()
     gm.recompile()

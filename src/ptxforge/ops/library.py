@@ -168,7 +168,10 @@ def _linear_residual(residual, d):
 
 def _fp8_linear(x, x_scales, wq, ws, bias=None, residual=None):
     d = _linear_output(x, wq.shape[0])
-    a = (_rows(x), x_scales) if x_scales is not None else rowwise.quantize_fp8_per_token(_rows(x))
+    if x_scales is not None:
+        a = (_rows(x), x_scales)
+    else:
+        a = rowwise.quantize_fp8_per_token(_rows(x))
     gemm.fp8_gemm_nt(a, (wq, ws), _rows(d), bias=bias, residual=_linear_residual(residual, d))
     return d
 
