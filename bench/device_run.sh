@@ -3,6 +3,10 @@
 # $OUT (log.txt, jit.json, the sanitizers' reports, and json + png for the memory, gemm, grouped,
 # bf16 and decode suites); short tables last.
 #   run from the repository root: bash bench/device_run.sh
+# The models (the compile backend's GPU tests, `ptxforge bench model`, each kernel of a compiled
+# call, precompiling Llama's kernels cold) take a call of their own, within the device's 10
+# minutes a call:
+#   bash bench/device_run.sh models
 set -u -o pipefail
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 export PTXFORGE_CACHE_DIR=/tmp/ptxforge-cache
@@ -11,6 +15,17 @@ mkdir -p "$OUT"
 log="$OUT/log.txt"
 py=python3
 step() { echo; echo "### $*"; "$@"; } 2>&1
+if [ "${1:-}" = models ]; then
+  {
+    step timeout 200 $py -m pytest tests/gpu/test_compiler_gpu.py -q -p no:cacheprovider
+    step env PTXFORGE_CACHE_DIR=/tmp/ptxforge-cold $py -m ptxforge.cli precompile --model llama-8b --tokens 16384
+    step $py -m ptxforge.cli bench model --json "$OUT/model.json" --plot "$OUT/model.png"
+    step $py bench/model_profile.py ffn:64 ffn:4096 llama-8b:64 llama-8b:2048
+  } > "$log" 2>&1
+  grep -E "passed|failed|kernels for 1-" "$log" | grep -v "^|" | tail -4
+  sed -n '/### .*bench model/,$p' "$log" | grep -v "^###\|^DEBUG\|[Ww]arn"
+  exit 0
+fi
 {
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv
   $py -c "import torch, cuda.bindings; print('torch', torch.__version__, 'cuda-bindings', cuda.bindings.__version__)"
