@@ -240,7 +240,7 @@ def cpu_llama(config_class="LlamaConfig", **extra):
     return transformers.AutoModel.from_config(config).eval()
 
 
-def test_transformers_causal_mask_becomes_is_causal_with_the_same_result():
+def test_transformers_causal_mask_and_kv_repeat_go_to_sdpa_with_the_same_result():
     model = cpu_llama()
     ids = torch.randint(0, 128, (1, 9))
     graphs = trace_on_meta(model, ids, use_cache=False)   # real CPU tensors: checked here
@@ -249,6 +249,8 @@ def test_transformers_causal_mask_becomes_is_causal_with_the_same_result():
     assert attention.operator == "SDPA is_causal=True"
     (sdpa,) = [n for n in gm.graph.nodes if passes.kind(n) == "sdpa"]
     assert sdpa.kwargs["is_causal"] is True and "attn_mask" not in sdpa.kwargs
+    assert sdpa.kwargs["enable_gqa"] is True          # keys and values not repeated
+    assert [tuple(passes.Graph.value(x).shape[1:2]) for x in sdpa.args] == [(4,), (2,), (2,)]
     with torch.no_grad():
         expected = model(ids, use_cache=False).last_hidden_state
         torch._dynamo.reset()

@@ -10,7 +10,9 @@
                   silu(g) * u -> ptxforge.silu_mul_quantize_fp8
     residual      r + Linear(...) -> the GEMM adds r in its epilogue
     attention     SDPA with transformers' causal mask (built from the sequence length alone)
-                  -> SDPA with is_causal=True: the same result, half the work and no mask
+                  -> SDPA with is_causal=True: the same result, half the work and no mask;
+                  keys and values repeated for grouped-query attention (expand + reshape)
+                  -> SDPA's enable_gqa=True on the unrepeated ones (no copies)
 
 Each pass reads a node's value from its ``example_value`` (the fake tensor Dynamo traced),
 and each node it makes gets one, computed by the operator's fake, so the passes after it
@@ -44,6 +46,8 @@ _SPELLINGS = {
     "pow": (operator.pow, torch.pow, "pow"),
     "mean": (torch.mean, "mean"),
     "to": ("to", "float"),
+    "expand": ("expand",),
+    "reshape": ("reshape", "view"),
     "item": ("item",),
     "sdpa": (torch._C._nn.scaled_dot_product_attention, _F.scaled_dot_product_attention),
 }
@@ -438,7 +442,46 @@ def use_causal_attention(g: Graph) -> list[Replacement]:
             why_not = "the mask is causal: checked at lengths " + ", ".join(map(str, CHECKED_LENGTHS))
         plan.append(Replacement("causal attention", node.name,
                                 None if why else "SDPA is_causal=True", why or why_not))
+        if why is None:
+            plan += _unrepeat_kv(g, node)
     return plan
+
+
+def _unrepeat_kv(g: Graph, sdpa) -> list[Replacement]:
+    """k and v as transformers' repeat_kv hands them to SDPA, ``x[:, :, None].expand(b, h,
+    n, t, d).reshape(b, h * n, t, d)`` with the same n: SDPA reads the unrepeated ones
+    with enable_gqa=True instead (the repeat is a copy per call)."""
+    q, k, v = sdpa.args[:3]
+    unrepeated = [_repeated(g, x) for x in (k, v)]
+    if None in unrepeated or unrepeated[0][1] != unrepeated[1][1]:
+        return []
+    sdpa.args = (q, unrepeated[0][0], unrepeated[1][0])
+    sdpa.kwargs = {**sdpa.kwargs, "enable_gqa": True}
+    return [Replacement("grouped-query attention", sdpa.name, "SDPA enable_gqa=True",
+                        f"keys and values not repeated {unrepeated[0][1]} times")]
+
+
+def _repeated(g: Graph, node):
+    """(x, n) if ``node`` is ``x[:, :, None].expand(b, h, n, t, d).reshape(b, h * n, t, d)``
+    of a 4-D x; else None."""
+    if kind(node) != "reshape" or kind(node.args[0]) != "expand":
+        return None
+    expand = node.args[0]
+    index = expand.args[0]
+    full = slice(None, None, None)
+    if (not isinstance(index, torch.fx.Node) or index.op != "call_function"
+            or index.target is not operator.getitem or index.args[1] != (full, full, None, full, full)):
+        return None
+    x, sizes = index.args[0], expand.args[1:]
+    repeats = sizes[2] if len(sizes) == 5 else None
+    value, out = g.value(x), g.value(node)
+    if not isinstance(repeats, int) or value is None or value.dim() != 4 or out.dim() != 4:
+        return None
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    if not statically_known_true(out.shape[1] == value.shape[1] * repeats):
+        return None
+    return x, repeats
 
 
 def _why_not_causal(g: Graph, sdpa, mask) -> str | None:
