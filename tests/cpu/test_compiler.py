@@ -270,3 +270,36 @@ def test_a_padding_mask_or_a_sliding_window_keeps_the_mask():
     ((_, plan),) = trace_on_meta(window, torch.randint(0, 128, (1, 9)), use_cache=False)
     (attention,) = [item for item in plan if item.pattern == "causal attention"]
     assert attention.operator is None
+
+
+def test_a_weight_changed_in_place_after_compile_is_refused():
+    weight = torch.nn.Parameter(torch.ones(4, 4))
+    from ptxforge.compiler.backend import FoldedWeights
+
+    compiled = FoldedWeights(lambda *args: "ran", [weight])
+    assert compiled() == "ran"
+    with torch.no_grad():
+        weight.mul_(2)
+    with pytest.raises(RuntimeError, match="compile the model again"):
+        compiled()
+
+
+def test_the_graph_runner_runs_the_function_itself_without_a_gpu():
+    calls = []
+    runner = compiler.graphs.GraphRunner(lambda *args: calls.append(args) or args[1] * 2, {0})
+    x = torch.ones(3)
+    assert torch.equal(runner(torch.zeros(2), x, 5), x * 2) and len(calls) == 1
+    assert list(runner.graphs.values()) == [None]      # this shape: no graph (no CUDA)
+
+
+def test_precompile_assembles_what_a_model_needs(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("PTXFORGE_CACHE_DIR", str(tmp_path))
+    assert cli.main(["precompile", "--model", "ffn", "--tokens", "64"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("FFN 7168/2048: ")
+    count = int(out.split(": ", 1)[1].split(" kernels")[0])
+    # the two row kernels, and each GEMM's configs for the counts that stand for 1..64
+    sm90 = arch.get("sm_90a")
+    every = precompile.every_token_count(64)
+    gemms = [precompile.Gemm(4096, 7168, "e4m3"), precompile.Gemm(7168, 2048, "e4m3", residual=True)]
+    assert count == 2 + sum(len(g.configs(sm90, every)) for g in gemms)

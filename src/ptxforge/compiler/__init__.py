@@ -1,10 +1,10 @@
 """The graph compiler: a ``torch.compile`` backend that puts ptxforge's kernels in place of
 the patterns it knows in a model's FX graph and hands the rest to Inductor.
 
-    model = ptxforge.compiler.compile(model)              # or
+    model = ptxforge.compile(model)                       # or
     model = torch.compile(model, backend="ptxforge")      # once ptxforge.compiler is imported
 
-See docs/design.md ("The torch.compile backend") for the passes and the fallback.
+docs/graph.md describes the passes, the fallback, CUDA graphs and how a pattern is added.
 """
 
 from .backend import Replacement, backend, compile, rewrite

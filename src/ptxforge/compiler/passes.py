@@ -5,9 +5,9 @@
                   blocks) a constant of the graph; Linears reading the same x with bias-free
                   weights become one GEMM over their concatenated weights (q/k/v, gate/up),
                   each reading its columns of the output
-    producers     (FP8) the Linear's x made by an RMSNorm -> ptxforge.rms_norm_quantize_fp8
+    producers     (FP8) the Linear's x made by an RMSNorm -> ptxforge.rms_norm_fp8
                   writes the Linear's FP8 input (once for all the Linears it feeds); made by
-                  silu(g) * u -> ptxforge.silu_mul_quantize_fp8
+                  silu(g) * u -> ptxforge.silu_mul_fp8 (the fused row kernels)
     residual      r + Linear(...) -> the GEMM adds r in its epilogue
     attention     SDPA with transformers' causal mask (built from the sequence length alone)
                   -> SDPA with is_causal=True: the same result, half the work and no mask;

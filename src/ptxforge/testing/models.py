@@ -64,6 +64,15 @@ def _init(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def _transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise ValueError("a transformers model needs the transformers package: pip install "
+                         "transformers") from None
+    return transformers
+
+
 def ffn(hidden: int = 7168, inter: int = 2048) -> Case:
     model = _init(Ffn(hidden, inter)).to(torch.bfloat16)
     inputs = lambda tokens, device: ((torch.randn(tokens, hidden, device=device,
@@ -74,7 +83,7 @@ def ffn(hidden: int = 7168, inter: int = 2048) -> Case:
 def transformers_model(config, layers: int | None = None, name: str | None = None) -> Case:
     """transformers' base model (no LM head) for ``config`` (a config object, or a path to
     a config.json), ``layers`` layers, SDPA attention, bf16, called on token ids."""
-    import transformers
+    transformers = _transformers()
 
     if not isinstance(config, transformers.PretrainedConfig):
         config = transformers.AutoConfig.from_pretrained(config)
@@ -94,8 +103,7 @@ def transformers_model(config, layers: int | None = None, name: str | None = Non
 
 
 def llama_8b(layers: int = 2) -> Case:
-    import transformers
-
+    transformers = _transformers()
     return transformers_model(transformers.LlamaConfig(**LLAMA_8B), layers, "Llama-3-8B sizes")
 
 
