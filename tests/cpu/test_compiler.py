@@ -225,7 +225,7 @@ def test_compile_report_prints_the_plan_without_a_gpu(tmp_path, capsys):
     model.config.to_json_file(path)
     assert cli.main(["compile-report", "--model", str(path), "--layers", "1"]) == 0
     out = capsys.readouterr().out
-    assert "LlamaModel, 1 layers on sm_90a: 1 graph(s)" in out
+    assert "LlamaModel, 1 layer on sm_90a: 1 graph(s)" in out
     assert "4 of 4" not in out and "7 of 7 Linears on ptxforge GEMMs" in out
     assert "silu_mul_quantize_fp8 hidden=512" in out and "e4m3 GEMM N=256 K=512 + residual" in out
 
@@ -303,3 +303,30 @@ def test_precompile_assembles_what_a_model_needs(capsys, tmp_path, monkeypatch):
     every = precompile.every_token_count(64)
     gemms = [precompile.Gemm(4096, 7168, "e4m3"), precompile.Gemm(7168, 2048, "e4m3", residual=True)]
     assert count == 2 + sum(len(g.configs(sm90, every)) for g in gemms)
+
+
+def test_a_model_holding_fp8_weights_keeps_them_and_gets_its_fusions():
+    """Fp8Linear's weights are taken as they are (no second quantization: no constants of
+    the pass's own), and the norm before it and the residual after it still fuse."""
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = torch.nn.RMSNorm(256)
+            self.proj = compiler.Fp8Linear(torch.empty(256, 256, dtype=torch.float8_e4m3fn),
+                                           torch.empty(2, 2))
+
+        def forward(self, x):
+            return x + self.proj(self.norm(x))
+
+    with torch.device("meta"):
+        model = Block().to(torch.bfloat16)    # (buffers keep their dtypes: e4m3, f32)
+        x = torch.empty(8, 256, dtype=torch.bfloat16)
+    ((gm, plan),) = trace_on_meta(model, x)
+    assert (model.proj.weight.dtype, model.proj.weight_scale.dtype) == (torch.float8_e4m3fn,
+                                                                        torch.float32)
+    assert [name for name, _ in ptxforge_calls(gm)] == ["rms_norm_fp8", "fp8_linear"]
+    _, linear = ptxforge_calls(gm)[1]
+    assert linear.kwargs["residual"].op == "placeholder"
+    assert not [name for name, _ in gm.named_buffers() if name.startswith("_ptxforge")]
+    assert [item.pattern for item in plan] == ["fp8 linear of the model", "rms_norm -> fp8",
+                                               "residual add"]

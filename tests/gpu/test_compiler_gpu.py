@@ -108,3 +108,20 @@ def test_a_weight_changed_after_compile_is_refused_not_used_stale():
         model.down.weight.mul_(2)
         with pytest.raises(RuntimeError, match="compile the model again"):
             compiled(x)
+
+
+def test_a_model_holding_fp8_weights_runs_them_as_they_are():
+    """Fp8Linear.from_linear: the same weights the backend would quantize; eager and
+    compiled (its norm and residual fused around it) agree with the bf16 block."""
+    model = Ffn(1024, 512).cuda().to(torch.bfloat16)
+    reference_out = None
+    x = torch.randn(48, 1024, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        reference_out = reference(model, x)
+        model.gate_up = compiler.Fp8Linear.from_linear(model.gate_up)
+        model.down = compiler.Fp8Linear.from_linear(model.down)
+        model.to(torch.bfloat16)                   # leaves the FP8 bytes and f32 scales alone
+        eager = model(x)
+        torch._dynamo.reset()
+        compiled = compiler.compile(model)(x)
+    assert calc_diff(eager, reference_out) <= 5e-3 and calc_diff(compiled, reference_out) <= 5e-3

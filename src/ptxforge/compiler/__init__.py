@@ -8,5 +8,6 @@ docs/graph.md describes the passes, the fallback, CUDA graphs and how a pattern 
 """
 
 from .backend import Replacement, backend, compile, rewrite
+from .modules import Fp8Linear
 
-__all__ = ["Replacement", "backend", "compile", "rewrite"]
+__all__ = ["Fp8Linear", "Replacement", "backend", "compile", "rewrite"]

@@ -185,9 +185,17 @@ def why_not_linear(g: Graph, node, arch_of) -> tuple[Linear | None, str | None]:
 
 def rewrite_linears(g: Graph, *, fp8: bool, arch_of) -> tuple[list, list[Replacement]]:
     """Put ptxforge's Linear operators in place of every Linear the GEMM takes. Returns the
-    operator nodes made (each with its x as the first argument) and the plan."""
-    plan, taken = [], []   # plan: (position, Replacement), in graph order at the end
+    operator nodes (made here, and the model's own FP8 Linears, ``modules.Fp8Linear``),
+    each with its x as the first argument, and the plan."""
+    plan, taken, made = [], [], []   # plan: (position, Replacement), in graph order at the end
     for position, node in enumerate(g.graph.nodes):
+        if node.target in (PTXFORGE.fp8_linear, PTXFORGE.fp8_linear.default):
+            _as_made(node)
+            made.append(node)   # FP8 weights the model holds: taken as they are
+            plan.append((position, Replacement(
+                "fp8 linear of the model", node.name, _operator_name(node),
+                "its FP8 weights as the model holds them, not quantized again")))
+            continue
         if kind(node) != "linear":
             continue
         linear, why = why_not_linear(g, node, arch_of)
@@ -195,7 +203,6 @@ def rewrite_linears(g: Graph, *, fp8: bool, arch_of) -> tuple[list, list[Replace
             plan.append((position, Replacement("linear", node.name, None, why)))
         else:
             taken.append((position, linear))
-    made = []
     for group in _parallel_groups(taken, fp8):
         position = group[0][0]
         group = [linear for _, linear in group]
@@ -207,6 +214,17 @@ def rewrite_linears(g: Graph, *, fp8: bool, arch_of) -> tuple[list, list[Replace
         plan.append((position, Replacement(pattern, names, _operator_name(made[-1]),
                                            f"{shapes} weight, {weights}")))
     return made, [item for _, item in sorted(plan, key=lambda pair: pair[0])]
+
+
+def _as_made(node) -> None:
+    """A ptxforge.fp8_linear call the model made itself (``modules.Fp8Linear``), in the
+    form the passes make theirs: the overload, (x, x_scales, wq, ws) and bias by keyword."""
+    schema = PTXFORGE.fp8_linear.default._schema
+    bound = dict(zip((a.name for a in schema.arguments), node.args))
+    bound.update(node.kwargs)
+    node.target = PTXFORGE.fp8_linear.default
+    node.args = tuple(bound.get(name) for name in ("x", "x_scales", "wq", "ws"))
+    node.kwargs = {name: bound[name] for name in ("bias", "residual") if name in bound}
 
 
 def _parallel_groups(linears: list, fp8: bool) -> list[list]:
@@ -343,8 +361,8 @@ def fuse_producers(g: Graph, made: list, arch_of) -> list[Replacement]:
     ptxforge node is made once for all the Linears that read it."""
     plan, quantized = [], {}
     for linear in made:
-        if linear.target is not PTXFORGE.fp8_linear.default:
-            continue
+        if linear.target is not PTXFORGE.fp8_linear.default or linear.args[1] is not None:
+            continue   # bf16, or an x the model quantized itself
         x = linear.args[0]
         if x not in quantized:
             quantized[x] = _fused_quantizer(g, x, arch_of, plan)

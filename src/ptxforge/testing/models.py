@@ -99,7 +99,8 @@ def transformers_model(config, layers: int | None = None, name: str | None = Non
         return (ids,), {"use_cache": False}
 
     label = name or f"{type(model).__name__}"
-    return Case(f"{label}, {config.num_hidden_layers} layers", model, inputs, config.hidden_size)
+    layers = config.num_hidden_layers
+    return Case(f"{label}, {layers} layer{'s' * (layers != 1)}", model, inputs, config.hidden_size)
 
 
 def llama_8b(layers: int = 2) -> Case:
