@@ -114,7 +114,6 @@ def test_a_model_holding_fp8_weights_runs_them_as_they_are():
     """Fp8Linear.from_linear: the same weights the backend would quantize; eager and
     compiled (its norm and residual fused around it) agree with the bf16 block."""
     model = Ffn(1024, 512).cuda().to(torch.bfloat16)
-    reference_out = None
     x = torch.randn(48, 1024, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         reference_out = reference(model, x)
