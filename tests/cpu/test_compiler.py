@@ -330,3 +330,20 @@ def test_a_model_holding_fp8_weights_keeps_them_and_gets_its_fusions():
     assert not [name for name, _ in gm.named_buffers() if name.startswith("_ptxforge")]
     assert [item.pattern for item in plan] == ["fp8 linear of the model", "rms_norm -> fp8",
                                                "residual add"]
+
+
+def test_the_backend_is_found_by_name_without_importing_ptxforge():
+    """An installed ptxforge is a torch_dynamo_backends entry point; from a source tree,
+    importing ptxforge.compiler registers the name."""
+    import subprocess
+    import sys
+    from importlib.metadata import entry_points
+
+    if not any(ep.name == "ptxforge" for ep in entry_points(group="torch_dynamo_backends")):
+        assert torch._dynamo.lookup_backend("ptxforge") is compiler.backend
+        return
+    code = ("import sys, torch; fn = torch._dynamo.lookup_backend('ptxforge'); "
+            "print(fn.__module__, 'ptxforge' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["ptxforge.compiler.backend", "True"]
+    assert torch._dynamo.lookup_backend("ptxforge") is compiler.backend

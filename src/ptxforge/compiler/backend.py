@@ -143,9 +143,20 @@ def compile(model, *, fp8: bool = True, precompile: int | None = None,
                          dynamic=dynamic, **options)
 
 
-try:
-    from torch._dynamo.backends.registry import register_backend
+def _register() -> None:
+    """``backend="ptxforge"`` for torch.compile. An installed ptxforge declares it as a
+    ``torch_dynamo_backends`` entry point, which torch loads when the name is first asked
+    for (no import of ptxforge needed); from a source tree, importing this module
+    registers it."""
+    from importlib.metadata import entry_points
 
-    register_backend(name="ptxforge")(backend)
-except (ImportError, RuntimeError):  # a torch without it, or the name already taken
-    pass
+    try:
+        from torch._dynamo.backends.registry import _COMPILER_FNS, register_backend
+    except ImportError:   # a torch without the registry
+        return
+    declared = any(ep.name == "ptxforge" for ep in entry_points(group="torch_dynamo_backends"))
+    if not declared and "ptxforge" not in _COMPILER_FNS:
+        register_backend(name="ptxforge")(backend)
+
+
+_register()
