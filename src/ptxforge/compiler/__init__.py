@@ -2,7 +2,7 @@
 the patterns it knows in a model's FX graph and hands the rest to Inductor.
 
     model = ptxforge.compile(model)                       # or
-    model = torch.compile(model, backend="ptxforge")      # once ptxforge.compiler is imported
+    model = torch.compile(model, backend="ptxforge")      # found by name once installed
 
 docs/graph.md describes the passes, the fallback, CUDA graphs and how a pattern is added.
 """
