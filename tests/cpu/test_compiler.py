@@ -18,7 +18,7 @@ from ptxforge.testing.models import Ffn  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 
 
-def test_a_cpu_model_keeps_its_linears_with_the_reason():
+def test_a_cpu_model_keeps_its_linears_with_the_reason(caplog):
     plans = []
 
     def spy(gm, example_inputs):
@@ -30,6 +30,8 @@ def test_a_cpu_model_keeps_its_linears_with_the_reason():
     torch.compile(model, backend=spy, fullgraph=True)(x)
     (plan,) = plans
     assert [(r.operator, r.reason) for r in plan] == [(None, "the weight is on cpu")] * 2
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+        "ptxforge leaves every Linear to Inductor: the weight is on cpu"]
 
 
 def linear_graph(x, weights):
