@@ -76,16 +76,16 @@ def backend(gm: torch.fx.GraphModule, example_inputs, *, fp8: bool = True,
     # (list_mode_options(None) lists every mode on some torch versions)
     patches = {**(torch._inductor.list_mode_options(mode) if mode else {}), **(options or {})}
     replay = patches.pop("triton.cudagraphs", False)
-    compiled = FoldedWeights(compile_fx(gm, example_inputs, config_patches=patches),
-                             gm.ptxforge_folded)
-    if not replay:
-        return compiled
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    # Parameters keep their addresses; inputs the rewritten graph no longer reads (the
-    # original weights, an eps the passes took as a constant) need no copy.
-    steady = {i for i, (node, value) in enumerate(zip(placeholders, example_inputs))
-              if passes.is_static(node, value) or not node.users}
-    return graphs.GraphRunner(compiled, steady)
+    compiled = compile_fx(gm, example_inputs, config_patches=patches)
+    if replay:
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        # Parameters keep their addresses; inputs the rewritten graph no longer reads (the
+        # original weights, an eps the passes took as a constant) need no copy.
+        steady = {i for i, (node, value) in enumerate(zip(placeholders, example_inputs))
+                  if passes.is_static(node, value) or not node.users}
+        compiled = graphs.GraphRunner(compiled, steady)
+    # Outside the graphs: a replay runs no Python, the check must run before it.
+    return FoldedWeights(compiled, gm.ptxforge_folded)
 
 
 def _hint(size) -> int:
