@@ -292,6 +292,8 @@ def test_the_graph_runner_runs_the_function_itself_without_a_gpu():
     x = torch.ones(3)
     assert torch.equal(runner(torch.zeros(2), x, 5), x * 2) and len(calls) == 1
     assert list(runner.graphs.values()) == [None]      # this shape: no graph (no CUDA)
+    # a CPU scalar (a float attribute Dynamo lifted) is part of a graph's key by value
+    assert runner._key((None, x, torch.tensor(0.5))) != runner._key((None, x, torch.tensor(2.0)))
 
 
 def test_precompile_assembles_what_a_model_needs(capsys, tmp_path, monkeypatch):

@@ -49,8 +49,7 @@ class GraphRunner:
         self.changing: list[int] | None = None   # positions of the inputs that are not static
 
     def _key(self, inputs) -> tuple:
-        return tuple((x.shape, x.stride(), x.dtype, x.device) if isinstance(x, torch.Tensor)
-                     else x for x in map(inputs.__getitem__, self.changing))
+        return tuple(_signature(x) for x in map(inputs.__getitem__, self.changing))
 
     def __call__(self, *inputs):
         if self.changing is None:
@@ -72,8 +71,8 @@ class GraphRunner:
                 and sum(x.nbytes for x in tensors) <= MAX_COPY_BYTES)
 
     def _capture(self, inputs) -> _Graph:
-        copies = [(i, x.clone()) for i, x in enumerate(inputs)
-                  if i not in self.static and isinstance(x, torch.Tensor)]
+        copies = [(i, inputs[i].clone()) for i in self.changing
+                  if isinstance(inputs[i], torch.Tensor)]
         args = list(inputs)
         for i, copy in copies:
             args[i] = copy
@@ -90,6 +89,17 @@ class GraphRunner:
         with torch.cuda.graph(graph, pool=self.pool):
             outputs = self.fn(*args)
         return _Graph(graph, copies, outputs)
+
+
+def _signature(x):
+    """What a graph captured for input ``x`` depends on: a GPU tensor's shape, strides and
+    dtype (its data is copied in), a CPU scalar's value (a float attribute Dynamo lifted,
+    read on the host when the graph is captured), any other argument itself."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    if x.device.type == "cpu" and x.numel() == 1:
+        return x.item()
+    return x.shape, x.stride(), x.dtype, x.device
 
 
 def _map(value, fn):
