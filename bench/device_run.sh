@@ -45,9 +45,12 @@ fi
   step $py -m ptxforge.cli bench chain --json "$OUT/chain.json"
   step $py -m ptxforge.cli bench decode --json "$OUT/decode.json" --plot "$OUT/decode.png"
 } > "$log" 2>&1
-grep -E "passed|failed|error" "$log" | grep -v "^|" | tail -5
 sed -n "/### .*jit_timing/,/### .*asm/p" "$log" | grep -v "^\[" | tail -60
-grep -E "FAIL|checks passed" "$log" | tail -20
-sed -n '/### .*bench memory/,/### .*bench decode/p' "$log"
+sed -n '/### .*bench memory/,/### .*bench decode/p' "$log" | grep -v "[Ww]arn"
 # decode's summary lines; its table (104 rows) is in log.txt and decode.json
-sed -n '/### .*bench decode/,$p' "$log" | grep -v -e "^|" -e "^###"
+sed -n '/### .*bench decode/,$p' "$log" | grep -v -e "^|" -e "^###" -e "[Ww]arn"
+# The checks last: the device tool returns the output's tail.
+echo; echo "### checks"
+grep -E "passed|failed|error" "$log" | grep -v "^|" | tail -5
+grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$log" | tail -3
+grep -E "FAIL|checks passed" "$log" | tail -20

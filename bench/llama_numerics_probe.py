@@ -3,7 +3,9 @@ calc_diff against the model computed in f32 for eager bf16; for eager bf16 with 
 Linear emulating the FP8 recipe in torch (x per token, W per 128x128 block, the reference
 quantizers, dequantized and multiplied in f32: what the recipe itself costs); and for the
 ptxforge backend with its passes switched on one by one (Linears alone, + joined Linears,
-+ fused RMSNorm/SwiGLU quantization, + residual epilogues), at 64 tokens.
++ fused RMSNorm/SwiGLU quantization, + residual epilogues), at 64 tokens. Last, per block
+output (the hidden states after each decoder layer, then the final norm's), eager bf16
+and ptxforge FP8 against f32: the issue states its calc_diff target per block.
 
     python bench/llama_numerics_probe.py
 """
@@ -57,6 +59,12 @@ def main():
                 print(f"ptxforge fp8={fp8} {name}: {calc_diff(got, expected):.2e}")
         passes._parallel_groups, passes.fuse_producers = joined, producers
         passes.fuse_residuals = residuals
+        states = lambda fn: fn(ids, output_hidden_states=True, **kwargs).hidden_states[1:]
+        torch._dynamo.reset()
+        blocks = zip(states(reference), states(model), states(compiler.compile(model)))
+        for i, (f32, bf16, fp8) in enumerate(blocks):
+            print(f"block output {i + 1}: eager bf16 {calc_diff(bf16, f32):.2e}, "
+                  f"ptxforge fp8 {calc_diff(fp8, f32):.2e}")
 
 
 if __name__ == "__main__":
