@@ -45,6 +45,13 @@ class Gemm:
 
     generate = staticmethod(gemm_kernel.generate)
 
+    @property
+    def weight_bytes(self) -> int:
+        """B's bytes (and its 128x128 scales' in e4m3): what a call reads whatever M is."""
+        if self.dtype == "bf16":
+            return 2 * self.n * self.k
+        return self.n * self.k + 4 * -(-self.n // 128) * -(-self.k // 128)
+
     def __str__(self):
         extras = "".join(f" + {name}" for name in ("bias", "residual") if getattr(self, name))
         return f"{self.dtype} GEMM N={self.n} K={self.k}{extras}"

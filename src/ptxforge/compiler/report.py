@@ -54,6 +54,13 @@ def report_tables(case, graphs: list[GraphPlan], arch, token_counts=(1, 64, 2048
     taken = sum(len(item.node.split(", ")) for item in linears if item.operator)
     total = sum(len(item.node.split(", ")) for item in linears)
     summary = f"{taken} of {total} Linears on ptxforge GEMMs"
+    gemms = [k for g in graphs for found in g.kernels.values() for k in found
+             if isinstance(k, precompile.Gemm)]
+    if gemms:
+        weights = sum(gemm.weight_bytes for gemm in gemms)
+        summary += (f"; their weights: {weights / 1e6:.0f} MB a call, at least "
+                    f"{weights / arch.device.memory_bandwidth_gbs / 1e3:.1f} us at "
+                    f"{arch.device.name}'s nominal {arch.device.memory_bandwidth_gbs:.0f} GB/s")
     rows = []
     for kernel in kernels(graphs):
         if isinstance(kernel, precompile.Gemm):
