@@ -65,7 +65,9 @@ def ptxforge_share(case, tokens) -> dict:
     """Seconds of ptxforge's own compile work for the model, apart from Dynamo and
     Inductor: its passes (with the weights' quantization) and the parallel assembly of the
     kernels the first call needs, with an empty kernel cache and with a warm one (the
-    process's memory cache emptied both times, as in a new process)."""
+    process's memory cache emptied both times; the driver's and nvJitLink's own caches of
+    the same PTX are not ours to empty: a truly cold figure is `ptxforge precompile
+    --model` in a new process)."""
     seconds = {}
 
     def backend(gm, example_inputs):
