@@ -81,16 +81,11 @@ def backend(gm: torch.fx.GraphModule, example_inputs, *, fp8: bool = True,
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         # Parameters keep their addresses; inputs the rewritten graph no longer reads (the
         # original weights, an eps the passes took as a constant) need no copy.
-        steady = {i for i, (node, value) in enumerate(zip(placeholders, example_inputs))
-                  if passes.is_static(node, value) or not node.users}
-        compiled = graphs.GraphRunner(compiled, steady)
+        changing = [i for i, (node, value) in enumerate(zip(placeholders, example_inputs))
+                    if node.users and not passes.is_static(node, value)]
+        compiled = graphs.GraphRunner(compiled, changing)
     # Outside the graphs: a replay runs no Python, the check must run before it.
     return FoldedWeights(compiled, gm.ptxforge_folded)
-
-
-def _hint(size) -> int:
-    """A size of the traced example: a symbolic one (the token count) by its value then."""
-    return size if isinstance(size, int) else int(size.node.hint)
 
 
 def assemble(gm: torch.fx.GraphModule, up_to: int | None = None) -> int:
@@ -107,7 +102,7 @@ def assemble(gm: torch.fx.GraphModule, up_to: int | None = None) -> int:
     arch = _device_arch(values[0].device)
     if isinstance(arch, str):
         return 0
-    rows = {_hint(math.prod(v.shape[:-1])) for v in values}
+    rows = {passes.traced_size(math.prod(v.shape[:-1])) for v in values}
     tokens = sorted(rows | set(precompile.every_token_count(up_to) if up_to else ()))
     kernels = [kernel for found in nodes.values() for kernel in found]
     return len(jit.precompile(precompile.builders(kernels, arch, tokens),

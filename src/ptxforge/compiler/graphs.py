@@ -40,20 +40,18 @@ class _Graph:
 
 class GraphRunner:
     """``fn`` (the compiled graph: flat tensor and int inputs -> tensors) replayed as CUDA
-    graphs; ``static``: the positions of the inputs whose addresses stay (parameters)."""
+    graphs; ``changing``: the positions of the inputs a call may change (the others, the
+    parameters, keep their addresses and are read in place)."""
 
-    def __init__(self, fn, static: set[int]):
-        self.fn, self.static = fn, static
+    def __init__(self, fn, changing: list[int]):
+        self.fn, self.changing = fn, changing
         self.graphs: dict[tuple, _Graph | None] = {}   # None: this shape runs without one
         self.pool = None
-        self.changing: list[int] | None = None   # positions of the inputs that are not static
 
     def _key(self, inputs) -> tuple:
         return tuple(_signature(x) for x in map(inputs.__getitem__, self.changing))
 
     def __call__(self, *inputs):
-        if self.changing is None:
-            self.changing = [i for i in range(len(inputs)) if i not in self.static]
         key = self._key(inputs)
         entry = self.graphs.get(key, False)
         if entry is False:

@@ -76,6 +76,11 @@ def kind(node) -> str | None:
     return None
 
 
+def traced_size(size) -> int:
+    """A size of the traced example: a symbolic one (the token count) by its value then."""
+    return size if isinstance(size, int) else int(size.node.hint)
+
+
 def is_static(node, example) -> bool:
     """Dynamo lifts parameters and buffers to placeholders it marks static."""
     marked = node.meta.get("tensor_dict", {}).get("_dynamo_static_input_type") is not None
@@ -526,7 +531,7 @@ def _why_not_causal(g: Graph, sdpa, mask) -> str | None:
     if len(sizes) != 1:
         return f"the mask depends on {len(sizes)} sizes, not the sequence length alone"
     evaluate = _subgraph(ancestors, sizes[0], mask)
-    traced = int(q.shape[-2].node.hint) if isinstance(q.shape[-2], torch.SymInt) else q.shape[-2]
+    traced = traced_size(q.shape[-2])
     for length in sorted({*CHECKED_LENGTHS, traced}):
         try:
             got = evaluate(length)
