@@ -234,6 +234,11 @@ def test_gemm_residual_epilogue_reads_a_pair_per_row_and_column_group(block_m, b
     assert ptx.count("ld.global.nc.b32") == groups * bias
     assert ptx.count("and.pred") == 2 * groups      # row inside D and group inside N
     assert ptx.count("add.f32") == block_n // 2 * (1 + bias)
+    # Before the K loop, two threads a row pull the residual tile's lines into L2: each
+    # every other line a row of 2 * block_n bytes can touch.
+    lines = -(-2 * block_n // 128) + 1
+    assert ptx.count("prefetch.global.L2 ") == -(-lines // 2)
+    assert ptx.index("prefetch.global.L2 ") < ptx.index("wgmma.mma_async")
     # The bias is added first: its sums are what the residual is added to.
     added_to = "%biased0" if bias else "%acc0"
     assert f"add.f32 %residual_sum0, {added_to}, %residual0;" in ptx
