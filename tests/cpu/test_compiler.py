@@ -124,7 +124,8 @@ def trace_on_meta(model, *args, fp8=True, **kwargs):
 
     torch._dynamo.reset()
     with torch.no_grad():
-        torch.compile(model, backend=spy, dynamic=True)(*args, **kwargs)
+        compiler.mark_token_dims(args, kwargs)        # as compiler.compile does
+        torch.compile(model, backend=spy)(*args, **kwargs)
     return graphs
 
 
@@ -351,3 +352,40 @@ def test_the_backend_is_found_by_name_without_importing_ptxforge():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["ptxforge.compiler.backend", "True"]
     assert torch._dynamo.lookup_backend("ptxforge") is compiler.backend
+
+
+def test_token_dims_are_every_dimension_but_features_and_ones():
+    assert compiler.token_dims(torch.empty(64, 7168)) == [0]
+    assert compiler.token_dims(torch.empty(1, 64, 4096, dtype=torch.bfloat16)) == [1]
+    assert compiler.token_dims(torch.empty(1, 64, dtype=torch.long)) == [1]
+    assert compiler.token_dims(torch.empty(4, 64, dtype=torch.long)) == [0, 1]
+    assert compiler.token_dims(torch.empty(1, 4096)) == []
+
+
+@pytest.mark.parametrize("as_module", [True, False])
+def test_compile_traces_the_token_dimension_alone_dynamic_once(monkeypatch, as_module):
+    """ptxforge.compile marks the first call's token dimensions dynamic (not the features):
+    one graph serves every token count, its hidden size a constant."""
+    import importlib
+
+    backend_module = importlib.import_module("ptxforge.compiler.backend")
+    graphs = []
+
+    def spy(gm, example_inputs, **options):
+        values = [n.meta["example_value"] for n in gm.graph.nodes if n.op == "placeholder"]
+        graphs.append([tuple(v.shape) for v in values if isinstance(v, torch.Tensor)])
+        return gm.forward
+
+    monkeypatch.setattr(backend_module, "backend", spy)
+    model = torch.nn.Linear(32, 16)
+    torch._dynamo.reset()
+    compiled = compiler.compile(model if as_module else (lambda x: model(x)))
+    with torch.no_grad():
+        for tokens in (8, 24, 5):
+            x = torch.randn(tokens, 32)
+            assert torch.equal(compiled(x), model(x))
+    (shapes,) = graphs                    # one graph: no recompile
+    (x_shape,) = [shape for shape in shapes if shape not in ((16, 32), (16,))]  # not W, b
+    assert isinstance(x_shape[0], torch.SymInt) and x_shape[1] == 32
+    if as_module:      # the marking hook removed itself after the first call
+        assert not compiled._forward_pre_hooks

@@ -7,7 +7,8 @@ the patterns it knows in a model's FX graph and hands the rest to Inductor.
 docs/graph.md describes the passes, the fallback, CUDA graphs and how a pattern is added.
 """
 
-from .backend import Replacement, backend, compile, rewrite
+from .backend import Replacement, backend, compile, mark_token_dims, rewrite, token_dims
 from .modules import Fp8Linear
 
-__all__ = ["Fp8Linear", "Replacement", "backend", "compile", "rewrite"]
+__all__ = ["Fp8Linear", "Replacement", "backend", "compile", "mark_token_dims", "rewrite",
+           "token_dims"]

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from . import passes, precompile
+from .backend import mark_token_dims
 from .passes import Replacement
 
 
@@ -36,7 +37,8 @@ def trace(case, arch, *, fp8: bool = True, tokens: int = 64) -> list[GraphPlan]:
 
     args, kwargs = case.inputs(tokens, "meta")
     with torch.no_grad():
-        torch.compile(case.model, backend=backend, dynamic=True)(*args, **kwargs)
+        mark_token_dims(args, kwargs)    # as ptxforge.compile does
+        torch.compile(case.model, backend=backend)(*args, **kwargs)
     return graphs
 
 

@@ -51,7 +51,7 @@ def wall_us(fn, calls: int = 50, rounds: int = 5) -> float:
 
 def _compiled(case, name: str):
     """The candidate's callable. The ptxforge backend compiles once for every token count
-    (dynamic shapes); Inductor, the peer, gets a fresh compile per token count with static
+    (its token dimensions dynamic); Inductor, the peer, gets a fresh compile per token count with static
     shapes (its fastest code)."""
     if name == "eager":
         return case.model
@@ -85,7 +85,8 @@ def ptxforge_share(case, tokens) -> dict:
                     jit._memory.clear()
                 torch._dynamo.reset()
                 with torch.no_grad():
-                    torch.compile(case.model, backend=backend, dynamic=True)(*args, **kwargs)
+                    compiler.mark_token_dims(args, kwargs)  # as compiler.compile does
+                    torch.compile(case.model, backend=backend)(*args, **kwargs)
         finally:
             if saved is None:
                 del os.environ["PTXFORGE_CACHE_DIR"]
