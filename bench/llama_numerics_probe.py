@@ -5,7 +5,10 @@ quantizers, dequantized and multiplied in f32: what the recipe itself costs); an
 ptxforge backend with its passes switched on one by one (Linears alone, + joined Linears,
 + fused RMSNorm/SwiGLU quantization, + residual epilogues), at 64 tokens. Last, per block
 output (the hidden states after each decoder layer, then the final norm's), eager bf16
-and ptxforge FP8 against f32: the issue states its calc_diff target per block.
+and ptxforge FP8 against f32: the issue states its calc_diff target per block. Those
+carry the error of the blocks before them; so last, each decoder layer alone, fed the
+f32 model's input to that layer (cast to bf16), compiled by ptxforge, against the f32
+layer.
 
     python bench/llama_numerics_probe.py
 """
@@ -65,6 +68,39 @@ def main():
         for i, (f32, bf16, fp8) in enumerate(blocks):
             print(f"block output {i + 1}: eager bf16 {calc_diff(bf16, f32):.2e}, "
                   f"ptxforge fp8 {calc_diff(fp8, f32):.2e}")
+        layer_inputs = []
+        hooks = [layer.register_forward_pre_hook(
+                     lambda module, args, kwargs: layer_inputs.append((args, kwargs)),
+                     with_kwargs=True) for layer in reference.layers]
+        reference(ids, **kwargs)
+        for hook in hooks:
+            hook.remove()
+        for i, (args, layer_kwargs) in enumerate(layer_inputs):
+            expected = _first(reference.layers[i](*args, **layer_kwargs))
+            bf16_args, bf16_kwargs = _cast((args, layer_kwargs), torch.bfloat16)
+            torch._dynamo.reset()
+            for fp8 in (True, False):
+                compiled = compiler.compile(model.layers[i], fp8=fp8)
+                got = _first(compiled(*bf16_args, **bf16_kwargs))
+                print(f"layer {i} alone (the f32 model's input): ptxforge fp8={fp8} "
+                      f"{calc_diff(got, expected):.2e}")
+
+
+def _first(output):
+    """A decoder layer's hidden states (transformers returns a tuple in some versions)."""
+    return output[0] if isinstance(output, tuple) else output
+
+
+def _cast(value, dtype):
+    """``value`` with its floating-point tensors cast to ``dtype`` (through tuples, lists,
+    dicts)."""
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_cast(v, dtype) for v in value)
+    if isinstance(value, dict):
+        return {key: _cast(v, dtype) for key, v in value.items()}
+    return value
 
 
 if __name__ == "__main__":
