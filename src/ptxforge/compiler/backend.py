@@ -185,8 +185,9 @@ def mark_token_dims(args, kwargs) -> None:
     Dynamo (maybe: a model whose code needs one static specializes it, and recompiles for
     another count, instead of failing)."""
     for x in (*args, *kwargs.values()):
-        if isinstance(x, torch.Tensor) and token_dims(x):
-            torch._dynamo.maybe_mark_dynamic(x, token_dims(x))
+        dims = token_dims(x) if isinstance(x, torch.Tensor) else None
+        if dims:
+            torch._dynamo.maybe_mark_dynamic(x, dims)
 
 
 def _register() -> None:

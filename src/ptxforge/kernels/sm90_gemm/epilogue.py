@@ -304,6 +304,18 @@ class ResidualBf16Store(AddendBf16Store):
         self.residual = [k.regs("f32", 2, "residual"), k.regs("f32", 2, "residual8_")]
         self.summed = k.regs("f32", 2, "residual_sum")
 
+    def _tile_rows(self, tiles, m0, rows, base, row_bytes) -> None:
+        """Where the tile's residual rows are: its first row ``m0``, the ``rows`` of it that
+        lie in D (inside M and the tile), the residual's address and row stride in bytes."""
+        k, params = self.k, self.params
+        k.ld_param(base, params.residual)
+        k.ld_param(row_bytes, params.residual_row_stride)
+        k.shl(row_bytes, row_bytes, 1)
+        k.ld_param(rows, params.m_rows)
+        k.mul(m0, tiles.m_block, self.cfg.rows, mode="lo")
+        k.sub(rows, rows, m0)                                    # rows of D from m0 ...
+        k.min(rows, rows, self.cfg.rows)                         # ... and of the tile
+
     def start_tile(self, tiles) -> None:
         """Pull the tile's residual rows into L2 before the K loop, so the epilogue's loads
         find them there instead of waiting on memory after it (a large GEMM's residual read
@@ -313,7 +325,7 @@ class ResidualBf16Store(AddendBf16Store):
         the row's last element inside D, so the line the row ends in is taken and none past
         N; the residual's rows are only 4-byte aligned, so no bulk prefetch)."""
         super().start_tile(tiles)
-        k, cfg, thread, params = self.k, self.cfg, self.thread, self.params
+        k, cfg, thread = self.k, self.cfg, self.thread
         row_bytes = 2 * cfg.block_n
         probes = -(-row_bytes // 128) + 1     # lines a row can touch, unaligned
         with k.stage("tile start: the residual tile's rows into L2"):
@@ -327,15 +339,9 @@ class ResidualBf16Store(AddendBf16Store):
             k.and_(t, thread.tid, 127)
             k.shr(row, t, 1)
             k.mad(row, thread.wg, 64, row, mode="lo")                # row in the tile
-            k.ld_param(limit, params.m_rows)
-            k.mul(line, tiles.m_block, cfg.rows, mode="lo")           # m0
-            k.sub(limit, limit, line)                                 # rows of D from m0 ...
-            k.min(limit, limit, cfg.rows)                             # ... and of the tile
+            self._tile_rows(tiles, line, limit, base, stride)         # line: m0
             k.setp("lt", inside, row, limit, type="u32")
             k.add(row, row, line)
-            k.ld_param(base, params.residual)
-            k.ld_param(stride, params.residual_row_stride)
-            k.shl(stride, stride, 1)
             k.mad(at, row, stride, base, mode="wide")
             k.mul(line, tiles.n_block, cfg.block_n, mode="lo")       # n0
             k.mad(at, line, 2, at, mode="wide")
@@ -356,18 +362,12 @@ class ResidualBf16Store(AddendBf16Store):
         """Where the thread's residual pairs of its first group start, in its two rows, and
         which rows lie in D (inside M and the tile's rows): worked out after the K loop, so
         that none of it holds registers through it."""
-        k, thread, params = self.k, self.thread, self.params
+        k, thread = self.k, self.thread
         with k.stage("epilogue: the thread's residual rows, and which of them lie inside D"):
             base, row_bytes = k.reg("u64", "residual_base"), k.reg("u32", "residual_row_bytes")
             row, limit = k.reg("u32", "residual_row"), k.reg("u32", "residual_rows")
             column = k.reg("u32", "residual_column")
-            k.ld_param(base, params.residual)
-            k.ld_param(row_bytes, params.residual_row_stride)
-            k.shl(row_bytes, row_bytes, 1)
-            k.ld_param(limit, params.m_rows)
-            k.mul(row, tiles.m_block, self.cfg.rows, mode="lo")     # m0
-            k.sub(limit, limit, row)                                # rows of D from m0 ...
-            k.min(limit, limit, self.cfg.rows)                      # ... and of the tile
+            self._tile_rows(tiles, row, limit, base, row_bytes)     # row: m0
             k.add(row, row, thread.row_in_tile)
             k.mad(self.residual_at[0], row, row_bytes, base, mode="wide")
             self.thread_column(tiles, column)
