@@ -365,18 +365,25 @@ def _grouped_b(a_shape, b, k: int, device: int, *, scaled: bool = True):
 
 
 def _contiguous(a_name: str, A, device: int, m: int, k: int, a_row, a_ptr, a_spans, grouped_b,
-                d, m_indices, sa=None, sa_ptr=None, **options) -> None:
-    """The contiguous layout's m_indices and d checks, the device check, then the launch
-    (``sa`` and ``sa_ptr`` as ``_scaled_a`` returns them; ``sa`` None: bf16; ``options``:
-    num_sms, config and pdl)."""
+                d, m_indices, sa=None, sa_ptr=None, rows_used=None, **options) -> None:
+    """The contiguous layout's m_indices, rows_used and d checks, the device check, then the
+    launch (``sa`` and ``sa_ptr`` as ``_scaled_a`` returns them; ``sa`` None: bf16;
+    ``options``: num_sms, config and pdl)."""
     num_groups, n, b_row, b_ptr, sb_ptr, sb_row, b_spans = grouped_b
     (mi,), _, mi_ptr, _ = inspect("m_indices", m_indices, torch.int32, 1, align=4, device=device)
     if mi != m:
         raise ValueError(f"m_indices must have one entry per row of a ({m}), got {mi}")
+    rows_used_ptr = 0
+    if rows_used is not None:
+        (used,), _, rows_used_ptr, _ = inspect("rows_used", rows_used, torch.int32, 1, align=4,
+                                               device=device)
+        if used != 1:
+            raise ValueError(f"rows_used must hold one int32, got shape {tuple(rows_used.shape)}")
     d_shape, d_strides, d_ptr, _ = inspect("d", d, torch.bfloat16, 2, device=device)
     require_shape("d", d_shape, (m, n))
     require_contiguous_rows("d", d_shape, d_strides)
-    require_disjoint("d", (d_ptr, 2 * m * n), (mi_ptr, 4 * m), *a_spans, *b_spans)
+    require_disjoint("d", (d_ptr, 2 * m * n), (mi_ptr, 4 * m), (rows_used_ptr, 4), *a_spans,
+                     *b_spans)
     if options.get("config") is not None:
         _check_config(options["config"], n, k, False, num_groups, False,
                       "bf16" if sa is None else "e4m3")
@@ -389,10 +396,12 @@ def _contiguous(a_name: str, A, device: int, m: int, k: int, a_row, a_ptr, a_spa
                                       sb_ptr, sb_row)
     _launch(device, m, n, k, (a_ptr, a_row), (b_ptr, b_row, num_groups * n),
             (d_ptr, d_strides[0]), scales=scales, groups=num_groups, m_indices=mi_ptr,
+            rows_used=rows_used_ptr,
             **options)
 
 
 def m_grouped_fp8_gemm_nt_contiguous(a, b, d: torch.Tensor, m_indices: torch.Tensor, *,
+                                     rows_used: torch.Tensor | None = None,
                                      num_sms: int | None = None, config=None,
                                      pdl: bool | None = None) -> None:
     """MoE, contiguous layout: row i of ``d`` = row i of ``a`` times group ``m_indices[i]``
@@ -407,23 +416,29 @@ def m_grouped_fp8_gemm_nt_contiguous(a, b, d: torch.Tensor, m_indices: torch.Ten
     Rows the GPU finds padding, an index outside [0, G), or a segment not aligned (a
     tile's row whose group differs from its first row's) are written as zeros; nothing is
     read outside B. Nothing is read back to the host: the call can be captured in a graph.
-    num_sms, config, pdl: as ``fp8_gemm_nt``'s.
+    rows_used: None, or int32 [1] on the GPU: the rows in use (the groups' segments); the
+    tiles past them are neither computed nor written, so an ``a`` sized for the worst case
+    of a routing known only on the GPU costs only the rows it fills (``moe_routing_layout``
+    writes it). num_sms, config, pdl: as ``fp8_gemm_nt``'s.
     """
     m, k, a_row, a_ptr, device, a_spans, sa, sa_ptr = _scaled_a(a)
     _contiguous("a[0]", a[0], device, m, k, a_row, a_ptr, a_spans,
                 _grouped_b(a[0].shape, b, k, device), d, m_indices, sa, sa_ptr,
-                num_sms=num_sms, config=config, pdl=pdl)
+                rows_used=rows_used, num_sms=num_sms, config=config, pdl=pdl)
 
 
 def m_grouped_bf16_gemm_nt_contiguous(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor,
-                                      m_indices: torch.Tensor, *, num_sms: int | None = None,
-                                      config=None, pdl: bool | None = None) -> None:
+                                      m_indices: torch.Tensor, *,
+                                      rows_used: torch.Tensor | None = None,
+                                      num_sms: int | None = None, config=None,
+                                      pdl: bool | None = None) -> None:
     """``m_grouped_fp8_gemm_nt_contiguous`` with bf16 operands and no scales: a bf16
-    [M, K], b bf16 [G, N, K], d bf16 [M, N], m_indices int32 [M] (same contract)."""
+    [M, K], b bf16 [G, N, K], d bf16 [M, N], m_indices int32 [M], rows_used (same
+    contract)."""
     (m, k), a_strides, a_ptr, device = inspect("a", a, torch.bfloat16, 2)
     _contiguous("a", a, device, m, k, a_strides[0], a_ptr,
                 (row_span(a_ptr, m, a_strides[0], k, 2),),
-                _grouped_b(a.shape, b, k, device, scaled=False), d, m_indices,
+                _grouped_b(a.shape, b, k, device, scaled=False), d, m_indices, rows_used=rows_used,
                 num_sms=num_sms, config=config, pdl=pdl)
 
 

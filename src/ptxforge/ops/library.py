@@ -89,13 +89,16 @@ def _bf16_gemm_nt(a, b, d, c=None, bias=None, residual=None, num_sms=None, pdl=N
     gemm.bf16_gemm_nt(a, b, d, c, bias=bias, residual=residual, num_sms=num_sms, pdl=pdl)
 
 
-def _m_grouped_fp8_gemm_nt_contiguous(a, sa, b, sb, d, m_indices, num_sms=None, pdl=None):
-    gemm.m_grouped_fp8_gemm_nt_contiguous((a, sa), (b, sb), d, m_indices, num_sms=num_sms,
-                                          pdl=pdl)
+def _m_grouped_fp8_gemm_nt_contiguous(a, sa, b, sb, d, m_indices, rows_used=None, num_sms=None,
+                                      pdl=None):
+    gemm.m_grouped_fp8_gemm_nt_contiguous((a, sa), (b, sb), d, m_indices, rows_used=rows_used,
+                                          num_sms=num_sms, pdl=pdl)
 
 
-def _m_grouped_bf16_gemm_nt_contiguous(a, b, d, m_indices, num_sms=None, pdl=None):
-    gemm.m_grouped_bf16_gemm_nt_contiguous(a, b, d, m_indices, num_sms=num_sms, pdl=pdl)
+def _m_grouped_bf16_gemm_nt_contiguous(a, b, d, m_indices, rows_used=None, num_sms=None,
+                                       pdl=None):
+    gemm.m_grouped_bf16_gemm_nt_contiguous(a, b, d, m_indices, rows_used=rows_used,
+                                           num_sms=num_sms, pdl=pdl)
 
 
 def _m_grouped_fp8_gemm_nt_masked(a, sa, b, sb, d, masked_m, expected_m, num_sms=None,
@@ -135,9 +138,11 @@ OPERATORS = {
                      _bf16_gemm_nt, _writes_d),
     "m_grouped_fp8_gemm_nt_contiguous": (
         f"(Tensor a, Tensor sa, Tensor b, Tensor sb, Tensor(d!) d, Tensor m_indices, *, "
-        f"{_GEMM_OPTIONS}) -> ()", _m_grouped_fp8_gemm_nt_contiguous, _writes_d),
+        f"Tensor? rows_used=None, {_GEMM_OPTIONS}) -> ()", _m_grouped_fp8_gemm_nt_contiguous,
+        _writes_d),
     "m_grouped_bf16_gemm_nt_contiguous": (
-        f"(Tensor a, Tensor b, Tensor(d!) d, Tensor m_indices, *, {_GEMM_OPTIONS}) -> ()",
+        f"(Tensor a, Tensor b, Tensor(d!) d, Tensor m_indices, *, Tensor? rows_used=None, "
+        f"{_GEMM_OPTIONS}) -> ()",
         _m_grouped_bf16_gemm_nt_contiguous, _writes_d),
     "m_grouped_fp8_gemm_nt_masked": (
         f"(Tensor a, Tensor sa, Tensor b, Tensor sb, Tensor(d!) d, Tensor masked_m, "

@@ -88,6 +88,8 @@ class _Params:
         elif cfg.groups:
             self.m_indices = k.param("m_indices", "u64")   # int32 [M]: each row's group, -1: padding
             self.m_rows = k.param("m_rows", "u32")
+            # int32 [1] on the GPU, or 0: the rows in use; the tiles from it on are skipped
+            self.rows_used = k.param("rows_used", "u64")
         cfg.epilogue.declare_params(k, self)
 
 

@@ -102,13 +102,32 @@ class TileScheduler:
 
 class ContiguousTiles(TileScheduler):
     """MoE, contiguous layout: the dense tile order over all groups' rows; each tile takes
-    its group from m_indices (a parameter: int32 [M], each row's group, -1 padding)."""
+    its group from m_indices (a parameter: int32 [M], each row's group, -1 padding). Where
+    ``rows_used`` (a parameter: a pointer to an int32 on the GPU, or 0) is given, only the
+    block rows holding its first rows_used rows are tiles: a caller that sizes A for the
+    worst case of a routing it does not know on the host (``moe_routing_layout``) pays only
+    for the rows the routing fills."""
 
     def __init__(self, k, cfg, params):
         super().__init__(k, cfg, params)
         self.m_indices = k.reg("u64", "m_indices")
         k.ld_param(self.m_indices, params.m_indices)
         self.group, self._at = k.reg("s32", "group"), k.reg("u64", "group_at")
+
+    def _count_tiles(self, params) -> None:
+        k = self.k
+        self.m_tiles = k.reg("u32", "m_tiles")
+        k.ld_param(self.m_tiles, params.m_tiles)
+        at, used = k.reg("u64", "rows_used_at"), k.reg("u32", "rows_used")
+        k.ld_param(at, params.rows_used)
+        given = k.pred("rows_used_given")
+        k.setp("ne", given, at, 0, type="u64")
+        with k.if_(given, "rows_used_read"):
+            k.ld(used, addr(at), nc=True)
+            k.add(used, used, self.cfg.rows - 1)
+            k.div(used, used, self.cfg.rows, type="u32")
+            k.min(self.m_tiles, self.m_tiles, used)
+        k.mul(self.count, self.m_tiles, self.n_groups, mode="lo")
 
     def load_group(self) -> None:
         """The group of the tile's first row, clamped into [0, groups): the B matrix and B
