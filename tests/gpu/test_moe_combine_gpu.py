@@ -6,25 +6,9 @@ import torch
 
 import ptxforge
 import ptxforge.ops  # noqa: F401  registers torch.ops.ptxforge
+from ptxforge.testing.reference import moe_combine as reference
 
 pytestmark = pytest.mark.gpu
-
-
-def reference(y, rows, weights):
-    """The eager loop whose bits the kernel gives: from zeros, for j in order, ``acc = acc
-    + y[rows[:, j]].float() * weights[:, j:j+1].float()`` (two kernels: the product and
-    the sum each rounded to f32), a pair whose row is outside [0, R) skipped; then one
-    rounding to bf16. Exact comparisons hold for finite inputs; a NaN would differ only
-    in its payload (torch's CPU-style 0x7FC0 against the hardware's 0x7FFF)."""
-    r, hidden = y.shape
-    kept = (rows >= 0) & (rows < r)
-    padded = torch.cat([y, y.new_zeros(1, hidden)])  # dropped pairs gather this row, unused
-    index = torch.where(kept, rows, r).long()
-    acc = torch.zeros(rows.shape[0], hidden, dtype=torch.float32, device=y.device)
-    for j in range(rows.shape[1]):
-        term = acc + padded[index[:, j]].float() * weights[:, j:j + 1].float()
-        acc = torch.where(kept[:, j:j + 1], term, acc)
-    return acc.bfloat16()
 
 
 def problem(tokens, topk, hidden, weight_dtype, *, spare_rows=5, dropped=0.1, seed=0):
