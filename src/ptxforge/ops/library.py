@@ -28,9 +28,9 @@ from __future__ import annotations
 import torch
 
 from . import block_quant, gemm, rowwise
+from ._common import require_shape
 # By name from the module: the package's attribute moe_combine is the function.
 from .moe_combine import combined_output, moe_combine
-from ._common import require_shape
 
 # The package's own name: a copy imported under another name (bench/host_ab.py) registers
 # its operators under that name instead of colliding with ptxforge's.
