@@ -47,6 +47,7 @@ PUBLIC = (
     PublicName("set_num_sms", "gemm", in_ptxforge=False, in_deep_gemm=True),
     PublicName("get_col_major_tma_aligned_tensor", "layout", in_ptxforge=False,
                in_deep_gemm=True),
+    PublicName("moe_combine", "moe_combine", kernel="moe_combine"),
 )
 
 PTXFORGE_NAMES = tuple(entry.name for entry in PUBLIC if entry.in_ptxforge)

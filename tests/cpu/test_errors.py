@@ -342,3 +342,39 @@ def test_row_kernels_need_the_copy_engine_pipeline():
     with pytest.raises(ValueError, match="copy-engine pipeline needs mbarrier_tx") as info:
         row_kernel.choose_config(AMPERE, 4096, normalize=True, quantize=False)
     assert "sm_80" in str(info.value)
+
+
+@pytest.mark.parametrize("hidden, topk, message", [
+    (1004, 8, r"hidden size \(y.shape\[1\]\) must be a positive multiple of 8, got 1004"),
+    (0, 8, r"hidden size \(y.shape\[1\]\) must be a positive multiple of 8, got 0"),
+    (7168, 0, r"experts per token \(rows.shape\[1\]\) must be from 1 to 32, got 0"),
+    (7168, 33, r"experts per token \(rows.shape\[1\]\) must be from 1 to 32, got 33")])
+def test_moe_combine_names_the_size_it_cannot_take(hidden, topk, message):
+    from ptxforge.kernels import bf16_moe_combine as combine_kernel
+
+    with pytest.raises(ValueError, match=f"^{message}$"):
+        combine_kernel.choose_config(SM90, hidden, topk)
+
+
+def test_moe_combine_hidden_too_large():
+    """The chunks of a token's row are the grid's y dimension."""
+    from ptxforge.kernels import bf16_moe_combine as combine_kernel
+
+    largest = SM90.max_grid[1] * combine_kernel.MAX_THREADS * 8
+    assert combine_kernel.choose_config(SM90, largest, 8).chunks == SM90.max_grid[1]
+    with pytest.raises(ValueError, match=f"^hidden size \\(y.shape\\[1\\]\\) must be at most "
+                                         f"{largest} with 8 experts per token, got {largest + 8}$"):
+        combine_kernel.choose_config(SM90, largest + 8, 8)
+
+
+def test_moe_combine_weight_dtypes_and_targets():
+    from ptxforge import kernels
+    from ptxforge.kernels import bf16_moe_combine as combine_kernel
+
+    with pytest.raises(ValueError, match="^weight dtype must be one of f32, bf16, got 'f16'$"):
+        combine_kernel.choose_config(SM90, 7168, 8, "f16")
+    with pytest.raises(ValueError, match="^option weight_bits must be 32 .* or 16 .*, got 8$"):
+        kernels.get("moe_combine").config(SM90, weight_bits=8)
+    with pytest.raises(ValueError, match="needs griddepcontrol, which sm_80") as info:
+        combine_kernel.choose_config(AMPERE, 7168, 8)
+    assert str(info.value).startswith("the MoE combine kernel (programmatic dependent launch)")

@@ -24,7 +24,7 @@ def test_variant_assembles_without_spills(a, spec, options):
     try:
         config = spec.config(a, **options)
     except ValueError as exc:  # the only reasons a variant may not exist on a target
-        missing = [f for f in ("fp8", "mbarrier_tx", "wgmma") if f in str(exc)]
+        missing = [f for f in ("fp8", "mbarrier_tx", "wgmma", "griddepcontrol") if f in str(exc)]
         assert missing and not a.has(missing[0]), exc
         return
     compiled = jit.build(spec.generate(config))
@@ -468,3 +468,66 @@ def test_gemm_b_scales_come_with_each_stage(block_n, dtype):
     assert inits[0:2 * cfg.stages:2] == ["2" if cfg.scaled else "1"] * cfg.stages  # full, empty, ...
     assert "ld.global.nc.f32" not in ptx    # no per-K-block scale load by the math warps
     assert jit.build(gemm.generate(cfg)).resources.spills == 0
+
+
+def test_moe_combine_shape_of_the_code():
+    """One CTA per token and column chunk, one 16-byte column vector a thread at k = 8: the
+    k indices and weights, all k row loads (each skipped for a dropped pair), then per pair
+    a rounded product and a rounded sum (never an fma, whose single rounding would change
+    the bits), one bf16 rounding and one 16-byte store."""
+    from ptxforge.kernels import bf16_moe_combine as combine
+
+    cfg = combine.choose_config(arch.get("sm_90a"), 7168, 8, "f32")
+    assert (cfg.threads, cfg.vectors_per_thread, cfg.chunks, cfg.ctas_per_sm) == (128, 1, 7, 8)
+    k = combine.generate(cfg)
+    assert [p.name for p in k.params] == ["y", "y_row_stride", "y_rows", "rows", "weights", "out"]
+    assert k.launch.block == 128 and k.launch.shared_bytes == 0
+    ptx = k.ptx()
+    assert ptx.count("ld.global.nc.u32") == 8 and ptx.count("ld.global.nc.b32") == 8
+    assert ptx.count("setp.lt.u32 %pair") == 8  # 0 <= row < R, unsigned: -1 is dropped
+    loads = [line.strip() for line in ptx.splitlines() if ".v4.b32" in line and "ld." in line]
+    assert len(loads) == 8 and all(line.startswith(f"@%pair{j}_ok ld.global.nc.L1::no_allocate")
+                                   for j, line in enumerate(loads))
+    assert ptx.count("mul.rn.f32") == ptx.count("add.rn.f32") == 8 * 8
+    assert ptx.count("@%pair7_ok add.rn.f32") == 8 and "fma" not in ptx
+    assert ptx.count("cvt.rn.bf16x2.f32") == 4 and ptx.count("st.global.v4.b32") == 1
+    assert "%slot" not in ptx  # 896 vectors = 7 chunks x 128: no chunk sticks out
+    bf16 = combine.generate(combine.choose_config(arch.get("sm_90a"), 7168, 8, "bf16")).ptx()
+    assert bf16.count("ld.global.nc.u16") == 8 and "ld.global.nc.b32" not in bf16
+
+
+@pytest.mark.parametrize("hidden, topk, threads, vectors, chunks, ragged", [
+    (7168, 8, 128, 1, 7, False), (7168, 6, 128, 1, 7, False), (7168, 4, 112, 2, 4, False),
+    (7168, 2, 112, 4, 2, False), (7168, 1, 112, 8, 1, False), (2112, 8, 88, 1, 3, False),
+    (512, 2, 32, 2, 1, False), (8, 8, 1, 1, 1, False), (1032, 8, 65, 1, 2, True),
+    (1160, 1, 37, 4, 1, True), (16384, 16, 128, 1, 16, False)])
+def test_moe_combine_heuristic(hidden, topk, threads, vectors, chunks, ragged):
+    """8 // k vectors a thread (fewer for a short row), the fewest chunks of <= 128
+    threads, the threads spread evenly over them."""
+    from ptxforge.kernels import bf16_moe_combine as combine
+
+    cfg = combine.choose_config(arch.get("sm_90a"), hidden, topk)
+    assert (cfg.threads, cfg.vectors_per_thread, cfg.chunks, cfg.ragged) == (
+        threads, vectors, chunks, ragged)
+    assert cfg.chunks * cfg.chunk_vectors >= hidden // 8 > (cfg.chunks - 1) * cfg.chunk_vectors
+    assert (cfg.ctas_per_sm is None) == (cfg.loads > combine.LOADS_IN_FLIGHT)
+
+
+@pytest.mark.parametrize("hidden, topk, weight_dtype", [
+    *((7168, topk, w) for topk in (1, 4, 6) for w in ("f32", "bf16")),
+    (1032, 8, "f32"), (1160, 1, "bf16"), (8, 8, "bf16"), (7168, 16, "f32"), (7168, 32, "bf16")])
+def test_moe_combine_sizes_assemble_without_spills(hidden, topk, weight_dtype):
+    """The k the registry leaves out (it holds 8 and 2), ragged rows (1032: the last chunk's
+    thread 64 past the end; 1160: four slots a thread, the last partly past it), one vector
+    (8), and k above 8, which ptxas gets no register cap for."""
+    from ptxforge.kernels import bf16_moe_combine as combine
+
+    cfg = combine.choose_config(arch.get("sm_90a"), hidden, topk, weight_dtype)
+    compiled = jit.build(combine.generate(cfg))
+    assert compiled.resources.spills == 0 and compiled.resources.stack_frame == 0, compiled.log
+    assert "warning" not in compiled.log.lower(), compiled.log
+    if cfg.ctas_per_sm is not None:
+        assert compiled.resources.registers <= combine.REGISTERS
+    if cfg.ragged:
+        assert compiled.ptx.count("st.global.v4.b32") == cfg.vectors_per_thread
+        assert compiled.ptx.count("and.pred %load") >= topk

@@ -132,6 +132,10 @@ CASES = {  # case -> (op, well-formed CPU arguments for M rows (each group's M_m
     "m_grouped_bf16_gemm_nt_masked": (ptxforge.m_grouped_bf16_gemm_nt_masked, lambda m: (
         (zeros(BF16, G, m, K), zeros(BF16, G, N, K), zeros(BF16, G, m, N), zeros(I32, G), 4),
         {})),
+    "moe_combine": (ptxforge.moe_combine, lambda m: (
+        (zeros(BF16, 16, K), zeros(I32, m, 8), zeros(F32, m, 8)), {})),
+    "moe_combine(out=)": (ptxforge.moe_combine, lambda m: (
+        (zeros(BF16, 16, K), zeros(I32, m, 8), zeros(F32, m, 8)), {"out": zeros(BF16, m, K)})),
 }
 TENSOR_OPS = {name for name in public_ops.__all__ if not name.startswith("get_")}
 
@@ -407,6 +411,30 @@ BEFORE_THE_DEVICE = {  # (case, change to its CPU arguments) -> the error instea
     "out overlaps up": ("silu_mul_quantize_fp8(out=)", with_args(
         out=lambda a: (a["up"].view(E4M3).view(-1)[:4 * K].view(4, K), a["out"][1])),
         ValueError, "out[0] overlaps an input; outputs must not alias inputs"),
+    "combine weights' shape": ("moe_combine", with_args(weights=lambda a: zeros(F32, 4, 4)),
+                               ValueError, "weights must have shape (4, 8), got (4, 4)"),
+    "combine weights' dtype": ("moe_combine", with_args(weights=lambda a: zeros(torch.float16, 4, 8)),
+                               TypeError, "weights must have dtype torch.float32 or "
+                                          "torch.bfloat16, got torch.float16"),
+    "combine rows' strides": ("moe_combine", with_args(rows=lambda a: zeros(I32, 8, 4).t()),
+                              ValueError, "rows must be contiguous, got strides (1, 4)"),
+    "combine hidden size": ("moe_combine", with_args(y=lambda a: zeros(BF16, 16, 136)[:, :100]),
+                            ValueError, "hidden size (y.shape[1]) must be a positive multiple "
+                                        "of 8, got 100"),
+    "combine experts per token": ("moe_combine", with_args(rows=lambda a: zeros(I32, 4, 33),
+                                                           weights=lambda a: zeros(F32, 4, 33)),
+                                  ValueError, "experts per token (rows.shape[1]) must be from 1 "
+                                              "to 32, got 33"),
+    "combine out's shape": ("moe_combine(out=)", with_args(out=lambda a: zeros(BF16, 4, 64)),
+                            ValueError, "out must have shape (4, 128), got (4, 64)"),
+    "combine out's strides": ("moe_combine(out=)",
+                              with_args(out=lambda a: zeros(BF16, 4, 256)[:, :K]),
+                              ValueError, "out must be contiguous, got strides (256, 1)"),
+    "combine out overlaps y": ("moe_combine(out=)", with_args(out=lambda a: a["y"][4:8]),
+                               ValueError, "out overlaps an input; outputs must not alias inputs"),
+    "combine out overlaps weights": ("moe_combine(out=)", with_args(
+        weights=lambda a: a["out"].view(F32).view(-1)[:32].view(4, 8)),
+        ValueError, "out overlaps an input; outputs must not alias inputs"),
 }
 
 
@@ -428,6 +456,15 @@ def test_checks_that_need_no_gpu_run_before_the_device_check(what):
     with pytest.raises(error) as info:
         call(case, args)
     assert str(info.value).startswith(message)
+
+
+@pytest.mark.parametrize("weights", [F32, BF16])
+def test_combine_weights_may_be_f32_or_bf16_and_y_a_masked_layout_s_rows(weights):
+    """A masked layout [G, M_max, H] is combined as its G * M_max rows; no tokens is fine."""
+    y = zeros(BF16, G, 8, K).view(G * 8, K)
+    for tokens in (4, 0):
+        with pytest.raises(ValueError, match="^y must be on a CUDA device, got cpu$"):
+            ptxforge.moe_combine(y, zeros(I32, tokens, 2), zeros(weights, tokens, 2))
 
 
 def test_the_halves_of_one_gate_up_tensor_pass_the_checks_that_need_no_gpu():

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from . import bf16_block_quant_fp8, bf16_row_rmsnorm_fp8quant, sm90_gemm
+from . import bf16_block_quant_fp8, bf16_moe_combine, bf16_row_rmsnorm_fp8quant, sm90_gemm
 
 # Hidden sizes of DeepSeek-V3 / common LLM layers, for precompiling and the CPU checks.
 HIDDEN_SIZES = (512, 576, 1536, 2048, 2112, 4096, 7168, 8192, 16384)
@@ -89,6 +89,21 @@ _CONTIGUOUS_VARIANTS = tuple({"groups": g, "m": g * rows, "n": n, "k": k}
 _MASKED_VARIANTS = tuple({"groups": g, "expected_m": rows, "n": n, "k": k}
                          for g, rows, n, k in MASKED_SHAPES)
 
+
+def _combine(arch, hidden: int, topk: int, weight_bits: int):
+    """The MoE combine's configure: ``weight_bits`` 32 (f32 weights) or 16 (bf16)."""
+    dtypes = {32: "f32", 16: "bf16"}
+    if weight_bits not in dtypes:
+        raise ValueError(f"option weight_bits must be 32 (f32 weights) or 16 (bf16), "
+                         f"got {weight_bits}")
+    return bf16_moe_combine.choose_config(arch, hidden, topk, dtypes[weight_bits])
+
+
+_COMBINE_OPTIONS = {"hidden": 7168, "topk": 8, "weight_bits": 32}
+# DeepSeek-V3's and Qwen3's 8 experts a token, Mixtral's 2; both weight dtypes.
+_COMBINE_VARIANTS = tuple({"hidden": h, "topk": topk, "weight_bits": bits}
+                          for h in HIDDEN_SIZES for topk in (8, 2) for bits in (32, 16))
+
 REGISTRY = {
     spec.name: spec for spec in (
         KernelSpec("rms_norm", _row(True, False), bf16_row_rmsnorm_fp8quant.generate,
@@ -118,6 +133,9 @@ REGISTRY = {
         KernelSpec("m_grouped_bf16_gemm_nt_masked", _gemm("bf16", masked=True),
                    sm90_gemm.generate, _MASKED_OPTIONS, _MASKED_VARIANTS,
                    "MoE BF16 GEMM, masked layout (expected_m: rows a group)"),
+        KernelSpec("moe_combine", _combine, bf16_moe_combine.generate, _COMBINE_OPTIONS,
+                   _COMBINE_VARIANTS, "MoE combine: each token's weighted sum of its experts' "
+                   "bf16 rows (topk: k)"),
     )
 }
 

@@ -29,6 +29,8 @@ import torch
 
 from . import block_quant, gemm, rowwise
 from ._common import require_shape
+# By name from the module: the package's attribute moe_combine is the function.
+from .moe_combine import combined_output, moe_combine
 
 # The package's own name: a copy imported under another name (bench/host_ab.py) registers
 # its operators under that name instead of colliding with ptxforge's.
@@ -115,6 +117,14 @@ def _writes_d(*args, **kwargs) -> None:
     """The GEMMs' fake: they only write d, which the caller already holds."""
 
 
+def _moe_combine(y, rows, weights, pdl=None):
+    return moe_combine(y, rows, weights, pdl=pdl)
+
+
+def _moe_combine_fake(y, rows, weights, pdl=None):
+    return combined_output(rows.shape[0], y.shape[1], y.device)
+
+
 OPERATORS = {
     "rms_norm": ("(Tensor x, Tensor weight, float eps=1e-06, *, bool? pdl=None) -> Tensor",
                  _rms_norm, _rms_norm_fake),
@@ -150,6 +160,8 @@ OPERATORS = {
     "m_grouped_bf16_gemm_nt_masked": (
         f"(Tensor a, Tensor b, Tensor(d!) d, Tensor masked_m, int expected_m, *, "
         f"{_GEMM_OPTIONS}) -> ()", _m_grouped_bf16_gemm_nt_masked, _writes_d),
+    "moe_combine": ("(Tensor y, Tensor rows, Tensor weights, *, bool? pdl=None) -> Tensor",
+                    _moe_combine, _moe_combine_fake),
 }
 
 def _rows(t: torch.Tensor) -> torch.Tensor:

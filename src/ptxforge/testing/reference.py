@@ -57,3 +57,20 @@ def dequantize_per_block(q: torch.Tensor, scales: torch.Tensor, block: int = 128
     n, k = q.shape
     full = scales.float().repeat_interleave(block, dim=0).repeat_interleave(block, dim=1)
     return q.float() * full[:n, :k]
+
+
+def moe_combine(y: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Each token's weighted sum of its experts' rows, as the eager loop computes it: from
+    zeros, for j in order, ``acc = acc + y[rows[:, j]].float() * weights[:, j:j+1].float()``
+    (two kernels: the product and the sum each rounded to f32), a pair whose row is outside
+    [0, R) skipped; then one rounding to bf16. The kernel gives these bits for finite
+    inputs; a NaN differs only in its payload (torch's 0x7FC0 against the hardware's 0x7FFF)."""
+    r, hidden = y.shape
+    kept = (rows >= 0) & (rows < r)
+    padded = torch.cat([y, y.new_zeros(1, hidden)])  # dropped pairs gather this row, unused
+    index = torch.where(kept, rows, r).long()
+    acc = torch.zeros(rows.shape[0], hidden, dtype=torch.float32, device=y.device)
+    for j in range(rows.shape[1]):
+        term = acc + padded[index[:, j]].float() * weights[:, j:j + 1].float()
+        acc = torch.where(kept[:, j:j + 1], term, acc)
+    return acc.bfloat16()
