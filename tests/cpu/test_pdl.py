@@ -141,14 +141,14 @@ def launchers(monkeypatch, tmp_path):
     """The ops' launcher caches, empty, on an sm_90a without a GPU: a launcher is the
     LaunchShape it would launch with."""
     from ptxforge import jit
-    from ptxforge.ops import _common, block_quant, gemm as gemm_ops, rowwise
+    from ptxforge.ops import _common, block_quant, gemm as gemm_ops, routing, rowwise
 
     monkeypatch.setenv("PTXFORGE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(jit.CompiledKernel, "load", lambda self, device_index=0: _Module())
-    for module in (gemm_ops, rowwise, block_quant):
+    for module in (gemm_ops, rowwise, block_quant, routing):
         monkeypatch.setattr(module, "device_arch", lambda device_index: arch.get("sm_90a"))
     caches = (gemm_ops._launcher, gemm_ops._plan, rowwise._kernel, block_quant._launcher,
-              _common.default_pdl)
+              routing._launcher, _common.default_pdl)
     for cache in caches:
         cache.cache_clear()
     yield {"gemm": lambda pdl: gemm_ops._plan(0, 8, 4096, 7168, 132, False, 0, False, 0,
@@ -160,13 +160,16 @@ def launchers(monkeypatch, tmp_path):
                                                                  pdl)[2],
            "silu_mul_quantize_fp8": lambda pdl: rowwise._kernel(0, 18432, False, True, True,
                                                                 pdl)[2],
-           "quantize_fp8_per_block": lambda pdl: block_quant._launcher(0, pdl)}
+           "quantize_fp8_per_block": lambda pdl: block_quant._launcher(0, pdl),
+           "moe_routing_layout": lambda pdl: routing._launcher(0, 256, "contiguous", pdl),
+           "moe_routing_layout(masked)": lambda pdl: routing._launcher(0, 8, "masked", pdl)}
     for cache in caches:
         cache.cache_clear()
 
 
 OP_LAUNCHERS = ["gemm", "masked gemm", "rms_norm", "quantize_fp8_per_token",
-                "silu_mul_quantize_fp8", "quantize_fp8_per_block"]
+                "silu_mul_quantize_fp8", "quantize_fp8_per_block", "moe_routing_layout",
+                "moe_routing_layout(masked)"]
 
 
 @pytest.mark.parametrize("op", OP_LAUNCHERS)
