@@ -39,6 +39,8 @@ PUBLIC = (
     PublicName("m_grouped_bf16_gemm_nt_masked", "gemm", kernel="m_grouped_bf16_gemm_nt_masked",
                in_deep_gemm=True),
     PublicName("get_mk_alignment_for_contiguous_layout", "gemm", in_deep_gemm=True),
+    PublicName("moe_routing_layout", "routing", kernel="moe_routing_layout"),
+    PublicName("max_contiguous_rows", "routing"),
     PublicName("get_tma_aligned_size", "layout", in_deep_gemm=True),
     PublicName("get_mn_major_tma_aligned_tensor", "layout", in_deep_gemm=True),
     # DeepGEMM's helpers, for its callers; ptxforge's own callers use num_sms= and the above.

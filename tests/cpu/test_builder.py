@@ -122,6 +122,28 @@ def test_sfu_approximations_and_packed_bf16_arithmetic():
         assert_assembles(k)
 
 
+def test_lanes_naming_the_same_value():
+    """match.any.sync takes its width from the compared register (b32 or b64); the mask of
+    the lower lanes is a special register."""
+    k = KernelBuilder("match", target="sm_90a")
+    same, below, expert = k.reg("b32", "same"), k.reg("u32", "below"), k.reg("u32", "expert")
+    index = k.reg("s64", "index")
+    k.mov(expert, 3)
+    k.mov(index, -1)
+    k.match_any_sync(same, expert)
+    k.match_any_sync(same, index, membermask=0xFFFF)
+    k.mov(below, sreg.lanemask_lt)
+    k.and_(same, same, below)
+    assert body_lines(k)[2:6] == [
+        "match.any.sync.b32 %same, %expert, 4294967295;",
+        "match.any.sync.b64 %same, %index, 65535;",
+        "mov.u32 %below, %lanemask_lt;",
+        "and.b32 %same, %same, %below;",
+    ]
+    if PTXAS is not None:
+        assert_assembles(k)
+
+
 def test_structured_control_flow():
     k = KernelBuilder("flow")
     i, n = k.reg("u32", "i"), k.reg("u32", "n")
@@ -193,6 +215,7 @@ def _instruction_calls(k):
         "griddepcontrol_launch_dependents": lambda: k.griddepcontrol_launch_dependents(),
         "shfl_sync": lambda: k.shfl_sync(u, v, 1, mode="down"), "redux_sync": lambda: k.redux_sync(u, v, op="add"),
         "vote_sync": lambda: k.vote_sync(u, p, mode="ballot"),
+        "match_any_sync": lambda: k.match_any_sync(u, v),
         "wgmma_fence": lambda: k.wgmma_fence(), "wgmma_commit_group": lambda: k.wgmma_commit_group(),
         "wgmma_wait_group": lambda: k.wgmma_wait_group(1),
         "wgmma_mma_async": lambda: k.wgmma_mma_async(acc, d64, d64, n=16, ab_type="e4m3"),
@@ -282,6 +305,9 @@ def feature_tour() -> KernelBuilder:
     r = k.reg("u32", "r")
     k.redux_sync(r, base, op="max")
     k.shfl_sync(r, r, 1, mode="bfly")
+    k.match_any_sync(r, r)
+    k.match_any_sync(r, g)
+    k.mov(r, sreg.lanemask_lt)
     k.red(addr(g), r, op="add")
     k.atom(r, addr(g), 1, op="add")
     f = k.reg("f32", "f")

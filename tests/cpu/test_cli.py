@@ -83,6 +83,18 @@ def test_asm_prints_resources_without_spills(capsys):
     assert row["spill B"] == "0" and row["stack B"] == "0"
 
 
+def test_a_text_option_is_passed_to_the_kernel_s_configure(capsys):
+    """The routing layout's ``layout`` is a word: the kernel's configure checks it."""
+    assert cli.main(["asm", "moe_routing_layout", "experts=384", "layout=masked"]) == 0
+    (row,) = resource_rows(capsys.readouterr().out)
+    assert row["kernel"] == "i64_moe_routing_layout_masked_e384" and row["spill B"] == "0"
+    assert cli.main(["ptx", "moe_routing_layout", "layout=dense"]) == 2
+    assert capsys.readouterr().err == ("ptxforge ptx: layout must be one of ('contiguous', "
+                                       "'masked'), got 'dense'\n")
+    with pytest.raises(ValueError, match="^option layout must be text, got 1$"):
+        kernels.get("moe_routing_layout").config(arch.get("sm_90a"), layout=1)
+
+
 def test_block_quantization_on_ada_is_refused(capsys):
     assert cli.main(["--arch", "sm_89", "asm", "quantize_fp8_per_block"]) == 2
     err = capsys.readouterr().err

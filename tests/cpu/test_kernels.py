@@ -531,3 +531,62 @@ def test_moe_combine_sizes_assemble_without_spills(hidden, topk, weight_dtype):
     if cfg.ragged:
         assert compiled.ptx.count("st.global.v4.b32") == cfg.vectors_per_thread
         assert compiled.ptx.count("and.pred %load") >= topk
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "masked"])
+def test_routing_layout_shape_of_the_code(layout):
+    """One CTA of 32 warps walks the pairs twice, 8 batches of 32 a trip: a match per batch
+    in each walk, the count's adds as red.shared (no warp syncs), the placement's advance
+    between two warp syncs; m_indices and the segment scan in the contiguous layout only."""
+    from ptxforge.kernels import i64_moe_routing_layout as routing
+
+    cfg = routing.choose_config(arch.get("sm_90a"), 256, layout)
+    assert cfg.name == f"i64_moe_routing_layout_{layout}_e256"
+    ptx = routing.generate(cfg).ptx()
+    assert ".maxntid 1024, 1, 1" in ptx
+    assert ptx.count("ld.global.nc.s64") == 2 * routing.LOADS_AHEAD
+    assert ptx.count("match.any.sync.b32") == 2 * routing.LOADS_AHEAD
+    assert ptx.count("red.shared.add.u32") == routing.LOADS_AHEAD
+    assert ptx.count("bar.warp.sync") == 1 + 2 * routing.LOADS_AHEAD  # + the row clearing
+    contiguous = layout == "contiguous"
+    assert ptx.count("bar.sync") == 2 + contiguous       # + the warp totals of the scan
+    assert (".param .u64 m_indices" in ptx) == contiguous
+    assert (".param .u32 rows_per_expert" in ptx) != contiguous
+    assert ptx.count("shfl.sync.up.b32") == 10 * contiguous
+    # The block search: log2(P) steps, P = 256.
+    assert ptx.count("setp.ls.u32") == 8 * contiguous
+
+
+@pytest.mark.parametrize("experts, layout, total", [
+    (8, "masked", 32 * 8 * 4), (8, "contiguous", 32 * 8 * 4 + 8 * 4 + 8 * 4 + 128),
+    (384, "contiguous", 32 * 384 * 4 + 512 * 4 + 384 * 4 + 128),
+    (1024, "contiguous", 32 * 1024 * 4 + 1024 * 4 + 1024 * 4 + 128)])
+def test_routing_layout_shared_memory_plan(experts, layout, total):
+    """The histograms, then (contiguous) first_row padded to a power of two for the search,
+    fill_end and the warp totals: the launch asks for the plan's total."""
+    from ptxforge.kernels import i64_moe_routing_layout as routing
+
+    cfg = routing.choose_config(arch.get("sm_90a"), experts, layout)
+    assert cfg.shared.total == total
+    kernel = routing.generate(cfg)
+    assert kernel.launch.shared_bytes == total and kernel.launch.block == 1024
+    compiled = jit.build(kernel)
+    assert compiled.resources.spills == 0 and compiled.resources.stack_frame == 0, compiled.log
+    assert compiled.resources.registers <= 64  # 1024 threads: 64 registers each at most
+
+
+def test_routing_layout_configs_are_checked():
+    from ptxforge.kernels import i64_moe_routing_layout as routing
+
+    with pytest.raises(ValueError, match=r"^layout must be one of \('contiguous', 'masked'\), "
+                                         r"got 'dense'$"):
+        routing.choose_config(arch.get("sm_90a"), 8, "dense")
+    for experts in (0, 1025):
+        with pytest.raises(ValueError,
+                           match=rf"^num_experts must be in \[1, 1024\], got {experts}$"):
+            routing.choose_config(arch.get("sm_90a"), experts)
+    with pytest.raises(ValueError, match="exceed sm_89's 101376 a CTA"):  # Ada: 99 KiB a CTA
+        routing.choose_config(arch.get("sm_89"), 1024)
+    # Programmatic dependent launch's instructions only where the target has them.
+    ampere = routing.choose_config(arch.get("sm_80"), 8)
+    assert not ampere.griddepcontrol and "griddepcontrol" not in routing.generate(ampere).ptx()

@@ -8,7 +8,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import ptxforge.ops  # noqa: E402,F401  registers the operators
-from ptxforge.ops import block_quant, library, rowwise  # noqa: E402
+from ptxforge.ops import block_quant, library, routing, rowwise  # noqa: E402
 from ptxforge.public import PUBLIC  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
@@ -55,6 +55,25 @@ def test_fakes_allocate_what_the_functions_allocate():
             q_real, s_real = rowwise.quantized_outputs(100, 640, layout, x.device)
             assert (q.shape, q.dtype, q.stride()) == (q_real.shape, q_real.dtype, q_real.stride())
             assert (s.shape, s.dtype, s.stride()) == (s_real.shape, s_real.dtype, s_real.stride())
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "masked"])
+def test_the_routing_layout_fake_allocates_what_the_function_allocates(layout):
+    """int32 rows [T, k] and counts [E]; the contiguous layout's m_indices (every pair and
+    127 rows of padding an expert) and rows_used, the masked layout's None in their place."""
+    with FakeTensorMode():
+        topk_idx = torch.empty(100, 8, device="cuda", dtype=torch.int64)
+        fake = torch.ops.ptxforge.moe_routing_layout(topk_idx, 256, layout=layout)
+        real = routing.routing_outputs(100, 8, 256, layout, topk_idx.device)
+        assert len(fake) == len(real) == 4
+        for f, r in zip(fake, real):
+            if r is None:
+                assert f is None and layout == "masked"
+            else:
+                assert (f.shape, f.dtype) == (r.shape, r.dtype) == (r.shape, torch.int32)
+        assert fake[0].shape == (100, 8) and fake[1].shape == (256,)
+        if layout == "contiguous":
+            assert fake[2].shape == (800 + 256 * 127,) and fake[3].shape == (1,)
 
 
 def traced_ffn(swiglu) -> list:

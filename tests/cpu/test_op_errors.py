@@ -11,9 +11,10 @@ import pytest
 import torch
 
 import ptxforge
-from ptxforge import ops as public_ops
+from ptxforge.public import PUBLIC
 
-E4M3, F32, BF16, I32 = torch.float8_e4m3fn, torch.float32, torch.bfloat16, torch.int32
+E4M3, F32, BF16, I32, I64 = (torch.float8_e4m3fn, torch.float32, torch.bfloat16, torch.int32,
+                             torch.int64)
 
 
 # --------------------------------------------------------------------------- op input checks (CPU tensors)
@@ -136,12 +137,15 @@ CASES = {  # case -> (op, well-formed CPU arguments for M rows (each group's M_m
         (zeros(BF16, 16, K), zeros(I32, m, 8), zeros(F32, m, 8)), {})),
     "moe_combine(out=)": (ptxforge.moe_combine, lambda m: (
         (zeros(BF16, 16, K), zeros(I32, m, 8), zeros(F32, m, 8)), {"out": zeros(BF16, m, K)})),
+    "moe_routing_layout": (ptxforge.moe_routing_layout, lambda m: ((zeros(I64, m, 8), 8), {})),
+    "moe_routing_layout(masked)": (ptxforge.moe_routing_layout, lambda m: (
+        (zeros(I64, m, 8), 8), {"layout": "masked", "rows_per_expert": 4})),
 }
-TENSOR_OPS = {name for name in public_ops.__all__ if not name.startswith("get_")}
+KERNEL_OPS = {entry.name for entry in PUBLIC if entry.kernel and entry.in_ptxforge}
 
 
-def test_the_cases_cover_every_public_op_that_takes_tensors():
-    assert {op.__name__ for op, _ in CASES.values()} == TENSOR_OPS
+def test_the_cases_cover_every_public_op_that_launches_a_kernel():
+    assert {op.__name__ for op, _ in CASES.values()} == KERNEL_OPS
 
 
 def arguments(case: str, m: int = 4) -> dict:
@@ -435,6 +439,31 @@ BEFORE_THE_DEVICE = {  # (case, change to its CPU arguments) -> the error instea
     "combine out overlaps weights": ("moe_combine(out=)", with_args(
         weights=lambda a: a["out"].view(F32).view(-1)[:32].view(4, 8)),
         ValueError, "out overlaps an input; outputs must not alias inputs"),
+    "no experts": ("moe_routing_layout", with_args(num_experts=lambda a: 0),
+                   ValueError, "num_experts must be an int in [1, 1024], got 0"),
+    "too many experts": ("moe_routing_layout", with_args(num_experts=lambda a: 1025),
+                         ValueError, "num_experts must be an int in [1, 1024], got 1025"),
+    "experts as a bool": ("moe_routing_layout(masked)", with_args(num_experts=lambda a: True),
+                          ValueError, "num_experts must be an int in [1, 1024], got True"),
+    "routing layout": ("moe_routing_layout", with_args(layout=lambda a: "dense"), ValueError,
+                       "layout must be one of ('contiguous', 'masked'), got 'dense'"),
+    "rows_per_expert, contiguous": ("moe_routing_layout",
+                                    with_args(rows_per_expert=lambda a: 4), ValueError,
+                                    "rows_per_expert is the masked layout's, got 4 with "
+                                    "layout 'contiguous'"),
+    "no rows_per_expert": ("moe_routing_layout(masked)", with_args(rows_per_expert=lambda a: 0),
+                           ValueError, "rows_per_expert must be a positive int, got 0"),
+    "rows past int32": ("moe_routing_layout(masked)",
+                        with_args(rows_per_expert=lambda a: 2**28), ValueError,
+                        "rows_per_expert must keep num_experts * rows_per_expert at most "
+                        "2147483647 (rows are int32), got 268435456 with 8 experts"),
+    "topk_idx transposed": ("moe_routing_layout",
+                            with_args(topk_idx=lambda a: zeros(I64, 8, 4).t()), ValueError,
+                            "topk_idx must have unit stride in its last dimension, got strides "
+                            "(1, 4)"),
+    "topk_idx's rows apart": ("moe_routing_layout(masked)",
+                              with_args(topk_idx=lambda a: zeros(I64, 4, 16)[:, :8]), ValueError,
+                              "topk_idx must be contiguous, got strides (16, 1)"),
 }
 
 

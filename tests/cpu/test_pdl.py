@@ -143,7 +143,7 @@ def launchers(monkeypatch, tmp_path):
     from importlib import import_module
 
     from ptxforge import jit
-    from ptxforge.ops import _common, block_quant, gemm as gemm_ops, rowwise
+    from ptxforge.ops import _common, block_quant, gemm as gemm_ops, routing, rowwise
 
     combine = import_module("ptxforge.ops.moe_combine")  # the package's moe_combine is the function
 
@@ -153,6 +153,10 @@ def launchers(monkeypatch, tmp_path):
         monkeypatch.setattr(module, "device_arch", lambda device_index: arch.get("sm_90a"))
     caches = (gemm_ops._launcher, gemm_ops._plan, rowwise._kernel, block_quant._launcher,
               _common.default_pdl, combine._kernel)
+    for module in (gemm_ops, rowwise, block_quant, routing):
+        monkeypatch.setattr(module, "device_arch", lambda device_index: arch.get("sm_90a"))
+    caches = (gemm_ops._launcher, gemm_ops._plan, rowwise._kernel, block_quant._launcher,
+              routing._launcher, _common.default_pdl)
     for cache in caches:
         cache.cache_clear()
     yield {"gemm": lambda pdl: gemm_ops._plan(0, 8, 4096, 7168, 132, False, 0, False, 0,
@@ -166,12 +170,16 @@ def launchers(monkeypatch, tmp_path):
                                                                 pdl)[2],
            "quantize_fp8_per_block": lambda pdl: block_quant._launcher(0, pdl),
            "moe_combine": lambda pdl: combine._kernel(0, 7168, 8, "f32", pdl)[1]}
+           "moe_routing_layout": lambda pdl: routing._launcher(0, 256, "contiguous", pdl),
+           "moe_routing_layout(masked)": lambda pdl: routing._launcher(0, 8, "masked", pdl)}
     for cache in caches:
         cache.cache_clear()
 
 
 OP_LAUNCHERS = ["gemm", "masked gemm", "rms_norm", "quantize_fp8_per_token",
                 "silu_mul_quantize_fp8", "quantize_fp8_per_block", "moe_combine"]
+                "silu_mul_quantize_fp8", "quantize_fp8_per_block", "moe_routing_layout",
+                "moe_routing_layout(masked)"]
 
 
 @pytest.mark.parametrize("op", OP_LAUNCHERS)

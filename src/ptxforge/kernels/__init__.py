@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from . import bf16_block_quant_fp8, bf16_moe_combine, bf16_row_rmsnorm_fp8quant, sm90_gemm
+from . import (bf16_block_quant_fp8, bf16_moe_combine, bf16_row_rmsnorm_fp8quant,
+               i64_moe_routing_layout, sm90_gemm)
 
 # Hidden sizes of DeepSeek-V3 / common LLM layers, for precompiling and the CPU checks.
 HIDDEN_SIZES = (512, 576, 1536, 2048, 2112, 4096, 7168, 8192, 16384)
@@ -24,18 +25,25 @@ class KernelSpec:
     name: str
     configure: Callable  # (arch, **options) -> config
     generate: Callable   # config -> KernelBuilder
-    options: dict        # option name -> default: the sizes the config is specialised on
+    options: dict        # option name -> default: the sizes (and words) the config is
+                         # specialised on
     variants: tuple      # option dicts worth precompiling
     doc: str
 
     def config(self, arch, **options):
         """The config for ``options`` (positive integers, or their decimal text, as the
-        command line gives them), the unnamed ones at their defaults."""
+        command line gives them; text where the default is text, such as a layout, which
+        the kernel's configure checks), the unnamed ones at their defaults."""
         values = dict(self.options)
         for key, value in options.items():
             if key not in self.options:
                 raise ValueError(f"{self.name} has no option {key!r}; its options: "
                                  f"{', '.join(self.options) or 'none'}")
+            if isinstance(self.options[key], str):
+                if not isinstance(value, str):
+                    raise ValueError(f"option {key} must be text, got {value!r}")
+                values[key] = value
+                continue
             if isinstance(value, str) and value.strip().isdigit():
                 value = int(value)
             if type(value) is not int or value < 1:
@@ -88,6 +96,12 @@ _CONTIGUOUS_VARIANTS = tuple({"groups": g, "m": g * rows, "n": n, "k": k}
                              for g, rows, n, k in CONTIGUOUS_SHAPES)
 _MASKED_VARIANTS = tuple({"groups": g, "expected_m": rows, "n": n, "k": k}
                          for g, rows, n, k in MASKED_SHAPES)
+# Routed experts: Mixtral (8), DeepSeek-V2-Lite (64), Qwen3-MoE (128), DeepSeek-V3 (256),
+# Kimi-K2 (384), Qwen3-Next (512).
+MOE_EXPERTS = (8, 64, 128, 256, 384, 512)
+_ROUTING_OPTIONS = {"experts": 256, "layout": "contiguous"}
+_ROUTING_VARIANTS = tuple({"experts": e, "layout": layout} for e in MOE_EXPERTS
+                          for layout in i64_moe_routing_layout.LAYOUTS)
 
 
 def _combine(arch, hidden: int, topk: int, weight_bits: int):
@@ -136,6 +150,10 @@ REGISTRY = {
         KernelSpec("moe_combine", _combine, bf16_moe_combine.generate, _COMBINE_OPTIONS,
                    _COMBINE_VARIANTS, "MoE combine: each token's weighted sum of its experts' "
                    "bf16 rows (topk: k)"),
+        KernelSpec("moe_routing_layout", i64_moe_routing_layout.choose_config,
+                   i64_moe_routing_layout.generate, _ROUTING_OPTIONS, _ROUTING_VARIANTS,
+                   "MoE routing: each (token, expert) pair's row in the grouped GEMMs' input "
+                   "(layout: contiguous or masked)"),
     )
 }
 

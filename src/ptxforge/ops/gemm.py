@@ -329,7 +329,7 @@ def _output(d, c, m: int, n: int, device: int, *input_spans) -> tuple[int, int, 
 def get_mk_alignment_for_contiguous_layout() -> int:
     """The row alignment of each group's segment in the contiguous layout: the tallest tile,
     so that no tile spans two groups."""
-    return 128
+    return gemm_kernel.CONTIGUOUS_ALIGNMENT
 
 
 def _grouped_b(a_shape, b, k: int, device: int, *, scaled: bool = True):

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from . import block_quant, gemm, rowwise
+from . import block_quant, gemm, routing, rowwise
 from ._common import require_shape
 # By name from the module: the package's attribute moe_combine is the function.
 from .moe_combine import combined_output, moe_combine
@@ -113,6 +113,18 @@ def _m_grouped_bf16_gemm_nt_masked(a, b, d, masked_m, expected_m, num_sms=None, 
     gemm.m_grouped_bf16_gemm_nt_masked(a, b, d, masked_m, expected_m, num_sms=num_sms, pdl=pdl)
 
 
+def _moe_routing_layout(topk_idx, num_experts, layout="contiguous", rows_per_expert=None,
+                        pdl=None):
+    return routing.moe_routing_layout(topk_idx, num_experts, layout=layout,
+                                      rows_per_expert=rows_per_expert, pdl=pdl)
+
+
+def _moe_routing_layout_fake(topk_idx, num_experts, layout="contiguous", rows_per_expert=None,
+                             pdl=None):
+    return routing.routing_outputs(topk_idx.shape[0], topk_idx.shape[1], num_experts, layout,
+                                   topk_idx.device)
+
+
 def _writes_d(*args, **kwargs) -> None:
     """The GEMMs' fake: they only write d, which the caller already holds."""
 
@@ -162,6 +174,10 @@ OPERATORS = {
         f"{_GEMM_OPTIONS}) -> ()", _m_grouped_bf16_gemm_nt_masked, _writes_d),
     "moe_combine": ("(Tensor y, Tensor rows, Tensor weights, *, bool? pdl=None) -> Tensor",
                     _moe_combine, _moe_combine_fake),
+    "moe_routing_layout": ("(Tensor topk_idx, int num_experts, *, str layout=\"contiguous\", "
+                           "int? rows_per_expert=None, bool? pdl=None) "
+                           "-> (Tensor, Tensor, Tensor?, Tensor?)",
+                           _moe_routing_layout, _moe_routing_layout_fake),
 }
 
 def _rows(t: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Warp reductions by butterfly shuffles."""
+"""Warp reductions by butterfly shuffles, and a warp prefix sum."""
 
 from __future__ import annotations
 
@@ -25,3 +25,17 @@ def _butterfly(k, values, lanes, scratch, combine) -> None:
         for v, s in zip(values, scratch):
             combine(v, s)
         offset //= 2
+
+
+def inclusive_sum(k: KernelBuilder, value: Reg, lane: Reg, scratch: Reg, has_giver: Reg) -> None:
+    """15 instructions: ``value`` becomes the sum of its values in lanes 0 .. this lane (a
+    Hillis-Steele scan over the warp: per step, shfl.up by 1, 2, 4, 8, 16, and a lane adds
+    what it got where a lane that far below it exists). ``scratch``: a register of value's
+    type; ``has_giver``: a predicate."""
+    offset = 1
+    while offset < 32:
+        k.shfl_sync(scratch, value, offset, mode="up")
+        k.setp("ge", has_giver, lane, offset)
+        with k.guard(has_giver):
+            k.add(value, value, scratch)
+        offset *= 2

@@ -33,6 +33,7 @@ nsmid = Special("%nsmid", "u32")
 clock64 = Special("%clock64", "u64")
 globaltimer = Special("%globaltimer", "u64")
 dynamic_smem_size = Special("%dynamic_smem_size", "u32")
+lanemask_lt = Special("%lanemask_lt", "u32")  # the bits of the lanes below this one
 
 # Base names of the special registers: a register of the same name would read as one.
 NAMES = frozenset(

@@ -1,7 +1,8 @@
-"""Warp-level data exchange: shuffles, warp reductions, votes."""
+"""Warp-level data exchange: shuffles, warp reductions, votes, matches."""
 
 from __future__ import annotations
 
+from .arith import bits_type
 from .operands import Operand, Reg
 
 FULL_MASK = 0xFFFFFFFF
@@ -26,3 +27,8 @@ class WarpOps:
         """``vote.sync.mode``: 'all'/'any'/'uni' into a predicate, 'ballot' into a b32."""
         t = "b32" if mode == "ballot" else "pred"
         self.emit(f"vote.sync.{mode}.{t}", d, p, membermask)
+
+    def match_any_sync(self, d: Reg, a: Reg, *, membermask: Operand = FULL_MASK) -> None:
+        """``match.any.sync.b32`` (``.b64`` for a 64-bit ``a``): ``d`` = the mask of the lanes
+        of ``membermask`` whose ``a`` equals this lane's. Every lane of the mask executes it."""
+        self.emit(f"match.any.sync.{bits_type(a.type)}", d, a, membermask)

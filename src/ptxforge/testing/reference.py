@@ -74,3 +74,36 @@ def moe_combine(y: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor) -> t
         term = acc + padded[index[:, j]].float() * weights[:, j:j + 1].float()
         acc = torch.where(kept[:, j:j + 1], term, acc)
     return acc.bfloat16()
+
+
+def moe_routing_layout(topk_idx: torch.Tensor, num_experts: int, layout: str = "contiguous",
+                       rows_per_expert: int | None = None, alignment: int = 128):
+    """The MoE routing layout, by sorting: ``(rows [T, k], counts [E], m_indices, rows_used)``,
+    int32, as ``ptxforge.moe_routing_layout`` documents it (m_indices and rows_used None in
+    the masked layout). A pair's rank within its expert is its place among the pairs naming
+    that expert in flat order, which a stable sort by expert gives."""
+    tokens, k = topk_idx.shape
+    flat = topk_idx.reshape(-1).long()
+    n = flat.numel()
+    valid = (flat >= 0) & (flat < num_experts)
+    expert = torch.where(valid, flat, num_experts)        # one more bin: the dropped pairs
+    order = torch.sort(expert, stable=True).indices
+    received = torch.bincount(expert, minlength=num_experts + 1)
+    first_of_expert = torch.cumsum(received, 0) - received
+    rank = torch.empty_like(flat)
+    rank[order] = torch.arange(n, device=flat.device) - first_of_expert[expert[order]]
+    received = received[:num_experts]
+    if layout == "masked":
+        per_expert = tokens if rows_per_expert is None else rows_per_expert
+        kept = valid & (rank < per_expert)
+        rows = torch.where(kept, expert * per_expert + rank, -1)
+        counts = received.clamp(max=per_expert)
+        return rows.view(tokens, k).int(), counts.int(), None, None
+    segments = (received + alignment - 1) // alignment * alignment
+    first_row = torch.cumsum(segments, 0) - segments
+    rows = torch.where(valid, first_row[expert.clamp(max=num_experts - 1)] + rank, -1)
+    m_indices = torch.full((n + num_experts * (alignment - 1),), -1, dtype=torch.int32,
+                           device=flat.device)
+    m_indices[rows[valid]] = expert[valid].int()
+    rows_used = segments.sum().view(1)
+    return rows.view(tokens, k).int(), received.int(), m_indices, rows_used.int()

@@ -57,12 +57,13 @@ contiguous layout's zeroing of other groups' rows, ``bias`` and ``residual`` (al
 together).
 """
 
-from .config import (BLOCK_K, GemmConfig, block_n_candidates, make_config,
-                     require_problem)
+from .config import (BLOCK_K, CONTIGUOUS_ALIGNMENT, GemmConfig, block_n_candidates,
+                     make_config, require_problem)
 from .epilogue import Epilogue
 from .kernel import generate
 from .promotion import MAX_PROMOTION_VARIANTS
 from .tile_model import choose_config, estimate_clocks
 
-__all__ = ["BLOCK_K", "Epilogue", "GemmConfig", "MAX_PROMOTION_VARIANTS", "block_n_candidates",
-           "choose_config", "estimate_clocks", "generate", "make_config", "require_problem"]
+__all__ = ["BLOCK_K", "CONTIGUOUS_ALIGNMENT", "Epilogue", "GemmConfig", "MAX_PROMOTION_VARIANTS",
+           "block_n_candidates", "choose_config", "estimate_clocks", "generate", "make_config",
+           "require_problem"]

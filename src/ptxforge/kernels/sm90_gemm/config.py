@@ -20,6 +20,9 @@ ROW_BYTES = 128          # a stage row of A or B: K = 128 e4m3 or 64 bf16 (one s
 PRODUCER_REGISTERS = 40
 SWIZZLE_ATOM = 1024      # 8 rows x 128 bytes: the 128-byte swizzle repeats every 1024 bytes
 TMA_SHARED_ALIGNMENT = 128  # a tensor copy's shared-memory address (the PTX ISA's rule)
+# Rows of each group's segment in the contiguous layout: the tallest tile (block_m), so that
+# no tile spans two groups.
+CONTIGUOUS_ALIGNMENT = 128
 
 
 @dataclass(frozen=True)
