@@ -39,9 +39,14 @@ PUBLIC = (
     PublicName("m_grouped_bf16_gemm_nt_masked", "gemm", kernel="m_grouped_bf16_gemm_nt_masked",
                in_deep_gemm=True),
     PublicName("get_mk_alignment_for_contiguous_layout", "gemm", in_deep_gemm=True),
+    PublicName("get_tma_aligned_size", "layout", in_deep_gemm=True),
+    # A MoE layer's experts (ops/moe.py), and the kernels it runs around the grouped GEMMs.
+    PublicName("moe_experts_fp8", "moe"),
     PublicName("moe_routing_layout", "routing", kernel="moe_routing_layout"),
     PublicName("max_contiguous_rows", "routing"),
-    PublicName("get_tma_aligned_size", "layout", in_deep_gemm=True),
+    PublicName("moe_permute_quantize_fp8", "moe", kernel="moe_permute_quantize_fp8"),
+    PublicName("moe_silu_mul_quantize_fp8", "moe", kernel="moe_silu_mul_quantize_fp8"),
+    PublicName("moe_combine", "moe_combine", kernel="moe_combine"),
     PublicName("get_mn_major_tma_aligned_tensor", "layout", in_deep_gemm=True),
     # DeepGEMM's helpers, for its callers; ptxforge's own callers use num_sms= and the above.
     PublicName("ceil_div", "layout", in_ptxforge=False, in_deep_gemm=True),
@@ -49,7 +54,6 @@ PUBLIC = (
     PublicName("set_num_sms", "gemm", in_ptxforge=False, in_deep_gemm=True),
     PublicName("get_col_major_tma_aligned_tensor", "layout", in_ptxforge=False,
                in_deep_gemm=True),
-    PublicName("moe_combine", "moe_combine", kernel="moe_combine"),
 )
 
 PTXFORGE_NAMES = tuple(entry.name for entry in PUBLIC if entry.in_ptxforge)

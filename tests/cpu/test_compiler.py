@@ -389,3 +389,75 @@ def test_compile_traces_the_token_dimension_alone_dynamic_once(monkeypatch, as_m
     assert isinstance(x_shape[0], torch.SymInt) and x_shape[1] == 32
     if as_module:      # the marking hook removed itself after the first call
         assert not compiled._forward_pre_hooks
+
+
+def moe_block(kind, experts_implementation="grouped_mm", device="meta"):
+    """A small transformers MoE block on ``device`` and its hidden states [1, 8, H]."""
+    transformers = pytest.importorskip("transformers")
+    if kind == "deepseek_v3":
+        config = transformers.DeepseekV3Config(hidden_size=512, moe_intermediate_size=256,
+                                               n_routed_experts=16, num_experts_per_tok=4,
+                                               n_shared_experts=1, n_group=4, topk_group=2,
+                                               intermediate_size=1024)
+        block = transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3MoE
+    else:
+        config = transformers.MixtralConfig(hidden_size=512, intermediate_size=256,
+                                            num_local_experts=8, num_experts_per_tok=2)
+        block = transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock
+    config._experts_implementation = experts_implementation
+    with torch.device(device):
+        model = block(config).to(torch.bfloat16)
+        x = torch.randn(1, 8, 512, dtype=torch.bfloat16)
+    if device != "meta":
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0, 0.02)
+    return model, x
+
+
+@pytest.mark.parametrize("kind", ["deepseek_v3", "mixtral"])
+def test_a_moe_blocks_experts_become_one_operator(kind):
+    model, x = moe_block(kind)
+    ((gm, plan),) = trace_on_meta(model, x)
+    (moe,) = [item for item in plan if item.pattern == "moe experts"]
+    assert moe.operator == "ptxforge.moe_experts_fp8" and "top-" in moe.reason
+    calls = ptxforge_calls(gm)
+    (experts,) = [node for name, node in calls if name == "moe_experts_fp8"]
+    hidden, index, weights, w13, s13, w2, s2 = experts.args
+    assert index.meta["example_value"].dtype == torch.int64
+    assert weights.meta["example_value"].dtype == torch.float32 or kind == "mixtral"
+    experts_count = 16 if kind == "deepseek_v3" else 8
+    inner = 256
+    for node, shape in ((w13, (experts_count, 2 * inner, 512)), (s13, (experts_count, 4, 4)),
+                        (w2, (experts_count, 512, inner)), (s2, (experts_count, 4, 2))):
+        assert node.op == "get_attr" and tuple(getattr(gm, node.target).shape) == shape
+    grouped = [n for n in gm.graph.nodes if "grouped_mm" in str(n.target)]
+    assert grouped == []   # transformers' grouped GEMMs, sort and weighted sum are gone
+    assert not any(n.op == "call_function" and n.target is torch.sort for n in gm.graph.nodes)
+    if kind == "deepseek_v3":   # the shared expert: the FFN's kernels, the experts' sum its residual
+        names = [name for name, _ in calls]
+        assert names[-3:] == ["fp8_linear", "silu_mul_fp8", "fp8_linear"]
+        assert calls[-1][1].kwargs["residual"].args[0] is experts
+
+
+def test_moe_experts_left_to_inductor_say_why():
+    model, x = moe_block("mixtral")
+    ((_, plan),) = trace_on_meta(model, x, fp8=False)
+    (moe,) = [item for item in plan if item.pattern == "moe experts"]
+    assert moe.operator is None and "FP8" in moe.reason
+
+
+
+def test_compiling_a_model_whose_experts_loop_warns(caplog):
+    """transformers' per-expert loop breaks the graph at every expert: no graph holds the
+    experts for the pass, and ptxforge.compile says so, naming them."""
+    model, x = moe_block("mixtral", experts_implementation="eager", device="cpu")
+    with caplog.at_level("WARNING", logger="ptxforge.compiler"):
+        compiler.compile(model)
+    assert "experts of experts to Inductor" in caplog.text
+    assert "experts_implementation='grouped_mm'" in caplog.text
+    # The loop's data-dependent steps run between its graphs: none reads the expert weights.
+    for gm, plan in trace_on_meta(model, x):
+        assert not any("gate_up_proj" in n.name for n in gm.graph.nodes)
+    grouped, _ = moe_block("mixtral")
+    assert compiler.moe.looping_experts(grouped) == []

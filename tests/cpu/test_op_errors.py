@@ -133,6 +133,14 @@ CASES = {  # case -> (op, well-formed CPU arguments for M rows (each group's M_m
     "m_grouped_bf16_gemm_nt_masked": (ptxforge.m_grouped_bf16_gemm_nt_masked, lambda m: (
         (zeros(BF16, G, m, K), zeros(BF16, G, N, K), zeros(BF16, G, m, N), zeros(I32, G), 4),
         {})),
+    "moe_permute_quantize_fp8": (ptxforge.moe_permute_quantize_fp8, lambda m: (
+        (zeros(BF16, m, K), zeros(I32, m, 8), [64]), {})),
+    "moe_permute_quantize_fp8(out=)": (ptxforge.moe_permute_quantize_fp8, lambda m: (
+        (zeros(BF16, m, K), zeros(I32, m, 8), [G, 16]), {"out": scaled(G, 16, K)})),
+    "moe_silu_mul_quantize_fp8": (ptxforge.moe_silu_mul_quantize_fp8, lambda m: (
+        (zeros(BF16, 64, 2 * K), zeros(I32, m, 8)), {})),
+    "moe_silu_mul_quantize_fp8(out=)": (ptxforge.moe_silu_mul_quantize_fp8, lambda m: (
+        (zeros(BF16, 64, 2 * K), zeros(I32, m, 8)), {"out": scaled(64, K)})),
     "moe_combine": (ptxforge.moe_combine, lambda m: (
         (zeros(BF16, 16, K), zeros(I32, m, 8), zeros(F32, m, 8)), {})),
     "moe_combine(out=)": (ptxforge.moe_combine, lambda m: (
@@ -257,6 +265,7 @@ def test_pdl_true_false_or_none_passes_the_checks_that_need_no_gpu(case, pdl):
 
 
 # --------------------------------------------------------------------------- (data, scales) pairs
+MOE_ROWS = "e4m3 [R, H] or [E, M_max, H] and f32 scales of the same rows"
 HOLDS = {  # (case, parameter) -> what the pair holds, as its error says
     ("quantize_fp8_per_token(out=)", "out"): "e4m3 [M, K] and f32 [M, ceil(K/128)]",
     ("rms_norm_quantize_fp8(out=)", "out"): "e4m3 [M, K] and f32 [M, ceil(K/128)]",
@@ -275,6 +284,8 @@ HOLDS = {  # (case, parameter) -> what the pair holds, as its error says
         "e4m3 [G, N, K] and f32 [G, ceil(N/128), ceil(K/128)]",
     ("m_grouped_fp8_gemm_nt_masked", "a"): "e4m3 [G, M_max, K] and f32 [G, M_max, ceil(K/128)]",
     ("m_grouped_fp8_gemm_nt_masked", "b"): "e4m3 [G, N, K] and f32 [G, ceil(N/128), ceil(K/128)]",
+    ("moe_permute_quantize_fp8(out=)", "out"): MOE_ROWS,
+    ("moe_silu_mul_quantize_fp8(out=)", "out"): MOE_ROWS,
 }
 
 

@@ -149,14 +149,10 @@ def launchers(monkeypatch, tmp_path):
 
     monkeypatch.setenv("PTXFORGE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(jit.CompiledKernel, "load", lambda self, device_index=0: _Module())
-    for module in (gemm_ops, rowwise, block_quant, combine):
+    for module in (gemm_ops, rowwise, block_quant, combine, routing):
         monkeypatch.setattr(module, "device_arch", lambda device_index: arch.get("sm_90a"))
     caches = (gemm_ops._launcher, gemm_ops._plan, rowwise._kernel, block_quant._launcher,
-              _common.default_pdl, combine._kernel)
-    for module in (gemm_ops, rowwise, block_quant, routing):
-        monkeypatch.setattr(module, "device_arch", lambda device_index: arch.get("sm_90a"))
-    caches = (gemm_ops._launcher, gemm_ops._plan, rowwise._kernel, block_quant._launcher,
-              routing._launcher, _common.default_pdl)
+              _common.default_pdl, combine._kernel, routing._launcher)
     for cache in caches:
         cache.cache_clear()
     yield {"gemm": lambda pdl: gemm_ops._plan(0, 8, 4096, 7168, 132, False, 0, False, 0,
@@ -169,7 +165,11 @@ def launchers(monkeypatch, tmp_path):
            "silu_mul_quantize_fp8": lambda pdl: rowwise._kernel(0, 18432, False, True, True,
                                                                 pdl)[2],
            "quantize_fp8_per_block": lambda pdl: block_quant._launcher(0, pdl),
-           "moe_combine": lambda pdl: combine._kernel(0, 7168, 8, "f32", pdl)[1]}
+           "moe_permute_quantize_fp8": lambda pdl: rowwise._kernel(
+               0, 7168, False, True, False, pdl, "scatter")[2],
+           "moe_silu_mul_quantize_fp8": lambda pdl: rowwise._kernel(
+               0, 2048, False, True, True, pdl, "indexed")[2],
+           "moe_combine": lambda pdl: combine._kernel(0, 7168, 8, "f32", pdl)[1],
            "moe_routing_layout": lambda pdl: routing._launcher(0, 256, "contiguous", pdl),
            "moe_routing_layout(masked)": lambda pdl: routing._launcher(0, 8, "masked", pdl)}
     for cache in caches:
@@ -177,8 +177,8 @@ def launchers(monkeypatch, tmp_path):
 
 
 OP_LAUNCHERS = ["gemm", "masked gemm", "rms_norm", "quantize_fp8_per_token",
-                "silu_mul_quantize_fp8", "quantize_fp8_per_block", "moe_combine"]
-                "silu_mul_quantize_fp8", "quantize_fp8_per_block", "moe_routing_layout",
+                "silu_mul_quantize_fp8", "quantize_fp8_per_block", "moe_permute_quantize_fp8",
+                "moe_silu_mul_quantize_fp8", "moe_combine", "moe_routing_layout",
                 "moe_routing_layout(masked)"]
 
 

@@ -24,7 +24,7 @@ import time
 import torch
 
 from ..ops import _common
-from . import graphs, passes, precompile
+from . import graphs, moe, passes, precompile
 from .passes import Replacement
 
 log = logging.getLogger("ptxforge.compiler")
@@ -149,6 +149,11 @@ def compile(model, *, fp8: bool = True, precompile: int | None = None,
     go to torch.compile as they are (True makes every dimension dynamic: more guards, whose
     host time every call pays: Dynamo alone took 102.7 us a call of Llama-3-8B's 2 layers at
     64 tokens with True, 62.0 with the token dimensions alone, measured on the H200)."""
+    if isinstance(model, torch.nn.Module) and (looping := moe.looping_experts(model)):
+        log.warning("ptxforge leaves the experts of %s to Inductor: transformers' per-expert "
+                    "loop breaks the graph at every expert; load the model with "
+                    "experts_implementation='grouped_mm' for ptxforge's MoE kernels",
+                    ", ".join(looping))
     compiled = torch.compile(model, backend=functools.partial(backend, fp8=fp8,
                                                               precompile=precompile),
                              dynamic=dynamic, **options)

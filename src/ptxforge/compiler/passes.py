@@ -1,6 +1,8 @@
 """The backend's passes over Dynamo's FX graph (torch-level: ``torch._C._nn.linear``,
 ``operator.mul``, ``x.pow(2)`` as the model wrote them, parameters as placeholders).
 
+    moe           a transformers experts module (grouped_mm) -> ptxforge.moe_experts_fp8
+                  (``moe.py``: permutation, grouped FP8 GEMMs, combine)
     linears       Linear -> ptxforge.fp8_linear / bf16_linear, the weight (quantized, 128x128
                   blocks) a constant of the graph; Linears reading the same x with bias-free
                   weights become one GEMM over their concatenated weights (q/k/v, gate/up),
@@ -569,8 +571,12 @@ def _subgraph(nodes, size, output):
 def rewrite(gm: torch.fx.GraphModule, example_inputs, *, fp8: bool, arch_of) -> list[Replacement]:
     """Every pass, in order; returns the plan. The parameters whose values the graph now
     holds a copy of (quantized or joined) are left in ``gm.ptxforge_folded``."""
+    from .moe import rewrite_moe_experts   # the MoE pass builds on this module's Graph
+
     g = Graph(gm, example_inputs)
-    made, plan = rewrite_linears(g, fp8=fp8, arch_of=arch_of)
+    plan = rewrite_moe_experts(g, fp8=fp8, arch_of=arch_of)
+    made, linear_plan = rewrite_linears(g, fp8=fp8, arch_of=arch_of)
+    plan += linear_plan
     if fp8:
         plan += fuse_producers(g, made, arch_of)
     plan += fuse_residuals(g, made)

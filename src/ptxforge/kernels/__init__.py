@@ -55,10 +55,11 @@ class KernelSpec:
         return self.generate(self.config(arch, **options))
 
 
-def _row(normalize: bool, quantize: bool, swiglu: bool = False):
+def _row(normalize: bool, quantize: bool, swiglu: bool = False, row_map: str = "dense"):
     def configure(arch, hidden: int):
         return bf16_row_rmsnorm_fp8quant.choose_config(arch, hidden, normalize=normalize,
-                                                       quantize=quantize, swiglu=swiglu)
+                                                       quantize=quantize, swiglu=swiglu,
+                                                       row_map=row_map)
     return configure
 
 
@@ -154,6 +155,12 @@ REGISTRY = {
                    i64_moe_routing_layout.generate, _ROUTING_OPTIONS, _ROUTING_VARIANTS,
                    "MoE routing: each (token, expert) pair's row in the grouped GEMMs' input "
                    "(layout: contiguous or masked)"),
+        KernelSpec("moe_permute_quantize_fp8", _row(False, True, row_map="scatter"),
+                   bf16_row_rmsnorm_fp8quant.generate, _ROW_OPTIONS, _ROW_VARIANTS,
+                   "MoE: each token's row into its experts' rows, 1x128 FP8 quantization"),
+        KernelSpec("moe_silu_mul_quantize_fp8", _row(False, True, swiglu=True, row_map="indexed"),
+                   bf16_row_rmsnorm_fp8quant.generate, {"hidden": 2048}, _SWIGLU_VARIANTS,
+                   "MoE: SwiGLU + 1x128 FP8 quantization of the grouped rows holding a pair"),
     )
 }
 

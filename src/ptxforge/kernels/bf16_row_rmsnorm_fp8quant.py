@@ -44,9 +44,26 @@ across warps) -> rstd = rsqrt(mean + eps) -> y = x * rstd * w, rounded to bf16],
 either store y or [quantize: group amax -> scale, 448/amax -> e4m3 -> 8-byte stores, one
 scale per group].
 
-Compile-time: K (fixed-size register arrays and stage size), the variant. Run-time: M,
-the inputs' pointers and row strides, eps, and the scale strides (so one kernel writes
-either the plain [M, G] layout or the MN-major TMA-aligned layout the FP8 GEMM reads).
+Row maps (the MoE's grouped layouts; quantizing variants without RMSNorm). The kernel
+walks M work rows; ``row_map`` says which rows they read and write:
+
+    dense    row i in, row i out (the ops above)
+    scatter  row i // fanout in, row index[i] out: a token's row to each of its experts'
+             rows of the grouped GEMM's A (moe_permute_quantize_fp8, fanout = top-k)
+    indexed  row index[i] in and out: only the rows of a grouped layout that hold a pair
+             (moe_silu_mul_quantize_fp8 between the grouped GEMMs)
+
+index is int32 [M] on the GPU (``moe_routing_layout`` writes it); an entry outside
+[0, index_rows) is a dropped pair: nothing is written for it (indexed: row 0 is copied
+into the stage, so the stage's byte count stays whole, and left there). The grouped
+layouts' scales: row r's group g scale is at (r / rows_per_batch) * scale_batch_stride +
+(r % rows_per_batch) * scale_row_stride + g * scale_group_stride (the masked layout's
+[E, M_max, G] MN-major scales have M_max rows a batch; the contiguous layout's one batch).
+
+Compile-time: K (fixed-size register arrays and stage size), the variant and row map.
+Run-time: M, the inputs' pointers and row strides, eps, and the scale strides (so one
+kernel writes either the plain [M, G] layout or the MN-major TMA-aligned layout the FP8
+GEMM reads).
 """
 
 from __future__ import annotations
@@ -74,6 +91,8 @@ NAMES = {(True, False, False): "rmsnorm", (False, True, False): "quant_fp8_per_t
 # The input rows a stage row holds, keyed by `swiglu`; each is a kernel parameter with its
 # row stride (<name>, <name>_row_stride).
 INPUTS = {False: ("x",), True: ("gate", "up")}
+# Which rows the work rows read and write (see the docstring).
+ROW_MAPS = ("dense", "scatter", "indexed")
 
 # Vectors per thread and the register cap given to ptxas (through .minnctapersm), from
 # ptxas 13.0's reports on sm_90a: quantization alone fits 8 vectors in 64 registers; with
@@ -96,10 +115,12 @@ class RowKernelConfig:
     groups: int       # row groups per CTA, each in its own shared-memory stage
     ctas_per_sm: int  # resident CTAs the registers and shared memory allow (ptxas's cap)
     target: str
+    row_map: str = "dense"
 
     @property
     def name(self) -> str:
-        return f"bf16_{NAMES[(self.normalize, self.quantize, self.swiglu)]}_k{self.hidden}"
+        mapped = "" if self.row_map == "dense" else f"_{self.row_map}"
+        return f"bf16_{NAMES[(self.normalize, self.quantize, self.swiglu)]}{mapped}_k{self.hidden}"
 
     @property
     def inputs(self) -> tuple:
@@ -156,7 +177,8 @@ class RowKernelConfig:
 
 
 def choose_config(arch: Arch, hidden: int, *, normalize: bool, quantize: bool,
-                  swiglu: bool = False, groups: int | None = None) -> RowKernelConfig:
+                  swiglu: bool = False, groups: int | None = None,
+                  row_map: str = "dense") -> RowKernelConfig:
     """The fewest threads per row (a power of two, at least a half-warp) that keep each
     thread at <= 7-8 vectors; rows packed so a CTA has at least 128 threads; ``groups``
     row groups per CTA (the measured default per variant); then as many resident CTAs an
@@ -166,6 +188,9 @@ def choose_config(arch: Arch, hidden: int, *, normalize: bool, quantize: bool,
         raise ValueError(f"the row kernel has no variant normalize={normalize}, "
                          f"quantize={quantize}, swiglu={swiglu}; its variants (normalize, "
                          f"quantize, swiglu): {', '.join(map(str, GROUPS_PER_CTA))}")
+    if row_map not in ROW_MAPS or (row_map != "dense" and (normalize or not quantize)):
+        raise ValueError(f"row_map must be one of {ROW_MAPS} ('dense' only with RMSNorm or "
+                         f"without quantization), got {row_map!r}")
     groups = groups or GROUPS_PER_CTA[variant]
     if hidden <= 0 or hidden % VECTOR:
         raise ValueError(f"hidden size ({INPUTS[swiglu][0]}.shape[-1]) must be a positive "
@@ -186,7 +211,7 @@ def choose_config(arch: Arch, hidden: int, *, normalize: bool, quantize: bool,
     rows_per_cta = max(1, MIN_CTA_THREADS // threads_per_row)
     threads = threads_per_row * rows_per_cta
     cfg = RowKernelConfig(hidden, normalize, quantize, swiglu, threads_per_row, rows_per_cta,
-                          groups, 1, arch.target)
+                          groups, 1, arch.target, row_map)
     shared = cfg.dynamic_shared_bytes + cfg.static_shared_bytes
     ctas = min(MAX_CTAS_PER_SM, arch.resident_ctas(threads, cfg.registers, shared))
     if ctas < 1:
@@ -238,6 +263,8 @@ def generate(cfg: RowKernelConfig) -> KernelBuilder:
                 k.mad(row, group, cfg.rows_per_cta, t.row_in_cta, mode="lo")
                 row_ok = k.pred("row_ok")
                 k.setp("lt", row_ok, row, p.rows)
+                if cfg.row_map != "dense":
+                    row = _mapped_row(k, p, row, row_ok)
                 valid = _vector_predicates(k, cfg, t, row_ok)
                 stages.wait(addr(base, stages.barrier_offset(s)), 0)
                 x = _load_row(k, cfg, t, base, s, row_ok, valid)
@@ -269,6 +296,13 @@ class _Params:
             self.scale_group_stride = k.param("scale_group_stride", "u32")  # elements
         else:
             self.y = k.param("y", "u64")
+        if cfg.row_map != "dense":
+            self.index = k.param("index", "u64")              # int32 [rows]: the row written
+            self.index_rows = k.param("index_rows", "u32")    # rows of q (indexed: and x)
+            self.rows_per_batch = k.param("rows_per_batch", "u32")
+            self.scale_batch_stride = k.param("scale_batch_stride", "u32")  # elements
+        if cfg.row_map == "scatter":
+            self.fanout = k.param("fanout", "u32")            # work rows per input row
 
 
 def _issue_copies(k, cfg, p, stages, first, total) -> None:
@@ -282,7 +316,7 @@ def _issue_copies(k, cfg, p, stages, first, total) -> None:
         k.shl(stride, stride, 1)
         inputs.append((ptr, stride))
     group, first_row, rows_here = (k.reg("u32", n) for n in ("copy_group", "copy_row", "copy_rows"))
-    nbytes, src = k.reg("u32", "copy_bytes"), k.reg("u64", "copy_src")
+    nbytes = k.reg("u32", "copy_bytes")
     for s in range(cfg.groups):
         k.add(group, first, s)
         exists = k.pred("copy_group_exists")
@@ -294,17 +328,73 @@ def _issue_copies(k, cfg, p, stages, first, total) -> None:
             k.mul(nbytes, rows_here, cfg.stage_row_bytes, mode="lo")
             bar = addr(stages.base, stages.barrier_offset(s))
             k.mbarrier_arrive_expect_tx(bar, nbytes)
+            if cfg.row_map != "dense":
+                _issue_mapped_copies(k, cfg, p, stages, s, inputs, first_row, rows_here, bar)
+            else:
+                _issue_dense_copies(k, cfg, stages, s, inputs, first_row, rows_here, bar)
+
+
+def _issue_dense_copies(k, cfg, stages, s, inputs, first_row, rows_here, bar) -> None:
+    """The group's rows of each input: consecutive rows from ``first_row`` on."""
+    src = k.reg("u64", "copy_src")
+    for i, (ptr, stride) in enumerate(inputs):
+        k.mad(src, first_row, stride, ptr, mode="wide")
+        dst = stages.stage_offset(s) + i * cfg.row_bytes
+        k.cp_async_bulk_load(addr(stages.base, dst), addr(src), cfg.row_bytes, bar)
+        for r in range(1, cfg.rows_per_cta):  # the group's other rows, where they exist
+            k.mad(src, stride, 1, src, mode="wide")
+            in_range = k.pred("copy_row_ok")
+            k.setp("gt", in_range, rows_here, r)
+            with k.guard(in_range):
+                k.cp_async_bulk_load(addr(stages.base, dst + r * cfg.stage_row_bytes),
+                                     addr(src), cfg.row_bytes, bar)
+
+
+def _issue_mapped_copies(k, cfg, p, stages, s, inputs, first_row, rows_here, bar) -> None:
+    """The group's rows one by one, each from its own input row: work row w reads row
+    w // fanout (scatter) or index[w] (indexed; a dropped pair's entry reads row 0)."""
+    work, source = k.reg("u32", "copy_work_row"), k.reg("u32", "copy_source_row")
+    src = k.reg("u64", "copy_src")
+    if cfg.row_map == "scatter":
+        fanout = k.reg("u32", "copy_fanout")
+        k.ld_param(fanout, p.fanout)
+    else:
+        index, at, bound = k.reg("u64", "copy_index"), k.reg("u64", "copy_index_at"), \
+            k.reg("u32", "copy_index_rows")
+        k.ld_param(index, p.index)
+        k.ld_param(bound, p.index_rows)
+    for r in range(cfg.rows_per_cta):
+        in_range = k.pred("copy_row_ok")
+        k.setp("gt", in_range, rows_here, r)
+        with k.if_(in_range, "copy_row_done"):
+            k.add(work, first_row, r)
+            if cfg.row_map == "scatter":
+                k.div(source, work, fanout, type="u32")
+            else:
+                dropped = k.pred("copy_dropped")
+                k.mad(at, work, 4, index, mode="wide")
+                k.ld(source, addr(at), nc=True)
+                k.setp("ge", dropped, source, bound, type="u32")
+                k.selp(source, 0, source, dropped)
             for i, (ptr, stride) in enumerate(inputs):
-                k.mad(src, first_row, stride, ptr, mode="wide")
-                dst = stages.stage_offset(s) + i * cfg.row_bytes
+                k.mad(src, source, stride, ptr, mode="wide")
+                dst = stages.stage_offset(s) + i * cfg.row_bytes + r * cfg.stage_row_bytes
                 k.cp_async_bulk_load(addr(stages.base, dst), addr(src), cfg.row_bytes, bar)
-                for r in range(1, cfg.rows_per_cta):  # the group's other rows, where they exist
-                    k.mad(src, stride, 1, src, mode="wide")
-                    in_range = k.pred("copy_row_ok")
-                    k.setp("gt", in_range, rows_here, r)
-                    with k.guard(in_range):
-                        k.cp_async_bulk_load(addr(stages.base, dst + r * cfg.stage_row_bytes),
-                                             addr(src), cfg.row_bytes, bar)
+
+
+def _mapped_row(k, p, work_row, row_ok):
+    """The row a mapped work row writes, index[work_row]; ``row_ok`` is cleared for a
+    dropped pair (an entry outside [0, index_rows)) as for a work row past M."""
+    row, at = k.reg("u32", "out_row"), k.reg("u64", "index_at")
+    bound = k.reg("u32", "index_rows")
+    k.ld_param(at, p.index)
+    k.mad(at, work_row, 4, at, mode="wide")
+    k.mov(row, 0xFFFFFFFF)
+    with k.guard(row_ok):
+        k.ld(row, addr(at), nc=True)
+    k.ld_param(bound, p.index_rows)
+    k.setp("lt", row_ok, row, bound, type="u32")
+    return row
 
 
 def _thread_coordinates(k: KernelBuilder, cfg: RowKernelConfig) -> SimpleNamespace:
@@ -472,7 +562,17 @@ def _quantize_and_store(k, cfg, p, t, row, x, valid):
         sidx, group = k.reg("u32", "scale_idx"), k.reg("u32", "group")
         k.shr(group, t.col, 4)
         k.mul(sidx, group, sgs, mode="lo")
-        k.mad(sidx, row, srs, sidx, mode="lo")
+        if cfg.row_map == "dense":
+            k.mad(sidx, row, srs, sidx, mode="lo")
+        else:   # the row's batch, then its row within the batch
+            batch, per_batch = k.reg("u32", "scale_batch"), k.reg("u32", "rows_per_batch")
+            stride, in_batch = k.reg("u32", "scale_batch_stride"), k.reg("u32", "row_in_batch")
+            k.ld_param(per_batch, p.rows_per_batch)
+            k.ld_param(stride, p.scale_batch_stride)
+            k.div(batch, row, per_batch, type="u32")
+            k.mad(sidx, batch, stride, sidx, mode="lo")
+            k.rem(in_batch, row, per_batch, type="u32")
+            k.mad(sidx, in_batch, srs, sidx, mode="lo")
         k.ld_param(s_ptr, p.scales)
         k.mad(s_ptr, sidx, 4, s_ptr, mode="wide")
         slot_step = k.reg("u32", "scale_slot_step")

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from . import block_quant, gemm, routing, rowwise
+from . import block_quant, gemm, moe, routing, rowwise
 from ._common import require_shape
 # By name from the module: the package's attribute moe_combine is the function.
 from .moe_combine import combined_output, moe_combine
@@ -129,6 +129,22 @@ def _writes_d(*args, **kwargs) -> None:
     """The GEMMs' fake: they only write d, which the caller already holds."""
 
 
+def _moe_permute_quantize_fp8(x, rows, shape, pdl=None):
+    return moe.moe_permute_quantize_fp8(x, rows, shape, pdl=pdl)
+
+
+def _moe_permute_quantize_fp8_fake(x, rows, shape, pdl=None):
+    return moe.grouped_quantized(tuple(shape), x.shape[1], x.device)
+
+
+def _moe_silu_mul_quantize_fp8(d, rows, pdl=None):
+    return moe.moe_silu_mul_quantize_fp8(d, rows, pdl=pdl)
+
+
+def _moe_silu_mul_quantize_fp8_fake(d, rows, pdl=None):
+    return moe.grouped_quantized(tuple(d.shape[:-1]), d.shape[-1] // 2, d.device)
+
+
 def _moe_combine(y, rows, weights, pdl=None):
     return moe_combine(y, rows, weights, pdl=pdl)
 
@@ -172,13 +188,19 @@ OPERATORS = {
     "m_grouped_bf16_gemm_nt_masked": (
         f"(Tensor a, Tensor b, Tensor(d!) d, Tensor masked_m, int expected_m, *, "
         f"{_GEMM_OPTIONS}) -> ()", _m_grouped_bf16_gemm_nt_masked, _writes_d),
-    "moe_combine": ("(Tensor y, Tensor rows, Tensor weights, *, bool? pdl=None) -> Tensor",
-                    _moe_combine, _moe_combine_fake),
     "moe_routing_layout": ("(Tensor topk_idx, int num_experts, *, str layout=\"contiguous\", "
                            "int? rows_per_expert=None, bool? pdl=None) "
                            "-> (Tensor, Tensor, Tensor?, Tensor?)",
                            _moe_routing_layout, _moe_routing_layout_fake),
+    "moe_permute_quantize_fp8": ("(Tensor x, Tensor rows, int[] shape, *, bool? pdl=None) "
+                                 "-> (Tensor, Tensor)", _moe_permute_quantize_fp8,
+                                 _moe_permute_quantize_fp8_fake),
+    "moe_silu_mul_quantize_fp8": ("(Tensor d, Tensor rows, *, bool? pdl=None) -> (Tensor, Tensor)",
+                                  _moe_silu_mul_quantize_fp8, _moe_silu_mul_quantize_fp8_fake),
+    "moe_combine": ("(Tensor y, Tensor rows, Tensor weights, *, bool? pdl=None) -> Tensor",
+                    _moe_combine, _moe_combine_fake),
 }
+
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """t [..., K] as [M, K] rows: a view where the strides allow (the column slices of a
@@ -232,6 +254,10 @@ def _quantized_like(x):
     return q.view(x.shape), scales
 
 
+def _moe_experts_fp8(x, topk_idx, topk_weights, w13, s13, w2, s2):
+    return moe.moe_experts_fp8(x, topk_idx, topk_weights, (w13, s13), (w2, s2))
+
+
 # What the torch.compile backend (ptxforge.compiler) puts in a model's graph: functional
 # operators (they allocate their outputs) on x [..., K] as the model holds it. fp8_linear's
 # x is bf16 (quantized per token inside), or e4m3 with its scales as rms_norm_fp8 and
@@ -249,6 +275,12 @@ COMPILER_OPERATORS = {
                      lambda x, weight, eps: _quantized_like(x)),
     "silu_mul_fp8": ("(Tensor gate, Tensor up) -> (Tensor, Tensor)", _silu_mul_fp8,
                      lambda gate, up: _quantized_like(gate)),
+    # A MoE layer's experts (compiler/moe.py): x [T, H], the router's top-k, the experts'
+    # FP8 weights gate_up [E, 2I, H] and down [E, H, I] with their 128x128 block scales.
+    "moe_experts_fp8": ("(Tensor x, Tensor topk_idx, Tensor topk_weights, Tensor w13, "
+                        "Tensor s13, Tensor w2, Tensor s2) -> Tensor", _moe_experts_fp8,
+                        lambda x, topk_idx, topk_weights, w13, s13, w2, s2:
+                            torch.empty_like(x, memory_format=torch.contiguous_format)),
 }
 
 for _name, (_schema, _cuda, _fake) in {**OPERATORS, **COMPILER_OPERATORS}.items():

@@ -27,7 +27,8 @@ from . import models
 from .bench import format_table
 from .checks import calc_diff
 
-CASES = {"ffn": (64, 4096), "llama-8b": (64, 2048)}
+CASES = {"ffn": (64, 4096), "llama-8b": (64, 2048), "deepseek-v3-moe": (64, 4096),
+         "mixtral-moe": (16, 2048)}
 CANDIDATES = ("eager", "inductor", "inductor reduce-overhead", "ptxforge",
               "ptxforge reduce-overhead")
 
@@ -127,6 +128,7 @@ def model_suite(names=tuple(CASES), layers: int = 2) -> dict:
                     diff = calc_diff(out, expected)   # before later calls overwrite a graph's
                     rows.append({
                         "model": case.name, "tokens": tokens, "candidate": candidate,
+                        "note": case.describe(args) if case.describe else None,
                         "wall_us": wall_us(lambda f=fn, a=args, k=kwargs: f(*a, **k)),
                         "first_call_s": first, "calc_diff": diff,
                         "graphs": counters["stats"]["unique_graphs"]})
@@ -159,6 +161,9 @@ def model_table(result: dict) -> str:
     lines = [f"{result['gpu']}: wall us per call (CUDA events, host included, median)",
              format_table(["model", "tokens", *CANDIDATES, "best peer / ptxforge",
                            "ptxforge calc_diff", "eager bf16 calc_diff"], table)]
+    notes = {(row["model"], row["tokens"]): row.get("note") for row in result["rows"]}
+    lines += [f"  {model}, {tokens} tokens: {note}" for (model, tokens), note in notes.items()
+              if note]
     firsts = [[row["model"], row["tokens"], row["candidate"], f"{row['first_call_s']:.2f}",
                row["graphs"]] for row in result["rows"] if row["candidate"] != "eager"]
     lines += ["", "first call (s: compile, assembly, capture) and graphs Dynamo made:",

@@ -27,14 +27,29 @@ class Ffn(torch.nn.Module):
 
 
 def in_f32(model: torch.nn.Module) -> torch.nn.Module:
-    """A copy of ``model`` computing in f32: the numerics reference for its bf16 self."""
-    return copy.deepcopy(model).float()
+    """A copy of ``model`` computing in f32: the numerics reference for its bf16 self.
+    torch's grouped GEMM takes bf16 alone: the copy's MoE experts loop over the experts
+    (transformers' "eager" experts implementation)."""
+    reference = copy.deepcopy(model).float()
+    for module in reference.modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "_experts_implementation", None) == "grouped_mm":
+            config._experts_implementation = "eager"
+    return reference
 
 
 # Llama-3-8B's layer sizes.
 LLAMA_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
             "num_key_value_heads": 8, "vocab_size": 128256, "rms_norm_eps": 1e-5,
             "max_position_embeddings": 8192, "rope_theta": 500000.0}
+
+
+# DeepSeek-V3's MoE layer and Mixtral-8x7B's (transformers' config names).
+DEEPSEEK_V3_MOE = {"hidden_size": 7168, "moe_intermediate_size": 2048, "n_routed_experts": 256,
+                   "num_experts_per_tok": 8, "n_shared_experts": 1, "n_group": 8,
+                   "topk_group": 4, "intermediate_size": 18432}
+MIXTRAL_MOE = {"hidden_size": 4096, "intermediate_size": 14336, "num_local_experts": 8,
+               "num_experts_per_tok": 2}
 
 
 @dataclass
@@ -44,6 +59,9 @@ class Case:
     model: torch.nn.Module
     inputs: Callable        # (tokens, device) -> (args, kwargs)
     hidden: int
+    # (args) -> a line on what the call does beyond its sizes (a MoE block: its experts
+    # the routing activates and their weights' bytes), or None
+    describe: Callable | None = None
 
     def output(self, result) -> torch.Tensor:
         """The tensor a call returns (transformers' models return an output object)."""
@@ -108,12 +126,52 @@ def llama_8b(layers: int = 2) -> Case:
     return transformers_model(transformers.LlamaConfig(**LLAMA_8B), layers, "Llama-3-8B sizes")
 
 
+def moe_block(kind: str) -> Case:
+    """transformers' MoE block of DeepSeek-V3 ("deepseek-v3-moe": 256 experts, top-8 of
+    4 groups of 8, one shared expert) or Mixtral ("mixtral-moe": 8 experts, top-2) at the
+    models' sizes, its experts run by ``experts_implementation="grouped_mm"`` (torch's
+    grouped GEMM: the fastest transformers has, and the form the ptxforge backend lowers),
+    every weight from N(0, 0.02): a block built without init routes every token to the
+    same few experts. Called on hidden states [1, T, H]."""
+    transformers = _transformers()
+    if kind == "deepseek-v3-moe":
+        config = transformers.DeepseekV3Config(**DEEPSEEK_V3_MOE)
+        block = transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3MoE
+        label = "DeepSeek-V3 MoE"
+    else:
+        config = transformers.MixtralConfig(**MIXTRAL_MOE)
+        block = transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock
+        label = "Mixtral MoE"
+    config._experts_implementation = "grouped_mm"
+    model = block(config).to(torch.bfloat16).eval()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.normal_(0.0, 0.02)
+    hidden = config.hidden_size
+    inner = getattr(config, "moe_intermediate_size", config.intermediate_size)
+    inputs = lambda tokens, device: ((torch.randn(1, tokens, hidden, device=device,
+                                                  dtype=torch.bfloat16),), {})
+
+    def describe(args) -> str:
+        with torch.no_grad():
+            active = model.gate(args[0])[2].unique().numel()
+        experts = model.experts.gate_up_proj.shape[0]
+        weight_bytes = active * 3 * inner * hidden   # FP8 gate, up and down
+        return f"{active} of {experts} experts active, {weight_bytes / 1e9:.2f} GB of FP8 weights"
+
+    return Case(label, model, inputs, hidden, describe)
+
+
 def build(name: str, layers: int = 2) -> Case:
-    """"ffn", "llama-8b", or the path of a transformers config.json."""
+    """"ffn", "llama-8b", "deepseek-v3-moe", "mixtral-moe", or the path of a transformers
+    config.json."""
     if name == "ffn":
         return ffn()
     if name == "llama-8b":
         return llama_8b(layers)
+    if name in ("deepseek-v3-moe", "mixtral-moe"):
+        return moe_block(name)
     if name.endswith(".json") or "/" in name:
         return transformers_model(name, layers)
-    raise ValueError(f"model must be ffn, llama-8b or a transformers config.json, got {name!r}")
+    raise ValueError(f"model must be ffn, llama-8b, deepseek-v3-moe, mixtral-moe or a "
+                     f"transformers config.json, got {name!r}")

@@ -1,0 +1,208 @@
+"""The MoE pass: a transformers experts module, traced by Dynamo, becomes one
+``ptxforge.moe_experts_fp8`` call (``ops/moe.py``: permutation, grouped FP8 GEMMs,
+combine).
+
+transformers' MoE blocks (Mixtral, DeepSeek-V3, Qwen-MoE...) hold their experts in one
+module with 3-D parameters ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I], called
+as ``experts(hidden [T, H], top_k_index [T, k], top_k_weights [T, k])``. With
+``experts_implementation="grouped_mm"`` its forward traces to one graph (sort, gather, two
+``grouped_mm``, SwiGLU, weighted sum); the default per-expert loop breaks the graph at
+every expert and is left to Inductor. The router before it (scores, group-limited top-k,
+bias correction) and a shared expert after it (plain Linears, the other passes' work) stay
+as they are.
+
+The pass finds the module by its parameters, takes the nodes Dynamo traced inside it
+(``nn_module_stack``), checks that they compute what the op computes (two grouped GEMMs on
+the two weights, SwiGLU between them over ``chunk(2)``), and replaces them all with the
+op, the weights quantized once here to 128x128 blocks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..kernels import bf16_row_rmsnorm_fp8quant as row_kernel
+from ..kernels import i64_moe_routing_layout as routing_kernel
+from ..kernels import sm90_gemm as gemm_kernel
+from .passes import PTXFORGE, Graph, Replacement, kind
+
+_F = torch.nn.functional
+# The grouped GEMM as transformers calls it, by torch version and device.
+_GROUPED_MM = tuple(f for f in (getattr(torch, "_grouped_mm", None),
+                                getattr(_F, "grouped_mm", None)) if f is not None)
+_WEIGHTS = ("gate_up_proj", "down_proj")
+
+
+def rewrite_moe_experts(g: Graph, *, fp8: bool, arch_of) -> list[Replacement]:
+    """Each experts module of the graph -> ``ptxforge.moe_experts_fp8``, or the reason it
+    stays with Inductor."""
+    plan = []
+    for module, weights in _experts_modules(g).items():
+        nodes = [n for n in g.graph.nodes if n.op not in ("placeholder", "output")
+                 and any(path == module for path, _ in n.meta.get("nn_module_stack", {}).values())]
+        if not nodes:
+            continue
+        found, why = _match(g, module, nodes, weights)
+        if why is None:
+            why = _why_not_taken(g, found, fp8, arch_of)
+        if why is not None:
+            plan.append(Replacement("moe experts", module, None, why))
+            continue
+        plan.append(_rewrite(g, module, nodes, found))
+    return plan
+
+
+def looping_experts(model: torch.nn.Module) -> list[str]:
+    """The paths of ``model``'s experts modules (both weights, 3-D) that run transformers'
+    per-expert loop: that breaks Dynamo's graph at every expert, and no graph then holds
+    the module for this pass (``ptxforge.compile`` warns with these)."""
+    return [path for path, module in model.named_modules()
+            if all(getattr(getattr(module, w, None), "dim", lambda: 0)() == 3 for w in _WEIGHTS)
+            and getattr(getattr(module, "config", None), "_experts_implementation",
+                        None) != "grouped_mm"]
+
+
+def _experts_modules(g: Graph) -> dict:
+    """module path -> {weight name: placeholder} for the modules holding both weights."""
+    modules: dict[str, dict] = {}
+    for node, value in g.static.items():
+        stack = node.meta.get("nn_module_stack")
+        name = next((w for w in _WEIGHTS if node.name.endswith(f"_{w}_")), None)
+        if stack and name and isinstance(value, torch.Tensor) and value.dim() == 3:
+            path = list(stack.values())[-1][0]
+            modules.setdefault(path, {})[name] = node
+    return {path: found for path, found in modules.items() if len(found) == len(_WEIGHTS)}
+
+
+def _match(g: Graph, module: str, nodes: list, weights: dict):
+    """(hidden, top_k_index, top_k_weights, output node) if ``nodes`` compute the experts
+    as the op does, else (None, why)."""
+    inside = set(nodes)
+    mms = [n for n in nodes if n.target in _GROUPED_MM
+           or str(n.target).startswith("transformers.grouped_mm_fallback")]
+    if len(mms) != 2:
+        return None, (f"{len(mms)} grouped GEMMs traced in the experts, not 2: "
+                      f"experts_implementation='grouped_mm' (the default per-expert loop "
+                      f"breaks the graph at every expert)")
+    for mm, name in zip(mms, _WEIGHTS):
+        w = mm.args[1]
+        if not (_method(w) == "transpose" and w.args[0] is weights[name]):
+            return None, f"the grouped GEMM {mm.name} does not read {name} transposed"
+    if not _swiglu_between(mms, inside):
+        return None, "no silu(gate) * up over chunk(2) between the two grouped GEMMs"
+    outside = [n for n in nodes if any(user not in inside for user in n.users)]
+    if len(outside) != 1:
+        return None, f"{len(outside)} values leave the experts, not 1"
+    inputs = {a for n in nodes for a in n.all_input_nodes if a not in inside} - set(weights.values())
+    tensors = [a for a in inputs if isinstance(g.value(a), torch.Tensor)]
+    by_dtype = {}
+    for a in tensors:
+        value = g.value(a)
+        role = ("index" if not value.is_floating_point()
+                else "hidden" if value.dtype == torch.bfloat16 and value.dim() == 2
+                and value.shape[-1] == g.tensor(weights["gate_up_proj"]).shape[-1]
+                else "weights")
+        by_dtype.setdefault(role, []).append(a)
+    if sorted(by_dtype) != ["hidden", "index", "weights"] or any(len(v) != 1 for v in by_dtype.values()):
+        return None, (f"the experts read {len(tensors)} tensors, not hidden [T, H] bf16, "
+                      f"top_k_index and top_k_weights")
+    return (by_dtype["hidden"][0], by_dtype["index"][0], by_dtype["weights"][0], outside[0],
+            weights), None
+
+
+def _method(node) -> str | None:
+    """The method a call_method node calls (None: another kind of node)."""
+    return node.target if isinstance(node, torch.fx.Node) and node.op == "call_method" else None
+
+
+def _swiglu_between(mms, inside) -> bool:
+    """silu(chunk(h, 2, -1)[0]) * chunk(h, 2, -1)[1], with h made from the first grouped
+    GEMM and the product feeding the second."""
+    first, second = mms
+    for node in inside:
+        if kind(node) != "mul":
+            continue
+        a, b = node.args[:2]
+        if kind(b) == "silu":
+            a, b = b, a
+        if kind(a) != "silu":
+            continue
+        gate, up = a.args[0], b
+        chunk = getattr(gate, "args", (None,))[0]
+        if not (isinstance(chunk, torch.fx.Node) and _method(chunk) == "chunk"
+                and gate.args[1:] == (0,) and getattr(up, "args", ())[:2] == (chunk, 1)
+                and chunk.args[1:2] == (2,) and chunk.kwargs.get("dim", -1) in (-1, 1)):
+            continue
+        if _reaches(first, chunk) and _reaches(node, second):
+            return True
+    return False
+
+
+def _reaches(src, dst) -> bool:
+    """dst reads src, through any nodes."""
+    seen, todo = set(), [dst]
+    while todo:
+        node = todo.pop()
+        if node is src:
+            return True
+        if node not in seen:
+            seen.add(node)
+            todo.extend(node.all_input_nodes)
+    return False
+
+
+def _why_not_taken(g: Graph, found, fp8: bool, arch_of) -> str | None:
+    """Why the op cannot run these experts (sizes the kernels do not take, no FP8), or None."""
+    if not fp8:
+        return "the MoE lowering is FP8 (fp8=False keeps bf16 numerics: Inductor's)"
+    weights = found[4]
+    gate_up = g.tensor(weights["gate_up_proj"])
+    down = g.tensor(weights["down_proj"])
+    experts, two_inner, hidden = gate_up.shape
+    if gate_up.dtype != torch.bfloat16 or down.dtype != torch.bfloat16:
+        return f"the expert weights are {gate_up.dtype}, not bf16"
+    if tuple(down.shape) != (experts, hidden, two_inner // 2) or two_inner % 2:
+        return (f"gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} are "
+                f"not [E, 2I, H] and [E, H, I]")
+    arch = arch_of(gate_up.device)
+    if isinstance(arch, str):
+        return arch
+    try:
+        gemm_kernel.require_problem(arch, two_inner, hidden)
+        gemm_kernel.require_problem(arch, hidden, two_inner // 2)
+        if two_inner % 256 or hidden % 128:
+            raise ValueError(f"the 128x128 weight blocks need 2I and H multiples of 256 and "
+                             f"128, got 2I={two_inner}, H={hidden}")
+        for size, swiglu in ((hidden, False), (two_inner // 2, True)):
+            row_kernel.choose_config(arch, size, normalize=False, quantize=True, swiglu=swiglu,
+                                     row_map="indexed")
+        for layout in routing_kernel.LAYOUTS:
+            routing_kernel.choose_config(arch, experts, layout)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def _rewrite(g: Graph, module: str, nodes: list, found) -> Replacement:
+    hidden, index, weights, output, params = found
+    gate_up, down = (g.tensor(params[name]) for name in _WEIGHTS)
+    experts, two_inner, width = gate_up.shape
+    g.folded.extend((gate_up, down))
+    name = "_ptxforge_" + module.replace("L['self'].", "").replace(".", "_")
+    with g.graph.inserting_before(output):
+        constants = []
+        for label, w in (("gate_up", gate_up), ("down", down)):
+            q, s = PTXFORGE.quantize_fp8_per_block(w.detach().reshape(-1, w.shape[-1]))
+            blocks = s.shape[0] // experts
+            constants += [g.constant(f"{name}_{label}_w", q.view(w.shape)),
+                          g.constant(f"{name}_{label}_ws", s.view(experts, blocks, s.shape[1]))]
+        out = g.call(PTXFORGE.moe_experts_fp8.default, (hidden, index, weights, *constants))
+    out.meta.update({k: v for k, v in output.meta.items() if k != "example_value"})
+    output.replace_all_uses_with(out)
+    for node in reversed(nodes):
+        g.graph.erase_node(node)
+    top_k = g.value(index).shape[-1]
+    return Replacement("moe experts", module, "ptxforge.moe_experts_fp8",
+                       f"{experts} experts, top-{top_k}, gate_up [{two_inner}, {width}] and "
+                       f"down [{width}, {two_inner // 2}], fp8 128x128 blocks; masked or "
+                       f"contiguous layout chosen per call from the token count")

@@ -1,0 +1,206 @@
+"""A mixture-of-experts layer's experts on the grouped FP8 GEMMs, from the router's top-k
+to the combined output, with no host sync (graph-capturable at every token count):
+
+    topk_idx [T, k] --moe_routing_layout--> rows [T, k] (each pair's row of the grouped A),
+                                            counts / m_indices, rows_used (on the GPU)
+    x [T, H] --moe_permute_quantize_fp8--> A: each token's row, quantized once per pair
+                                           into its rows (1x128 scales, MN-major)
+    A --grouped FP8 GEMM (gate_up)--> [rows, 2I] --moe_silu_mul_quantize_fp8--> [rows, I]
+      (only the rows holding a pair) --grouped FP8 GEMM (down)--> y [rows, H]
+    y --moe_combine--> out [T, H] = sum over j of weights[t, j] * y[rows[t, j]], in j order
+
+Two layouts of the grouped rows, chosen per call from the token count (``choose_layout``):
+
+    masked      [E, T, ...]: expert e's pairs in its own T rows, masked_m = counts; the
+                GEMM walks only the tiles of each expert's pairs. E * T rows: for few tokens.
+    contiguous  [T*k + E*127, ...]: segments aligned to 128 rows, m_indices per row; the GEMM
+                stops at rows_used. For many tokens, where E * T rows would not fit.
+
+Both are sized for the worst routing, known on the host from T alone; what the routing
+fills is known only on the GPU, and only that is computed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..kernels import bf16_row_rmsnorm_fp8quant as row_kernel
+from ._common import (current_stream, inspect, pair, require_cuda, require_disjoint,
+                      require_pdl, require_shape, strided_span)
+from .gemm import m_grouped_fp8_gemm_nt_contiguous, m_grouped_fp8_gemm_nt_masked
+from .layout import ceil_div, empty_mn_major_scales, get_tma_aligned_size
+from .moe_combine import moe_combine
+from .routing import max_contiguous_rows, moe_routing_layout
+from .rowwise import _launcher
+
+LAYOUTS = ("masked", "contiguous")
+
+
+def choose_layout(tokens: int, top_k: int, experts: int) -> str:
+    """The layout with the fewer rows for the worst routing: masked (E x T rows) for few
+    tokens, contiguous (T*k + E*127 rows) beyond. DeepSeek-V3 (256 experts, top-8):
+    masked up to 130 tokens; Mixtral (8 experts, top-2): up to 169."""
+    masked_rows = experts * tokens
+    return "masked" if masked_rows <= max_contiguous_rows(tokens, top_k, experts) else "contiguous"
+
+
+def grouped_quantized(lead: tuple, hidden: int, device) -> tuple:
+    """An FP8 grouped operand, uninitialised: q e4m3 [*lead, hidden] and f32 scales
+    [*lead, ceil(hidden/128)] in the MN-major TMA-aligned layout the GEMMs read. ``lead``:
+    (rows,) for the contiguous layout, (experts, rows per expert) for the masked one."""
+    groups = ceil_div(hidden, row_kernel.GROUP)
+    q = torch.empty((*lead, hidden), dtype=torch.float8_e4m3fn, device=device)
+    if len(lead) == 1:
+        return q, empty_mn_major_scales(lead[0], groups, device)
+    experts, rows = lead
+    aligned = get_tma_aligned_size(rows, 4)
+    scales = torch.empty((experts, groups, aligned), dtype=torch.float32, device=device)
+    return q, scales.transpose(1, 2)[:, :rows]
+
+
+def _grouped_out(out, hidden: int, device: int, *input_spans, rows: tuple) -> dict:
+    """``out=(q, scales)`` of a grouped row kernel: q e4m3 [*rows, H] ([R, H] or
+    [E, M_max, H]), contiguous, scales f32 [*rows, ceil(H/128)] (any strides: they are
+    passed on). Returns the launch's output arguments by name."""
+    q, scales = pair("out", out, "e4m3 [R, H] or [E, M_max, H] and f32 scales of the same rows")
+    q_shape, _, q_ptr, _ = inspect("out[0]", q, torch.float8_e4m3fn, len(rows) + 1, align=16,
+                                   device=device)
+    require_shape("out[0]", q_shape, (*rows, hidden))
+    if not q.is_contiguous():
+        raise ValueError(f"out[0] must be contiguous, got strides {tuple(q.stride())}")
+    scale_shape = (*q_shape[:-1], ceil_div(hidden, row_kernel.GROUP))
+    s_shape, s_strides, s_ptr, _ = inspect("out[1]", scales, torch.float32, len(q_shape),
+                                           align=4, device=device, rows=False)
+    require_shape("out[1]", s_shape, scale_shape)
+    total = q.numel() // hidden
+    q_span = (q_ptr, q.numel())
+    require_disjoint("out[0]", q_span, *input_spans)
+    require_disjoint("out[1]", strided_span(s_ptr, s_shape, s_strides, 4), q_span, *input_spans)
+    if len(q_shape) == 2:   # one batch: every row's scales at row * stride
+        batch = {"rows_per_batch": max(total, 1), "scale_batch_stride": 0}
+    else:
+        batch = {"rows_per_batch": max(q_shape[1], 1), "scale_batch_stride": s_strides[0]}
+    return {"q": q_ptr, "scales": s_ptr, "scale_row_stride": s_strides[-2],
+            "scale_group_stride": s_strides[-1], "index_rows": total, **batch}
+
+
+def _routing_rows(rows, device: int, tokens: int | None = None) -> tuple:
+    """rows int32 [T, k] on the device, contiguous (T = ``tokens`` where given): (pairs, k,
+    pointer, span)."""
+    shape, _, ptr, _ = inspect("rows", rows, torch.int32, 2, align=4, device=device, rows=False)
+    if (tokens is not None and shape[0] != tokens) or not rows.is_contiguous():
+        want = f"[{tokens}, k] (a row per token)" if tokens is not None else "[T, k]"
+        raise ValueError(f"rows must be a contiguous int32 {want}, got shape {tuple(shape)} "
+                         f"and strides {tuple(rows.stride())}")
+    return shape[0] * shape[1], shape[1], ptr, (ptr, 4 * rows.numel())
+
+
+def moe_permute_quantize_fp8(x: torch.Tensor, rows: torch.Tensor, shape, *, out=None,
+                             pdl: bool | None = None):
+    """Each token's row into its experts' rows of the grouped GEMM's A, quantized per token
+    (1x128 groups, as ``quantize_fp8_per_token``): row ``rows[t, j]`` of the output (its
+    leading dimensions flattened) gets x[t]'s. x read once per pair, from L2 after the
+    first.
+
+    x: bf16 [T, H], contiguous rows. rows: int32 [T, k] (``moe_routing_layout``'s); an entry
+    outside [0, R) is a dropped pair, not written. shape: the grouped rows' leading shape,
+    (R,) in the contiguous layout (``max_contiguous_rows``), (E, M_max) in the masked one.
+    Returns ``(q, scales)``: q e4m3 [*shape, H], scales f32 [*shape, ceil(H/128)] MN-major
+    (``grouped_quantized``), or ``out`` with any scale strides; rows no pair names are left
+    as they were. ``pdl``: as ``rms_norm``'s."""
+    (tokens, hidden), x_strides, x_ptr, device = inspect("x", x, torch.bfloat16, 2)
+    pairs, k, rows_ptr, rows_span = _routing_rows(rows, device, tokens)
+    shape = _leading_shape(shape)
+    x_span = (x_ptr, 2 * tokens * x_strides[0])
+    if out is not None:
+        _grouped_out(out, hidden, device, x_span, rows_span, rows=shape)
+    if pdl is not None:
+        require_pdl(pdl)
+    require_cuda("x", x, device)
+    if out is None:
+        out = grouped_quantized(shape, hidden, x.device)
+    arguments = _grouped_out(out, hidden, device, x_span, rows_span, rows=shape)
+    if pairs:
+        launcher, grid = _launcher(pairs, hidden, device, False, True, False, pdl, "scatter")
+        launcher(grid, current_stream(device), x=x_ptr, x_row_stride=x_strides[0],
+                 rows=pairs, index=rows_ptr, fanout=k, **arguments)
+    return out
+
+
+def _leading_shape(shape) -> tuple:
+    shape = tuple(shape)
+    if len(shape) not in (1, 2) or not all(isinstance(n, int) and n > 0 for n in shape):
+        raise ValueError(f"shape must be (R,) or (E, M_max), positive ints, got {shape}")
+    return shape
+
+
+def moe_silu_mul_quantize_fp8(d: torch.Tensor, rows: torch.Tensor, *, out=None,
+                              pdl: bool | None = None):
+    """``silu_mul_quantize_fp8`` on the rows of a grouped gate_up output that hold a pair:
+    row r = ``rows[t, j]`` of ``d`` (gate its first I columns, up the next I) into row r of
+    the output; the other rows (padding, other experts' unused rows) are neither read nor
+    written.
+
+    d: bf16 [R, 2I] or [E, M_max, 2I], contiguous. rows: int32 [T, k] as
+    ``moe_permute_quantize_fp8``'s. Returns ``(q, scales)`` with d's leading shape and I
+    columns (``grouped_quantized``), or ``out``."""
+    shape, _, d_ptr, device = inspect("d", d, torch.bfloat16, (2, 3))
+    if shape[-1] % 2 or not d.is_contiguous():
+        raise ValueError(f"d must be a contiguous gate_up output [..., 2I], got shape "
+                         f"{tuple(shape)} and strides {tuple(d.stride())}")
+    inner = shape[-1] // 2
+    pairs, _, rows_ptr, rows_span = _routing_rows(rows, device)
+    lead, d_span = tuple(shape[:-1]), (d_ptr, 2 * d.numel())
+    if out is not None:
+        _grouped_out(out, inner, device, d_span, rows_span, rows=lead)
+    if pdl is not None:
+        require_pdl(pdl)
+    require_cuda("d", d, device)
+    if out is None:
+        out = grouped_quantized(lead, inner, d.device)
+    arguments = _grouped_out(out, inner, device, d_span, rows_span, rows=lead)
+    if pairs:
+        launcher, grid = _launcher(pairs, inner, device, False, True, True, pdl, "indexed")
+        launcher(grid, current_stream(device), gate=d_ptr, gate_row_stride=shape[-1],
+                 up=d_ptr + 2 * inner, up_row_stride=shape[-1], rows=pairs, index=rows_ptr,
+                 **arguments)
+    return out
+
+
+def moe_experts_fp8(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                    gate_up, down, *, layout: str | None = None) -> torch.Tensor:
+    """A MoE layer's experts with SwiGLU, as transformers' experts modules compute them:
+    ``out[t] = sum_j topk_weights[t, j] * down[e](silu(gate[e](x[t])) * up[e](x[t]))`` with
+    e = topk_idx[t, j], in FP8 (DeepGEMM's recipe: activations 1x128, weights 128x128).
+
+    x: bf16 [T, H]. topk_idx: int64 [T, k] (an index outside [0, E) drops its pair).
+    topk_weights: f32 or bf16 [T, k]. gate_up: ``(q, s)``, e4m3 [E, 2I, H] (gate's I rows,
+    then up's) and f32 [E, 2I/128, H/128] (``quantize_fp8_per_block`` of the bf16 weights
+    viewed [E*2I, H]). down: ``(q, s)``, e4m3 [E, H, I] and f32 [E, H/128, I/128].
+    layout: 'masked' or 'contiguous' (None: ``choose_layout``). Returns bf16 [T, H]. Nothing
+    is read back to the host."""
+    tokens, hidden = x.shape
+    experts, two_inner, _ = gate_up[0].shape
+    top_k = topk_idx.shape[-1]
+    layout = layout or choose_layout(tokens, top_k, experts)
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS} or None, got {layout!r}")
+    routing = moe_routing_layout(topk_idx, experts, layout=layout,
+                                 rows_per_expert=max(tokens, 1) if layout == "masked" else None)
+    lead = (experts, max(tokens, 1)) if layout == "masked" else \
+        (max_contiguous_rows(tokens, top_k, experts),)
+    a = moe_permute_quantize_fp8(x, routing.rows, lead)
+    gate_up_out = torch.empty((*lead, two_inner), dtype=torch.bfloat16, device=x.device)
+    _grouped_gemm(layout, a, gate_up, gate_up_out, routing, tokens * top_k, experts)
+    h = moe_silu_mul_quantize_fp8(gate_up_out, routing.rows)
+    y = torch.empty((*lead, hidden), dtype=torch.bfloat16, device=x.device)
+    _grouped_gemm(layout, h, down, y, routing, tokens * top_k, experts)
+    return moe_combine(y.view(-1, hidden), routing.rows, topk_weights)
+
+
+def _grouped_gemm(layout: str, a, b, d, routing, pairs: int, experts: int) -> None:
+    if layout == "masked":
+        # The tile choice's hint: the pairs an expert receives on average.
+        m_grouped_fp8_gemm_nt_masked(a, b, d, routing.counts, max(1, ceil_div(pairs, experts)))
+    else:
+        m_grouped_fp8_gemm_nt_contiguous(a, b, d, routing.m_indices, rows_used=routing.rows_used)
