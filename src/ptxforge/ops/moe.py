@@ -181,6 +181,8 @@ def moe_experts_fp8(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch
     is read back to the host."""
     tokens, hidden = x.shape
     experts, two_inner, _ = gate_up[0].shape
+    # A router's top-k may come as views (a gather's, a slice's): the kernels read rows.
+    topk_idx, topk_weights = topk_idx.contiguous(), topk_weights.contiguous()
     top_k = topk_idx.shape[-1]
     layout = layout or choose_layout(tokens, top_k, experts)
     if layout not in LAYOUTS:
