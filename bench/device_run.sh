@@ -19,15 +19,16 @@ if [ "${1:-}" = moe ]; then
   # The MoE kernels' GPU tests, memcheck on the experts op, each MoE kernel timed.
   {
     step timeout 300 $py -m pytest tests/gpu/test_moe_layout_gpu.py tests/gpu/test_moe_combine_gpu.py tests/gpu/test_moe_gpu.py tests/gpu/test_grouped_gemm_gpu.py -q -p no:cacheprovider -x
-    step compute-sanitizer --tool memcheck --print-limit 5 $py -m pytest tests/gpu/test_moe_gpu.py -q -p no:cacheprovider -k "graph or out_of_range or bit_for_bit"
+    step bash bench/sanitize.sh
     step $py bench/moe_kernels.py
   } > "$log" 2>&1
-  grep -E "passed|failed|ERROR SUMMARY|Error|error" "$log" | grep -v "^|" | tail -12
+  grep -E "passed|failed|memcheck:|synccheck:|racecheck:|Error" "$log" | grep -v "^|" | tail -12
   sed -n '/### .*moe_kernels/,$p' "$log" | grep -v "^###\|[Ww]arn"
   exit 0
 fi
-if [ "${1:-}" = moe-models ]; then
-  $py -m ptxforge.cli bench model --models deepseek-v3-moe,mixtral-moe --json "$OUT/moe_model.json" --plot "$OUT/moe_model.png" > "$log" 2>&1
+if [ "${1:-}" = moe-models ]; then   # [models, default both MoE blocks]
+  models=${2:-deepseek-v3-moe,mixtral-moe}
+  $py -m ptxforge.cli bench model --models "$models" --json "$OUT/moe_model.json" --plot "$OUT/moe_model.png" > "$log" 2>&1
   grep -v "^DEBUG\|[Ww]arn" "$log" | tail -40
   exit 0
 fi

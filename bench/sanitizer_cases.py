@@ -102,3 +102,23 @@ forced(cfg, lambda cfg: ptxforge.m_grouped_fp8_gemm_nt_masked(a3, b3, d3, masked
                                                               config=cfg))
 torch.cuda.synchronize()
 print("ran masked fp8 and bf16 with counts past M_max and negative", flush=True)
+
+# MoE: the routing layout (indices out of range, one expert taking most pairs), the
+# permutation and SwiGLU row maps, the contiguous GEMM stopping at rows_used, the combine
+# skipping dropped pairs; both layouts through moe_experts_fp8.
+from ptxforge.ops import moe  # noqa: E402
+
+tokens, top_k, experts, hidden, inner = 150, 4, 16, 1024, 512
+topk_idx = torch.randint(0, experts, (tokens, top_k), device="cuda")
+topk_idx[:, 0] = 3
+topk_idx[7, 1], topk_idx[9, 2] = -1, experts
+topk_w = torch.rand(tokens, top_k, device="cuda")
+moe_x = torch.randn(tokens, hidden, device="cuda").bfloat16()
+w13 = ptxforge.quantize_fp8_per_block(torch.randn(experts * 2 * inner, hidden, device="cuda").bfloat16())
+w2 = ptxforge.quantize_fp8_per_block(torch.randn(experts * hidden, inner, device="cuda").bfloat16())
+w13 = (w13[0].view(experts, 2 * inner, hidden), w13[1].view(experts, -1, w13[1].shape[1]))
+w2 = (w2[0].view(experts, hidden, inner), w2[1].view(experts, -1, w2[1].shape[1]))
+for layout in moe.LAYOUTS:
+    moe.moe_experts_fp8(moe_x, topk_idx, topk_w, w13, w2, layout=layout)
+    torch.cuda.synchronize()
+    print("ran the MoE experts,", layout, "layout", flush=True)

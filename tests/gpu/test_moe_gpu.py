@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import ptxforge
+from ptxforge import compiler
 from ptxforge.ops import moe
 from ptxforge.testing.checks import calc_diff
 
@@ -163,7 +164,7 @@ def test_a_transformers_moe_block_compiles_to_the_experts_op(kind):
     plans = []
 
     def backend(gm, example_inputs):
-        compiled = ptxforge.compiler.backend(gm, example_inputs)
+        compiled = compiler.backend(gm, example_inputs)
         plans.append(gm.ptxforge_plan)
         return compiled
 
@@ -171,7 +172,7 @@ def test_a_transformers_moe_block_compiles_to_the_experts_op(kind):
     with torch.no_grad():
         for tokens in (3, 64, 700):
             x = torch.randn(1, tokens, 1024, device="cuda").bfloat16()
-            ptxforge.compiler.mark_token_dims((x,), {})
+            compiler.mark_token_dims((x,), {})
             out = compiled(x)
             assert calc_diff(out, f32(x.float())) < 5e-3
             assert torch.equal(out, compiled(x))
