@@ -434,10 +434,14 @@ def test_a_moe_blocks_experts_become_one_operator(kind):
     grouped = [n for n in gm.graph.nodes if "grouped_mm" in str(n.target)]
     assert grouped == []   # transformers' grouped GEMMs, sort and weighted sum are gone
     assert not any(n.op == "call_function" and n.target is torch.sort for n in gm.graph.nodes)
+    names = [name for name, _ in calls]
     if kind == "deepseek_v3":   # the shared expert: the FFN's kernels, the experts' sum its residual
-        names = [name for name, _ in calls]
         assert names[-3:] == ["fp8_linear", "silu_mul_fp8", "fp8_linear"]
         assert calls[-1][1].kwargs["residual"].args[0] is experts
+    else:   # Mixtral's router is a bf16 Linear [8, H]: kept, FP8 scores would re-route tokens
+        assert names == ["moe_experts_fp8"]
+        (router,) = [item for item in plan if item.pattern == "linear"]
+        assert router.operator is None and "router" in router.reason
 
 
 def test_moe_experts_left_to_inductor_say_why():

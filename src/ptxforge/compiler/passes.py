@@ -101,6 +101,8 @@ class Graph:
         fakes = (n.meta.get("example_value") for n in gm.graph.nodes)
         self.fake_mode = next((v.fake_mode for v in fakes if hasattr(v, "fake_mode")), None)
         self.folded: list[torch.Tensor] = []   # parameters copied into the graph's constants
+        # Linears kept as the model wrote them, with the reason (a MoE router's: moe.py)
+        self.kept: dict[torch.fx.Node, str] = {}
 
     @staticmethod
     def value(node):
@@ -206,6 +208,7 @@ def rewrite_linears(g: Graph, *, fp8: bool, arch_of) -> tuple[list, list[Replace
         if kind(node) != "linear":
             continue
         linear, why = why_not_linear(g, node, arch_of)
+        why = g.kept.get(node, why)
         if why is not None:
             plan.append((position, Replacement("linear", node.name, None, why)))
         else:
@@ -518,8 +521,8 @@ def _why_not_causal(g: Graph, sdpa, mask) -> str | None:
         return "the mask is not boolean"
     if not statically_known_true(q.shape[-2] == k.shape[-2]):
         return "queries and keys may differ in length (a cache)"
-    ancestors = _ancestors(mask)
-    for node in ancestors:
+    computed_from = ancestors(mask)
+    for node in computed_from:
         if node.op == "placeholder" and isinstance(g.value(node), torch.Tensor):
             return f"the mask depends on the input {node.name}"
         if node.op not in ("placeholder", "call_function", "call_method"):
@@ -529,10 +532,10 @@ def _why_not_causal(g: Graph, sdpa, mask) -> str | None:
             return "the mask comes from a sliding-window or chunked mask function"
     if value.device.type == "meta":
         return None   # the report's trace: checked when compiled for a GPU
-    sizes = [n for n in ancestors if n.op == "placeholder"]
+    sizes = [n for n in computed_from if n.op == "placeholder"]
     if len(sizes) != 1:
         return f"the mask depends on {len(sizes)} sizes, not the sequence length alone"
-    evaluate = _subgraph(ancestors, sizes[0], mask)
+    evaluate = _subgraph(computed_from, sizes[0], mask)
     traced = traced_size(q.shape[-2])
     for length in sorted({*CHECKED_LENGTHS, traced}):
         try:
@@ -545,7 +548,7 @@ def _why_not_causal(g: Graph, sdpa, mask) -> str | None:
     return None
 
 
-def _ancestors(node) -> list:
+def ancestors(node) -> list:
     """The nodes ``node`` is computed from, and itself, in graph order."""
     seen, stack = set(), [node]
     while stack:

@@ -48,12 +48,13 @@ Row maps (the MoE's grouped layouts; quantizing variants without RMSNorm). The k
 walks M work rows; ``row_map`` says which rows they read and write:
 
     dense    row i in, row i out (the ops above)
-    scatter  row i // fanout in, row index[i] out: a token's row to each of its experts'
-             rows of the grouped GEMM's A (moe_permute_quantize_fp8, fanout = top-k)
+    scatter  row i in, quantized once, then stored to rows index[i * fanout + j], j <
+             fanout: a token's row into each of its experts' rows of the grouped GEMM's A
+             (moe_permute_quantize_fp8, fanout = top-k; x read once, not once a pair)
     indexed  row index[i] in and out: only the rows of a grouped layout that hold a pair
              (moe_silu_mul_quantize_fp8 between the grouped GEMMs)
 
-index is int32 [M] on the GPU (``moe_routing_layout`` writes it); an entry outside
+index is int32 on the GPU (``moe_routing_layout`` writes it); an entry outside
 [0, index_rows) is a dropped pair: nothing is written for it (indexed: row 0 is copied
 into the stage, so the stage's byte count stays whole, and left there). The grouped
 layouts' scales: row r's group g scale is at (r / rows_per_batch) * scale_batch_stride +
@@ -263,7 +264,7 @@ def generate(cfg: RowKernelConfig) -> KernelBuilder:
                 k.mad(row, group, cfg.rows_per_cta, t.row_in_cta, mode="lo")
                 row_ok = k.pred("row_ok")
                 k.setp("lt", row_ok, row, p.rows)
-                if cfg.row_map != "dense":
+                if cfg.row_map == "indexed":
                     row = _mapped_row(k, p, row, row_ok)
                 valid = _vector_predicates(k, cfg, t, row_ok)
                 stages.wait(addr(base, stages.barrier_offset(s)), 0)
@@ -271,7 +272,7 @@ def generate(cfg: RowKernelConfig) -> KernelBuilder:
                 if cfg.normalize:
                     x = _normalize(k, cfg, p, t, x, weight, partials)
                 if cfg.quantize:
-                    _quantize_and_store(k, cfg, p, t, row, x, valid)
+                    _quantize_and_store(k, cfg, p, t, row, x, valid, row_ok)
                 else:
                     _store_bf16(k, cfg, p, t, row, x, valid)
     return k
@@ -328,7 +329,7 @@ def _issue_copies(k, cfg, p, stages, first, total) -> None:
             k.mul(nbytes, rows_here, cfg.stage_row_bytes, mode="lo")
             bar = addr(stages.base, stages.barrier_offset(s))
             k.mbarrier_arrive_expect_tx(bar, nbytes)
-            if cfg.row_map != "dense":
+            if cfg.row_map == "indexed":
                 _issue_mapped_copies(k, cfg, p, stages, s, inputs, first_row, rows_here, bar)
             else:
                 _issue_dense_copies(k, cfg, stages, s, inputs, first_row, rows_here, bar)
@@ -351,31 +352,23 @@ def _issue_dense_copies(k, cfg, stages, s, inputs, first_row, rows_here, bar) ->
 
 
 def _issue_mapped_copies(k, cfg, p, stages, s, inputs, first_row, rows_here, bar) -> None:
-    """The group's rows one by one, each from its own input row: work row w reads row
-    w // fanout (scatter) or index[w] (indexed; a dropped pair's entry reads row 0)."""
+    """The group's rows one by one, each from the row its index entry names (a dropped
+    pair's entry reads row 0)."""
     work, source = k.reg("u32", "copy_work_row"), k.reg("u32", "copy_source_row")
-    src = k.reg("u64", "copy_src")
-    if cfg.row_map == "scatter":
-        fanout = k.reg("u32", "copy_fanout")
-        k.ld_param(fanout, p.fanout)
-    else:
-        index, at, bound = k.reg("u64", "copy_index"), k.reg("u64", "copy_index_at"), \
-            k.reg("u32", "copy_index_rows")
-        k.ld_param(index, p.index)
-        k.ld_param(bound, p.index_rows)
+    src, index, at = k.reg("u64", "copy_src"), k.reg("u64", "copy_index"), \
+        k.reg("u64", "copy_index_at")
+    bound, dropped = k.reg("u32", "copy_index_rows"), k.pred("copy_dropped")
+    k.ld_param(index, p.index)
+    k.ld_param(bound, p.index_rows)
     for r in range(cfg.rows_per_cta):
         in_range = k.pred("copy_row_ok")
         k.setp("gt", in_range, rows_here, r)
         with k.if_(in_range, "copy_row_done"):
             k.add(work, first_row, r)
-            if cfg.row_map == "scatter":
-                k.div(source, work, fanout, type="u32")
-            else:
-                dropped = k.pred("copy_dropped")
-                k.mad(at, work, 4, index, mode="wide")
-                k.ld(source, addr(at), nc=True)
-                k.setp("ge", dropped, source, bound, type="u32")
-                k.selp(source, 0, source, dropped)
+            k.mad(at, work, 4, index, mode="wide")
+            k.ld(source, addr(at), nc=True)
+            k.setp("ge", dropped, source, bound, type="u32")
+            k.selp(source, 0, source, dropped)
             for i, (ptr, stride) in enumerate(inputs):
                 k.mad(src, source, stride, ptr, mode="wide")
                 dst = stages.stage_offset(s) + i * cfg.row_bytes + r * cfg.stage_row_bytes
@@ -550,8 +543,66 @@ def _reduce_across_warps(k, cfg, t, partials, value, tmp):
     k.bar_sync(0)
 
 
-def _quantize_and_store(k, cfg, p, t, row, x, valid):
-    with k.stage("quantize: per-128 group amax (half-warp), scale, e4m3, store"):
+def _quantize_and_store(k, cfg, p, t, row, x, valid, row_ok):
+    """Quantize the row, then store it: at ``row``, or (scatter) at each of the rows its
+    index entries name."""
+    q, scales = _quantize(k, cfg, x)
+    if cfg.row_map != "scatter":
+        _store_quantized(k, cfg, p, t, row, q, scales, valid)
+        return
+    with k.stage("scatter: the quantized row to each row its pairs name"):
+        fanout, j = k.reg("u32", "fanout"), k.reg("u32", "pair")
+        at, out_row = k.reg("u64", "pair_index_at"), k.reg("u32", "pair_row")
+        bound, written = k.reg("u32", "index_rows"), k.pred("pair_written")
+        k.ld_param(fanout, p.fanout)
+        k.ld_param(bound, p.index_rows)
+        k.ld_param(at, p.index)
+        k.mul(out_row, row, fanout, mode="lo")
+        k.mad(at, out_row, 4, at, mode="wide")
+        slots = [k.pred(f"pair_slot{i}") for i in range(len(valid))]
+        with k.loop(j, fanout, uniform=True, hint="pairs"):
+            k.mov(out_row, 0xFFFFFFFF)
+            with k.guard(row_ok):
+                k.ld(out_row, addr(at), nc=True)
+            k.setp("lt", written, out_row, bound, type="u32")
+            for slot, ok in zip(slots, valid):
+                k.and_pred(slot, ok, written)
+            _store_quantized(k, cfg, p, t, out_row, q, scales, slots)
+            k.add(at, at, 4)
+
+
+def _quantize(k, cfg, x):
+    """Per 128-element group (a half-warp): amax, scale, e4m3. Returns the thread's packed
+    e4m3 words (two per slot) and each slot's scale."""
+    with k.stage("quantize: per-128 group amax (half-warp), scale, e4m3"):
+        slots = len(x)
+        amax = k.regs("f32", slots, "amax")
+        inv, scale = k.regs("f32", slots, "inv_scale"), k.regs("f32", slots, "scale")
+        shuffled = k.regs("f32", slots, "shuffled")
+        packed_max, halves = k.reg("b32", "packed_max"), k.regs("f32", 2, "half")
+        # Phases across all slots, so each phase's latencies (shuffles, reciprocals) overlap.
+        for j, v in enumerate(x):
+            fp8.packed_amax(k, amax[j], v, packed_max, halves)
+        reduce.butterfly_max(k, amax, 16, shuffled)
+        for j in range(slots):
+            fp8.scale_from_amax(k, amax[j], inv[j], scale[j])
+        vals = k.regs("f32", VECTOR, "v")
+        scratch = k.regs("b16", 2, "e4m3x2_")
+        q = []
+        for j, v in enumerate(x):
+            for i, word in enumerate(v):
+                fp8.unpack_bf16x2(k, vals[2 * i], vals[2 * i + 1], word)
+            for val in vals:
+                k.mul(val, val, inv[j], rnd="rn")
+            packed = k.regs("b32", 2, f"q{j}_")
+            fp8.pack_e4m3x4(k, packed[0], vals[:4], scratch)
+            fp8.pack_e4m3x4(k, packed[1], vals[4:], scratch)
+            q.append(packed)
+    return q, scale
+
+
+def _store_quantized(k, cfg, p, t, row, q, scales, valid):
+    with k.stage("store: e4m3 (8 bytes a slot), one scale per group"):
         q_ptr, s_ptr = k.reg("u64", "q_ptr"), k.reg("u64", "s_ptr")
         k.ld_param(q_ptr, p.q)
         _advance(k, q_ptr, row, cfg.hidden, t.col, VECTOR)
@@ -582,34 +633,13 @@ def _quantize_and_store(k, cfg, p, t, row, x, valid):
         leader, store_scale = k.pred("group_leader"), k.pred("store_scale")
         k.and_(group, t.col, 15)
         k.setp("eq", leader, group, 0)
-
-        slots = len(x)
-        amax = k.regs("f32", slots, "amax")
-        inv, scale = k.regs("f32", slots, "inv_scale"), k.regs("f32", slots, "scale")
-        shuffled = k.regs("f32", slots, "shuffled")
-        packed_max, halves = k.reg("b32", "packed_max"), k.regs("f32", 2, "half")
-        # Phases across all slots, so each phase's latencies (shuffles, reciprocals) overlap.
-        for j, v in enumerate(x):
-            fp8.packed_amax(k, amax[j], v, packed_max, halves)
-        reduce.butterfly_max(k, amax, 16, shuffled)
-        for j in range(slots):
-            fp8.scale_from_amax(k, amax[j], inv[j], scale[j])
-        vals = k.regs("f32", VECTOR, "v")
-        packed = k.regs("b32", 2, "q")
-        scratch = k.regs("b16", 2, "e4m3x2_")
-        for j, v in enumerate(x):
-            for i, word in enumerate(v):
-                fp8.unpack_bf16x2(k, vals[2 * i], vals[2 * i + 1], word)
-            for val in vals:
-                k.mul(val, val, inv[j], rnd="rn")
-            fp8.pack_e4m3x4(k, packed[0], vals[:4], scratch)
-            fp8.pack_e4m3x4(k, packed[1], vals[4:], scratch)
+        for j, packed in enumerate(q):
             with k.guard(valid[j]):
                 k.st(addr(q_ptr, j * cfg.threads_per_row * VECTOR), packed, type="b32")
             k.and_pred(store_scale, leader, valid[j])
             with k.guard(store_scale):
-                k.st(addr(s_ptr), scale[j])
-            if j + 1 < slots:
+                k.st(addr(s_ptr), scales[j])
+            if j + 1 < len(q):
                 k.add(s_ptr, s_ptr, step64)
 
 

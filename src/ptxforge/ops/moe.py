@@ -99,8 +99,8 @@ def moe_permute_quantize_fp8(x: torch.Tensor, rows: torch.Tensor, shape, *, out=
                              pdl: bool | None = None):
     """Each token's row into its experts' rows of the grouped GEMM's A, quantized per token
     (1x128 groups, as ``quantize_fp8_per_token``): row ``rows[t, j]`` of the output (its
-    leading dimensions flattened) gets x[t]'s. x read once per pair, from L2 after the
-    first.
+    leading dimensions flattened) gets x[t]'s. Each row is read and quantized once, then
+    stored k times.
 
     x: bf16 [T, H], contiguous rows. rows: int32 [T, k] (``moe_routing_layout``'s); an entry
     outside [0, R) is a dropped pair, not written. shape: the grouped rows' leading shape,
@@ -120,10 +120,10 @@ def moe_permute_quantize_fp8(x: torch.Tensor, rows: torch.Tensor, shape, *, out=
     if out is None:
         out = grouped_quantized(shape, hidden, x.device)
     arguments = _grouped_out(out, hidden, device, x_span, rows_span, rows=shape)
-    if pairs:
-        launcher, grid = _launcher(pairs, hidden, device, False, True, False, pdl, "scatter")
+    if pairs:   # a CTA per token (or a few): its row read and quantized once, stored k times
+        launcher, grid = _launcher(tokens, hidden, device, False, True, False, pdl, "scatter")
         launcher(grid, current_stream(device), x=x_ptr, x_row_stride=x_strides[0],
-                 rows=pairs, index=rows_ptr, fanout=k, **arguments)
+                 rows=tokens, index=rows_ptr, fanout=k, **arguments)
     return out
 
 
