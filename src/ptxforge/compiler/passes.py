@@ -571,6 +571,16 @@ def _subgraph(nodes, size, output):
     return lambda length: module(length)
 
 
+def _kept_by_dce(node) -> bool:
+    """FX's dead-code elimination takes every call_method for pure: an in-place method
+    whose result goes unused (DeepSeek-V3's router: ``group_mask.scatter_(1, group_idx, 1)``)
+    would be deleted and the graph compute something else. Methods named with torch's
+    in-place underscore are kept, with what FX itself keeps."""
+    if node.op == "call_method" and node.target.endswith("_") and not node.target.startswith("_"):
+        return True
+    return node.is_impure()
+
+
 def rewrite(gm: torch.fx.GraphModule, example_inputs, *, fp8: bool, arch_of) -> list[Replacement]:
     """Every pass, in order; returns the plan. The parameters whose values the graph now
     holds a copy of (quantized or joined) are left in ``gm.ptxforge_folded``."""
@@ -584,7 +594,7 @@ def rewrite(gm: torch.fx.GraphModule, example_inputs, *, fp8: bool, arch_of) -> 
         plan += fuse_producers(g, made, arch_of)
     plan += fuse_residuals(g, made)
     plan += use_causal_attention(g)
-    g.graph.eliminate_dead_code()
+    g.graph.eliminate_dead_code(is_impure_node=_kept_by_dce)
     g.graph.lint()
     gm.recompile()
     gm.ptxforge_folded = g.folded

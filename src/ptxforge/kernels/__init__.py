@@ -56,10 +56,10 @@ class KernelSpec:
 
 
 def _row(normalize: bool, quantize: bool, swiglu: bool = False, row_map: str = "dense"):
-    def configure(arch, hidden: int):
+    def configure(arch, hidden: int, topk: int = 1):
         return bf16_row_rmsnorm_fp8quant.choose_config(arch, hidden, normalize=normalize,
                                                        quantize=quantize, swiglu=swiglu,
-                                                       row_map=row_map)
+                                                       row_map=row_map, fanout=topk)
     return configure
 
 
@@ -156,7 +156,8 @@ REGISTRY = {
                    "MoE routing: each (token, expert) pair's row in the grouped GEMMs' input "
                    "(layout: contiguous or masked)"),
         KernelSpec("moe_permute_quantize_fp8", _row(False, True, row_map="scatter"),
-                   bf16_row_rmsnorm_fp8quant.generate, _ROW_OPTIONS, _ROW_VARIANTS,
+                   bf16_row_rmsnorm_fp8quant.generate, {"hidden": 7168, "topk": 8},
+                   tuple({"hidden": h, "topk": k} for h in HIDDEN_SIZES for k in (8, 2)),
                    "MoE: each token's row into its experts' rows, 1x128 FP8 quantization"),
         KernelSpec("moe_silu_mul_quantize_fp8", _row(False, True, swiglu=True, row_map="indexed"),
                    bf16_row_rmsnorm_fp8quant.generate, {"hidden": 2048}, _SWIGLU_VARIANTS,

@@ -49,8 +49,9 @@ walks M work rows; ``row_map`` says which rows they read and write:
 
     dense    row i in, row i out (the ops above)
     scatter  row i in, quantized once, then stored to rows index[i * fanout + j], j <
-             fanout: a token's row into each of its experts' rows of the grouped GEMM's A
-             (moe_permute_quantize_fp8, fanout = top-k; x read once, not once a pair)
+             fanout (compile-time): a token's row into each of its experts' rows of the
+             grouped GEMM's A (moe_permute_quantize_fp8, fanout = top-k; x read once, not
+             once a pair; the fanout indices loaded under the row's copy)
     indexed  row index[i] in and out: only the rows of a grouped layout that hold a pair
              (moe_silu_mul_quantize_fp8 between the grouped GEMMs)
 
@@ -94,6 +95,11 @@ NAMES = {(True, False, False): "rmsnorm", (False, True, False): "quant_fp8_per_t
 INPUTS = {False: ("x",), True: ("gate", "up")}
 # Which rows the work rows read and write (see the docstring).
 ROW_MAPS = ("dense", "scatter", "indexed")
+MAX_FANOUT = 16   # a scatter's rows per input row, each index in a register
+# The scatter keeps the quantized row (two words a slot) and its fanout row indices live
+# across its stores: 64 registers spill from fanout 2 at K = 7168 (ptxas 13.0); 96 hold
+# every fanout up to 16.
+SCATTER_REGISTERS = 96
 
 # Vectors per thread and the register cap given to ptxas (through .minnctapersm), from
 # ptxas 13.0's reports on sm_90a: quantization alone fits 8 vectors in 64 registers; with
@@ -117,10 +123,12 @@ class RowKernelConfig:
     ctas_per_sm: int  # resident CTAs the registers and shared memory allow (ptxas's cap)
     target: str
     row_map: str = "dense"
+    fanout: int = 1   # scatter: the rows each input row is stored to (a MoE's top-k)
 
     @property
     def name(self) -> str:
-        mapped = "" if self.row_map == "dense" else f"_{self.row_map}"
+        mapped = {"dense": "", "scatter": f"_scatter{self.fanout}"}.get(self.row_map,
+                                                                        f"_{self.row_map}")
         return f"bf16_{NAMES[(self.normalize, self.quantize, self.swiglu)]}{mapped}_k{self.hidden}"
 
     @property
@@ -144,6 +152,8 @@ class RowKernelConfig:
         """The register cap the heuristic counts resident CTAs with."""
         if self.swiglu and (self.threads_per_row, self.vectors_per_thread) == (16, 7):
             return SWIGLU_16_THREADS_7_VECTORS_REGISTERS
+        if self.row_map == "scatter":
+            return SCATTER_REGISTERS
         return REGISTER_CAP[self.normalize]
 
     @property
@@ -179,7 +189,7 @@ class RowKernelConfig:
 
 def choose_config(arch: Arch, hidden: int, *, normalize: bool, quantize: bool,
                   swiglu: bool = False, groups: int | None = None,
-                  row_map: str = "dense") -> RowKernelConfig:
+                  row_map: str = "dense", fanout: int = 1) -> RowKernelConfig:
     """The fewest threads per row (a power of two, at least a half-warp) that keep each
     thread at <= 7-8 vectors; rows packed so a CTA has at least 128 threads; ``groups``
     row groups per CTA (the measured default per variant); then as many resident CTAs an
@@ -192,6 +202,9 @@ def choose_config(arch: Arch, hidden: int, *, normalize: bool, quantize: bool,
     if row_map not in ROW_MAPS or (row_map != "dense" and (normalize or not quantize)):
         raise ValueError(f"row_map must be one of {ROW_MAPS} ('dense' only with RMSNorm or "
                          f"without quantization), got {row_map!r}")
+    if not 1 <= fanout <= MAX_FANOUT or (fanout > 1 and row_map != "scatter"):
+        raise ValueError(f"experts per token (topk) must be from 1 to {MAX_FANOUT}, and above "
+                         f"1 only for the scatter row map, got {fanout}")
     groups = groups or GROUPS_PER_CTA[variant]
     if hidden <= 0 or hidden % VECTOR:
         raise ValueError(f"hidden size ({INPUTS[swiglu][0]}.shape[-1]) must be a positive "
@@ -212,7 +225,7 @@ def choose_config(arch: Arch, hidden: int, *, normalize: bool, quantize: bool,
     rows_per_cta = max(1, MIN_CTA_THREADS // threads_per_row)
     threads = threads_per_row * rows_per_cta
     cfg = RowKernelConfig(hidden, normalize, quantize, swiglu, threads_per_row, rows_per_cta,
-                          groups, 1, arch.target, row_map)
+                          groups, 1, arch.target, row_map, fanout)
     shared = cfg.dynamic_shared_bytes + cfg.static_shared_bytes
     ctas = min(MAX_CTAS_PER_SM, arch.resident_ctas(threads, cfg.registers, shared))
     if ctas < 1:
@@ -266,13 +279,14 @@ def generate(cfg: RowKernelConfig) -> KernelBuilder:
                 k.setp("lt", row_ok, row, p.rows)
                 if cfg.row_map == "indexed":
                     row = _mapped_row(k, p, row, row_ok)
+                targets = _scatter_rows(k, cfg, p, row, row_ok) if cfg.row_map == "scatter" else None
                 valid = _vector_predicates(k, cfg, t, row_ok)
                 stages.wait(addr(base, stages.barrier_offset(s)), 0)
                 x = _load_row(k, cfg, t, base, s, row_ok, valid)
                 if cfg.normalize:
                     x = _normalize(k, cfg, p, t, x, weight, partials)
                 if cfg.quantize:
-                    _quantize_and_store(k, cfg, p, t, row, x, valid, row_ok)
+                    _quantize_and_store(k, cfg, p, t, row, x, valid, targets)
                 else:
                     _store_bf16(k, cfg, p, t, row, x, valid)
     return k
@@ -302,8 +316,6 @@ class _Params:
             self.index_rows = k.param("index_rows", "u32")    # rows of q (indexed: and x)
             self.rows_per_batch = k.param("rows_per_batch", "u32")
             self.scale_batch_stride = k.param("scale_batch_stride", "u32")  # elements
-        if cfg.row_map == "scatter":
-            self.fanout = k.param("fanout", "u32")            # work rows per input row
 
 
 def _issue_copies(k, cfg, p, stages, first, total) -> None:
@@ -543,32 +555,38 @@ def _reduce_across_warps(k, cfg, t, partials, value, tmp):
     k.bar_sync(0)
 
 
-def _quantize_and_store(k, cfg, p, t, row, x, valid, row_ok):
-    """Quantize the row, then store it: at ``row``, or (scatter) at each of the rows its
-    index entries name."""
+def _quantize_and_store(k, cfg, p, t, row, x, valid, targets):
+    """Quantize the row, then store it: at ``row``, or (scatter) at each of ``targets``,
+    the rows its index entries name."""
     q, scales = _quantize(k, cfg, x)
-    if cfg.row_map != "scatter":
+    if targets is None:
         _store_quantized(k, cfg, p, t, row, q, scales, valid)
         return
-    with k.stage("scatter: the quantized row to each row its pairs name"):
-        fanout, j = k.reg("u32", "fanout"), k.reg("u32", "pair")
-        at, out_row = k.reg("u64", "pair_index_at"), k.reg("u32", "pair_row")
-        bound, written = k.reg("u32", "index_rows"), k.pred("pair_written")
-        k.ld_param(fanout, p.fanout)
-        k.ld_param(bound, p.index_rows)
-        k.ld_param(at, p.index)
-        k.mul(out_row, row, fanout, mode="lo")
-        k.mad(at, out_row, 4, at, mode="wide")
-        slots = [k.pred(f"pair_slot{i}") for i in range(len(valid))]
-        with k.loop(j, fanout, uniform=True, hint="pairs"):
-            k.mov(out_row, 0xFFFFFFFF)
-            with k.guard(row_ok):
-                k.ld(out_row, addr(at), nc=True)
-            k.setp("lt", written, out_row, bound, type="u32")
+    bound, written = k.reg("u32", "index_rows"), k.pred("pair_written")
+    k.ld_param(bound, p.index_rows)
+    slots = [k.pred(f"pair_slot{i}") for i in range(len(valid))]
+    for j, target in enumerate(targets):
+        with k.stage(f"scatter: the quantized row to its pair {j}'s row"):
+            k.setp("lt", written, target, bound, type="u32")
             for slot, ok in zip(slots, valid):
                 k.and_pred(slot, ok, written)
-            _store_quantized(k, cfg, p, t, out_row, q, scales, slots)
-            k.add(at, at, 4)
+            _store_quantized(k, cfg, p, t, target, q, scales, slots)
+
+
+def _scatter_rows(k, cfg, p, row, row_ok) -> list:
+    """The rows input row ``row`` is stored to, index[row * fanout + j], loaded before the
+    row's stage is waited for (their latency under the copy's); -1 past M."""
+    with k.stage("scatter: the rows this row goes to"):
+        at, index = k.reg("u64", "pair_index_at"), k.reg("u64", "pair_index")
+        k.ld_param(index, p.index)
+        k.mul(at, row, 4 * cfg.fanout, mode="wide")
+        k.add(at, at, index)
+        targets = k.regs("u32", cfg.fanout, "pair_row")
+        for j, target in enumerate(targets):
+            k.mov(target, 0xFFFFFFFF)
+            with k.guard(row_ok):
+                k.ld(target, addr(at, 4 * j), nc=True)
+    return targets
 
 
 def _quantize(k, cfg, x):

@@ -121,9 +121,10 @@ def moe_permute_quantize_fp8(x: torch.Tensor, rows: torch.Tensor, shape, *, out=
         out = grouped_quantized(shape, hidden, x.device)
     arguments = _grouped_out(out, hidden, device, x_span, rows_span, rows=shape)
     if pairs:   # a CTA per token (or a few): its row read and quantized once, stored k times
-        launcher, grid = _launcher(tokens, hidden, device, False, True, False, pdl, "scatter")
+        launcher, grid = _launcher(tokens, hidden, device, False, True, False, pdl, "scatter",
+                                   k)
         launcher(grid, current_stream(device), x=x_ptr, x_row_stride=x_strides[0],
-                 rows=tokens, index=rows_ptr, fanout=k, **arguments)
+                 rows=tokens, index=rows_ptr, **arguments)
     return out
 
 

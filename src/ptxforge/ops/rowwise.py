@@ -25,22 +25,23 @@ ROW_RANKS = (1, 2, 3, 4, 5, 6, 7, 8)
 
 @functools.lru_cache(maxsize=None)
 def _kernel(device_index: int, hidden: int, normalize: bool, quantize: bool, swiglu: bool,
-            pdl: bool | None, row_map: str = "dense"):
+            pdl: bool | None, row_map: str = "dense", fanout: int = 1):
     """(rows per CTA, row groups per CTA, launcher) for one device and variant; ``pdl``:
     the call's (None: the process default)."""
     cfg = row_kernel.choose_config(device_arch(device_index), hidden, normalize=normalize,
-                                   quantize=quantize, swiglu=swiglu, row_map=row_map)
+                                   quantize=quantize, swiglu=swiglu, row_map=row_map,
+                                   fanout=fanout)
     launcher = jit.build(row_kernel.generate(cfg)).launcher(device_index,
                                                             programmatic=programmatic(pdl))
     return cfg.rows_per_cta, cfg.groups, launcher
 
 
 def _launcher(rows: int, hidden: int, device: int, normalize: bool, quantize: bool,
-              swiglu: bool, pdl, row_map: str = "dense"):
+              swiglu: bool, pdl, row_map: str = "dense", fanout: int = 1):
     """(launcher, grid): one CTA per rows_per_cta x groups rows. The ops call the launcher
     with their arguments by name themselves: one keyword call, no dict passed along."""
     rows_per_cta, groups, launcher = _kernel(device, hidden, normalize, quantize, swiglu, pdl,
-                                             row_map)
+                                             row_map, fanout)
     return launcher, (-(-rows // (rows_per_cta * groups)), 1, 1)
 
 
