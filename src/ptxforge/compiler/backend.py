@@ -57,7 +57,7 @@ def rewrite(gm: torch.fx.GraphModule, example_inputs, *, fp8: bool = True,
                  item.reason)
     linears = [item for item in plan if "linear" in item.pattern]
     reasons = {item.reason for item in linears}
-    if linears and not any(item.operator for item in linears) and len(reasons) == 1:
+    if linears and not any(item.operator for item in plan) and len(reasons) == 1:
         log.warning("ptxforge leaves every Linear to Inductor: %s", reasons.pop())
     return plan
 
