@@ -222,6 +222,7 @@ def _instruction_calls(k):
         "ldmatrix": lambda: k.ldmatrix(q, addr(u)), "stmatrix": lambda: k.stmatrix(addr(u), q),
         "cp_async_bulk_tensor_load": lambda: k.cp_async_bulk_tensor_load(addr(u), d64, [v, w], addr(u)),
         "cp_async_bulk_load": lambda: k.cp_async_bulk_load(addr(u), a, 256, addr(u)),
+        "cp_async_bulk_store": lambda: k.cp_async_bulk_store(a, addr(u), 256),
         "cp_async": lambda: k.cp_async(addr(u), a, 4),
         "cp_async_mbarrier_arrive": lambda: k.cp_async_mbarrier_arrive(addr(u)),
         "cp_async_bulk_tensor_store": lambda: k.cp_async_bulk_tensor_store(d64, [v, w], addr(u)),

@@ -202,6 +202,9 @@ def choose_config(arch: Arch, hidden: int, *, normalize: bool, quantize: bool,
     if row_map not in ROW_MAPS or (row_map != "dense" and (normalize or not quantize)):
         raise ValueError(f"row_map must be one of {ROW_MAPS} ('dense' only with RMSNorm or "
                          f"without quantization), got {row_map!r}")
+    if row_map == "scatter" and hidden % 16:
+        raise ValueError(f"hidden size (x.shape[1]) must be a multiple of 16 for the scatter's "
+                         f"bulk stores, got {hidden}")
     if not 1 <= fanout <= MAX_FANOUT or (fanout > 1 and row_map != "scatter"):
         raise ValueError(f"experts per token (topk) must be from 1 to {MAX_FANOUT}, and above "
                          f"1 only for the scatter row map, got {fanout}")
@@ -286,7 +289,12 @@ def generate(cfg: RowKernelConfig) -> KernelBuilder:
                 if cfg.normalize:
                     x = _normalize(k, cfg, p, t, x, weight, partials)
                 if cfg.quantize:
-                    _quantize_and_store(k, cfg, p, t, row, x, valid, targets)
+                    stage_row = None
+                    if targets is not None:   # the row's place in its stage, for the bulk stores
+                        stage_row = k.reg("u32", "stage_row")
+                        k.mad(stage_row, t.row_in_cta, cfg.stage_row_bytes, base, mode="lo")
+                        k.add(stage_row, stage_row, stages.stage_offset(s))
+                    _quantize_and_store(k, cfg, p, t, row, x, valid, targets, stage_row)
                 else:
                     _store_bf16(k, cfg, p, t, row, x, valid)
     return k
@@ -555,22 +563,45 @@ def _reduce_across_warps(k, cfg, t, partials, value, tmp):
     k.bar_sync(0)
 
 
-def _quantize_and_store(k, cfg, p, t, row, x, valid, targets):
+def _quantize_and_store(k, cfg, p, t, row, x, valid, targets, stage_row):
     """Quantize the row, then store it: at ``row``, or (scatter) at each of ``targets``,
-    the rows its index entries name."""
+    the rows its index entries name: the e4m3 row written once into its stage (which the
+    threads have read), then copied to each target by the copy engine (one bulk store of
+    K bytes a target, issued by the row's first thread), the scales by the threads."""
     q, scales = _quantize(k, cfg, x)
     if targets is None:
         _store_quantized(k, cfg, p, t, row, q, scales, valid)
         return
+    with k.stage("scatter: the e4m3 row into its stage, visible to the copy engine"):
+        k.bar_sync(0)   # every thread has read its vectors of the stage
+        at = k.reg("u32", "q_stage_at")
+        k.mad(at, t.col, VECTOR, stage_row, mode="lo")
+        for j, packed in enumerate(q):
+            with k.guard(valid[j]):
+                k.st(addr(at, j * cfg.threads_per_row * VECTOR), packed, type="b32",
+                     space="shared")
+        k.fence_proxy_async()
+        k.bar_sync(0)
     bound, written = k.reg("u32", "index_rows"), k.pred("pair_written")
+    issuer, q_base, dst = k.pred("bulk_issuer"), k.reg("u64", "q_base"), k.reg("u64", "q_dst")
     k.ld_param(bound, p.index_rows)
+    k.ld_param(q_base, p.q)
     slots = [k.pred(f"pair_slot{i}") for i in range(len(valid))]
     for j, target in enumerate(targets):
-        with k.stage(f"scatter: the quantized row to its pair {j}'s row"):
+        with k.stage(f"scatter: pair {j}'s row, a bulk store, and its scales"):
             k.setp("lt", written, target, bound, type="u32")
+            k.setp("eq", issuer, t.col, 0)
+            k.and_pred(issuer, issuer, written)
+            k.and_pred(issuer, issuer, valid[0])
+            with k.guard(issuer):
+                k.mad(dst, target, cfg.hidden, q_base, mode="wide")
+                k.cp_async_bulk_store(addr(dst), addr(stage_row), cfg.hidden)
             for slot, ok in zip(slots, valid):
                 k.and_pred(slot, ok, written)
-            _store_quantized(k, cfg, p, t, target, q, scales, slots)
+            _store_quantized(k, cfg, p, t, target, q, scales, slots, values=False)
+    with k.stage("scatter: the stage is read before the CTA leaves"):
+        k.cp_async_bulk_commit_group()
+        k.cp_async_bulk_wait_group(0, read=True)
 
 
 def _scatter_rows(k, cfg, p, row, row_ok) -> list:
@@ -619,11 +650,15 @@ def _quantize(k, cfg, x):
     return q, scale
 
 
-def _store_quantized(k, cfg, p, t, row, q, scales, valid):
+def _store_quantized(k, cfg, p, t, row, q, scales, valid, *, values: bool = True):
+    """The e4m3 words of each slot (unless ``values`` is False) and each group's scale at
+    ``row``."""
     with k.stage("store: e4m3 (8 bytes a slot), one scale per group"):
-        q_ptr, s_ptr = k.reg("u64", "q_ptr"), k.reg("u64", "s_ptr")
-        k.ld_param(q_ptr, p.q)
-        _advance(k, q_ptr, row, cfg.hidden, t.col, VECTOR)
+        s_ptr = k.reg("u64", "s_ptr")
+        if values:
+            q_ptr = k.reg("u64", "q_ptr")
+            k.ld_param(q_ptr, p.q)
+            _advance(k, q_ptr, row, cfg.hidden, t.col, VECTOR)
         # scale index of slot j = row * row_stride + (j * threads_per_row/16 + col/16) * group_stride
         srs, sgs = k.reg("u32", "scale_row_stride"), k.reg("u32", "scale_group_stride")
         k.ld_param(srs, p.scale_row_stride)
@@ -652,8 +687,9 @@ def _store_quantized(k, cfg, p, t, row, q, scales, valid):
         k.and_(group, t.col, 15)
         k.setp("eq", leader, group, 0)
         for j, packed in enumerate(q):
-            with k.guard(valid[j]):
-                k.st(addr(q_ptr, j * cfg.threads_per_row * VECTOR), packed, type="b32")
+            if values:
+                with k.guard(valid[j]):
+                    k.st(addr(q_ptr, j * cfg.threads_per_row * VECTOR), packed, type="b32")
             k.and_pred(store_scale, leader, valid[j])
             with k.guard(store_scale):
                 k.st(addr(s_ptr), scales[j])

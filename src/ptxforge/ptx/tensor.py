@@ -111,6 +111,11 @@ class TensorOps:
         self.emit("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes",
                   dst, src, nbytes, bar)
 
+    def cp_async_bulk_store(self, dst: Address, src: Address, nbytes: Operand) -> None:
+        """Shared -> global copy of ``nbytes`` contiguous bytes (16-byte aligned, a multiple
+        of 16); completion is tracked by bulk groups."""
+        self.emit("cp.async.bulk.global.shared::cta.bulk_group", dst, src, nbytes)
+
     def cp_async_bulk_tensor_store(self, tensormap: Operand, coords: list, src: Address) -> None:
         """Shared -> global tile copy; completion is tracked by bulk groups."""
         self.emit(f"cp.async.bulk.tensor.{len(coords)}d.global.shared::cta.tile.bulk_group",
