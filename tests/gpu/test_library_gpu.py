@@ -61,6 +61,37 @@ def opcheck_cases():
         torch.empty(2, 64, 256, device="cuda", dtype=torch.bfloat16), masked_m, 32), {}
 
 
+def as_tuple(result) -> tuple:
+    return tuple(result) if isinstance(result, (tuple, list)) else (result,)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """e4m3 as its bytes (torch.equal has no e4m3), other dtypes as they are."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def moe_opcheck_cases():
+    """(operator, arguments, keyword arguments, opcheck's tests): the MoE operators on a
+    routing that fills every grouped row (8 tokens, top-1, 2 tokens an expert), so that
+    their outputs hold no uninitialised rows; e4m3 outputs have no allclose, so those ops
+    get the fake-tensor test alone (and a bitwise repeat in the test)."""
+    everything = ("test_schema", "test_autograd_registration", "test_faketensor",
+                  "test_aot_dispatch_dynamic")
+    idx = torch.tensor([[0], [0], [1], [1], [2], [2], [3], [3]], device="cuda")
+    yield ops.moe_routing_layout, (torch.randint(0, 16, (32, 4), device="cuda"), 16), {}, everything
+    yield ops.moe_routing_layout, (idx, 4), {"layout": "masked", "rows_per_expert": 2}, everything
+    rows = ptxforge.moe_routing_layout(idx, 4, layout="masked", rows_per_expert=2).rows
+    yield ops.moe_permute_quantize_fp8, (bf16(8, 512), rows, [4, 2]), {}, ("test_faketensor",)
+    yield ops.moe_silu_mul_quantize_fp8, (bf16(4, 2, 1024), rows), {}, ("test_faketensor",)
+    yield ops.moe_combine, (bf16(8, 512), rows, torch.rand(8, 1, device="cuda")), {}, everything
+    w13 = ptxforge.quantize_fp8_per_block(bf16(4 * 1024, 512))
+    w2 = ptxforge.quantize_fp8_per_block(bf16(4 * 512, 512))
+    yield ops.moe_experts_fp8, (bf16(8, 512), idx, torch.rand(8, 1, device="cuda"),
+                                w13[0].view(4, 1024, 512), w13[1].view(4, 8, 4),
+                                w2[0].view(4, 512, 512), w2[1].view(4, 4, 4)), {}, (
+        "test_faketensor", "test_aot_dispatch_dynamic")
+
+
 def test_opcheck_every_operator():
     """opcheck's schema test compares inputs before and after with allclose, which torch
     does not implement for e4m3: for the ops reading e4m3 the test here checks instead that
@@ -89,6 +120,12 @@ def test_opcheck_every_operator():
             assert not torch.isnan(written).all(), op
         else:
             torch.library.opcheck(op.default, args, kwargs)
+        checked.add(op.default.name().split("::")[1])
+    for op, args, kwargs, tests in moe_opcheck_cases():
+        torch.library.opcheck(op.default, args, kwargs, test_utils=tests)
+        first, again = (as_tuple(op(*args, **kwargs)) for _ in range(2))
+        assert all(a is b is None or torch.equal(bits(a), bits(b))
+                   for a, b in zip(first, again)), op
         checked.add(op.default.name().split("::")[1])
     library = ptxforge.ops.library
     assert checked == set(library.OPERATORS) | set(library.COMPILER_OPERATORS)
