@@ -456,6 +456,25 @@ def test_moe_experts_left_to_inductor_say_why():
 
 
 
+def test_moe_sizes_the_kernels_do_not_take_are_left_with_the_reason():
+    transformers = pytest.importorskip("transformers")
+    block = transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock
+    for experts, hidden, inner, reason in (
+            (1100, 512, 256, "num_experts must be in [1, 1024], got 1100"),
+            (8, 520, 256, "the GEMM needs N a positive multiple of 8 and K of 16"),
+            (8, 512, 192, "need 2I and H multiples of 256 and 128, got 2I=384, H=512")):
+        config = transformers.MixtralConfig(hidden_size=hidden, intermediate_size=inner,
+                                            num_local_experts=experts, num_experts_per_tok=2)
+        config._experts_implementation = "grouped_mm"
+        with torch.device("meta"):
+            model = block(config).to(torch.bfloat16)
+            x = torch.empty(1, 8, hidden, dtype=torch.bfloat16)
+        ((gm, plan),) = trace_on_meta(model, x)
+        (moe,) = [item for item in plan if item.pattern == "moe experts"]
+        assert moe.operator is None and reason in moe.reason
+        assert any("grouped_mm" in str(n.target) for n in gm.graph.nodes)   # left as it was
+
+
 def test_compiling_a_model_whose_experts_loop_warns(caplog):
     """transformers' per-expert loop breaks the graph at every expert: no graph holds the
     experts for the pass, and ptxforge.compile says so, naming them."""
