@@ -35,13 +35,11 @@ rows = []
 for name, lhs, b, d, n, k in (("gate_up", a, gate_up, d1, 2 * inner, hidden),
                               ("down", h, down, y, hidden, inner)):
     configs = {"heuristic": None}
-    for block_m, block_n, multicast in ((128, 128, 1), (128, 128, 2), (128, 256, 1),
-                                        (128, 256, 2), (64, 128, 1), (64, 256, 1)):
-        try:
-            configs[f"{block_m}x{block_n} mc{multicast}"] = gemm.make_config(
-                arch, n, k, block_m, block_n, multicast=multicast, groups=experts)
-        except ValueError as error:
-            print(name, block_m, block_n, multicast, error)
+    base = gemm.choose_config(arch, lead[0], n, k, groups=experts)
+    for raster in (1, 2, 4, 8, 16):
+        configs[f"heuristic, raster {raster}"] = gemm.make_config(
+            arch, n, k, base.block_m, base.block_n, base.ctas_per_sm, base.multicast,
+            base.part_buffers, groups=experts, producers=base.producers, raster=raster)
     fns = [lambda c=c, lhs=lhs, b=b, d=d: ptxforge.m_grouped_fp8_gemm_nt_contiguous(
         lhs, b, d, r.m_indices, rows_used=r.rows_used, config=c) for c in configs.values()]
     for (label, cfg), t in zip(configs.items(), timer.each(fns)):

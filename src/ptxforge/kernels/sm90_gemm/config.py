@@ -51,6 +51,7 @@ class GemmConfig:
                            # stage's last scales (sa), and are never stored.
     residual: bool = False  # a bf16 [M, N] residual (D itself or not) added to D before it
                             # is rounded, after the bias
+    raster: int = 16        # block rows a raster group walks (scheduler.py), dense/contiguous
 
     def __post_init__(self):
         # The contiguous layout's segments and the multicast split assume whole tiles.
@@ -69,7 +70,8 @@ class GemmConfig:
                 + (f"_g{self.groups}" if self.groups else "") + ("m" if self.masked else "")
                 + (f"_w{self.producers}" if self.producers > 1 else "")
                 + ("_bias" if self.bias else "") + ("_residual" if self.residual else "")
-                + (f"_r{self.tile_rows}" if self.tile_rows else ""))
+                + (f"_r{self.tile_rows}" if self.tile_rows else "")
+                + (f"_ras{self.raster}" if self.raster != 16 else ""))
 
     @property
     def rows(self) -> int:
@@ -270,7 +272,7 @@ def make_config(arch: Arch, n: int, k: int, block_m: int, block_n: int,
                 part_buffers: int | None = None, accumulate: bool = False,
                 groups: int = 0, masked: bool = False, dtype: str = "e4m3",
                 producers: int = 2, bias: bool = False, tile_rows: int = 0,
-                residual: bool = False) -> GemmConfig:
+                residual: bool = False, raster: int = 16) -> GemmConfig:
     """A config for one tile shape: as many stages as the CTA's share of shared memory
     holds, and the math registers that residency leaves. ``multicast`` 2: clusters of two
     CTAs on neighbouring tiles of one block row, each loading half of the shared A tile.
@@ -353,4 +355,4 @@ def make_config(arch: Arch, n: int, k: int, block_m: int, block_n: int,
                          f"registers a thread has at launch at {ctas_per_sm} CTA(s) an SM")
     return GemmConfig(n, k, block_m, block_n, stages, ctas_per_sm, math_registers, arch.target,
                       multicast, part_buffers, accumulate, groups, masked, dtype, producers, bias,
-                      tile_rows, residual)
+                      tile_rows, residual, raster)

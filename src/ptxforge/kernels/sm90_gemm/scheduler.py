@@ -10,7 +10,7 @@ the layout:
 
 A cluster of ``multicast`` CTAs takes tile groups g = cluster, cluster + clusters, ... <
 count, where a tile group is ``multicast`` neighbouring tiles along N (they share A). The
-dense and contiguous layouts walk the tiles in raster groups of RASTER_GROUP block rows
+dense and contiguous layouts walk the tiles in raster groups of ``cfg.raster`` block rows
 (all of a raster group's tiles in one block column before the next column), so the tiles
 running at once share A rows and B columns in L2. The masked layout walks only the tiles
 of each group's valid rows (masked_m, read on the GPU), group after group, N fastest: the
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from ...ptx import addr, sreg
 
-RASTER_GROUP = 16        # block rows per raster group: 16 A rows + ~8 B columns stay in L2
 
 
 class TileScheduler:
@@ -71,11 +70,12 @@ class TileScheduler:
     def coordinates(self, tile) -> None:
         """m_block, n_block of ``tile`` in its raster group (9 instructions)."""
         k, raster, rows = self.k, self._raster, self._rows
-        tiles_per_raster = RASTER_GROUP * self.n_groups
+        group = self.cfg.raster
+        tiles_per_raster = group * self.n_groups
         k.div(raster, tile, tiles_per_raster, type="u32")
-        k.mul(self.m_block, raster, RASTER_GROUP, mode="lo")     # the raster group's first row
+        k.mul(self.m_block, raster, group, mode="lo")            # the raster group's first row
         k.sub(rows, self.m_tiles, self.m_block)
-        k.min(rows, rows, RASTER_GROUP)                         # block rows in this raster group
+        k.min(rows, rows, group)                                # block rows in this raster group
         k.mad(raster, raster, -tiles_per_raster & 0xFFFFFFFF, tile, mode="lo")  # tile within it
         k.rem(self.n_block, raster, rows)
         k.add(self.m_block, self.m_block, self.n_block)
