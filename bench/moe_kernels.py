@@ -47,12 +47,21 @@ def measure(model: str, tokens: int, timer: Timer) -> list:
     y = torch.empty(*lead, hidden, dtype=torch.bfloat16, device="cuda")
     pairs = tokens * top_k
     active = int((r.counts > 0).sum())
+    # The permutation's peer: torch scattering the same e4m3 rows (already quantized) into
+    # the same grouped rows, the source broadcast over the k pairs of a token.
+    dense_q = ptxforge.quantize_fp8_per_token(x)[0].view(torch.uint8)
+    grouped_bytes = a[0].view(torch.uint8).view(-1, hidden)
+    kept = r.rows.view(-1) >= 0
+    scatter_rows = r.rows.view(-1)[kept].long()
+    scatter_src = dense_q[:, None, :].expand(tokens, top_k, hidden).reshape(-1, hidden)[kept]
     steps = {
         "routing layout": (lambda: ptxforge.moe_routing_layout(
             idx, experts, layout=layout, rows_per_expert=tokens if layout == "masked" else None),
             pairs * 12),
         "permute + quantize": (lambda: ptxforge.moe_permute_quantize_fp8(x, r.rows, lead, out=a),
                                tokens * hidden * 2 + pairs * (hidden + hidden // 32)),
+        "torch index_copy_, same rows": (
+            lambda: grouped_bytes.index_copy_(0, scatter_rows, scatter_src), pairs * hidden * 2),
         "gemm gate_up": (lambda: moe._grouped_gemm(layout, a, gate_up, d1, r, pairs, experts),
                          active * 2 * inner * hidden + pairs * (hidden + 4 * inner)),
         "silu_mul + quantize": (lambda: ptxforge.moe_silu_mul_quantize_fp8(d1, r.rows, out=h),

@@ -14,6 +14,7 @@ from ptxforge import arch, cli, compiler  # noqa: E402
 from ptxforge.compiler import passes, precompile  # noqa: E402
 from ptxforge.kernels import sm90_gemm as gemm_kernel  # noqa: E402
 from ptxforge.kernels.sm90_gemm.tile_model import token_counts  # noqa: E402
+from ptxforge.testing import models  # noqa: E402
 from ptxforge.testing.models import Ffn  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 
@@ -391,28 +392,19 @@ def test_compile_traces_the_token_dimension_alone_dynamic_once(monkeypatch, as_m
         assert not compiled._forward_pre_hooks
 
 
+SMALL_MOE = {"deepseek_v3": dict(hidden_size=512, moe_intermediate_size=256,
+                                  n_routed_experts=16, num_experts_per_tok=4, n_group=4,
+                                  topk_group=2, intermediate_size=1024),
+             "mixtral": dict(hidden_size=512, intermediate_size=256)}
+
+
 def moe_block(kind, experts_implementation="grouped_mm", device="meta"):
     """A small transformers MoE block on ``device`` and its hidden states [1, 8, H]."""
-    transformers = pytest.importorskip("transformers")
-    if kind == "deepseek_v3":
-        config = transformers.DeepseekV3Config(hidden_size=512, moe_intermediate_size=256,
-                                               n_routed_experts=16, num_experts_per_tok=4,
-                                               n_shared_experts=1, n_group=4, topk_group=2,
-                                               intermediate_size=1024)
-        block = transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3MoE
-    else:
-        config = transformers.MixtralConfig(hidden_size=512, intermediate_size=256,
-                                            num_local_experts=8, num_experts_per_tok=2)
-        block = transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock
-    config._experts_implementation = experts_implementation
-    with torch.device(device):
-        model = block(config).to(torch.bfloat16)
-        x = torch.randn(1, 8, 512, dtype=torch.bfloat16)
-    if device != "meta":
-        with torch.no_grad():
-            for p in model.parameters():
-                p.normal_(0, 0.02)
-    return model, x
+    pytest.importorskip("transformers")
+    case = models.moe_block(kind.replace("_", "-") + "-moe", device=device,
+                            experts_implementation=experts_implementation, **SMALL_MOE[kind])
+    (x,), _ = case.inputs(8, device)
+    return case.model, x
 
 
 @pytest.mark.parametrize("kind", ["deepseek_v3", "mixtral"])
@@ -457,19 +449,14 @@ def test_moe_experts_left_to_inductor_say_why():
 
 
 def test_moe_sizes_the_kernels_do_not_take_are_left_with_the_reason():
-    transformers = pytest.importorskip("transformers")
-    block = transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock
+    pytest.importorskip("transformers")
     for experts, hidden, inner, reason in (
             (1100, 512, 256, "num_experts must be in [1, 1024], got 1100"),
             (8, 520, 256, "the GEMM needs N a positive multiple of 8 and K of 16"),
             (8, 512, 192, "need 2I and H multiples of 256 and 128, got 2I=384, H=512")):
-        config = transformers.MixtralConfig(hidden_size=hidden, intermediate_size=inner,
-                                            num_local_experts=experts, num_experts_per_tok=2)
-        config._experts_implementation = "grouped_mm"
-        with torch.device("meta"):
-            model = block(config).to(torch.bfloat16)
-            x = torch.empty(1, 8, hidden, dtype=torch.bfloat16)
-        ((gm, plan),) = trace_on_meta(model, x)
+        case = models.moe_block("mixtral-moe", device="meta", hidden_size=hidden,
+                                intermediate_size=inner, num_local_experts=experts)
+        ((gm, plan),) = trace_on_meta(case.model, *case.inputs(8, "meta")[0])
         (moe,) = [item for item in plan if item.pattern == "moe experts"]
         assert moe.operator is None and reason in moe.reason
         assert any("grouped_mm" in str(n.target) for n in gm.graph.nodes)   # left as it was

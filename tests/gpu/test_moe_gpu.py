@@ -10,6 +10,7 @@ import torch
 import ptxforge
 from ptxforge import compiler
 from ptxforge.ops import moe
+from ptxforge.testing import models
 from ptxforge.testing.checks import calc_diff
 
 pytestmark = pytest.mark.gpu
@@ -141,26 +142,14 @@ def test_a_graph_replays_with_the_routing_changed():
 
 @pytest.mark.parametrize("kind", ["deepseek_v3", "mixtral"])
 def test_a_transformers_moe_block_compiles_to_the_experts_op(kind):
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     torch.manual_seed(0)
-    if kind == "deepseek_v3":
-        config = transformers.DeepseekV3Config(hidden_size=1024, moe_intermediate_size=512,
-                                               n_routed_experts=32, num_experts_per_tok=4,
-                                               n_shared_experts=1, n_group=4, topk_group=2,
-                                               intermediate_size=2048)
-        block = transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3MoE
-    else:
-        config = transformers.MixtralConfig(hidden_size=1024, intermediate_size=1024,
-                                            num_local_experts=8, num_experts_per_tok=2)
-        block = transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock
-    config._experts_implementation = "grouped_mm"
-    model = block(config).cuda().bfloat16().eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.02)
-    from ptxforge.testing.models import in_f32
-
-    f32 = in_f32(model)
+    sizes = {"deepseek_v3": dict(hidden_size=1024, moe_intermediate_size=512,
+                                 n_routed_experts=32, num_experts_per_tok=4, n_group=4,
+                                 topk_group=2, intermediate_size=2048),
+             "mixtral": dict(hidden_size=1024, intermediate_size=1024)}[kind]
+    model = models.moe_block(kind.replace("_", "-") + "-moe", device="cuda", **sizes).model
+    f32 = models.in_f32(model)
     plans = []
 
     def backend(gm, example_inputs):

@@ -28,10 +28,15 @@ def get_tma_aligned_size(x: int, element_size: int) -> int:
     return ceil_div(x, multiple) * multiple
 
 
-def empty_mn_major_scales(rows: int, groups: int, device) -> torch.Tensor:
-    """An uninitialised [rows, groups] f32 tensor in the MN-major TMA-aligned layout."""
+def empty_mn_major_scales(rows: int, groups: int, device, batch: int | None = None) -> torch.Tensor:
+    """An uninitialised [rows, groups] f32 tensor in the MN-major TMA-aligned layout, or
+    with ``batch`` [batch, rows, groups], each batch's columns after the last's."""
     aligned = get_tma_aligned_size(rows, 4)
-    return torch.empty_strided((rows, groups), (1, aligned), dtype=torch.float32, device=device)
+    if batch is None:
+        return torch.empty_strided((rows, groups), (1, aligned), dtype=torch.float32,
+                                   device=device)
+    return torch.empty_strided((batch, rows, groups), (groups * aligned, 1, aligned),
+                               dtype=torch.float32, device=device)
 
 
 def is_mn_major_tma_aligned(shape, strides, ptr: int) -> bool:
@@ -53,9 +58,7 @@ def get_mn_major_tma_aligned_tensor(s: torch.Tensor) -> torch.Tensor:
         out.copy_(s)
         return out
     batch, rows, groups = shape
-    aligned = get_tma_aligned_size(rows, 4)
-    out = torch.empty((batch, groups, aligned), dtype=s.dtype, device=s.device)
-    out = out.transpose(1, 2)[:, :rows]
+    out = empty_mn_major_scales(rows, groups, s.device, batch)
     out.copy_(s)
     return out
 

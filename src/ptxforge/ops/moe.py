@@ -28,7 +28,7 @@ from ..kernels import bf16_row_rmsnorm_fp8quant as row_kernel
 from ._common import (current_stream, inspect, pair, require_cuda, require_disjoint,
                       require_pdl, require_shape, strided_span)
 from .gemm import m_grouped_fp8_gemm_nt_contiguous, m_grouped_fp8_gemm_nt_masked
-from .layout import ceil_div, empty_mn_major_scales, get_tma_aligned_size
+from .layout import ceil_div, empty_mn_major_scales
 from .moe_combine import moe_combine
 from .routing import max_contiguous_rows, moe_routing_layout
 from .rowwise import _launcher
@@ -50,12 +50,8 @@ def grouped_quantized(lead: tuple, hidden: int, device) -> tuple:
     (rows,) for the contiguous layout, (experts, rows per expert) for the masked one."""
     groups = ceil_div(hidden, row_kernel.GROUP)
     q = torch.empty((*lead, hidden), dtype=torch.float8_e4m3fn, device=device)
-    if len(lead) == 1:
-        return q, empty_mn_major_scales(lead[0], groups, device)
-    experts, rows = lead
-    aligned = get_tma_aligned_size(rows, 4)
-    scales = torch.empty((experts, groups, aligned), dtype=torch.float32, device=device)
-    return q, scales.transpose(1, 2)[:, :rows]
+    batch = lead[0] if len(lead) == 2 else None
+    return q, empty_mn_major_scales(lead[-1], groups, device, batch)
 
 
 def _grouped_out(out, hidden: int, device: int, *input_spans, rows: tuple) -> dict:
@@ -84,6 +80,21 @@ def _grouped_out(out, hidden: int, device: int, *input_spans, rows: tuple) -> di
             "scale_group_stride": s_strides[-1], "index_rows": total, **batch}
 
 
+def _checked_out(out, lead: tuple, width: int, pdl, first, *input_spans) -> tuple:
+    """A grouped row kernel's last checks, in the ops' order: ``out`` (if given), pdl, then
+    the device of ``first`` (its name, tensor, device index); the output allocated where
+    not given. Returns (out, the launch's output arguments)."""
+    name, tensor, device = first
+    if out is not None:
+        _grouped_out(out, width, device, *input_spans, rows=lead)
+    if pdl is not None:
+        require_pdl(pdl)
+    require_cuda(name, tensor, device)
+    if out is None:
+        out = grouped_quantized(lead, width, tensor.device)
+    return out, _grouped_out(out, width, device, *input_spans, rows=lead)
+
+
 def _routing_rows(rows, device: int, tokens: int | None = None) -> tuple:
     """rows int32 [T, k] on the device, contiguous (T = ``tokens`` where given): (pairs, k,
     pointer, span)."""
@@ -110,16 +121,8 @@ def moe_permute_quantize_fp8(x: torch.Tensor, rows: torch.Tensor, shape, *, out=
     as they were. ``pdl``: as ``rms_norm``'s."""
     (tokens, hidden), x_strides, x_ptr, device = inspect("x", x, torch.bfloat16, 2)
     pairs, k, rows_ptr, rows_span = _routing_rows(rows, device, tokens)
-    shape = _leading_shape(shape)
-    x_span = (x_ptr, 2 * tokens * x_strides[0])
-    if out is not None:
-        _grouped_out(out, hidden, device, x_span, rows_span, rows=shape)
-    if pdl is not None:
-        require_pdl(pdl)
-    require_cuda("x", x, device)
-    if out is None:
-        out = grouped_quantized(shape, hidden, x.device)
-    arguments = _grouped_out(out, hidden, device, x_span, rows_span, rows=shape)
+    out, arguments = _checked_out(out, _leading_shape(shape), hidden, pdl, ("x", x, device),
+                                  (x_ptr, 2 * tokens * x_strides[0]), rows_span)
     if pairs:   # a CTA per token (or a few): its row read and quantized once, stored k times
         launcher, grid = _launcher(tokens, hidden, device, False, True, False, pdl, "scatter",
                                    k)
@@ -151,15 +154,8 @@ def moe_silu_mul_quantize_fp8(d: torch.Tensor, rows: torch.Tensor, *, out=None,
                          f"{tuple(shape)} and strides {tuple(d.stride())}")
     inner = shape[-1] // 2
     pairs, _, rows_ptr, rows_span = _routing_rows(rows, device)
-    lead, d_span = tuple(shape[:-1]), (d_ptr, 2 * d.numel())
-    if out is not None:
-        _grouped_out(out, inner, device, d_span, rows_span, rows=lead)
-    if pdl is not None:
-        require_pdl(pdl)
-    require_cuda("d", d, device)
-    if out is None:
-        out = grouped_quantized(lead, inner, d.device)
-    arguments = _grouped_out(out, inner, device, d_span, rows_span, rows=lead)
+    out, arguments = _checked_out(out, tuple(shape[:-1]), inner, pdl, ("d", d, device),
+                                  (d_ptr, 2 * d.numel()), rows_span)
     if pairs:
         launcher, grid = _launcher(pairs, inner, device, False, True, True, pdl, "indexed")
         launcher(grid, current_stream(device), gate=d_ptr, gate_row_stride=shape[-1],

@@ -126,27 +126,31 @@ def llama_8b(layers: int = 2) -> Case:
     return transformers_model(transformers.LlamaConfig(**LLAMA_8B), layers, "Llama-3-8B sizes")
 
 
-def moe_block(kind: str) -> Case:
+def moe_block(kind: str, *, experts_implementation: str = "grouped_mm", device=None,
+              **sizes) -> Case:
     """transformers' MoE block of DeepSeek-V3 ("deepseek-v3-moe": 256 experts, top-8 of
     4 groups of 8, one shared expert) or Mixtral ("mixtral-moe": 8 experts, top-2) at the
-    models' sizes, its experts run by ``experts_implementation="grouped_mm"`` (torch's
-    grouped GEMM: the fastest transformers has, and the form the ptxforge backend lowers),
-    every weight from N(0, 0.02): a block built without init routes every token to the
-    same few experts. Called on hidden states [1, T, H]."""
+    models' sizes (``sizes``: config entries to change), its experts run by
+    ``experts_implementation="grouped_mm"`` (torch's grouped GEMM: the fastest
+    transformers has, and the form the ptxforge backend lowers), built on ``device``, every
+    weight from N(0, 0.02) (but on the meta device): a block built without init routes every
+    token to the same few experts. Called on hidden states [1, T, H]."""
     transformers = _transformers()
     if kind == "deepseek-v3-moe":
-        config = transformers.DeepseekV3Config(**DEEPSEEK_V3_MOE)
+        config = transformers.DeepseekV3Config(**{**DEEPSEEK_V3_MOE, **sizes})
         block = transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3MoE
         label = "DeepSeek-V3 MoE"
     else:
-        config = transformers.MixtralConfig(**MIXTRAL_MOE)
+        config = transformers.MixtralConfig(**{**MIXTRAL_MOE, **sizes})
         block = transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock
         label = "Mixtral MoE"
-    config._experts_implementation = "grouped_mm"
-    model = block(config).to(torch.bfloat16).eval()
+    config._experts_implementation = experts_implementation
+    with torch.device(device or "cpu"):
+        model = block(config).to(torch.bfloat16).eval()
     with torch.no_grad():
         for parameter in model.parameters():
-            parameter.normal_(0.0, 0.02)
+            if parameter.device.type != "meta":
+                parameter.normal_(0.0, 0.02)
     hidden = config.hidden_size
     inner = getattr(config, "moe_intermediate_size", config.intermediate_size)
     inputs = lambda tokens, device: ((torch.randn(1, tokens, hidden, device=device,
