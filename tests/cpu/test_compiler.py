@@ -434,6 +434,13 @@ def test_a_moe_blocks_experts_become_one_operator(kind):
     if kind == "deepseek_v3":   # the shared expert: the FFN's kernels, the experts' sum its residual
         assert names[-3:] == ["fp8_linear", "silu_mul_fp8", "fp8_linear"]
         assert calls[-1][1].kwargs["residual"].args[0] is experts
+        # The router's f32 Linear of bf16 casts: the bf16 GEMM accumulating into f32, on the
+        # bf16 values themselves (the casts are gone).
+        (router,) = [node for name, node in calls if name == "bf16_linear_f32"]
+        x, w = router.args
+        assert x.meta["example_value"].dtype == w.meta["example_value"].dtype == torch.bfloat16
+        assert w.op == "placeholder" and "gate" in w.name
+        assert not any(n.op == "call_method" and n.target == "type" for n in gm.graph.nodes)
     else:   # Mixtral's router is a bf16 Linear [8, H]: kept, FP8 scores would re-route tokens
         assert names == ["moe_experts_fp8"]
         (router,) = [item for item in plan if item.pattern == "linear"]

@@ -45,6 +45,7 @@ def opcheck_cases():
         "residual": bf16(64, 256)}
     yield ops.fp8_linear, (bf16(2, 32, 512), None, qb, sb, bf16(256), bf16(2, 32, 256)), {}
     yield ops.bf16_linear, (bf16(2, 32, 512), bf16(256, 512)), {"residual": bf16(2, 32, 256)}
+    yield ops.bf16_linear_f32, (bf16(2, 32, 512), bf16(256, 512)), {}
     (ga, gsa), (gb, gsb), m_indices, _ = grouped_operands([100, 30], 256, 512)
     yield ops.m_grouped_fp8_gemm_nt_contiguous, (
         ga, gsa, gb, gsb, torch.empty(ga.shape[0], 256, device="cuda", dtype=torch.bfloat16),
@@ -129,6 +130,16 @@ def test_opcheck_every_operator():
         checked.add(op.default.name().split("::")[1])
     library = ptxforge.ops.library
     assert checked == set(library.OPERATORS) | set(library.COMPILER_OPERATORS)
+
+
+def test_bf16_linear_f32_is_the_f32_linear_of_the_casts():
+    """bf16 products are exact in f32: the bf16 GEMM accumulating into f32 gives the f32
+    GEMM's sums, up to their order (a MoE router's scores, DeepSeek-V3's sizes)."""
+    x, w = bf16(4096, 7168), bf16(256, 7168) * 0.02
+    out = ops.bf16_linear_f32(x, w)
+    expected = torch.nn.functional.linear(x.double(), w.double())
+    assert out.dtype == torch.float32 and out.shape == (4096, 256)
+    assert (out.double() - expected).abs().max() <= 1e-5 * expected.abs().max()
 
 
 def test_the_linears_add_the_residual():

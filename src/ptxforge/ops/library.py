@@ -238,6 +238,12 @@ def _bf16_linear(x, w, bias=None, residual=None):
     return d
 
 
+def _bf16_linear_f32(x, w):
+    d = torch.zeros((*x.shape[:-1], w.shape[0]), dtype=torch.float32, device=x.device)
+    gemm.bf16_gemm_nt(_rows(x), w, _rows(d), c=_rows(d))
+    return d
+
+
 def _rms_norm_fp8(x, weight, eps):
     q, scales = rowwise.rms_norm_quantize_fp8(_rows(x), weight, eps)
     return q.view(x.shape), scales
@@ -271,6 +277,10 @@ COMPILER_OPERATORS = {
     "bf16_linear": ("(Tensor x, Tensor w, Tensor? bias=None, Tensor? residual=None) -> Tensor",
                     _bf16_linear,
                     lambda x, w, bias=None, residual=None: _linear_output(x, w.shape[0])),
+    # x @ w.T of bf16 x and w into f32 (a Linear of their f32 casts: the same products)
+    "bf16_linear_f32": ("(Tensor x, Tensor w) -> Tensor", _bf16_linear_f32,
+                        lambda x, w: x.new_empty((*x.shape[:-1], w.shape[0]),
+                                                 dtype=torch.float32)),
     "rms_norm_fp8": ("(Tensor x, Tensor weight, float eps) -> (Tensor, Tensor)", _rms_norm_fp8,
                      lambda x, weight, eps: _quantized_like(x)),
     "silu_mul_fp8": ("(Tensor gate, Tensor up) -> (Tensor, Tensor)", _silu_mul_fp8,
