@@ -592,3 +592,36 @@ def test_a_config_must_be_a_gemm_config():
     args["config"] = {"block_m": 64}
     with pytest.raises(TypeError, match="^config must be a GemmConfig .*, got dict$"):
         call("fp8_gemm_nt", args)
+
+
+# --------------------------------------------------------------------------- the MoE experts
+def experts_arguments():
+    return {"x": zeros(BF16, 4, 256), "topk_idx": zeros(I64, 4, 2),
+            "topk_weights": zeros(F32, 4, 2), "gate_up": weight_scaled(8, 512, 256),
+            "down": weight_scaled(8, 256, 256)}
+
+
+@pytest.mark.parametrize("change, error, message", [
+    ({"topk_idx": zeros(I64, 5, 2)}, ValueError,
+     "topk_idx must have a row per token of x (4), got shape (5, 2)"),
+    ({"topk_idx": zeros(I32, 4, 2)}, TypeError,
+     "topk_idx must have dtype torch.int64, got torch.int32"),
+    ({"topk_weights": zeros(F32, 4, 3)}, ValueError,
+     "topk_weights must have topk_idx's shape (4, 2), got (4, 3)"),
+    ({"gate_up": weight_scaled(8, 512, 128)}, ValueError,
+     "gate_up[0] must be [E, 2I, H] with H = 256 (x's), got shape (8, 512, 128)"),
+    ({"down": weight_scaled(4, 256, 256)}, ValueError,
+     "down[0] must be [E, H, I] = (8, 256, 256) (gate_up's E and I, x's H), got shape "
+     "(4, 256, 256)"),
+    ({"layout": "dense"}, ValueError,
+     "layout must be one of ('masked', 'contiguous') or None, got 'dense'"),
+])
+def test_the_experts_check_their_arguments_against_each_other(change, error, message):
+    with pytest.raises(error) as info:
+        ptxforge.moe_experts_fp8(**{**experts_arguments(), **change})
+    assert str(info.value) == message
+
+
+def test_the_experts_on_the_cpu_need_cuda():
+    with pytest.raises(ValueError, match="^x must be on a CUDA device, got cpu$"):
+        ptxforge.moe_experts_fp8(**experts_arguments())

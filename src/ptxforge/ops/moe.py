@@ -176,14 +176,13 @@ def moe_experts_fp8(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch
     viewed [E*2I, H]). down: ``(q, s)``, e4m3 [E, H, I] and f32 [E, H/128, I/128].
     layout: 'masked' or 'contiguous' (None: ``choose_layout``). Returns bf16 [T, H]. Nothing
     is read back to the host."""
-    tokens, hidden = x.shape
-    experts, two_inner, _ = gate_up[0].shape
+    if layout is not None and layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS} or None, got {layout!r}")
+    tokens, hidden, top_k, experts, two_inner = _experts_sizes(x, topk_idx, topk_weights,
+                                                               gate_up, down)
     # A router's top-k may come as views (a gather's, a slice's): the kernels read rows.
     topk_idx, topk_weights = topk_idx.contiguous(), topk_weights.contiguous()
-    top_k = topk_idx.shape[-1]
     layout = layout or choose_layout(tokens, top_k, experts)
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS} or None, got {layout!r}")
     routing = moe_routing_layout(topk_idx, experts, layout=layout,
                                  rows_per_expert=max(tokens, 1) if layout == "masked" else None)
     lead = (experts, max(tokens, 1)) if layout == "masked" else \
@@ -195,6 +194,31 @@ def moe_experts_fp8(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch
     y = torch.empty((*lead, hidden), dtype=torch.bfloat16, device=x.device)
     _grouped_gemm(layout, h, down, y, routing, tokens * top_k, experts)
     return moe_combine(y.view(-1, hidden), routing.rows, topk_weights)
+
+
+def _experts_sizes(x, topk_idx, topk_weights, gate_up, down) -> tuple:
+    """The experts' arguments' shapes, checked against each other (the kernels check each
+    tensor again): (T, H, k, E, 2I)."""
+    (tokens, hidden), _, _, device = inspect("x", x, torch.bfloat16, 2)
+    (idx_tokens, top_k), _, _, _ = inspect("topk_idx", topk_idx, torch.int64, 2, rows=False)
+    if idx_tokens != tokens:
+        raise ValueError(f"topk_idx must have a row per token of x ({tokens}), got shape "
+                         f"{tuple(topk_idx.shape)}")
+    if not isinstance(topk_weights, torch.Tensor) or tuple(topk_weights.shape) != (tokens, top_k):
+        raise ValueError(f"topk_weights must have topk_idx's shape {(tokens, top_k)}, got "
+                         f"{tuple(getattr(topk_weights, 'shape', ()))}")
+    w13, _ = pair("gate_up", gate_up, "e4m3 [E, 2I, H] and f32 [E, 2I/128, H/128]")
+    w2, _ = pair("down", down, "e4m3 [E, H, I] and f32 [E, H/128, I/128]")
+    (experts, two_inner, k13), _, _, _ = inspect("gate_up[0]", w13, torch.float8_e4m3fn, 3)
+    if k13 != hidden or two_inner % 2:
+        raise ValueError(f"gate_up[0] must be [E, 2I, H] with H = {hidden} (x's), got shape "
+                         f"{tuple(w13.shape)}")
+    (down_experts, down_n, down_k), _, _, _ = inspect("down[0]", w2, torch.float8_e4m3fn, 3)
+    if (down_experts, down_n, down_k) != (experts, hidden, two_inner // 2):
+        raise ValueError(f"down[0] must be [E, H, I] = {(experts, hidden, two_inner // 2)} "
+                         f"(gate_up's E and I, x's H), got shape {tuple(w2.shape)}")
+    require_cuda("x", x, device)
+    return tokens, hidden, top_k, experts, two_inner
 
 
 def _grouped_gemm(layout: str, a, b, d, routing, pairs: int, experts: int) -> None:
