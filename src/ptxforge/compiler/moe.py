@@ -19,6 +19,8 @@ op, the weights quantized once here to 128x128 blocks.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..kernels import bf16_row_rmsnorm_fp8quant as row_kernel
@@ -31,6 +33,17 @@ _F = torch.nn.functional
 _GROUPED_MM = tuple(f for f in (getattr(torch, "_grouped_mm", None),
                                 getattr(_F, "grouped_mm", None)) if f is not None)
 _WEIGHTS = ("gate_up_proj", "down_proj")
+
+
+@dataclass
+class Experts:
+    """An experts module the op can take: the nodes it reads (hidden [T, H], top-k indices
+    and weights), the node its value leaves by, and its two weights' placeholders."""
+    hidden: torch.fx.Node
+    index: torch.fx.Node
+    weights: torch.fx.Node
+    output: torch.fx.Node
+    params: dict
 
 
 def rewrite_moe_experts(g: Graph, *, fp8: bool, arch_of) -> list[Replacement]:
@@ -75,21 +88,20 @@ def _experts_modules(g: Graph) -> dict:
     return {path: found for path, found in modules.items() if len(found) == len(_WEIGHTS)}
 
 
-def _keep_router(g: Graph, found) -> None:
+def _keep_router(g: Graph, found: Experts) -> None:
     """The router's Linears (those the top-k indices and weights are computed from) stay
     in the model's precision: FP8 scores pick other experts for the tokens near a tie
     (Mixtral's bf16 router in FP8: calc_diff 1.2e-2 at 2048 tokens against the f32
     block, measured on the H200, where the experts alone are at ~1e-3)."""
-    _, index, weights, _, _ = found
-    for node in {*ancestors(index), *ancestors(weights)}:
+    for node in {*ancestors(found.index), *ancestors(found.weights)}:
         if kind(node) == "linear":
             g.kept[node] = ("the MoE router's scores: kept in the model's precision (FP8 "
                             "scores would route tokens near a tie to other experts)")
 
 
 def _match(g: Graph, module: str, nodes: list, weights: dict):
-    """(hidden, top_k_index, top_k_weights, output node) if ``nodes`` compute the experts
-    as the op does, else (None, why)."""
+    """(``Experts``, None) if ``nodes`` compute the experts as the op does, else (None,
+    why)."""
     inside = set(nodes)
     mms = [n for n in nodes if n.target in _GROUPED_MM
            or str(n.target).startswith("transformers.grouped_mm_fallback")]
@@ -108,19 +120,19 @@ def _match(g: Graph, module: str, nodes: list, weights: dict):
         return None, f"{len(outside)} values leave the experts, not 1"
     inputs = {a for n in nodes for a in n.all_input_nodes if a not in inside} - set(weights.values())
     tensors = [a for a in inputs if isinstance(g.value(a), torch.Tensor)]
-    by_dtype = {}
+    by_role = {}
     for a in tensors:
         value = g.value(a)
         role = ("index" if not value.is_floating_point()
                 else "hidden" if value.dtype == torch.bfloat16 and value.dim() == 2
                 and value.shape[-1] == g.tensor(weights["gate_up_proj"]).shape[-1]
                 else "weights")
-        by_dtype.setdefault(role, []).append(a)
-    if sorted(by_dtype) != ["hidden", "index", "weights"] or any(len(v) != 1 for v in by_dtype.values()):
+        by_role.setdefault(role, []).append(a)
+    if sorted(by_role) != ["hidden", "index", "weights"] or any(len(v) != 1 for v in by_role.values()):
         return None, (f"the experts read {len(tensors)} tensors, not hidden [T, H] bf16, "
                       f"top_k_index and top_k_weights")
-    return (by_dtype["hidden"][0], by_dtype["index"][0], by_dtype["weights"][0], outside[0],
-            weights), None
+    return Experts(by_role["hidden"][0], by_role["index"][0], by_role["weights"][0],
+                   outside[0], weights), None
 
 
 def _method(node) -> str | None:
@@ -164,13 +176,12 @@ def _reaches(src, dst) -> bool:
     return False
 
 
-def _why_not_taken(g: Graph, found, fp8: bool, arch_of) -> str | None:
+def _why_not_taken(g: Graph, found: Experts, fp8: bool, arch_of) -> str | None:
     """Why the op cannot run these experts (sizes the kernels do not take, no FP8), or None."""
     if not fp8:
         return "the MoE lowering is FP8 (fp8=False keeps bf16 numerics: Inductor's)"
-    weights = found[4]
-    gate_up = g.tensor(weights["gate_up_proj"])
-    down = g.tensor(weights["down_proj"])
+    gate_up = g.tensor(found.params["gate_up_proj"])
+    down = g.tensor(found.params["down_proj"])
     experts, two_inner, hidden = gate_up.shape
     if gate_up.dtype != torch.bfloat16 or down.dtype != torch.bfloat16:
         return f"the expert weights are {gate_up.dtype}, not bf16"
@@ -196,9 +207,9 @@ def _why_not_taken(g: Graph, found, fp8: bool, arch_of) -> str | None:
     return None
 
 
-def _rewrite(g: Graph, module: str, nodes: list, found) -> Replacement:
-    hidden, index, weights, output, params = found
-    gate_up, down = (g.tensor(params[name]) for name in _WEIGHTS)
+def _rewrite(g: Graph, module: str, nodes: list, found: Experts) -> Replacement:
+    output = found.output
+    gate_up, down = (g.tensor(found.params[name]) for name in _WEIGHTS)
     experts, two_inner, width = gate_up.shape
     g.folded.extend((gate_up, down))
     name = "_ptxforge_" + module.replace("L['self'].", "").replace(".", "_")
@@ -209,12 +220,13 @@ def _rewrite(g: Graph, module: str, nodes: list, found) -> Replacement:
             blocks = s.shape[0] // experts
             constants += [g.constant(f"{name}_{label}_w", q.view(w.shape)),
                           g.constant(f"{name}_{label}_ws", s.view(experts, blocks, s.shape[1]))]
-        out = g.call(PTXFORGE.moe_experts_fp8.default, (hidden, index, weights, *constants))
+        out = g.call(PTXFORGE.moe_experts_fp8.default,
+                     (found.hidden, found.index, found.weights, *constants))
     out.meta.update({k: v for k, v in output.meta.items() if k != "example_value"})
     output.replace_all_uses_with(out)
     for node in reversed(nodes):
         g.graph.erase_node(node)
-    top_k = g.value(index).shape[-1]
+    top_k = g.value(found.index).shape[-1]
     return Replacement("moe experts", module, "ptxforge.moe_experts_fp8",
                        f"{experts} experts, top-{top_k}, gate_up [{two_inner}, {width}] and "
                        f"down [{width}, {two_inner // 2}], fp8 128x128 blocks; masked or "
