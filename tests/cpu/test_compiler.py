@@ -234,6 +234,22 @@ def test_compile_report_prints_the_plan_without_a_gpu(tmp_path, capsys):
     assert "silu_mul_quantize_fp8 hidden=512" in out and "e4m3 GEMM N=256 K=512 + residual" in out
 
 
+def test_compile_report_lists_a_moe_blocks_kernels_by_token_count(capsys):
+    """Mixtral's block at its sizes, traced on the meta device: the experts' kernels, their
+    grouped GEMMs masked for a few tokens and contiguous for many."""
+    pytest.importorskip("transformers")
+    assert cli.main(["compile-report", "--model", "mixtral-moe"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in out.splitlines() if line.startswith("|")}
+    assert rows["moe_routing_layout E=8"][0] == "i64_moe_routing_layout_masked_e8"
+    assert rows["moe_routing_layout E=8"][2] == "i64_moe_routing_layout_contiguous_e8"
+    gate_up = rows["MoE e4m3 GEMM E=8 N=28672 K=4096"]
+    assert gate_up[0].endswith("_g8m_w2_r8") and "_g8_" in gate_up[2]
+    assert "moe_permute_quantize_fp8 hidden=4096 topk=2" in rows
+    assert "moe_combine hidden=4096 topk=2 weights f32" in rows
+
+
 def cpu_llama(config_class="LlamaConfig", **extra):
     transformers = pytest.importorskip("transformers")
     config = getattr(transformers, config_class)(

@@ -12,7 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels import bf16_moe_combine as combine_kernel
 from ..kernels import bf16_row_rmsnorm_fp8quant as row_kernel
+from ..kernels import i64_moe_routing_layout as routing_kernel
 from ..kernels import sm90_gemm as gemm_kernel
 from ..kernels.sm90_gemm.tile_model import token_counts
 
@@ -23,6 +25,9 @@ ROW_VARIANTS = {
     "quantize_fp8_per_token": {"normalize": False, "quantize": True},
     "rms_norm_quantize_fp8": {"normalize": True, "quantize": True},
     "silu_mul_quantize_fp8": {"normalize": False, "quantize": True, "swiglu": True},
+    "moe_permute_quantize_fp8": {"normalize": False, "quantize": True, "row_map": "scatter"},
+    "moe_silu_mul_quantize_fp8": {"normalize": False, "quantize": True, "swiglu": True,
+                                  "row_map": "indexed"},
 }
 
 
@@ -34,10 +39,12 @@ class Gemm:
     dtype: str               # "e4m3" or "bf16"
     bias: bool = False
     residual: bool = False
+    accumulate: bool = False  # an f32 D added to (bf16_linear_f32: into zeros)
 
     def config(self, arch, m: int):
         return gemm_kernel.choose_config(arch, m, self.n, self.k, dtype=self.dtype,
-                                         bias=self.bias, residual=self.residual)
+                                         bias=self.bias, residual=self.residual,
+                                         accumulate=self.accumulate)
 
     def configs(self, arch, tokens) -> list:
         """The distinct configs for these token counts (M)."""
@@ -54,22 +61,97 @@ class Gemm:
 
     def __str__(self):
         extras = "".join(f" + {name}" for name in ("bias", "residual") if getattr(self, name))
-        return f"{self.dtype} GEMM N={self.n} K={self.k}{extras}"
+        into = " into f32" if self.accumulate else ""
+        return f"{self.dtype} GEMM N={self.n} K={self.k}{extras}{into}"
 
 
 @dataclass(frozen=True)
 class Row:
-    """A row kernel of the graph: its variant and hidden size."""
+    """A row kernel of the graph: its variant and hidden size (and a scatter's fanout)."""
     variant: str             # the row generator's variant name
     hidden: int
+    fanout: int = 1
+
+    def config(self, arch, m: int = 0):
+        return row_kernel.choose_config(arch, self.hidden, fanout=self.fanout,
+                                        **ROW_VARIANTS[self.variant])
 
     def configs(self, arch, tokens=()) -> list:
-        return [row_kernel.choose_config(arch, self.hidden, **ROW_VARIANTS[self.variant])]
+        return [self.config(arch)]
 
     generate = staticmethod(row_kernel.generate)
 
     def __str__(self):
-        return f"{self.variant} hidden={self.hidden}"
+        fanout = f" topk={self.fanout}" if self.fanout > 1 else ""
+        return f"{self.variant} hidden={self.hidden}{fanout}"
+
+
+def _moe_layout(tokens: int, top_k: int, experts: int) -> str:
+    from ..ops.moe import choose_layout   # ops imports torch's CUDA side lazily
+
+    return choose_layout(tokens, top_k, experts)
+
+
+@dataclass(frozen=True)
+class MoeGemm(Gemm):
+    """A MoE layer's grouped GEMM (``moe_experts_fp8``): its layout, and so its tile,
+    follow the token count; ``config``'s m is the number of tokens."""
+    experts: int = 0
+    top_k: int = 0
+
+    def config(self, arch, m: int):
+        tokens = max(m, 1)
+        if _moe_layout(tokens, self.top_k, self.experts) == "masked":
+            rows = self.experts * max(1, -(-tokens * self.top_k // self.experts))
+            return gemm_kernel.choose_config(arch, rows, self.n, self.k, groups=self.experts,
+                                             masked=True)
+        rows = tokens * self.top_k + self.experts * (gemm_kernel.CONTIGUOUS_ALIGNMENT - 1)
+        return gemm_kernel.choose_config(arch, rows, self.n, self.k, groups=self.experts)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Every expert's: the bound when the routing activates them all."""
+        return self.experts * super().weight_bytes
+
+    def __str__(self):
+        return f"MoE e4m3 GEMM E={self.experts} N={self.n} K={self.k}"
+
+
+@dataclass(frozen=True)
+class MoeRouting:
+    """The routing-layout kernel: one per layout the token counts choose."""
+    experts: int
+    top_k: int
+
+    def config(self, arch, m: int = 1):
+        return routing_kernel.choose_config(arch, self.experts,
+                                            _moe_layout(max(m, 1), self.top_k, self.experts))
+
+    def configs(self, arch, tokens=(1,)) -> list:
+        return list(dict.fromkeys(self.config(arch, m) for m in tokens))
+
+    generate = staticmethod(routing_kernel.generate)
+
+    def __str__(self):
+        return f"moe_routing_layout E={self.experts}"
+
+
+@dataclass(frozen=True)
+class MoeCombine:
+    hidden: int
+    top_k: int
+    weight_dtype: str        # "f32" or "bf16"
+
+    def config(self, arch, m: int = 0):
+        return combine_kernel.choose_config(arch, self.hidden, self.top_k, self.weight_dtype)
+
+    def configs(self, arch, tokens=()) -> list:
+        return [self.config(arch)]
+
+    generate = staticmethod(combine_kernel.generate)
+
+    def __str__(self):
+        return f"moe_combine hidden={self.hidden} topk={self.top_k} weights {self.weight_dtype}"
 
 
 def _shape(node):
@@ -104,7 +186,26 @@ def kernels_of(graph: torch.fx.Graph) -> dict[str, tuple]:
             found[node.name] = (Row("rms_norm_quantize_fp8", _last(node.args[0])),)
         elif node.target is PTXFORGE.silu_mul_fp8.default:
             found[node.name] = (Row("silu_mul_quantize_fp8", _last(node.args[0])),)
+        elif node.target is PTXFORGE.bf16_linear_f32.default:
+            n, k = _shape(node.args[1])
+            found[node.name] = (Gemm(n, k, "bf16", accumulate=True),)
+        elif node.target is PTXFORGE.moe_experts_fp8.default:
+            found[node.name] = _moe_kernels(node)
     return found
+
+
+def _moe_kernels(node) -> tuple:
+    """The kernels of ``moe_experts_fp8(x, topk_idx, topk_weights, w13, s13, w2, s2)``."""
+    x, index, weights, w13, _, w2, _ = node.args
+    experts, two_inner, hidden = _shape(w13)
+    top_k = _last(index)
+    weight_dtype = "bf16" if weights.meta["example_value"].dtype == torch.bfloat16 else "f32"
+    return (MoeRouting(experts, top_k),
+            Row("moe_permute_quantize_fp8", hidden, fanout=top_k),
+            MoeGemm(two_inner, hidden, "e4m3", experts=experts, top_k=top_k),
+            Row("moe_silu_mul_quantize_fp8", two_inner // 2),
+            MoeGemm(hidden, two_inner // 2, "e4m3", experts=experts, top_k=top_k),
+            MoeCombine(hidden, top_k, weight_dtype))
 
 
 def builders(kernels, arch, tokens) -> list:

@@ -65,12 +65,11 @@ def report_tables(case, graphs: list[GraphPlan], arch, token_counts=(1, 64, 2048
                     f"{arch.device.name}'s nominal {arch.device.memory_bandwidth_gbs:.0f} GB/s")
     rows = []
     for kernel in kernels(graphs):
-        if isinstance(kernel, precompile.Gemm):
-            tiles = [kernel.config(arch, m).name.split(f"_k{kernel.k}_", 1)[-1]
-                     for m in token_counts]
-        else:
-            (cfg,) = kernel.configs(arch)
-            tiles = [cfg.name] + ["same"] * (len(token_counts) - 1)
+        names = [kernel.config(arch, m).name for m in token_counts]
+        if isinstance(kernel, precompile.Gemm):   # the tile, after the problem's sizes
+            names = [name.split(f"_k{kernel.k}_", 1)[-1] for name in names]
+        tiles = [name if i == 0 or name != names[i - 1] else "same"
+                 for i, name in enumerate(names)]
         rows.append([str(kernel), *tiles])
     title = f"{case.name} on {arch.target}: {len(graphs)} graph(s)"
     return title, plan, summary, rows

@@ -145,8 +145,11 @@ def moe_block(kind: str, *, experts_implementation: str = "grouped_mm", device=N
         block = transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock
         label = "Mixtral MoE"
     config._experts_implementation = experts_implementation
-    # Drawing DeepSeek-V3's 11 G weights on the CPU takes minutes: on the GPU where there is one.
-    with torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu")):
+    if device is None:   # the ambient default (meta, for the report), else the GPU if any:
+        ambient = torch.get_default_device()   # drawing 11 G weights on the CPU takes minutes
+        device = ambient if ambient.type != "cpu" else \
+            ("cuda" if torch.cuda.is_available() else "cpu")
+    with torch.device(device):
         model = block(config).to(torch.bfloat16).eval()
     with torch.no_grad():
         for parameter in model.parameters():
