@@ -216,7 +216,6 @@ def _instruction_calls(k):
         "shfl_sync": lambda: k.shfl_sync(u, v, 1, mode="down"), "redux_sync": lambda: k.redux_sync(u, v, op="add"),
         "vote_sync": lambda: k.vote_sync(u, p, mode="ballot"),
         "match_any_sync": lambda: k.match_any_sync(u, v),
-        "bar_red": lambda: k.bar_red(p, p, 1, 128),
         "wgmma_fence": lambda: k.wgmma_fence(), "wgmma_commit_group": lambda: k.wgmma_commit_group(),
         "wgmma_wait_group": lambda: k.wgmma_wait_group(1),
         "wgmma_mma_async": lambda: k.wgmma_mma_async(acc, d64, d64, n=16, ab_type="e4m3"),

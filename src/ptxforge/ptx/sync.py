@@ -22,12 +22,6 @@ class SyncOps:
     def bar_arrive(self, barrier: Operand, threads: Operand) -> None:
         self.emit("bar.arrive", barrier, threads)
 
-    def bar_red(self, d: Reg, p: Reg, barrier: Operand, threads: Operand, *,
-                op: str = "or") -> None:
-        """``bar.red.{and|or}.pred d, id, threads, p``: a named barrier that also reduces
-        each thread's ``p`` over its ``threads`` threads into ``d``."""
-        self.emit(f"bar.red.{op}.pred", d, barrier, threads, p)
-
     # ---------------------------------------------------------------- cluster barriers
     def barrier_cluster_arrive(self, *, sem: str | None = None) -> None:
         """``barrier.cluster.arrive{.release|.relaxed}.aligned``."""

@@ -221,31 +221,6 @@ def _descriptor(k, desc, smem_address, lo, hi):
     k.mov(desc, vec(lo, hi), type="b64")
 
 
-class _PaddingRows:
-    """Whether none of a math warpgroup's 64 rows of the tile is of the tile's group."""
-
-    def __init__(self, k, cfg, p, thread):
-        self.k, self.cfg, self.thread = k, cfg, thread
-        self.idle, self._mine = k.pred("wg_padding"), k.pred("wg_row_in_group")
-        self._row, self._at = k.reg("u32", "wg_row"), k.reg("u64", "wg_row_at")
-        self._group, self._rows = k.reg("s32", "wg_row_group"), k.reg("u32", "wg_m_rows")
-        self._barrier = k.reg("u32", "wg_padding_barrier")
-        k.add(self._barrier, thread.wg, 1)
-        k.ld_param(self._rows, p.m_rows)
-
-    def check(self, tiles) -> None:
-        k, cfg = self.k, self.cfg
-        k.mad(self._row, tiles.m_block, cfg.rows, self.thread.row_in_tile, mode="lo")
-        k.setp("lt", self._mine, self._row, self._rows, type="u32")
-        k.mov(self._group, -1)
-        with k.guard(self._mine):
-            k.mad(self._at, self._row, 4, tiles.m_indices, mode="wide")
-            k.ld(self._group, addr(self._at), nc=True)
-        k.setp("eq", self._mine, self._group, tiles.group, type="s32")
-        k.bar_red(self.idle, self._mine, self._barrier, 128)
-        k.not_(self.idle, self.idle)
-
-
 class _StageMma:
     """The math warpgroup's side of the stage ring: ``issue`` waits for the next full stage
     and runs its wgmma; ``release`` frees the oldest stage in flight (``held``)."""
@@ -325,30 +300,14 @@ def _math(k, cfg, p, base, tid, warpgroup, ring):
         mma = _StageMma(k, cfg, ring, thread, base)
         epilogue = cfg.epilogue(k, cfg, p, thread, base)
     tiles = TileScheduler.create(k, cfg, p)
-    padding = _PaddingRows(k, cfg, p, thread) if cfg.groups and not cfg.masked else None
     with tiles.loop() as tile:
         tiles.coordinates(tile)
         tiles.load_group()
         epilogue.start_tile(tiles)
-        done = None
-        if padding is not None and promotion is not None:
-            padding.check(tiles)
-            done = k.label("k_loop_done")
-            with k.if_(padding.idle, "k_loop_full", uniform=True):
-                with k.stage("padding rows: walk the stages, no wgmma"):
-                    promotion.start_tile(tiles, acc)
-                    mma.start_tile()
-                    with k.loop(k.reg("u32", "idle_kb"), cfg.k_blocks, uniform=True):
-                        mma.ring.wait_full(mma.stage, mma.phase)
-                        next_stage(k, mma.stage, mma.phase, cfg.stages)
-                        mma.release()
-                k.bra(done, uniform=True)
         if promotion is None:
             _k_loop(k, cfg, acc, mma)
         else:
             _scaled_k_loop(k, cfg, tiles, acc, mma, promotion)
-        if done is not None:
-            k.place(done)
         epilogue.store(tiles, acc)
     with k.stage("drain: the last TMA stores complete before the CTA exits"):
         epilogue.drain()
