@@ -3,8 +3,8 @@ to the combined output, with no host sync (graph-capturable at every token count
 
     topk_idx [T, k] --moe_routing_layout--> rows [T, k] (each pair's row of the grouped A),
                                             counts / m_indices, rows_used (on the GPU)
-    x [T, H] --moe_permute_quantize_fp8--> A: each token's row, quantized once per pair
-                                           into its rows (1x128 scales, MN-major)
+    x [T, H] --moe_permute_quantize_fp8--> A: each token's row quantized once and copied
+                                           to its k rows (1x128 scales, MN-major)
     A --grouped FP8 GEMM (gate_up)--> [rows, 2I] --moe_silu_mul_quantize_fp8--> [rows, I]
       (only the rows holding a pair) --grouped FP8 GEMM (down)--> y [rows, H]
     y --moe_combine--> out [T, H] = sum over j of weights[t, j] * y[rows[t, j]], in j order
