@@ -583,16 +583,17 @@ def _quantize_and_store(k, cfg, p, t, row, x, valid, targets, stage_row):
         k.fence_proxy_async()
         k.bar_sync(0)
     bound, written = k.reg("u32", "index_rows"), k.pred("pair_written")
-    issuer, q_base, dst = k.pred("bulk_issuer"), k.reg("u64", "q_base"), k.reg("u64", "q_dst")
+    first, issuer = k.pred("row_first_thread"), k.pred("bulk_issuer")
+    q_base, dst = k.reg("u64", "q_base"), k.reg("u64", "q_dst")
     k.ld_param(bound, p.index_rows)
     k.ld_param(q_base, p.q)
+    k.setp("eq", first, t.col, 0)
+    k.and_pred(first, first, valid[0])   # of a row that exists
     slots = [k.pred(f"pair_slot{i}") for i in range(len(valid))]
     for j, target in enumerate(targets):
         with k.stage(f"scatter: pair {j}'s row, a bulk store, and its scales"):
             k.setp("lt", written, target, bound, type="u32")
-            k.setp("eq", issuer, t.col, 0)
-            k.and_pred(issuer, issuer, written)
-            k.and_pred(issuer, issuer, valid[0])
+            k.and_pred(issuer, first, written)
             with k.guard(issuer):
                 k.mad(dst, target, cfg.hidden, q_base, mode="wide")
                 k.cp_async_bulk_store(addr(dst), addr(stage_row), cfg.hidden)
