@@ -28,7 +28,7 @@ layout = "masked" if decode else "contiguous"
 x, idx, w, gate_up, down = problem("deepseek-v3", tokens)
 r = ptxforge.moe_routing_layout(idx, experts, layout=layout,
                                 rows_per_expert=tokens if decode else None)
-lead = (experts, tokens) if decode else (moe.max_contiguous_rows(tokens, top_k, experts),)
+lead = moe.grouped_rows(layout, tokens, top_k, experts)
 a = ptxforge.moe_permute_quantize_fp8(x, r.rows, lead)
 h = moe.grouped_quantized(lead, inner, "cuda")
 h[0].view(torch.uint8).random_(0, 120)
@@ -36,7 +36,7 @@ h[1].fill_(1e-3)
 d1 = torch.empty(*lead, 2 * inner, dtype=torch.bfloat16, device="cuda")
 y = torch.empty(*lead, hidden, dtype=torch.bfloat16, device="cuda")
 active, used = int((r.counts > 0).sum()), (0 if decode else int(r.rows_used))
-expected = -(-tokens * top_k // experts)
+expected = moe.expected_rows(tokens, top_k, experts)
 arch = _common.device_arch(0)
 timer = Timer()
 

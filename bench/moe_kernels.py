@@ -39,8 +39,8 @@ def measure(model: str, tokens: int, timer: Timer) -> list:
     layout = moe.choose_layout(tokens, top_k, experts)
     r = ptxforge.moe_routing_layout(idx, experts, layout=layout,
                                     rows_per_expert=tokens if layout == "masked" else None)
-    lead = (experts, tokens) if layout == "masked" else \
-        (moe.max_contiguous_rows(tokens, top_k, experts),)
+    lead = moe.grouped_rows(layout, tokens, top_k, experts)
+    expected = moe.expected_rows(tokens, top_k, experts)
     a = moe.grouped_quantized(lead, hidden, "cuda")
     d1 = torch.empty(*lead, 2 * inner, dtype=torch.bfloat16, device="cuda")
     h = moe.grouped_quantized(lead, inner, "cuda")
@@ -62,11 +62,11 @@ def measure(model: str, tokens: int, timer: Timer) -> list:
                                tokens * hidden * 2 + pairs * (hidden + hidden // 32)),
         "torch index_copy_, same rows": (
             lambda: grouped_bytes.index_copy_(0, scatter_rows, scatter_src), pairs * hidden * 2),
-        "gemm gate_up": (lambda: moe._grouped_gemm(layout, a, gate_up, d1, r, pairs, experts),
+        "gemm gate_up": (lambda: moe._grouped_gemm(layout, a, gate_up, d1, r, expected),
                          active * 2 * inner * hidden + pairs * (hidden + 4 * inner)),
         "silu_mul + quantize": (lambda: ptxforge.moe_silu_mul_quantize_fp8(d1, r.rows, out=h),
                                 pairs * (4 * inner + inner + inner // 32)),
-        "gemm down": (lambda: moe._grouped_gemm(layout, h, down, y, r, pairs, experts),
+        "gemm down": (lambda: moe._grouped_gemm(layout, h, down, y, r, expected),
                       active * hidden * inner + pairs * (inner + 2 * hidden)),
         "combine": (lambda: ptxforge.moe_combine(y.view(-1, hidden), r.rows, w),
                     pairs * 2 * hidden + tokens * 2 * hidden),

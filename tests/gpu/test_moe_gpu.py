@@ -60,8 +60,7 @@ def test_permute_and_silu_kernels_match_the_dense_kernels_bit_for_bit(layout):
     idx, _ = routing(tokens, top_k, experts)
     r = ptxforge.moe_routing_layout(idx, experts, layout=layout,
                                     rows_per_expert=tokens if layout == "masked" else None)
-    lead = (experts, tokens) if layout == "masked" else \
-        (moe.max_contiguous_rows(tokens, top_k, experts),)
+    lead = moe.grouped_rows(layout, tokens, top_k, experts)
     q, s = ptxforge.moe_permute_quantize_fp8(x, r.rows, lead)
     dense_q, dense_s = ptxforge.quantize_fp8_per_token(x)
     rows = r.rows.view(-1).long()

@@ -17,6 +17,7 @@ from ..kernels import bf16_row_rmsnorm_fp8quant as row_kernel
 from ..kernels import i64_moe_routing_layout as routing_kernel
 from ..kernels import sm90_gemm as gemm_kernel
 from ..kernels.sm90_gemm.tile_model import token_counts
+from ..ops import moe as moe_ops
 
 PTXFORGE = torch.ops.ptxforge
 
@@ -31,8 +32,15 @@ ROW_VARIANTS = {
 }
 
 
+class _Kernel:
+    """A kernel descriptor's configs: ``config(arch, m)`` for each token count, once each."""
+
+    def configs(self, arch, tokens=(1,)) -> list:
+        return list(dict.fromkeys(self.config(arch, m) for m in tokens))
+
+
 @dataclass(frozen=True)
-class Gemm:
+class Gemm(_Kernel):
     """A GEMM of the graph, less its M."""
     n: int
     k: int
@@ -45,10 +53,6 @@ class Gemm:
         return gemm_kernel.choose_config(arch, m, self.n, self.k, dtype=self.dtype,
                                          bias=self.bias, residual=self.residual,
                                          accumulate=self.accumulate)
-
-    def configs(self, arch, tokens) -> list:
-        """The distinct configs for these token counts (M)."""
-        return list(dict.fromkeys(self.config(arch, m) for m in tokens))
 
     generate = staticmethod(gemm_kernel.generate)
 
@@ -66,7 +70,7 @@ class Gemm:
 
 
 @dataclass(frozen=True)
-class Row:
+class Row(_Kernel):
     """A row kernel of the graph: its variant and hidden size (and a scatter's fanout)."""
     variant: str             # the row generator's variant name
     hidden: int
@@ -76,20 +80,11 @@ class Row:
         return row_kernel.choose_config(arch, self.hidden, fanout=self.fanout,
                                         **ROW_VARIANTS[self.variant])
 
-    def configs(self, arch, tokens=()) -> list:
-        return [self.config(arch)]
-
     generate = staticmethod(row_kernel.generate)
 
     def __str__(self):
         fanout = f" topk={self.fanout}" if self.fanout > 1 else ""
         return f"{self.variant} hidden={self.hidden}{fanout}"
-
-
-def _moe_layout(tokens: int, top_k: int, experts: int) -> str:
-    from ..ops.moe import choose_layout   # ops imports torch's CUDA side lazily
-
-    return choose_layout(tokens, top_k, experts)
 
 
 @dataclass(frozen=True)
@@ -100,13 +95,13 @@ class MoeGemm(Gemm):
     top_k: int = 0
 
     def config(self, arch, m: int):
-        tokens = max(m, 1)
-        if _moe_layout(tokens, self.top_k, self.experts) == "masked":
-            rows = self.experts * max(1, -(-tokens * self.top_k // self.experts))
-            return gemm_kernel.choose_config(arch, rows, self.n, self.k, groups=self.experts,
-                                             masked=True)
-        rows = tokens * self.top_k + self.experts * (gemm_kernel.CONTIGUOUS_ALIGNMENT - 1)
-        return gemm_kernel.choose_config(arch, rows, self.n, self.k, groups=self.experts)
+        """The tile ``moe_experts_fp8`` launches for m tokens: for its layout's rows (all of
+        the contiguous layout's, or E x the rows an expert is expected to hold)."""
+        masked = moe_ops.choose_layout(m, self.top_k, self.experts) == "masked"
+        rows = self.experts * moe_ops.expected_rows(m, self.top_k, self.experts) if masked \
+            else moe_ops.grouped_rows("contiguous", m, self.top_k, self.experts)[0]
+        return gemm_kernel.choose_config(arch, rows, self.n, self.k, groups=self.experts,
+                                         masked=masked)
 
     @property
     def weight_bytes(self) -> int:
@@ -118,17 +113,14 @@ class MoeGemm(Gemm):
 
 
 @dataclass(frozen=True)
-class MoeRouting:
+class MoeRouting(_Kernel):
     """The routing-layout kernel: one per layout the token counts choose."""
     experts: int
     top_k: int
 
     def config(self, arch, m: int = 1):
         return routing_kernel.choose_config(arch, self.experts,
-                                            _moe_layout(max(m, 1), self.top_k, self.experts))
-
-    def configs(self, arch, tokens=(1,)) -> list:
-        return list(dict.fromkeys(self.config(arch, m) for m in tokens))
+                                            moe_ops.choose_layout(m, self.top_k, self.experts))
 
     generate = staticmethod(routing_kernel.generate)
 
@@ -137,16 +129,14 @@ class MoeRouting:
 
 
 @dataclass(frozen=True)
-class MoeCombine:
+class MoeCombine(_Kernel):
+    """The combine kernel: one config, whatever the token count."""
     hidden: int
     top_k: int
     weight_dtype: str        # "f32" or "bf16"
 
     def config(self, arch, m: int = 0):
         return combine_kernel.choose_config(arch, self.hidden, self.top_k, self.weight_dtype)
-
-    def configs(self, arch, tokens=()) -> list:
-        return [self.config(arch)]
 
     generate = staticmethod(combine_kernel.generate)
 
@@ -198,8 +188,15 @@ def _moe_kernels(node) -> tuple:
     """The kernels of ``moe_experts_fp8(x, topk_idx, topk_weights, w13, s13, w2, s2)``."""
     x, index, weights, w13, _, w2, _ = node.args
     experts, two_inner, hidden = _shape(w13)
-    top_k = _last(index)
-    weight_dtype = "bf16" if weights.meta["example_value"].dtype == torch.bfloat16 else "f32"
+    return moe_kernels(experts, hidden, two_inner // 2, _last(index),
+                       weights.meta["example_value"].dtype)
+
+
+def moe_kernels(experts: int, hidden: int, inner: int, top_k: int, weight_dtype) -> tuple:
+    """The kernels ``moe_experts_fp8`` launches for these sizes (``weight_dtype``: the top-k
+    weights' torch dtype)."""
+    two_inner = 2 * inner
+    weight_dtype = "bf16" if weight_dtype == torch.bfloat16 else "f32"
     return (MoeRouting(experts, top_k),
             Row("moe_permute_quantize_fp8", hidden, fanout=top_k),
             MoeGemm(two_inner, hidden, "e4m3", experts=experts, top_k=top_k),

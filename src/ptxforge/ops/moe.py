@@ -44,6 +44,19 @@ def choose_layout(tokens: int, top_k: int, experts: int) -> str:
     return "masked" if masked_rows <= max_contiguous_rows(tokens, top_k, experts) else "contiguous"
 
 
+def grouped_rows(layout: str, tokens: int, top_k: int, experts: int) -> tuple:
+    """The leading shape of the grouped operands, sized for the worst routing: (E, T) in
+    the masked layout, (T*k + E*127,) in the contiguous one."""
+    if layout == "masked":
+        return experts, max(tokens, 1)
+    return (max_contiguous_rows(tokens, top_k, experts),)
+
+
+def expected_rows(tokens: int, top_k: int, experts: int) -> int:
+    """The masked GEMM's tile hint: the pairs an expert receives on average."""
+    return max(1, ceil_div(tokens * top_k, experts))
+
+
 def grouped_quantized(lead: tuple, hidden: int, device) -> tuple:
     """An FP8 grouped operand, uninitialised: q e4m3 [*lead, hidden] and f32 scales
     [*lead, ceil(hidden/128)] in the MN-major TMA-aligned layout the GEMMs read. ``lead``:
@@ -86,13 +99,14 @@ def _checked_out(out, lead: tuple, width: int, pdl, first, *input_spans) -> tupl
     not given. Returns (out, the launch's output arguments)."""
     name, tensor, device = first
     if out is not None:
-        _grouped_out(out, width, device, *input_spans, rows=lead)
+        arguments = _grouped_out(out, width, device, *input_spans, rows=lead)
     if pdl is not None:
         require_pdl(pdl)
     require_cuda(name, tensor, device)
     if out is None:
         out = grouped_quantized(lead, width, tensor.device)
-    return out, _grouped_out(out, width, device, *input_spans, rows=lead)
+        arguments = _grouped_out(out, width, device, *input_spans, rows=lead)
+    return out, arguments
 
 
 def _routing_rows(rows, device: int, tokens: int | None = None) -> tuple:
@@ -183,16 +197,16 @@ def moe_experts_fp8(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch
     # A router's top-k may come as views (a gather's, a slice's): the kernels read rows.
     topk_idx, topk_weights = topk_idx.contiguous(), topk_weights.contiguous()
     layout = layout or choose_layout(tokens, top_k, experts)
+    lead = grouped_rows(layout, tokens, top_k, experts)
     routing = moe_routing_layout(topk_idx, experts, layout=layout,
-                                 rows_per_expert=max(tokens, 1) if layout == "masked" else None)
-    lead = (experts, max(tokens, 1)) if layout == "masked" else \
-        (max_contiguous_rows(tokens, top_k, experts),)
+                                 rows_per_expert=lead[1] if layout == "masked" else None)
+    expected = expected_rows(tokens, top_k, experts)
     a = moe_permute_quantize_fp8(x, routing.rows, lead)
     gate_up_out = torch.empty((*lead, two_inner), dtype=torch.bfloat16, device=x.device)
-    _grouped_gemm(layout, a, gate_up, gate_up_out, routing, tokens * top_k, experts)
+    _grouped_gemm(layout, a, gate_up, gate_up_out, routing, expected)
     h = moe_silu_mul_quantize_fp8(gate_up_out, routing.rows)
     y = torch.empty((*lead, hidden), dtype=torch.bfloat16, device=x.device)
-    _grouped_gemm(layout, h, down, y, routing, tokens * top_k, experts)
+    _grouped_gemm(layout, h, down, y, routing, expected)
     return moe_combine(y.view(-1, hidden), routing.rows, topk_weights)
 
 
@@ -221,9 +235,8 @@ def _experts_sizes(x, topk_idx, topk_weights, gate_up, down) -> tuple:
     return tokens, hidden, top_k, experts, two_inner
 
 
-def _grouped_gemm(layout: str, a, b, d, routing, pairs: int, experts: int) -> None:
+def _grouped_gemm(layout: str, a, b, d, routing, expected: int) -> None:
     if layout == "masked":
-        # The tile choice's hint: the pairs an expert receives on average.
-        m_grouped_fp8_gemm_nt_masked(a, b, d, routing.counts, max(1, ceil_div(pairs, experts)))
+        m_grouped_fp8_gemm_nt_masked(a, b, d, routing.counts, expected)
     else:
         m_grouped_fp8_gemm_nt_contiguous(a, b, d, routing.m_indices, rows_used=routing.rows_used)
