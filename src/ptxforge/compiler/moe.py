@@ -23,10 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels import bf16_row_rmsnorm_fp8quant as row_kernel
-from ..kernels import i64_moe_routing_layout as routing_kernel
-from ..kernels import sm90_gemm as gemm_kernel
-from .passes import PTXFORGE, Graph, Replacement, ancestors, kind
+from . import precompile
+from .passes import PTXFORGE, Graph, Replacement, ancestors, gpu_arch, kind
 
 _F = torch.nn.functional
 # The grouped GEMM as transformers calls it, by torch version and device.
@@ -188,22 +186,20 @@ def _why_not_taken(g: Graph, found: Experts, fp8: bool, arch_of) -> str | None:
     if tuple(down.shape) != (experts, hidden, two_inner // 2) or two_inner % 2:
         return (f"gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} are "
                 f"not [E, 2I, H] and [E, H, I]")
-    arch = arch_of(gate_up.device)
-    if isinstance(arch, str):
-        return arch
-    try:
-        gemm_kernel.require_problem(arch, two_inner, hidden)
-        gemm_kernel.require_problem(arch, hidden, two_inner // 2)
-        if two_inner % 256 or hidden % 128:
-            raise ValueError(f"the 128x128 weight blocks need 2I and H multiples of 256 and "
-                             f"128, got 2I={two_inner}, H={hidden}")
-        for size, swiglu in ((hidden, False), (two_inner // 2, True)):
-            row_kernel.choose_config(arch, size, normalize=False, quantize=True, swiglu=swiglu,
-                                     row_map="indexed")
-        for layout in routing_kernel.LAYOUTS:
-            routing_kernel.choose_config(arch, experts, layout)
+    arch, why = gpu_arch(gate_up, arch_of)
+    if why is not None:
+        return why
+    kernels = precompile.moe_kernels(experts, hidden, two_inner // 2,
+                                     g.value(found.index).shape[-1], g.value(found.weights).dtype)
+    try:   # every kernel the op launches (the GEMMs' sizes first), for one token and many
+        for kernel in sorted(kernels, key=lambda kernel: not isinstance(kernel, precompile.Gemm)):
+            for tokens in (1, 1 << 14):   # (both layouts)
+                kernel.config(arch, tokens)
     except ValueError as error:
         return str(error)
+    if two_inner % 256 or hidden % 128:
+        return (f"the 128x128 weight blocks need 2I and H multiples of 256 and 128, got "
+                f"2I={two_inner}, H={hidden}")
     return None
 
 

@@ -167,6 +167,28 @@ class Linear:
     bias: torch.fx.Node | None
 
 
+def gpu_arch(weight: torch.Tensor, arch_of) -> tuple:
+    """(the description of the GPU ``weight`` is on, None), or (None, why the kernels cannot
+    run there: a CPU weight, a GPU without a description)."""
+    if weight.device.type not in ("cuda", "meta"):
+        return None, f"the weight is on {weight.device}"
+    arch = arch_of(weight.device)
+    return (None, arch) if isinstance(arch, str) else (arch, None)
+
+
+def why_not_gemm(weight: torch.Tensor, arch_of) -> str | None:
+    """Why the GEMM cannot take ``weight`` [N, K] where it is (``gpu_arch``, or N and K), or
+    None."""
+    arch, why = gpu_arch(weight, arch_of)
+    if why is not None:
+        return why
+    try:
+        gemm_kernel.require_problem(arch, *weight.shape)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
 def why_not_linear(g: Graph, node, arch_of) -> tuple[Linear | None, str | None]:
     """The Linear ``node`` as the GEMM would take it, or why it cannot (its weight is not a
     bf16 [N, K] parameter on a GPU whose GEMM takes N and K, x not bf16 there, or a bias
@@ -177,15 +199,9 @@ def why_not_linear(g: Graph, node, arch_of) -> tuple[Linear | None, str | None]:
         return None, "the weight is not a parameter of the model"
     if weight.dtype != torch.bfloat16 or weight.dim() != 2:
         return None, f"the weight is {weight.dtype} {tuple(weight.shape)}, not a bf16 matrix"
-    if weight.device.type not in ("cuda", "meta"):
-        return None, f"the weight is on {weight.device}"
-    arch = arch_of(weight.device)
-    if isinstance(arch, str):
-        return None, arch
-    try:
-        gemm_kernel.require_problem(arch, *weight.shape)
-    except ValueError as error:
-        return None, str(error)
+    why = why_not_gemm(weight, arch_of)
+    if why is not None:
+        return None, why
     if x_value is None or x_value.dtype != torch.bfloat16 or x_value.device != weight.device:
         return None, (f"x is {getattr(x_value, 'dtype', None)} on "
                       f"{getattr(x_value, 'device', None)}, not bf16 there")
@@ -246,8 +262,8 @@ def rewrite_upcast_linears(g: Graph, arch_of) -> list[Replacement]:
     """``F.linear(x.float(), w.float())`` of a bf16 x and a bf16 weight parameter (a MoE
     router's scores, as DeepSeek-V3 computes them): products of bf16 values are exact in
     f32, so the bf16 GEMM accumulating into f32 computes the same sums as the f32 GEMM
-    (in another order), on the tensor cores instead of FFMA (314 us -> ~25 us for
-    DeepSeek-V3's router at 4096 tokens, the f32 GEMM measured on the H200)."""
+    (in another order), on the tensor cores instead of FFMA (DeepSeek-V3's router at 4096
+    tokens: 314 us -> 29.5 us, H200)."""
     plan = []
     for node in list(g.graph.nodes):
         if kind(node) != "linear" or len(node.args) < 2 or node.kwargs.get("bias") is not None \
@@ -257,16 +273,9 @@ def rewrite_upcast_linears(g: Graph, arch_of) -> list[Replacement]:
         weight = g.tensor(w) if w is not None else None
         if x is None or weight is None or weight.dim() != 2:
             continue
-        arch = arch_of(weight.device)
-        why = arch if isinstance(arch, str) else None
-        if why is None:
-            try:
-                gemm_kernel.require_problem(arch, *weight.shape)
-            except ValueError as error:
-                why = str(error)
-        if why is not None or weight.device.type not in ("cuda", "meta"):
-            plan.append(Replacement("f32 linear of bf16 values", node.name, None,
-                                    why or f"the weight is on {weight.device}"))
+        why = why_not_gemm(weight, arch_of)
+        if why is not None:
+            plan.append(Replacement("f32 linear of bf16 values", node.name, None, why))
             continue
         with g.graph.inserting_before(node):
             out = g.call(PTXFORGE.bf16_linear_f32.default, (x, w))
