@@ -223,6 +223,18 @@ def test_token_counts_stand_for_every_m_the_tile_model_sees():
             assert gemm_kernel.choose_config(sm90, m, n, k) == chosen[representative], (n, k, m)
 
 
+def test_moe_gemm_configs_cover_every_token_count():
+    """The MoE GEMMs' tiles switch between the dense representatives (the layout at ~130
+    tokens, the clusters sharing B at ~4128 for DeepSeek-V3): precompiling for every count
+    up to a limit still builds each tile some count gets."""
+    sm90 = arch.get("sm_90a")
+    every = precompile.every_token_count(8192)
+    for experts, top_k, n, k in ((256, 8, 4096, 7168), (256, 8, 7168, 2048), (8, 2, 28672, 4096)):
+        moe_gemm = precompile.MoeGemm(n, k, "e4m3", experts=experts, top_k=top_k)
+        wanted = {moe_gemm.config(sm90, m) for m in range(1, 8193)}
+        assert set(moe_gemm.configs(sm90, every)) == wanted, (experts, n, k)
+
+
 def test_compile_report_prints_the_plan_without_a_gpu(tmp_path, capsys):
     model, _ = small_llama()
     path = tmp_path / "config.json"

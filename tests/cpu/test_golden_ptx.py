@@ -72,6 +72,9 @@ GEMM_MAKE_CONFIG = (
     dict(n=7168, k=2048, block_m=128, block_n=128, residual=True),
     dict(n=2112, k=7168, block_m=64, block_n=96, dtype="bf16", bias=True, residual=True),
     dict(n=2112, k=7168, block_m=64, block_n=24, tile_rows=8, residual=True),
+    dict(n=4096, k=7168, block_m=128, block_n=128, multicast=2, groups=256, share_b=True,
+         raster=1),
+    dict(n=7168, k=2048, block_m=128, block_n=192, multicast=2, share_b=True),
 )
 
 

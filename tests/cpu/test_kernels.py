@@ -450,6 +450,48 @@ def test_gemm_multicast_shares_a_across_a_cluster_pair():
     assert compiled.resources.spills == 0
 
 
+@pytest.mark.parametrize("groups", [0, 256])
+def test_gemm_clusters_along_m_share_b(groups):
+    """share_b: each CTA loads its own A and half of B into both CTAs of the cluster (a
+    grouped B only where the peer's block row starts in the same group, else both halves
+    itself), so a stage still expects the whole A and B tiles; a repeated tile (an odd
+    block-row count) is not stored."""
+    from ptxforge.kernels import sm90_gemm as gemm
+
+    sm90 = arch.get("sm_90a")
+    cfg = gemm.make_config(sm90, 4096, 7168, 128, 128, multicast=2, groups=groups,
+                           share_b=True, raster=1)
+    plain = gemm.make_config(sm90, 4096, 7168, 128, 128, groups=groups)
+    assert cfg.name.endswith("_ras1_shb") and cfg.b_box_rows == 64 and cfg.a_box_rows == 128
+    assert cfg.tx_bytes == plain.tx_bytes and cfg.launch.cluster == 2
+    ptx = gemm.generate(cfg).ptx()
+    assert ptx.count(".multicast::cluster") == 1      # B's half; A is this CTA's own
+    # grouped: the peer's group compared with this tile's, and both halves loaded where not
+    loads = ptx.count("cp.async.bulk.tensor.2d.shared::cluster.global")   # A, B, sa
+    assert loads == (5 if groups else 3)
+    assert "not.pred" in ptx                            # a repeated tile stores nothing
+    assert jit.build(gemm.generate(cfg)).resources.spills == 0
+    with pytest.raises(ValueError, match="share_b needs multicast 2"):
+        gemm.make_config(sm90, 4096, 7168, 128, 128, groups=groups, share_b=True)
+    with pytest.raises(ValueError, match="share_b needs"):
+        gemm.make_config(sm90, 4096, 7168, 128, 128, multicast=2, groups=8, masked=True,
+                         share_b=True)
+
+
+def test_small_groups_get_clusters_sharing_b():
+    """The contiguous layout of small groups (DeepSeek-V3's 256 experts at 4096 tokens:
+    ~255 rows a group) gets share_b and raster 1; large groups and dense GEMMs keep the
+    clusters sharing A."""
+    from ptxforge.kernels import sm90_gemm as gemm
+
+    sm90 = arch.get("sm_90a")
+    small = gemm.choose_config(sm90, 4096 * 8 + 256 * 127, 4096, 7168, groups=256)
+    assert small.share_b and small.raster == 1 and small.multicast == 2
+    large = gemm.choose_config(sm90, 4 * 8192, 4096, 7168, groups=4)
+    dense = gemm.choose_config(sm90, 4 * 8192, 4096, 7168)
+    assert not large.share_b and large.multicast == 2 and not dense.share_b
+
+
 @pytest.mark.parametrize("block_n, dtype", [(64, "e4m3"), (96, "e4m3"), (64, "bf16")])
 def test_gemm_b_scales_come_with_each_stage(block_n, dtype):
     """e4m3: the producer copies each K block's B scales into its stage (a 4-byte cp.async

@@ -141,6 +141,28 @@ def test_every_tile_shape(gpu_arch):
     assert not failures, failures
 
 
+def test_clusters_sharing_b(gpu_arch):
+    """share_b on a dense GEMM: the cluster's CTAs on neighbouring block rows, each loading
+    half of B into both; odd block-row counts (1, 3, 7) leave the second CTA repeating the
+    first's tile, which it must not store."""
+    from ptxforge.kernels import sm90_gemm as gemm
+
+    failures = []
+    for block_n in (64, 128, 144, 160):
+        for parts in (1, 2):
+            try:
+                cfg = gemm.make_config(gpu_arch, 1000, 640, 128, block_n, 1, 2, parts,
+                                       share_b=True)
+            except ValueError:
+                continue  # does not fit the registers
+            for m in (1, 200, 300, 700, 900):
+                d, ref, _, _ = run(m, 1000, 640, config=cfg)
+                diff = calc_diff(d, ref)
+                if torch.isnan(d).any() or not diff < 1e-3 or not relative_error(d, ref) <= 2e-3:
+                    failures.append((cfg.name, m, diff))
+    assert not failures, failures
+
+
 @pytest.mark.parametrize("m, n, k", [(1, 128, 256), (200, 1000, 640), (4096, 7168, 2048)])
 def test_accumulates_into_c(m, n, k):
     """d = c + a @ b.T into an f32 d: in place (c is d) and from a separate c; the same

@@ -76,6 +76,49 @@ def test_rows_used_skips_the_tiles_past_it(used):
     assert torch.isnan(d[used:]).all()
 
 
+def test_clusters_sharing_b(gpu_arch):
+    """share_b: a cluster's two CTAs take neighbouring block rows and share B's loads where
+    both rows start in one group. Random group sizes put pairs inside a group, across two
+    and past the last block row (an odd count: the second CTA repeats the first's tile and
+    must not store it); with rows_used the pairs end where it does; bad indices stay
+    zeros. Poisoned outputs, the fp64 reference, the same bits as the unshared config."""
+    from ptxforge.kernels import sm90_gemm as gemm
+
+    rng = random.Random(2)
+    for n, k, block_n in ((512, 384, 128), (1000, 640, 160), (7168, 256, 192)):
+        for _ in range(8):
+            sizes = [rng.choice([0, 1, 100, 128, 129, 250, 256, 300])
+                     for _ in range(rng.randint(1, 6))] + [rng.choice([1, 129])]
+            a, b, m_indices, ref = grouped_operands(sizes, n, k)
+            shared = gemm.make_config(gpu_arch, n, k, 128, block_n, 1, 2, 1,
+                                      groups=len(sizes), share_b=True)
+            plain = gemm.make_config(gpu_arch, n, k, 128, block_n, 1, 1, 1, groups=len(sizes))
+            outputs = []
+            for cfg in (shared, plain):
+                d = torch.full((a[0].shape[0], n), float("nan"), device="cuda",
+                               dtype=torch.bfloat16)
+                ptxforge.m_grouped_fp8_gemm_nt_contiguous(a, b, d, m_indices, config=cfg)
+                outputs.append(d)
+            check(outputs[0], ref, m_indices)
+            assert torch.equal(outputs[0], outputs[1]), (sizes, n, k)
+    a, b, m_indices, ref = grouped_operands([300, 0, 213, 128], 512, 256)
+    m_indices[5], m_indices[300] = 7, -9
+    cfg = gemm.make_config(gpu_arch, 512, 256, 128, 128, 1, 2, groups=4, share_b=True)
+    for used in (0, 128, 384, 640):
+        d = torch.full((a[0].shape[0], 512), float("nan"), device="cuda", dtype=torch.bfloat16)
+        rows_used = torch.tensor([used], dtype=torch.int32, device="cuda")
+        ptxforge.m_grouped_fp8_gemm_nt_contiguous(a, b, d, m_indices, rows_used=rows_used,
+                                                  config=cfg)
+        for row in (5, 300):
+            if row < used:
+                assert torch.equal(d[row], torch.zeros_like(d[row]))
+        expected = ref.clone()
+        expected[[5, 300]] = 0
+        if used:
+            check(d[:used], expected[:used], m_indices[:used])
+        assert torch.isnan(d[used:]).all()
+
+
 def test_rejects_bad_arguments():
     a, b, m_indices, _ = grouped_operands([128, 128], 256, 256)
     d = torch.empty(256, 256, device="cuda", dtype=torch.bfloat16)

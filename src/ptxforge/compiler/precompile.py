@@ -103,6 +103,13 @@ class MoeGemm(Gemm):
         return gemm_kernel.choose_config(arch, rows, self.n, self.k, groups=self.experts,
                                          masked=masked)
 
+    def configs(self, arch, tokens=(1,)) -> list:
+        """The configs of every token count from the least of ``tokens`` to the greatest:
+        the rows, and so the tile, follow the count at a pace of their own (top_k rows a
+        token; the layout's switch), between the dense GEMM's representatives."""
+        return list(dict.fromkeys(self.config(arch, m)
+                                  for m in range(min(tokens), max(tokens) + 1)))
+
     @property
     def weight_bytes(self) -> int:
         """Every expert's: the bound when the routing activates them all."""

@@ -20,9 +20,10 @@ Warp roles (persistent CTAs walk the output tiles of block_m x block_n, schedule
 Tiles are block_m (64 or 128: one math warpgroup per 64 rows) x block_n (16..256 in steps
 of 8); tile_model.py picks the shape by a model of waves x clocks per K block fitted to
 measurements. From M = 512 on, two CTAs of a cluster may share the A tile of neighbouring
-tiles along N: each loads half of it with a TMA multicast into both. A few tokens (M <= 32)
-may get a 64-row tile covering only 8, 16 or 32 rows (``tile_rows``: smaller A stages, more
-of them, more weight bytes in flight).
+tiles along N: each loads half of it with a TMA multicast into both; for a contiguous MoE
+layout of small groups, the pair lies along M and shares B instead (``share_b``). A few
+tokens (M <= 32) may get a 64-row tile covering only 8, 16 or 32 rows (``tile_rows``:
+smaller A stages, more of them, more weight bytes in flight).
 
 Pipeline, per K block kb (stage = kb % stages, phase flips each wrap; patterns/pipeline.py):
 

@@ -52,6 +52,9 @@ class GemmConfig:
     residual: bool = False  # a bf16 [M, N] residual (D itself or not) added to D before it
                             # is rounded, after the bias
     raster: int = 16        # block rows a raster group walks (scheduler.py), dense/contiguous
+    share_b: bool = False   # with multicast: the cluster's CTAs are neighbours along M and
+                            # share each B tile where their rows' groups agree (a dense B
+                            # always), instead of neighbours along N sharing A
 
     def __post_init__(self):
         # The contiguous layout's segments and the multicast split assume whole tiles.
@@ -60,6 +63,11 @@ class GemmConfig:
             raise ValueError(f"tile_rows needs block_m 64, no multicast and a dense or masked "
                              f"layout, got block_m={self.block_m}, multicast={self.multicast}, "
                              f"groups={self.groups}, masked={self.masked}")
+        # Halves of B land 1024-byte aligned (the swizzle atom): block_n a multiple of 16.
+        if self.share_b and (self.multicast != 2 or self.masked or self.block_n % 16):
+            raise ValueError(f"share_b needs multicast 2, a dense or contiguous layout and "
+                             f"block_n a multiple of 16, got multicast={self.multicast}, "
+                             f"masked={self.masked}, block_n={self.block_n}")
 
     @property
     def name(self) -> str:
@@ -71,7 +79,8 @@ class GemmConfig:
                 + (f"_w{self.producers}" if self.producers > 1 else "")
                 + ("_bias" if self.bias else "") + ("_residual" if self.residual else "")
                 + (f"_r{self.tile_rows}" if self.tile_rows else "")
-                + (f"_ras{self.raster}" if self.raster != 16 else ""))
+                + (f"_ras{self.raster}" if self.raster != 16 else "")
+                + ("_shb" if self.share_b else ""))
 
     @property
     def rows(self) -> int:
@@ -143,7 +152,12 @@ class GemmConfig:
     @property
     def a_box_rows(self) -> int:
         """Rows of A one CTA loads per stage (and multicasts to the cluster)."""
-        return self.rows // self.multicast
+        return self.rows if self.share_b else self.rows // self.multicast
+
+    @property
+    def b_box_rows(self) -> int:
+        """Rows of B one TMA copy loads (share_b: half the tile, one per CTA of the cluster)."""
+        return self.block_n // self.multicast if self.share_b else self.block_n
 
     @property
     def a_stage_bytes(self) -> int:
@@ -208,7 +222,8 @@ class GemmConfig:
         group = (1,) if self.masked else ()
         maps = {"tmap_a": TensorMap(element, (self.k_per_block, self.a_box_rows) + group,
                                     swizzle=ROW_BYTES),
-                "tmap_b": TensorMap(element, (self.k_per_block, self.block_n), swizzle=ROW_BYTES)}
+                "tmap_b": TensorMap(element, (self.k_per_block, self.b_box_rows),
+                                    swizzle=ROW_BYTES)}
         if self.scaled:
             maps["tmap_sa"] = TensorMap("float32", (self.rows, 1) + group)
         maps["tmap_d"] = TensorMap(self.epilogue.element,
@@ -224,9 +239,10 @@ class GemmConfig:
     @property
     def tx_bytes(self) -> int:
         """Bytes the TMA copies of one stage deliver: the loads' boxes (full, even at the
-        edges), A's from every CTA of the cluster."""
+        edges): the whole A and B tiles, whichever CTA of the cluster loads each part."""
         maps = self.tensor_maps
-        return (self.multicast * maps["tmap_a"].box_bytes + maps["tmap_b"].box_bytes
+        a_parts, b_parts = (1, self.multicast) if self.share_b else (self.multicast, 1)
+        return (a_parts * maps["tmap_a"].box_bytes + b_parts * maps["tmap_b"].box_bytes
                 + (maps["tmap_sa"].box_bytes if self.scaled else 0))
 
 
@@ -272,10 +288,13 @@ def make_config(arch: Arch, n: int, k: int, block_m: int, block_n: int,
                 part_buffers: int | None = None, accumulate: bool = False,
                 groups: int = 0, masked: bool = False, dtype: str = "e4m3",
                 producers: int = 2, bias: bool = False, tile_rows: int = 0,
-                residual: bool = False, raster: int = 16) -> GemmConfig:
+                residual: bool = False, raster: int = 16,
+                share_b: bool = False) -> GemmConfig:
     """A config for one tile shape: as many stages as the CTA's share of shared memory
     holds, and the math registers that residency leaves. ``multicast`` 2: clusters of two
-    CTAs on neighbouring tiles of one block row, each loading half of the shared A tile.
+    CTAs on neighbouring tiles of one block row, each loading half of the shared A tile;
+    with ``share_b`` on neighbouring block rows of one column, each loading half of B
+    (where their rows' groups agree). ``raster``: block rows a raster group walks.
     ``part_buffers``: 1 or 2 registers sets a K block's wgmma accumulates into (2 overlap
     a K block's promotion with the next one's wgmma); by default 2 where they fit.
     ``accumulate``: D is f32 and each tile is added into it by a TMA reduction (the f32 D
@@ -292,7 +311,7 @@ def make_config(arch: Arch, n: int, k: int, block_m: int, block_n: int,
     if block_m not in (64, 128) or block_n not in widths:
         raise ValueError(f"no {dtype} GEMM tile {block_m} x {block_n}: block_m is 64 or 128, "
                          f"block_n one of {widths}")
-    if multicast not in (1, 2) or -(-n // block_n) % multicast:
+    if multicast not in (1, 2) or (not share_b and -(-n // block_n) % multicast):
         raise ValueError(f"multicast {multicast} needs 1 or 2 and a tile count along N "
                          f"({-(-n // block_n)}) it divides")
     if multicast > 1:
@@ -355,4 +374,4 @@ def make_config(arch: Arch, n: int, k: int, block_m: int, block_n: int,
                          f"registers a thread has at launch at {ctas_per_sm} CTA(s) an SM")
     return GemmConfig(n, k, block_m, block_n, stages, ctas_per_sm, math_registers, arch.target,
                       multicast, part_buffers, accumulate, groups, masked, dtype, producers, bias,
-                      tile_rows, residual, raster)
+                      tile_rows, residual, raster, share_b)

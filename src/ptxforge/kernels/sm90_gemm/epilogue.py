@@ -120,7 +120,12 @@ class Epilogue:
             k.fence_proxy_async()  # the TMA store reads what these ordinary stores wrote
             k.bar_sync(self.barrier, 128)
         with k.stage("epilogue: one thread stores the slice with TMA (clipped at the edges)"):
-            with k.if_(self.leader, "stored"):
+            storer = self.leader
+            if tiles.repeat is not None:   # the peer's tile, computed for its B: not stored
+                storer = k.pred("stores_tile")
+                k.not_(storer, tiles.repeat)
+                k.and_pred(storer, storer, self.leader)
+            with k.if_(storer, "stored"):
                 x, y = k.reg("s32", "d_x"), k.reg("s32", "d_y")
                 k.mul(y, tiles.m_block, cfg.rows, mode="lo", type="s32")
                 k.mad(y, thread.wg, 64, y, mode="lo", type="s32")

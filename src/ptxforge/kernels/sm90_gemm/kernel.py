@@ -122,9 +122,16 @@ def _producer(k, cfg, p, base, tid, ring):
             tiles = TileScheduler.create(k, cfg, p)
             scale_rows = TileScaleRows(k, cfg, p) if cfg.scaled else None
             m0, n0 = k.reg("s32", "m0"), k.reg("s32", "n0")
+            share_a = cfg.multicast > 1 and not cfg.share_b
             if cfg.multicast > 1:
-                m0_share, everyone = k.reg("s32", "m0_share"), k.reg("b16", "cluster_mask")
+                everyone = k.reg("b16", "cluster_mask")
                 k.mov(everyone, (1 << cfg.multicast) - 1)
+            if share_a:
+                m0_share = k.reg("s32", "m0_share")
+            if cfg.share_b:   # B in two halves: this CTA's (shared) or both (not shared)
+                half_bytes = cfg.b_box_rows * ROW_BYTES
+                b_mine, b_second = k.reg("s32", "b_row_mine"), k.reg("s32", "b_row_second")
+                dst_b_mine, dst_b_second = k.reg("u32", "dst_b_mine"), k.reg("u32", "dst_b_second")
             # This warp's next K block: the first of a tile, or (producers > 1) a few later.
             stage, phase, first = (k.reg("u32", n) for n in ("p_stage", "p_phase", "p_first"))
             k.shr(first, tid, 5)
@@ -135,12 +142,32 @@ def _producer(k, cfg, p, base, tid, ring):
                                             for n in ("dst_a", "dst_b", "dst_sa", "dst_sb"))
             group = list(tiles.extra_coordinates)   # the masked layout's: A's and sa's group
 
-            def load_tile(b_row):
+            def load_b(b_row, full, shared):
+                """B's tile, or with share_b this CTA's half into both CTAs where the peer
+                reads the same B (``shared``: a predicate, None: always), else both halves."""
+                if not cfg.share_b:
+                    k.cp_async_bulk_tensor_load(addr(dst_b), tmap_b, [kx, b_row], addr(full))
+                    return
+                k.mad(dst_b_mine, tiles.rank, half_bytes, dst_b, mode="lo")
+                share = lambda: k.cp_async_bulk_tensor_load(
+                    addr(dst_b_mine), tmap_b, [kx, b_mine], addr(full), multicast_mask=everyone)
+                if shared is None:
+                    share()
+                    return
+                k.add(dst_b_second, dst_b, half_bytes)
+                with k.guard(shared):
+                    share()
+                with k.guard(~shared):
+                    k.cp_async_bulk_tensor_load(addr(dst_b), tmap_b, [kx, b_row], addr(full))
+                    k.cp_async_bulk_tensor_load(addr(dst_b_second), tmap_b, [kx, b_second],
+                                                addr(full))
+
+            def load_tile(b_row, shared):
                 with k.loop(k.reg("u32", "p_kb"), cfg.k_blocks, start=first,
                             step=cfg.producers) as kb:
                     full = ring.acquire(stage, phase)
                     k.mad(dst_a, stage, cfg.a_stage_bytes, base, mode="lo")
-                    if cfg.multicast > 1:
+                    if share_a:
                         k.mad(dst_a, tiles.rank, cfg.a_box_rows * ROW_BYTES, dst_a, mode="lo")
                     k.mad(dst_b, stage, cfg.b_stage_bytes, base, mode="lo")
                     k.add(dst_b, dst_b, cfg.b_offset)
@@ -148,13 +175,13 @@ def _producer(k, cfg, p, base, tid, ring):
                         k.mad(dst_sa, stage, cfg.sa_stage_bytes, base, mode="lo")
                         k.add(dst_sa, dst_sa, cfg.sa_offset)
                     k.mul(kx, kb, cfg.k_per_block, mode="lo", type="s32")
-                    if cfg.multicast > 1:  # this CTA's share of A, into every CTA of the cluster
+                    if share_a:  # this CTA's share of A, into every CTA of the cluster
                         k.cp_async_bulk_tensor_load(addr(dst_a), tmap_a, [kx, m0_share] + group,
                                                     addr(full), multicast_mask=everyone)
                     else:
                         k.cp_async_bulk_tensor_load(addr(dst_a), tmap_a, [kx, m0] + group,
                                                     addr(full))
-                    k.cp_async_bulk_tensor_load(addr(dst_b), tmap_b, [kx, b_row], addr(full))
+                    load_b(b_row, full, shared)
                     if cfg.scaled:
                         k.cp_async_bulk_tensor_load(addr(dst_sa), tmap_sa, [m0, kb] + group,
                                                     addr(full))
@@ -173,9 +200,14 @@ def _producer(k, cfg, p, base, tid, ring):
                 b_row = tiles.b_row(n0)
                 if cfg.scaled:
                     scale_rows.start_tile(tiles, n0)
-                if cfg.multicast > 1:
+                if share_a:
                     k.mad(m0_share, tiles.rank, cfg.a_box_rows, m0, mode="lo", type="s32")
-                load_tile(b_row)
+                shared = None
+                if cfg.share_b:
+                    shared = tiles.shares_b()
+                    k.mad(b_mine, tiles.rank, cfg.b_box_rows, b_row, mode="lo", type="s32")
+                    k.add(b_second, b_row, cfg.b_box_rows, type="s32")
+                load_tile(b_row, shared)
 
 
 @dataclass(frozen=True)

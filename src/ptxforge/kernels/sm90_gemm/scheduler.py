@@ -9,10 +9,12 @@ the layout:
         ... tiles.b_row(n0), tiles.group, tiles.extra_coordinates ...
 
 A cluster of ``multicast`` CTAs takes tile groups g = cluster, cluster + clusters, ... <
-count, where a tile group is ``multicast`` neighbouring tiles along N (they share A). The
-dense and contiguous layouts walk the tiles in raster groups of ``cfg.raster`` block rows
-(all of a raster group's tiles in one block column before the next column), so the tiles
-running at once share A rows and B columns in L2. The masked layout walks only the tiles
+count, where a tile group is ``multicast`` neighbouring tiles along N (they share A), or
+with ``share_b`` along M (they share B where their rows' groups agree: an expert's block
+rows then read its weights from L2 once, in lockstep, rather than in CTAs that drift apart
+until the second read misses). The dense and contiguous layouts walk the tiles in raster
+groups of ``cfg.raster`` block rows (all of a raster group's tiles in one block column
+before the next column), so the tiles running at once share A rows and B columns in L2. The masked layout walks only the tiles
 of each group's valid rows (masked_m, read on the GPU), group after group, N fastest: the
 clusters share the real work evenly.
 """
@@ -28,6 +30,8 @@ class TileScheduler:
 
     group = None                # the tile's MoE group, a register (grouped layouts)
     extra_coordinates = ()      # the tensor maps' coordinates after (column, row): masked's group
+    repeat = None               # share_b: a predicate, the tile is the peer's (an odd block row
+                                # count leaves the cluster's last CTA none): computed, not stored
 
     @staticmethod
     def create(k, cfg, params) -> "TileScheduler":
@@ -41,7 +45,7 @@ class TileScheduler:
 
     def __init__(self, k, cfg, params):
         self.k, self.cfg = k, cfg
-        self.n_groups = cfg.n_tiles // cfg.multicast
+        self.n_groups = cfg.n_tiles if cfg.share_b else cfg.n_tiles // cfg.multicast
         self.count = k.reg("u32", "tiles")
         self._count_tiles(params)
         self.first, self.step = k.reg("u32", "first_tile"), k.reg("u32", "tile_step")
@@ -60,7 +64,19 @@ class TileScheduler:
         k = self.k
         self.m_tiles = k.reg("u32", "m_tiles")
         k.ld_param(self.m_tiles, params.m_tiles)
-        k.mul(self.count, self.m_tiles, self.n_groups, mode="lo")
+        self._count_groups()
+
+    def _count_groups(self) -> None:
+        """``count`` from ``m_tiles``: tile groups over the block rows (share_b: pairs of
+        them) and the tile groups along N."""
+        k = self.k
+        self.block_rows = self.m_tiles
+        if self.cfg.share_b:
+            self.block_rows = k.reg("u32", "row_pairs")
+            k.add(self.block_rows, self.m_tiles, 1)
+            k.shr(self.block_rows, self.block_rows, 1)
+            self.repeat = k.pred("repeat_tile")
+        k.mul(self.count, self.block_rows, self.n_groups, mode="lo")
 
     def loop(self):
         """The loop over this CTA's (cluster's) tile groups; yields the tile group index."""
@@ -74,7 +90,7 @@ class TileScheduler:
         tiles_per_raster = group * self.n_groups
         k.div(raster, tile, tiles_per_raster, type="u32")
         k.mul(self.m_block, raster, group, mode="lo")            # the raster group's first row
-        k.sub(rows, self.m_tiles, self.m_block)
+        k.sub(rows, self.block_rows, self.m_block)
         k.min(rows, rows, group)                                # block rows in this raster group
         k.mad(raster, raster, -tiles_per_raster & 0xFFFFFFFF, tile, mode="lo")  # tile within it
         k.rem(self.n_block, raster, rows)
@@ -83,12 +99,25 @@ class TileScheduler:
         self._cluster_column()
 
     def _cluster_column(self) -> None:
-        """The CTA of rank r takes tile n_group * multicast + r of the tile group."""
-        if self.cfg.multicast > 1:
-            self.k.mad(self.n_block, self.n_block, self.cfg.multicast, self.rank, mode="lo")
+        """The CTA of rank r takes tile n_group * multicast + r of the tile group; with
+        share_b block row pair * 2 + r, or where that is past the last its peer's."""
+        k = self.k
+        if self.cfg.share_b:
+            k.mad(self.m_block, self.m_block, 2, self.rank, mode="lo")
+            k.setp("ge", self.repeat, self.m_block, self.m_tiles, type="u32")
+            k.sub(self.m_block, self.m_block, self.rank)   # rank 1 past the end: rank 0's
+            with k.guard(~self.repeat):
+                k.add(self.m_block, self.m_block, self.rank)
+        elif self.cfg.multicast > 1:
+            k.mad(self.n_block, self.n_block, self.cfg.multicast, self.rank, mode="lo")
 
     def load_group(self) -> None:
         """The tile's group into ``group`` where coordinates() did not give it."""
+
+    def shares_b(self):
+        """share_b: a predicate, whether the cluster peer's tile reads the same B as this
+        one; None where it always does (a dense B)."""
+        return None
 
     def b_row(self, n0):
         """The first row of B that the tile reads: ``n0`` in a dense B; in a grouped B, the
@@ -127,7 +156,7 @@ class ContiguousTiles(TileScheduler):
             k.add(used, used, self.cfg.rows - 1)
             k.div(used, used, self.cfg.rows, type="u32")
             k.min(self.m_tiles, self.m_tiles, used)
-        k.mul(self.count, self.m_tiles, self.n_groups, mode="lo")
+        self._count_groups()
 
     def load_group(self) -> None:
         """The group of the tile's first row, clamped into [0, groups): the B matrix and B
@@ -140,6 +169,24 @@ class ContiguousTiles(TileScheduler):
         k.ld(self.group, addr(self._at), nc=True)
         k.max(self.group, self.group, 0)
         k.min(self.group, self.group, self.cfg.groups - 1)
+
+
+    def shares_b(self):
+        """Whether the peer's block row (this one's other half of the pair, or this one where
+        that is past the last) starts in the same group, clamped as in load_group."""
+        k = self.k
+        peer, last = k.reg("u32", "peer_block"), k.reg("u32", "last_block")
+        peer_group, shared = k.reg("s32", "peer_group"), k.pred("shares_b")
+        k.xor(peer, self.m_block, 1)
+        k.sub(last, self.m_tiles, 1)
+        k.min(peer, peer, last)
+        k.mul(self._at, peer, self.cfg.rows * 4, mode="wide")
+        k.add(self._at, self._at, self.m_indices)
+        k.ld(peer_group, addr(self._at), nc=True)
+        k.max(peer_group, peer_group, 0)
+        k.min(peer_group, peer_group, self.cfg.groups - 1)
+        k.setp("eq", shared, peer_group, self.group, type="s32")
+        return shared
 
 
 class MaskedTiles(TileScheduler):

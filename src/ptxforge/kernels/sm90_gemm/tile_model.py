@@ -112,7 +112,7 @@ def choose_config(arch: Arch, m: int, n: int, k: int, sms: int | None = None,
             best = (estimate, cfg)
     if best is None:
         raise ValueError(f"no GEMM tile fits N={n}, K={k} on {arch.target}")
-    return few_token_tile(arch, best[1], group_rows)
+    return few_token_tile(arch, clusters_sharing_b(arch, best[1], m), group_rows)
 
 
 def token_counts(limit: int) -> list[int]:
@@ -127,6 +127,29 @@ def token_counts(limit: int) -> list[int]:
             seen.add(key)
             counts.append(m)
     return counts
+
+
+# Rows a group (of the contiguous layout's M) holds at most, on average, for its clusters
+# to share B: see clusters_sharing_b.
+SHARE_B_MAX_GROUP_ROWS = 256
+
+
+def clusters_sharing_b(arch: Arch, cfg: GemmConfig, m: int) -> GemmConfig:
+    """``cfg``, or for a contiguous layout of small groups (two 128-row blocks or fewer on
+    average) whose tile is a 128-row cluster sharing A (neighbours along N), the same tile
+    with the clusters along M sharing B, walked one block-row pair at a time (raster 1).
+    Separate CTAs on a group's block rows drift apart tile after tile until the second
+    one's read of the weights misses L2: DeepSeek-V3's gate_up at 4096 tokens (256 experts
+    of ~1.5 block rows) read 11.6 GB from DRAM for 7.5 GB of weights (ncu); a cluster's two
+    CTAs run in lockstep. Measured on an H200 (bench/moe_gemm_configs.py): 3100-3200 us ->
+    2855-2882. Larger groups lost 3% (4 x 8192 rows, 4096 x 7168: 1290 -> 1253 TFLOPS) or
+    nothing measurable (Mixtral's down, ~640 rows a group)."""
+    if (not cfg.groups or cfg.masked or cfg.multicast == 1 or cfg.block_m != 128
+            or m > SHARE_B_MAX_GROUP_ROWS * cfg.groups):
+        return cfg
+    return make_config(arch, cfg.n, cfg.k, cfg.block_m, cfg.block_n, cfg.ctas_per_sm,
+                       cfg.multicast, cfg.part_buffers, groups=cfg.groups, dtype=cfg.dtype,
+                       producers=cfg.producers, raster=1, share_b=True)
 
 
 # A few tokens' GEMM streams weights: what bounds it is the weight bytes in flight per SM
