@@ -34,8 +34,8 @@ lhs, b, d, n, k = (a, gate_up, d1, 2 * inner, hidden) if which == "gate_up" else
     (h, down, y, hidden, inner)
 arch = _common.device_arch(0)
 cfg = gemm.choose_config(arch, lead[0], n, k, groups=experts)
-cfg = (gemm.make_config(arch, n, k, cfg.block_m, cfg.block_n, 1, 2, 1, groups=experts,
-                        share_b=True, raster=raster) if share_b
+cfg = (gemm.make_config(arch, n, k, cfg.block_m, cfg.block_n, 1, 2, cfg.part_buffers,
+                        groups=experts, share_b=True, raster=raster) if share_b
        else dataclasses.replace(cfg, raster=raster))
 print(cfg.name)
 for _ in range(3):
