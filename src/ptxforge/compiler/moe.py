@@ -156,21 +156,8 @@ def _swiglu_between(mms, inside) -> bool:
                 and gate.args[1:] == (0,) and getattr(up, "args", ())[:2] == (chunk, 1)
                 and chunk.args[1:2] == (2,) and chunk.kwargs.get("dim", -1) in (-1, 1)):
             continue
-        if _reaches(first, chunk) and _reaches(node, second):
+        if first in ancestors(chunk) and node in ancestors(second):
             return True
-    return False
-
-
-def _reaches(src, dst) -> bool:
-    """dst reads src, through any nodes."""
-    seen, todo = set(), [dst]
-    while todo:
-        node = todo.pop()
-        if node is src:
-            return True
-        if node not in seen:
-            seen.add(node)
-            todo.extend(node.all_input_nodes)
     return False
 
 

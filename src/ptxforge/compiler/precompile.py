@@ -202,13 +202,12 @@ def _moe_kernels(node) -> tuple:
 def moe_kernels(experts: int, hidden: int, inner: int, top_k: int, weight_dtype) -> tuple:
     """The kernels ``moe_experts_fp8`` launches for these sizes (``weight_dtype``: the top-k
     weights' torch dtype)."""
-    two_inner = 2 * inner
     weight_dtype = "bf16" if weight_dtype == torch.bfloat16 else "f32"
     return (MoeRouting(experts, top_k),
             Row("moe_permute_quantize_fp8", hidden, fanout=top_k),
-            MoeGemm(two_inner, hidden, "e4m3", experts=experts, top_k=top_k),
-            Row("moe_silu_mul_quantize_fp8", two_inner // 2),
-            MoeGemm(hidden, two_inner // 2, "e4m3", experts=experts, top_k=top_k),
+            MoeGemm(2 * inner, hidden, "e4m3", experts=experts, top_k=top_k),
+            Row("moe_silu_mul_quantize_fp8", inner),
+            MoeGemm(hidden, inner, "e4m3", experts=experts, top_k=top_k),
             MoeCombine(hidden, top_k, weight_dtype))
 
 

@@ -22,6 +22,8 @@ fills is known only on the GPU, and only that is computed.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..kernels import bf16_row_rmsnorm_fp8quant as row_kernel
@@ -81,10 +83,16 @@ def _grouped_out(out, hidden: int, device: int, *input_spans, rows: tuple) -> di
     s_shape, s_strides, s_ptr, _ = inspect("out[1]", scales, torch.float32, len(q_shape),
                                            align=4, device=device, rows=False)
     require_shape("out[1]", s_shape, scale_shape)
-    total = q.numel() // hidden
     q_span = (q_ptr, q.numel())
     require_disjoint("out[0]", q_span, *input_spans)
     require_disjoint("out[1]", strided_span(s_ptr, s_shape, s_strides, 4), q_span, *input_spans)
+    return _out_arguments(q_shape, q_ptr, s_ptr, s_strides)
+
+
+def _out_arguments(q_shape, q_ptr: int, s_ptr: int, s_strides) -> dict:
+    """A grouped row kernel's output arguments by name, for q [*rows, H] at ``q_ptr`` and
+    its scales at ``s_ptr`` with ``s_strides``."""
+    total = math.prod(q_shape[:-1])
     if len(q_shape) == 2:   # one batch: every row's scales at row * stride
         batch = {"rows_per_batch": max(total, 1), "scale_batch_stride": 0}
     else:
@@ -105,7 +113,8 @@ def _checked_out(out, lead: tuple, width: int, pdl, first, *input_spans) -> tupl
     require_cuda(name, tensor, device)
     if out is None:
         out = grouped_quantized(lead, width, tensor.device)
-        arguments = _grouped_out(out, width, device, *input_spans, rows=lead)
+        arguments = _out_arguments(out[0].shape, out[0].data_ptr(), out[1].data_ptr(),
+                                   out[1].stride())
     return out, arguments
 
 

@@ -14,15 +14,14 @@ with ``share_b`` along M (they share B where their rows' groups agree: an expert
 rows then read its weights from L2 once, in lockstep, rather than in CTAs that drift apart
 until the second read misses). The dense and contiguous layouts walk the tiles in raster
 groups of ``cfg.raster`` block rows (all of a raster group's tiles in one block column
-before the next column), so the tiles running at once share A rows and B columns in L2. The masked layout walks only the tiles
-of each group's valid rows (masked_m, read on the GPU), group after group, N fastest: the
-clusters share the real work evenly.
+before the next column), so the tiles running at once share A rows and B columns in L2.
+The masked layout walks only the tiles of each group's valid rows (masked_m, read on the
+GPU), group after group, N fastest: the clusters share the real work evenly.
 """
 
 from __future__ import annotations
 
 from ...ptx import addr, sreg
-
 
 
 class TileScheduler:
@@ -61,15 +60,12 @@ class TileScheduler:
         self._rows, self._raster = k.reg("u32", "raster_rows"), k.reg("u32", "raster_group")
 
     def _count_tiles(self, params) -> None:
+        """``count``: the tile groups over the block rows (share_b: pairs of them) times
+        the tile groups along N."""
         k = self.k
         self.m_tiles = k.reg("u32", "m_tiles")
         k.ld_param(self.m_tiles, params.m_tiles)
-        self._count_groups()
-
-    def _count_groups(self) -> None:
-        """``count`` from ``m_tiles``: tile groups over the block rows (share_b: pairs of
-        them) and the tile groups along N."""
-        k = self.k
+        self._limit_m_tiles(params)
         self.block_rows = self.m_tiles
         if self.cfg.share_b:
             self.block_rows = k.reg("u32", "row_pairs")
@@ -77,6 +73,9 @@ class TileScheduler:
             k.shr(self.block_rows, self.block_rows, 1)
             self.repeat = k.pred("repeat_tile")
         k.mul(self.count, self.block_rows, self.n_groups, mode="lo")
+
+    def _limit_m_tiles(self, params) -> None:
+        """Fewer block rows than the parameter where the layout says so on the GPU."""
 
     def loop(self):
         """The loop over this CTA's (cluster's) tile groups; yields the tile group index."""
@@ -105,9 +104,8 @@ class TileScheduler:
         if self.cfg.share_b:
             k.mad(self.m_block, self.m_block, 2, self.rank, mode="lo")
             k.setp("ge", self.repeat, self.m_block, self.m_tiles, type="u32")
-            k.sub(self.m_block, self.m_block, self.rank)   # rank 1 past the end: rank 0's
-            with k.guard(~self.repeat):
-                k.add(self.m_block, self.m_block, self.rank)
+            with k.guard(self.repeat):   # rank 1 past the last block row: rank 0's
+                k.sub(self.m_block, self.m_block, 1)
         elif self.cfg.multicast > 1:
             k.mad(self.n_block, self.n_block, self.cfg.multicast, self.rank, mode="lo")
 
@@ -143,10 +141,9 @@ class ContiguousTiles(TileScheduler):
         k.ld_param(self.m_indices, params.m_indices)
         self.group, self._at = k.reg("s32", "group"), k.reg("u64", "group_at")
 
-    def _count_tiles(self, params) -> None:
+    def _limit_m_tiles(self, params) -> None:
+        """The block rows holding the first rows_used rows, where rows_used is given."""
         k = self.k
-        self.m_tiles = k.reg("u32", "m_tiles")
-        k.ld_param(self.m_tiles, params.m_tiles)
         at, used = k.reg("u64", "rows_used_at"), k.reg("u32", "rows_used")
         k.ld_param(at, params.rows_used)
         given = k.pred("rows_used_given")
@@ -156,37 +153,35 @@ class ContiguousTiles(TileScheduler):
             k.add(used, used, self.cfg.rows - 1)
             k.div(used, used, self.cfg.rows, type="u32")
             k.min(self.m_tiles, self.m_tiles, used)
-        self._count_groups()
 
     def load_group(self) -> None:
         """The group of the tile's first row, clamped into [0, groups): the B matrix and B
         scales the tile reads. Rows whose m_indices differ from it (padding -1, an index
         out of range, a segment not aligned to the tile) are the epilogue's to write as
         zeros: never a read outside B."""
-        k = self.k
-        k.mul(self._at, self.m_block, self.cfg.rows * 4, mode="wide")
-        k.add(self._at, self._at, self.m_indices)
-        k.ld(self.group, addr(self._at), nc=True)
-        k.max(self.group, self.group, 0)
-        k.min(self.group, self.group, self.cfg.groups - 1)
-
+        self._group_of(self.group, self.m_block)
 
     def shares_b(self):
         """Whether the peer's block row (this one's other half of the pair, or this one where
-        that is past the last) starts in the same group, clamped as in load_group."""
+        that is past the last) starts in the same group as this tile."""
         k = self.k
         peer, last = k.reg("u32", "peer_block"), k.reg("u32", "last_block")
         peer_group, shared = k.reg("s32", "peer_group"), k.pred("shares_b")
         k.xor(peer, self.m_block, 1)
         k.sub(last, self.m_tiles, 1)
         k.min(peer, peer, last)
-        k.mul(self._at, peer, self.cfg.rows * 4, mode="wide")
-        k.add(self._at, self._at, self.m_indices)
-        k.ld(peer_group, addr(self._at), nc=True)
-        k.max(peer_group, peer_group, 0)
-        k.min(peer_group, peer_group, self.cfg.groups - 1)
+        self._group_of(peer_group, peer)
         k.setp("eq", shared, peer_group, self.group, type="s32")
         return shared
+
+    def _group_of(self, group, block) -> None:
+        """``group`` = the group of block row ``block``'s first row, clamped into [0, groups)."""
+        k = self.k
+        k.mul(self._at, block, self.cfg.rows * 4, mode="wide")
+        k.add(self._at, self._at, self.m_indices)
+        k.ld(group, addr(self._at), nc=True)
+        k.max(group, group, 0)
+        k.min(group, group, self.cfg.groups - 1)
 
 
 class MaskedTiles(TileScheduler):
