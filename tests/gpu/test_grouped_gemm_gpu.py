@@ -62,6 +62,18 @@ def test_rows_with_bad_indices_are_zeros():
     assert calc_diff(d, ref) < 1e-3
 
 
+def test_segments_ending_at_each_side_of_a_warpgroup():
+    """Segments ending at each side of a math warpgroup's 64 rows, and a tile whose first 64
+    rows are padding while the next 64 are its group's (the tile's group is then index
+    -1's, clamped to group 0)."""
+    a, b, m_indices, ref = grouped_operands([1, 63, 64, 65, 127, 128, 129, 192, 193], 512, 384)
+    check(run(a, b, m_indices, 512), ref, m_indices)
+    a, b, m_indices, ref = grouped_operands([128, 100], 512, 384)
+    m_indices[:64] = -1
+    ref[:64] = 0
+    check(run(a, b, m_indices, 512), ref, m_indices)
+
+
 @pytest.mark.parametrize("used", [0, 128, 384, 640])
 def test_rows_used_skips_the_tiles_past_it(used):
     """rows_used (on the GPU; the end of the last segment, a multiple of the alignment):
