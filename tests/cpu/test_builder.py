@@ -144,6 +144,33 @@ def test_lanes_naming_the_same_value():
         assert_assembles(k)
 
 
+def test_strong_loads_and_stores_across_gpus():
+    """The forms the communication kernels use: a counter published with st.release.sys and
+    polled with ld.acquire.sys, payload with weak accesses and eviction hints, a record in
+    host memory with a relaxed vector store."""
+    k = KernelBuilder("signals", target="sm_90a")
+    at, flag = k.reg("u64", "at"), k.reg("u32", "flag")
+    words = k.regs("b32", 4, "w")
+    k.mov(at, 0)
+    k.mov(flag, 1)
+    for w in words:
+        k.mov(w, 0)
+    k.st(addr(at), flag, sem="release", scope="sys")
+    k.ld(flag, addr(at, 4), sem="acquire", scope="sys")
+    k.ld(words, addr(at, 16), eviction="L1::no_allocate")
+    k.st(addr(at, 32), words, eviction="L1::no_allocate")
+    k.st(addr(at, 48), words, sem="relaxed", scope="sys")
+    assert body_lines(k)[6:11] == [
+        "st.release.sys.global.u32 [%at], %flag;",
+        "ld.acquire.sys.global.u32 %flag, [%at+4];",
+        "ld.global.L1::no_allocate.v4.b32 {%w0, %w1, %w2, %w3}, [%at+16];",
+        "st.global.L1::no_allocate.v4.b32 [%at+32], {%w0, %w1, %w2, %w3};",
+        "st.relaxed.sys.global.v4.b32 [%at+48], {%w0, %w1, %w2, %w3};",
+    ]
+    if PTXAS is not None:
+        assert_assembles(k)
+
+
 def test_structured_control_flow():
     k = KernelBuilder("flow")
     i, n = k.reg("u32", "i"), k.reg("u32", "n")

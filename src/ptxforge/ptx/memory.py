@@ -25,18 +25,26 @@ def _hints(*parts: str | None) -> str:
 
 class MemoryOps:
     def ld(self, d: Reg | list, address: Address, *, space: str = "global", nc: bool = False,
-           cache: str | None = None, eviction: str | None = None, prefetch: str | None = None,
+           sem: str | None = None, scope: str | None = None, cache: str | None = None,
+           eviction: str | None = None, prefetch: str | None = None,
            type: str | None = None) -> None:
-        """``ld.space{.nc}{.cop}{.eviction}{.prefetch}{.vN}.type d, [a]``.
-        ``nc`` reads through the non-coherent (read-only) path: only for data no thread writes."""
+        """``ld{.sem.scope}.space{.nc}{.cop}{.eviction}{.prefetch}{.vN}.type d, [a]``.
+        ``nc`` reads through the non-coherent (read-only) path: only for data no thread
+        writes while the kernel runs. ``sem`` ('relaxed', 'acquire') with ``scope`` ('cta',
+        'gpu', 'sys'): a strong load, e.g. ``ld.acquire.sys`` polling a flag another GPU
+        sets."""
         dst, width, t = _vector_and_type(d, type)
-        opcode = f"ld.{space}" + (".nc" if nc else "") + _hints(cache, eviction, prefetch)
-        self.emit(f"{opcode}{width}.{t}", dst, address)
+        opcode = "ld" + _hints(sem, scope, space) + (".nc" if nc else "")
+        self.emit(f"{opcode}{_hints(cache, eviction, prefetch)}{width}.{t}", dst, address)
 
     def st(self, address: Address, src: Reg | list, *, space: str = "global",
-           cache: str | None = None, eviction: str | None = None, type: str | None = None) -> None:
+           sem: str | None = None, scope: str | None = None, cache: str | None = None,
+           eviction: str | None = None, type: str | None = None) -> None:
+        """``st{.sem.scope}.space{.cop}{.eviction}{.vN}.type [a], b``; ``sem`` ('relaxed',
+        'release') with ``scope``: a strong store, e.g. ``st.release.sys`` publishing a
+        counter after the data it counts."""
         data, width, t = _vector_and_type(src, type)
-        self.emit(f"st.{space}" + _hints(cache, eviction) + f"{width}.{t}", address, data)
+        self.emit("st" + _hints(sem, scope, space, cache, eviction) + f"{width}.{t}", address, data)
 
     def ld_param(self, d: Reg, param) -> None:
         self.emit(f"ld.param.{type_of(d)}", d, Address(param))
