@@ -1,0 +1,305 @@
+"""Intranode combine: the reverse of a dispatch. Each rank sends every row it received
+back to the token's source rank, and each rank sums, per token, the rows its ranks send
+back, in rank order, in f32:
+
+    out[t] = bf16_rn(((+0 + f32(row from rank 0)) + f32(row from rank 1)) + ...)
+
+over the ranks t went to (is_token_in_rank[t]), each sum rounded to f32 (add.rn). The
+order is fixed, so the bits are the same run to run, and they are those of the torch loop
+``acc = acc + rows[d].float()`` over d. A token that went nowhere gets +0.
+
+It reuses the dispatch's layout (recv_layout: what each source rank sent on each
+channel, and where those rows start; the received rows are grouped by source rank, and
+within one by channel and token), so a sender's rows for one peer on one channel are
+contiguous, and a receiver finds the entry of its token t in ring (c, d) by counting the
+channel's tokens before t that went to rank d.
+
+Roles (common.py: CTA 2c sends on channel c, CTA 2c + 1 receives on it):
+
+    sender, group s     rows first .. first + count - 1 of x (what s sent on the channel),
+                        32 at a time: lane 0 of each warp waits for room in ring (c, this
+                        rank) of s's buffer (ld.acquire.sys of its head), warp w copies rows
+                        w, w + warps_per_peer, ...; a named barrier over the group, then its
+                        leader publishes the tail (st.release.sys).
+    receiver (the CTA)  the channel's tokens, 32 at a time: per rank d a ballot of
+                        is_token_in_rank[t, d] gives each token its entry in ring (c, d);
+                        warp w sums tokens w, w + warps, ... of the batch: for each d the
+                        token went to, lane 0 waits (acquire) until d's tail passes the
+                        token's entry (each warp remembers the last tail it saw), then the
+                        warp adds the rows, 16-byte vectors a lane, in rank order. After the
+                        batch, bar.sync over the CTA and thread 0 frees the batch's entries
+                        of every ring (st.release.sys of its heads).
+
+Memory orders, cache hints and time limits as in dispatch.py.
+
+Compile-time: ranks, hidden size, channels, ring slots, warps per peer. Run-time: T, this
+rank, the pointers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+from ...arch import Arch
+from ...patterns import fp8
+from ...patterns.copy import VECTOR_BYTES, warp_copy
+from ...ptx import KernelBuilder, LaunchShape, addr, sreg
+from . import common
+from .dispatch import INPUT_LOAD, PAYLOAD_LOAD, STORE, warps_per_peer
+from .plan import BATCH, BufferPlan, check_plan
+
+
+@dataclass(frozen=True)
+class CombineConfig:
+    ranks: int
+    hidden: int
+    channels: int
+    slots: int
+    warps_per_peer: int
+    target: str
+
+    @property
+    def name(self) -> str:
+        return (f"ep_intranode_combine_r{self.ranks}_h{self.hidden}_c{self.channels}_"
+                f"s{self.slots}_w{self.warps_per_peer}")
+
+    @property
+    def plan(self) -> BufferPlan:
+        return BufferPlan(self.ranks, self.channels, self.slots, self.hidden)
+
+    @property
+    def warps(self) -> int:
+        return self.ranks * self.warps_per_peer
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+
+def check_problem(hidden: int) -> None:
+    if hidden <= 0 or hidden % 8:
+        raise ValueError(f"hidden size (x.shape[1]) must be a positive multiple of 8, got {hidden}")
+
+
+def choose_config(arch: Arch, ranks: int, hidden: int, *, num_sms: int = 20,
+                  slots: int = 128) -> CombineConfig:
+    """The dispatch's channels and warps (nothing tuned yet)."""
+    check_problem(hidden)
+    channels = num_sms // 2
+    check_plan(ranks, channels, slots)
+    arch.require("griddepcontrol", "the combine kernel (programmatic dependent launch)")
+    if 2 * channels > arch.sm_count:
+        raise ValueError(f"num_sms must be at most the {arch.sm_count} SMs of the device, "
+                         f"got {num_sms}")
+    return CombineConfig(ranks, hidden, channels, slots, warps_per_peer(ranks), arch.target)
+
+
+def generate(cfg: CombineConfig) -> KernelBuilder:
+    k = KernelBuilder(cfg.name, target=cfg.target, max_threads=cfg.threads)
+    k.launch = LaunchShape(block=cfg.threads, cooperative=True)
+    p = SimpleNamespace()
+    p.x = k.param("x", "u64")                                # bf16 [N, H], contiguous
+    p.is_token_in_rank = k.param("is_token_in_rank", "u64")  # bool [T, ranks]
+    p.tokens = k.param("tokens", "u32")
+    common.declare_common_params(k, p)
+    p.out = k.param("out", "u64")                            # bf16 [T, H], contiguous
+    t = common.prologue(k, cfg.warps_per_peer)
+    common.scalars(k, t, p)
+    with k.if_(t.sender, "not_a_sender", uniform=True):
+        _send(k, cfg, p, t)
+    with k.if_(~t.sender, "not_a_receiver", uniform=True):
+        _receive(k, cfg, p, t)
+    return k
+
+
+def _send(k, cfg, p, t) -> None:
+    plan, row_bytes = cfg.plan, 2 * cfg.hidden
+    with k.stage("sender: the rows the peer sent on the channel, its ring and counters"):
+        count, first_row = common.recv_entry(k, p, t.group, t.channel, cfg.channels, cfg.ranks)
+        peer_buffer = k.reg("u64", "peer_buffer")
+        common.buffer_of(k, peer_buffer, t.peers, t.group)
+        ring = common.ring(k, peer_buffer, plan.combine_rings, plan.combine_ring_bytes,
+                           t.channel, t.rank, cfg.ranks)
+        tail_at = common.counter(k, peer_buffer, plan, "combine_tail", t.channel, t.rank)
+        head_at = common.counter(k, peer_buffer, plan, "combine_head", t.channel, t.rank)
+        start = k.reg("u32", "start_tail")  # entries published since the buffer's creation
+        k.ld(start, addr(tail_at), sem="relaxed", scope="sys")
+    batch, batch_end, tail, head, used = (k.reg("u32", name) for name in (
+        "batch", "batch_end", "tail", "head", "used"))
+    fits = k.pred("fits")
+    with k.loop(batch, count, step=BATCH, uniform=True, hint="send_batch"):
+        k.add(batch_end, batch, BATCH)
+        k.min(batch_end, batch_end, count)
+        k.add(tail, start, batch_end)
+        with k.stage("wait for room: head + slots >= the batch's tail"):
+            def room(seen):
+                k.sub(used, tail, seen)
+                k.setp("le", fits, used, cfg.slots)
+                return fits
+
+            with k.if_(t.lane0, "not_polling"):
+                t.wait(head, addr(head_at), room, code=common.COMBINE_SEND, channel=t.channel,
+                       peer=t.group)
+            k.bar_warp_sync()
+        with k.stage("copy: warp `member` takes rows batch + member, + warps_per_peer, ..."):
+            i, first = k.reg("u32", "row_index"), k.reg("u32", "first_index")
+            k.add(first, batch, t.member)
+            entry, slot_index, row = k.reg("u32", "entry"), k.reg("u32", "slot_index"), k.reg(
+                "u32", "row")
+            src, dst = k.reg("u64", "x_row"), k.reg("u64", "entry_at")
+            with k.loop(i, batch_end, start=first, step=cfg.warps_per_peer, uniform=True,
+                        hint="row"):
+                k.add(row, first_row, i)
+                k.ld_param(src, p.x)
+                k.mad(src, row, row_bytes, src, mode="wide")
+                k.add(entry, start, i)
+                k.and_(slot_index, entry, cfg.slots - 1)
+                k.mad(dst, slot_index, plan.combine_slot_bytes, ring, mode="wide")
+                warp_copy(k, dst, src, row_bytes, t.lane, load=INPUT_LOAD, store=STORE)
+        with k.stage("publish: the group's rows, then the tail (st.release.sys)"):
+            k.bar_sync(t.barrier, 32 * cfg.warps_per_peer)
+            with k.guard(t.leader):
+                k.st(addr(tail_at), tail, sem="release", scope="sys")
+
+
+def _receive(k, cfg, p, t) -> None:
+    plan = cfg.plan
+    r = SimpleNamespace()
+    with k.stage("receiver: the channel's tokens, this rank's rings and counters"):
+        tokens = k.reg("u32", "tokens")
+        k.ld_param(tokens, p.tokens)
+        r.begin, r.end = common.channel_tokens(k, tokens, t.channel, cfg.channels)
+        own = k.reg("u64", "own_buffer")
+        common.buffer_of(k, own, t.peers, t.rank)
+        # Ring (c, d) and its counters lie at fixed distances from ring (c, 0)'s: d is a
+        # compile-time index below.
+        r.rings = common.ring(k, own, plan.combine_rings, plan.combine_ring_bytes, t.channel,
+                              0, cfg.ranks)
+        r.counters = common.counter(k, own, plan, "combine_head", t.channel, 0)
+        r.base = k.regs("u32", cfg.ranks, "base")    # ring d's head when the kernel started
+        r.seen = k.regs("u32", cfg.ranks, "seen")    # the last tail of ring d this warp saw
+        r.count = k.regs("u32", cfg.ranks, "taken")  # tokens of ring d before the batch
+        for d in range(cfg.ranks):
+            k.ld(r.base[d], addr(r.counters, _head(plan, d)), sem="relaxed", scope="sys")
+            k.mov(r.seen[d], r.base[d])
+            k.mov(r.count[d], 0)
+        r.in_rank = k.reg("u64", "in_rank")
+        k.ld_param(r.in_rank, p.is_token_in_rank)
+        r.out = k.reg("u64", "out")
+        k.ld_param(r.out, p.out)
+        lanes_below = k.reg("u32", "lanes_below")
+        k.mov(lanes_below, sreg.lanemask_lt)
+        tid = k.reg("u32", "thread")
+        k.mov(tid, sreg.tid.x)
+        first_thread = k.pred("first_thread")
+        k.setp("eq", first_thread, tid, 0)
+    first, token, flag, batch_size = (k.reg("u32", name) for name in (
+        "batch_first", "lane_token", "flag", "batch_size"))
+    flag_at = k.reg("u64", "flag_at")
+    in_batch, goes, sent = k.pred("in_batch"), k.pred("goes"), k.pred("sent")
+    r.ballot = k.regs("b32", cfg.ranks, "ballot")
+    r.entry = k.regs("u32", cfg.ranks, "lane_entry")  # the lane's token's entry, from count
+    n = k.reg("u32", "batch_count")
+    with k.loop(first, r.end, start=r.begin, step=BATCH, uniform=True, hint="receive_batch"):
+        with k.stage("the batch's tokens: per rank a ballot, each token's entry"):
+            k.add(token, first, t.lane)
+            k.setp("lt", in_batch, token, r.end)
+            k.mad(flag_at, token, cfg.ranks, r.in_rank, mode="wide")
+            for d in range(cfg.ranks):
+                k.mov(flag, 0)
+                with k.guard(in_batch):
+                    k.ld(flag, addr(flag_at, d), nc=True, type="u8")
+                k.setp("ne", goes, flag, 0)
+                k.vote_sync(r.ballot[d], goes, mode="ballot")
+                k.and_(r.entry[d], r.ballot[d], lanes_below)
+                k.popc(r.entry[d], r.entry[d])
+                k.add(r.entry[d], r.entry[d], r.count[d])
+            k.sub(batch_size, r.end, first)
+            k.min(batch_size, batch_size, BATCH)
+        i = k.reg("u32", "batch_token")
+        with k.loop(i, batch_size, start=t.warp, step=cfg.warps, uniform=True, hint="token"):
+            _reduce_token(k, cfg, t, r, first, i)
+        with k.stage("free the batch's entries: heads (st.release.sys) after every warp's reads"):
+            k.bar_sync(0)
+            for d in range(cfg.ranks):
+                k.popc(n, r.ballot[d])
+                k.add(r.count[d], r.count[d], n)
+                k.setp("ne", sent, n, 0)
+                k.and_pred(sent, sent, first_thread)
+                with k.guard(sent):
+                    k.add(n, r.base[d], r.count[d])
+                with k.guard(sent):
+                    k.st(addr(r.counters, _head(plan, d)), n, sem="release", scope="sys")
+
+
+def _head(plan: BufferPlan, peer: int) -> int:
+    """Distance of ring (c, peer)'s head from ring (c, 0)'s head."""
+    return plan.counter("combine_head", 0, peer) - plan.counter("combine_head")
+
+
+def _tail(plan: BufferPlan, peer: int) -> int:
+    """Distance of ring (c, peer)'s tail from ring (c, 0)'s head."""
+    return plan.counter("combine_tail", 0, peer) - plan.counter("combine_head")
+
+
+def _reduce_token(k, cfg, t, r, first, i) -> None:
+    """Token first + i: wait for its entries, then out[token] = the sum of its rows in rank
+    order, 16-byte vectors a lane."""
+    plan = cfg.plan
+    has = k.regs("pred", cfg.ranks, "has")
+    rows = k.regs("u64", cfg.ranks, "row_at")
+    entry, bit, slot_index, ahead = (k.reg("u32", name) for name in (
+        "entry", "bit", "slot_index", "ahead"))
+    behind, ready = k.pred("behind"), k.pred("ready")
+    with k.stage("wait for the token's entries; their addresses"):
+        for d in range(cfg.ranks):
+            k.bfe(bit, r.ballot[d], i, 1, type="u32")
+            k.setp("ne", has[d], bit, 0)
+            k.shfl_sync(entry, r.entry[d], i, mode="idx")
+            k.sub(ahead, r.seen[d], r.base[d])
+            k.setp("le", behind, ahead, entry)
+            k.and_pred(behind, behind, has[d])
+
+            def arrived(tail, d=d):
+                k.sub(ahead, tail, r.base[d])
+                k.setp("gt", ready, ahead, entry)
+                return ready
+
+            with k.if_(behind, f"entry_{d}_seen", uniform=True):
+                with k.if_(t.lane0, f"not_polling_{d}"):
+                    t.wait(r.seen[d], addr(r.counters, _tail(plan, d)), arrived,
+                           code=common.COMBINE_RECEIVE, channel=t.channel, peer=d)
+                k.bar_warp_sync()
+                k.shfl_sync(r.seen[d], r.seen[d], 0, mode="idx")
+            k.add(entry, entry, r.base[d])
+            k.and_(slot_index, entry, cfg.slots - 1)
+            k.add(rows[d], r.rings, d * plan.combine_ring_bytes)
+            k.mad(rows[d], slot_index, plan.combine_slot_bytes, rows[d], mode="wide")
+    with k.stage("sum the rows in rank order, f32, one 16-byte vector a lane at a time"):
+        vectors = 2 * cfg.hidden // VECTOR_BYTES
+        v, offset = k.reg("u32", "vector"), k.reg("u64", "vector_offset")
+        data = [k.regs("b32", 4, f"row{d}_") for d in range(cfg.ranks)]
+        acc, halves = k.regs("f32", 8, "acc"), k.regs("f32", 2, "half")
+        packed, at = k.regs("b32", 4, "sum"), k.reg("u64", "at")
+        token = k.reg("u32", "token")
+        k.add(token, first, i)
+        with k.loop(v, vectors, start=t.lane, step=32, hint="vector"):
+            k.mul(offset, v, VECTOR_BYTES, mode="wide")
+            for d in range(cfg.ranks):
+                k.add(at, rows[d], offset)
+                with k.guard(has[d]):
+                    k.ld(data[d], addr(at), **PAYLOAD_LOAD)
+            for a in acc:
+                k.mov(a, 0.0)
+            for d in range(cfg.ranks):
+                for w, word in enumerate(data[d]):
+                    fp8.unpack_bf16x2(k, halves[0], halves[1], word)
+                    with k.guard(has[d]):
+                        for h in (0, 1):
+                            k.add(acc[2 * w + h], acc[2 * w + h], halves[h], rnd="rn")
+            for w, word in enumerate(packed):
+                k.cvt(word, acc[2 * w + 1], acc[2 * w], dtype="bf16x2", rnd="rn")
+            k.mad(at, token, 2 * cfg.hidden, r.out, mode="wide")
+            k.add(at, at, offset)
+            k.st(addr(at), packed)
