@@ -56,6 +56,11 @@ PUBLIC = (
                in_deep_gemm=True),
 )
 
+# Kernels that ``ptxforge.ep.Buffer``'s methods launch: methods, not functions, as they
+# need the buffer's peers; listed so that every registry kernel has a caller.
+EP_KERNELS = {"ep_dispatch_layout": "Buffer.get_dispatch_layout",
+              "ep_intranode_dispatch": "Buffer.dispatch", "ep_intranode_combine": "Buffer.combine"}
+
 PTXFORGE_NAMES = tuple(entry.name for entry in PUBLIC if entry.in_ptxforge)
 DEEP_GEMM_NAMES = tuple(entry.name for entry in PUBLIC if entry.in_deep_gemm)
 

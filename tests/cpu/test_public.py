@@ -15,7 +15,7 @@ import pytest
 import ptxforge
 import ptxforge.deep_gemm as deep_gemm
 from ptxforge import kernels, ops
-from ptxforge.public import DEEP_GEMM_NAMES, PTXFORGE_NAMES, PUBLIC
+from ptxforge.public import DEEP_GEMM_NAMES, EP_KERNELS, PTXFORGE_NAMES, PUBLIC
 
 SRC = Path(ptxforge.__file__).parents[1]
 
@@ -36,8 +36,11 @@ def test_each_name_is_listed_once():
 
 
 def test_every_registry_kernel_serves_a_public_op():
-    served = {entry.kernel for entry in PUBLIC if entry.kernel is not None}
+    served = {entry.kernel for entry in PUBLIC if entry.kernel is not None} | set(EP_KERNELS)
     assert set(kernels.REGISTRY) <= served, sorted(set(kernels.REGISTRY) - served)
+    from ptxforge.ep import Buffer
+    for method in EP_KERNELS.values():
+        assert callable(getattr(Buffer, method.split(".")[1]))
 
 
 def test_every_public_op_that_launches_a_kernel_has_a_registry_entry():
@@ -83,7 +86,8 @@ LAYERS = {"ptx": {"arch", "ptx"}, "patterns": {"arch", "ptx", "patterns"},
           "ops": {"arch", "settings", "runtime", "jit", "ptx", "patterns", "kernels", "public",
                   "ops"},
           "compiler": {"arch", "settings", "runtime", "jit", "ptx", "patterns", "kernels",
-                       "public", "ops", "compiler"}}
+                       "public", "ops", "compiler"},
+          "ep": {"arch", "settings", "runtime", "jit", "ptx", "patterns", "kernels", "ops", "ep"}}
 
 
 def test_imports_run_one_way():

@@ -12,6 +12,9 @@ from typing import Callable
 
 from . import (bf16_block_quant_fp8, bf16_moe_combine, bf16_row_rmsnorm_fp8quant,
                i64_moe_routing_layout, sm90_gemm)
+from .ep_intranode import combine as ep_combine
+from .ep_intranode import dispatch as ep_dispatch
+from .ep_intranode import layout as ep_layout
 
 # Hidden sizes of DeepSeek-V3 / common LLM layers, for precompiling and the CPU checks.
 HIDDEN_SIZES = (512, 576, 1536, 2048, 2112, 4096, 7168, 8192, 16384)
@@ -119,6 +122,25 @@ _COMBINE_OPTIONS = {"hidden": 7168, "topk": 8, "weight_bits": 32}
 _COMBINE_VARIANTS = tuple({"hidden": h, "topk": topk, "weight_bits": bits}
                           for h in HIDDEN_SIZES for topk in (8, 2) for bits in (32, 16))
 
+
+def _ep_dispatch(arch, ranks: int, hidden: int, topk: int, num_sms: int, slots: int,
+                 dtype: str):
+    """The EP dispatch's configure: ``dtype`` of the rows, bf16 or e4m3."""
+    if dtype not in ("bf16", "e4m3"):
+        raise ValueError(f"option dtype must be bf16 or e4m3, got {dtype!r}")
+    return ep_dispatch.choose_config(arch, ranks, hidden, topk, fp8=dtype == "e4m3",
+                                     num_sms=num_sms, slots=slots)
+
+
+# DeepSeek-V3 over 8 GPUs (256 experts, k = 8, H = 7168) and the 2-GPU tests' shapes;
+# DeepEP's default of 20 SMs.
+_EP_OPTIONS = {"ranks": 8, "hidden": 7168, "num_sms": 20, "slots": 128}
+_EP_LAYOUT_VARIANTS = ({"experts": 256, "ranks": 8, "topk": 8},
+                       {"experts": 256, "ranks": 2, "topk": 8}, {"experts": 8, "ranks": 2, "topk": 2})
+_EP_DISPATCH_VARIANTS = tuple({"ranks": r, "hidden": h, "topk": 8, "dtype": d}
+                              for r in (2, 8) for h in (4096, 7168) for d in ("bf16", "e4m3"))
+_EP_COMBINE_VARIANTS = tuple({"ranks": r, "hidden": h} for r in (2, 8) for h in (4096, 7168))
+
 REGISTRY = {
     spec.name: spec for spec in (
         KernelSpec("rms_norm", _row(True, False), bf16_row_rmsnorm_fp8quant.generate,
@@ -162,6 +184,15 @@ REGISTRY = {
         KernelSpec("moe_silu_mul_quantize_fp8", _row(False, True, swiglu=True, row_map="indexed"),
                    bf16_row_rmsnorm_fp8quant.generate, {"hidden": 2048}, _SWIGLU_VARIANTS,
                    "MoE: SwiGLU + 1x128 FP8 quantization of the grouped rows holding a pair"),
+        KernelSpec("ep_dispatch_layout", ep_layout.choose_config, ep_layout.generate,
+                   {"experts": 256, "ranks": 8, "topk": 8}, _EP_LAYOUT_VARIANTS,
+                   "EP: tokens per rank and expert, token-in-rank mask (ptxforge.ep)"),
+        KernelSpec("ep_intranode_dispatch", _ep_dispatch, ep_dispatch.generate,
+                   {**_EP_OPTIONS, "topk": 8, "dtype": "bf16"}, _EP_DISPATCH_VARIANTS,
+                   "EP: tokens to their experts' ranks over NVLink rings (ptxforge.ep)"),
+        KernelSpec("ep_intranode_combine", ep_combine.choose_config, ep_combine.generate,
+                   _EP_OPTIONS, _EP_COMBINE_VARIANTS,
+                   "EP: expert outputs back to their tokens' ranks, summed (ptxforge.ep)"),
     )
 }
 

@@ -99,12 +99,15 @@ def warps_per_peer(ranks: int) -> int:
     return 1 << ((16 // ranks).bit_length() - 1)
 
 
-def check_problem(hidden: int, topk: int, fp8: bool) -> None:
-    """The sizes the kernel takes, checked apart from a device."""
+def check_hidden(hidden: int, fp8: bool) -> None:
+    """The row sizes the kernel takes, checked apart from a device."""
     multiple = SCALE_GROUP if fp8 else 8
     if hidden <= 0 or hidden % multiple:
         raise ValueError(f"hidden size (x.shape[1]) must be a positive multiple of {multiple} "
                          f"for {'e4m3' if fp8 else 'bf16'} rows, got {hidden}")
+
+
+def check_topk(topk: int) -> None:
     if not 1 <= topk <= MAX_TOPK:
         raise ValueError(f"topk_idx must have 1 to {MAX_TOPK} columns, got {topk}")
 
@@ -112,7 +115,8 @@ def check_problem(hidden: int, topk: int, fp8: bool) -> None:
 def choose_config(arch: Arch, ranks: int, hidden: int, topk: int, *, fp8: bool,
                   with_topk: bool = True, num_sms: int = 20, slots: int = 128) -> DispatchConfig:
     """Channels: half the SM budget; warps: ``warps_per_peer``. Nothing is tuned yet."""
-    check_problem(hidden, topk, fp8)
+    check_hidden(hidden, fp8)
+    check_topk(topk)
     channels = num_sms // 2
     check_plan(ranks, channels, slots)
     arch.require("griddepcontrol", "the dispatch kernel (programmatic dependent launch)")

@@ -1,0 +1,427 @@
+"""``Buffer``: DeepEP's intranode normal-mode API over ptxforge's kernels.
+
+    buffer = Buffer(group, num_nvl_bytes)             # collective: every rank of the group
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, num_experts)
+    recv_x, recv_idx, recv_w, per_expert_list, handle, _ = buffer.dispatch(
+        x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights)
+    ... the experts ...
+    combined, _, _ = buffer.combine(y, handle)
+
+A dispatch without a handle exchanges the layout's counts over the group
+(``all_gather_object``: a host synchronisation, as DeepEP's CPU wait for the received
+counts) and returns a handle; ``dispatch(x, handle=h)`` and ``combine`` reuse it with
+no host synchronisation. The kernels run on the buffer's communication stream, after
+the current stream's work (or ``previous_event``); the current stream waits for them
+unless ``async_finish``, and each call returns the event it can wait on instead.
+
+A kernel that waits longer than ``timeout_s`` for a peer writes what it waited for to
+mapped host memory and traps; the CUDA context is then unusable, and the next call (or
+``check_timeout()`` after a CUDA error) raises ``EPTimeoutError`` saying which wait.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from .. import jit
+from ..kernels.ep_intranode import combine as combine_kernel
+from ..kernels.ep_intranode import common as kernel_common
+from ..kernels.ep_intranode import dispatch as dispatch_kernel
+from ..kernels.ep_intranode import layout as layout_kernel
+from ..kernels.ep_intranode.plan import MAX_RANKS, channel_bounds
+from ..ops._common import device_arch
+from . import checks
+from .ipc import HostRecord, PeerMemory
+from .layout import Message, ReceiveLayout, check_agreement, receive_layout
+
+DEFAULT_NUM_SMS = 20     # DeepEP's default SM budget (channels = SMs / 2)
+DEFAULT_SLOTS = 128      # entries a ring holds
+DEFAULT_TIMEOUT_S = 100.0
+
+_WAITS = {kernel_common.DISPATCH_SEND: ("dispatch", "room in rank {peer}'s ring (its head)"),
+          kernel_common.DISPATCH_RECEIVE: ("dispatch", "tokens from rank {peer} (their tail)"),
+          kernel_common.COMBINE_SEND: ("combine", "room in rank {peer}'s ring (its head)"),
+          kernel_common.COMBINE_RECEIVE: ("combine", "rows from rank {peer} (their tail)")}
+
+
+class EPTimeoutError(RuntimeError):
+    """A communication kernel waited past its time limit for a peer."""
+
+
+@dataclass(frozen=True)
+class Config:
+    """SMs a kernel runs on (two a channel) and the entries each ring holds."""
+
+    num_sms: int = DEFAULT_NUM_SMS
+    ring_slots: int = DEFAULT_SLOTS
+
+
+class EventOverlap:
+    """A CUDA event recorded after a call's kernels on the communication stream (DeepEP's
+    name); ``current_stream_wait()`` makes the current stream wait for it."""
+
+    def __init__(self, event: torch.cuda.Event):
+        self.event = event
+
+    def current_stream_wait(self) -> None:
+        torch.cuda.current_stream().wait_event(self.event)
+
+
+@dataclass(frozen=True)
+class DispatchHandle:
+    """What a dispatch leaves for the dispatches that reuse its layout and for the combine."""
+
+    num_tokens: int
+    num_recv_tokens: int
+    channels: int
+    experts: int
+    is_token_in_rank: torch.Tensor   # bool [T, ranks]
+    recv_layout: torch.Tensor        # int32 [2, ranks, channels] on the device
+    recv_src_idx: torch.Tensor       # int32 [N]: each received row's token on its source rank
+    layout: ReceiveLayout
+
+
+def buffer_size(num_ranks: int, hidden: int, topk: int, *, fp8: bool = False,
+                config: Config = Config()) -> int:
+    """The num_nvl_bytes a dispatch (and its combine) of ``hidden``-wide rows with ``topk``
+    experts a token needs over ``num_ranks`` ranks with ``config``."""
+    return checks.dispatch_bytes(num_ranks, config.num_sms // 2, config.ring_slots, hidden,
+                                 topk, fp8)
+
+
+@functools.lru_cache(maxsize=None)
+def _launcher(device_index: int, cfg):
+    generate = {layout_kernel.LayoutConfig: layout_kernel.generate,
+                dispatch_kernel.DispatchConfig: dispatch_kernel.generate,
+                combine_kernel.CombineConfig: combine_kernel.generate}[type(cfg)]
+    return jit.build(generate(cfg)).launcher(device_index)
+
+
+class Buffer:
+    """One communication buffer per rank of ``group`` (a torch.distributed process group
+    of 2 to 8 ranks on one node, each rank on its own GPU or, for tests, sharing one),
+    mapped by every rank. Creating it is collective."""
+
+    num_sms = DEFAULT_NUM_SMS
+
+    def __init__(self, group, num_nvl_bytes: int, num_rdma_bytes: int = 0, *,
+                 num_sms: int | None = None, timeout_s: float = DEFAULT_TIMEOUT_S):
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            raise RuntimeError("Buffer needs torch.distributed initialised (the group's "
+                               "rendezvous); call torch.distributed.init_process_group first")
+        if type(num_nvl_bytes) is not int or num_nvl_bytes <= 0:
+            raise ValueError(f"num_nvl_bytes must be a positive int, got {num_nvl_bytes!r}")
+        if num_rdma_bytes:
+            raise ValueError(f"num_rdma_bytes must be 0: ptxforge.ep is intranode only, got "
+                             f"{num_rdma_bytes!r}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.group_size = dist.get_world_size(group)
+        if not 2 <= self.group_size <= MAX_RANKS:
+            raise ValueError(f"the group must have 2 to {MAX_RANKS} ranks, got "
+                             f"{self.group_size}")
+        if num_sms is not None:
+            self.num_sms = num_sms
+        self.timeout_s = timeout_s
+        self.device_index = torch.cuda.current_device()
+        self.arch = device_arch(self.device_index)
+        self.memory = PeerMemory(num_nvl_bytes, self.device_index, group, dist)
+        self.num_nvl_bytes = min(self.memory.sizes)  # every rank writes into every other's
+        self.peers = torch.tensor(self.memory.pointers, dtype=torch.int64,
+                                  device=self.device_index)
+        self.record = HostRecord(self.device_index)
+        self.comm_stream = torch.cuda.Stream(self.device_index)
+
+    # ------------------------------------------------------------------ configuration
+    @staticmethod
+    def set_num_sms(new_num_sms: int) -> None:
+        """The SM budget of the buffers that were not given one (DeepEP's class knob)."""
+        if type(new_num_sms) is not int or new_num_sms < 2 or new_num_sms % 2:
+            raise ValueError(f"num_sms must be an even int of at least 2, got {new_num_sms!r}")
+        Buffer.num_sms = new_num_sms
+
+    def get_dispatch_config(self, num_ranks: int | None = None) -> Config:
+        return Config(self.num_sms, DEFAULT_SLOTS)
+
+    def get_combine_config(self, num_ranks: int | None = None) -> Config:
+        return Config(self.num_sms, DEFAULT_SLOTS)
+
+    # ------------------------------------------------------------------ layout
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int,
+                            previous_event: EventOverlap | None = None,
+                            async_finish: bool = False, allocate_on_comm_stream: bool = False):
+        """(num_tokens_per_rank int32 [ranks], None, num_tokens_per_expert int32 [E],
+        is_token_in_rank bool [T, ranks], event); expert e lives on rank e // (E / ranks),
+        indices outside [0, E) count nowhere."""
+        self.check_timeout()
+        tokens, k, ptr = checks.layout_inputs(topk_idx, num_experts, self.group_size,
+                                              self.device_index)
+        cfg = layout_kernel.choose_config(self.arch, num_experts, self.group_size, k)
+        with self._on_comm_stream(previous_event, allocate_on_comm_stream) as call:
+            per_rank = torch.zeros(self.group_size, dtype=torch.int32, device=topk_idx.device)
+            per_expert = torch.zeros(num_experts, dtype=torch.int32, device=topk_idx.device)
+            in_rank = torch.empty((tokens, self.group_size), dtype=torch.bool,
+                                  device=topk_idx.device)
+            call.start((topk_idx, per_rank, per_expert, in_rank))
+            if tokens:
+                grid = (-(-tokens // layout_kernel.THREADS), 1, 1)
+                _launcher(self.device_index, cfg)(
+                    grid, self.comm_stream.cuda_stream, topk_idx=ptr, tokens=tokens,
+                    num_tokens_per_rank=per_rank.data_ptr(),
+                    num_tokens_per_expert=per_expert.data_ptr(),
+                    is_token_in_rank=in_rank.data_ptr())
+        return per_rank, None, per_expert, in_rank, call.finish(async_finish)
+
+    # ------------------------------------------------------------------ dispatch
+    def dispatch(self, x, handle: DispatchHandle | None = None, num_tokens_per_rank=None,
+                 num_tokens_per_rdma_rank=None, is_token_in_rank=None,
+                 num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
+                 expert_alignment: int = 1, config: Config | None = None,
+                 previous_event: EventOverlap | None = None, async_finish: bool = False,
+                 allocate_on_comm_stream: bool = False):
+        """Send each token to the ranks of its experts. Returns ``(recv_x, recv_topk_idx,
+        recv_topk_weights, num_recv_tokens_per_expert_list, handle, event)``:
+
+        - recv_x [N, H] (with FP8 input: ``(e4m3 [N, H], f32 scales [N, H / 128])``,
+          scales contiguous): rows grouped by source rank in rank order, a source's rows
+          in its token order; each row the bits its source sent.
+        - recv_topk_idx int64 [N, k]: the token's experts on this rank, local
+          (e - rank * E / ranks), -1 for the others; recv_topk_weights f32 [N, k]: their
+          weights, 0 for the others. Both None when no top-k was given (a cached call).
+        - num_recv_tokens_per_expert_list: (token, expert) pairs each local expert
+          received, each rounded up to ``expert_alignment``
+          (``get_mk_alignment_for_contiguous_layout()`` makes them segment sizes of the
+          contiguous grouped GEMM's layout).
+        - handle: for ``dispatch(x, handle=handle)`` (the same layout, no host
+          synchronisation; topk_idx and topk_weights optional) and ``combine``.
+
+        Without a handle, is_token_in_rank and num_tokens_per_expert (get_dispatch_layout's)
+        are needed, and the call synchronises with the host and exchanges counts with the
+        other ranks, which must make the same call: the sizes they disagree on, or top-k
+        indices outside [-1, E) on any rank, raise a ValueError on every rank.
+        """
+        self.check_timeout()
+        config = config or self.get_dispatch_config()
+        inputs, _ = checks.dispatch_inputs(x, topk_idx, topk_weights, device=self.device_index,
+                                           cached=handle is not None)
+        channels = self._channels(config)
+        if handle is None:
+            experts = checks.routing_inputs(is_token_in_rank, num_tokens_per_expert,
+                                            num_tokens_per_rank, num_tokens_per_rdma_rank,
+                                            tokens=inputs.tokens, ranks=self.group_size,
+                                            device=self.device_index)
+        else:
+            experts = self._check_handle(handle, inputs.tokens, channels)
+        if type(expert_alignment) is not int or expert_alignment < 1:
+            raise ValueError(f"expert_alignment must be a positive int, got {expert_alignment!r}")
+        cfg = dispatch_kernel.choose_config(self.arch, self.group_size, inputs.hidden,
+                                            max(inputs.topk, 1), fp8=inputs.fp8,
+                                            with_topk=bool(inputs.topk), num_sms=config.num_sms,
+                                            slots=config.ring_slots)
+        checks.require_buffer(self.num_nvl_bytes, cfg.plan.bytes_needed(cfg.slot),
+                              f"a dispatch of {inputs.hidden}-wide rows")
+        if handle is None:
+            handle = self._exchange(inputs, is_token_in_rank, num_tokens_per_expert, topk_idx,
+                                    experts, channels, expert_alignment, config,
+                                    previous_event)
+        return self._launch_dispatch(cfg, inputs, x, topk_idx, topk_weights, handle,
+                                     previous_event, async_finish, allocate_on_comm_stream)
+
+    def _channels(self, config: Config) -> int:
+        if type(config.num_sms) is not int or config.num_sms < 2 or config.num_sms % 2:
+            raise ValueError(f"config.num_sms must be an even int of at least 2, got "
+                             f"{config.num_sms!r}")
+        return config.num_sms // 2
+
+    def _check_handle(self, handle, tokens: int, channels: int) -> int:
+        if not isinstance(handle, DispatchHandle):
+            raise TypeError(f"handle must be what dispatch returned, got {type(handle).__name__}")
+        if handle.num_tokens != tokens:
+            raise ValueError(f"x must have the handle's {handle.num_tokens} tokens, got {tokens}")
+        if handle.channels != channels:
+            raise ValueError(f"config.num_sms must be the handle's {2 * handle.channels}, got "
+                             f"{2 * channels}")
+        return handle.experts
+
+    def _exchange(self, inputs, is_token_in_rank, num_tokens_per_expert, topk_idx, experts,
+                  channels, expert_alignment, config, previous_event) -> DispatchHandle:
+        """Every rank's counts to every rank (host synchronisation), checked; this rank's
+        receive layout and the handle."""
+        import torch.distributed as dist
+
+        if previous_event is not None:
+            previous_event.current_stream_wait()
+        bounds = channel_bounds(inputs.tokens, channels)
+        # Row t of the running counts: the tokens before t that go to each rank.
+        cumulative = torch.nn.functional.pad(is_token_in_rank.long().cumsum(0), (0, 0, 1, 0))
+        ends = torch.tensor([end for _, end in bounds], device=cumulative.device)
+        begins = torch.tensor([begin for begin, _ in bounds], device=cumulative.device)
+        bad = ((topk_idx < -1) | (topk_idx >= experts)).sum()
+        try:
+            channel_counts = (cumulative[ends] - cumulative[begins]).tolist()
+            expert_counts = num_tokens_per_expert.tolist()
+            bad = int(bad)
+        except RuntimeError:
+            self.check_timeout()  # a CUDA error from an earlier kernel that timed out
+            raise
+        signature = (("hidden", inputs.hidden), ("fp8", inputs.fp8), ("topk", inputs.topk),
+                     ("num_experts", experts), ("num_sms", config.num_sms),
+                     ("ring_slots", config.ring_slots), ("expert_alignment", expert_alignment))
+        messages = [None] * self.group_size
+        dist.all_gather_object(messages, Message(signature, channel_counts, expert_counts, bad),
+                               group=self.group)
+        check_agreement(messages)
+        layout = receive_layout(messages, self.rank, experts // self.group_size, expert_alignment)
+        table = torch.tensor(layout.table(), dtype=torch.int32, device=self.device_index)
+        src_idx = torch.empty(layout.num_recv_tokens, dtype=torch.int32, device=self.device_index)
+        return DispatchHandle(inputs.tokens, layout.num_recv_tokens, channels, experts,
+                              is_token_in_rank, table.view(2, self.group_size, channels),
+                              src_idx, layout)
+
+    def _launch_dispatch(self, cfg, inputs, x, topk_idx, topk_weights, handle, previous_event,
+                         async_finish, allocate_on_comm_stream):
+        n, hidden, k = handle.num_recv_tokens, inputs.hidden, inputs.topk
+        with self._on_comm_stream(previous_event, allocate_on_comm_stream) as call:
+            device = handle.recv_layout.device
+            recv_x = torch.empty((n, hidden), device=device,
+                                 dtype=torch.float8_e4m3fn if inputs.fp8 else torch.bfloat16)
+            outputs = {"recv_x": recv_x, "recv_src_idx": handle.recv_src_idx}
+            if inputs.fp8:
+                outputs["recv_scales"] = torch.empty((n, cfg.slot.scale_groups),
+                                                     dtype=torch.float32, device=device)
+            if k:
+                outputs["recv_topk_idx"] = torch.empty((n, k), dtype=torch.int64, device=device)
+                outputs["recv_topk_weights"] = torch.empty((n, k), dtype=torch.float32,
+                                                           device=device)
+            inputs_used = [x] if isinstance(x, torch.Tensor) else list(x)
+            call.start((*inputs_used, topk_idx, topk_weights, handle.is_token_in_rank,
+                        handle.recv_layout, *outputs.values()))
+            arguments = dict(x=inputs.x, is_token_in_rank=handle.is_token_in_rank.data_ptr(),
+                             tokens=inputs.tokens, **self._common_arguments(handle),
+                             **{name: t.data_ptr() for name, t in outputs.items()})
+            if inputs.fp8:
+                arguments.update(x_scales=inputs.scales,
+                                 scale_token_stride=inputs.scale_strides[0],
+                                 scale_group_stride=inputs.scale_strides[1])
+            if k:
+                arguments.update(topk_idx=inputs.topk_idx, topk_weights=inputs.topk_weights,
+                                 experts_per_rank=handle.experts // self.group_size)
+            _launcher(self.device_index, cfg)((2 * cfg.channels, 1, 1),
+                                              self.comm_stream.cuda_stream, **arguments)
+        event = call.finish(async_finish)
+        received = (recv_x, outputs["recv_scales"]) if inputs.fp8 else recv_x
+        return (received, outputs.get("recv_topk_idx"), outputs.get("recv_topk_weights"),
+                list(handle.layout.num_recv_tokens_per_expert), handle, event)
+
+    def _common_arguments(self, handle) -> dict:
+        return dict(rank=self.rank, peers=self.peers.data_ptr(),
+                    recv_layout=handle.recv_layout.data_ptr(), error=self.record.device_pointer,
+                    timeout_ns=int(self.timeout_s * 1e9))
+
+    # ------------------------------------------------------------------ combine
+    def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights=None, bias=None,
+                config: Config | None = None, previous_event: EventOverlap | None = None,
+                async_finish: bool = False, allocate_on_comm_stream: bool = False):
+        """Send each received row back to its token's rank and sum there: returns
+        ``(combined_x bf16 [T, H], None, event)`` with combined_x[t] the f32 sum, in rank
+        order, of the rows the ranks t went to send back (rows of x [N, H] in the
+        dispatch's received order), rounded to bf16 once; +0 for a token that went
+        nowhere. Bitwise the same run to run. topk_weights and bias are not taken yet."""
+        self.check_timeout()
+        if not isinstance(handle, DispatchHandle):
+            raise TypeError(f"handle must be what dispatch returned, got {type(handle).__name__}")
+        if topk_weights is not None or bias is not None:
+            raise ValueError("combine does not take topk_weights or bias yet: weight the rows "
+                             "before combining")
+        config = config or self.get_combine_config()
+        if self._channels(config) != handle.channels:
+            raise ValueError(f"config.num_sms must be the dispatch's {2 * handle.channels}, got "
+                             f"{config.num_sms}")
+        hidden, ptr = checks.combine_inputs(x, num_recv_tokens=handle.num_recv_tokens,
+                                            device=self.device_index)
+        cfg = combine_kernel.choose_config(self.arch, self.group_size, hidden,
+                                           num_sms=config.num_sms, slots=config.ring_slots)
+        checks.require_buffer(self.num_nvl_bytes, cfg.plan.dispatch_rings,
+                              f"a combine of {hidden}-wide rows")
+        with self._on_comm_stream(previous_event, allocate_on_comm_stream) as call:
+            out = torch.empty((handle.num_tokens, hidden), dtype=torch.bfloat16, device=x.device)
+            call.start((x, handle.is_token_in_rank, handle.recv_layout, out))
+            _launcher(self.device_index, cfg)(
+                (2 * cfg.channels, 1, 1), self.comm_stream.cuda_stream, x=ptr,
+                is_token_in_rank=handle.is_token_in_rank.data_ptr(), tokens=handle.num_tokens,
+                out=out.data_ptr(), **self._common_arguments(handle))
+        return out, None, call.finish(async_finish)
+
+    # ------------------------------------------------------------------ errors, teardown
+    def check_timeout(self) -> None:
+        """Raise EPTimeoutError if a kernel of this buffer timed out (it wrote a record to
+        host memory before trapping); nothing to do otherwise. Reads host memory only."""
+        code, channel, peer, seen = self.record.read()
+        if not code:
+            return
+        kernel, waited = _WAITS.get(code, ("?", f"wait {code}"))
+        raise EPTimeoutError(
+            f"ptxforge.ep: rank {self.rank}'s {kernel} kernel waited more than {self.timeout_s} s "
+            f"on channel {channel} for {waited.format(peer=peer)}, last seen {seen}: rank "
+            f"{peer} died, hangs, or was given a different layout. The kernel trapped; this "
+            f"process's CUDA context is unusable.")
+
+    def destroy(self) -> None:
+        """Free the buffer: collective (every rank unmaps the others' memory first)."""
+        self.memory.close()
+        self.record.close()
+
+    def _on_comm_stream(self, previous_event, allocate_on_comm_stream):
+        return _CommCall(self, previous_event, allocate_on_comm_stream)
+
+
+class _CommCall:
+    """One call's stream choreography: the communication stream waits for the current
+    stream (or ``previous_event``); outputs are allocated on the current stream (or the
+    communication stream); ``start`` marks the tensors the kernels use as used on the
+    communication stream; ``finish`` records the event and, unless ``async_finish``,
+    makes the current stream wait for it."""
+
+    def __init__(self, buffer: Buffer, previous_event, allocate_on_comm_stream: bool):
+        self.buffer, self.previous_event = buffer, previous_event
+        self.allocate_on_comm_stream = allocate_on_comm_stream
+        self.compute = torch.cuda.current_stream(buffer.device_index)
+        self._context = None
+
+    def __enter__(self):
+        comm = self.buffer.comm_stream
+        if self.previous_event is not None:
+            comm.wait_event(self.previous_event.event)
+        else:
+            comm.wait_stream(self.compute)
+        if self.allocate_on_comm_stream:
+            self._context = torch.cuda.stream(comm)
+            self._context.__enter__()
+        return self
+
+    def start(self, tensors) -> None:
+        if self.allocate_on_comm_stream:
+            return
+        for t in tensors:
+            if t is not None:
+                t.record_stream(self.buffer.comm_stream)
+        self.buffer.comm_stream.wait_stream(self.compute)  # the outputs' allocation
+
+    def __exit__(self, *exc):
+        if self._context is not None:
+            self._context.__exit__(*exc)
+
+    def finish(self, async_finish: bool) -> EventOverlap:
+        event = torch.cuda.Event()
+        event.record(self.buffer.comm_stream)
+        if not async_finish:
+            self.compute.wait_event(event)
+        return EventOverlap(event)

@@ -1,0 +1,74 @@
+"""Torch references for ``ptxforge.ep``: what a dispatch layout, a dispatch and a combine
+must give, computed from every rank's inputs with plain indexing (what an NCCL
+``all_to_all_single`` of the selected rows would deliver, in the documented order).
+They run on any device, the CPU included.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int):
+    """(num_tokens_per_rank int32 [R], num_tokens_per_expert int32 [E], is_token_in_rank
+    bool [T, R]) of one rank's topk_idx: indices outside [0, E) count nowhere."""
+    valid = (topk_idx >= 0) & (topk_idx < num_experts)
+    experts = torch.where(valid, topk_idx, 0)
+    per_expert = torch.zeros(num_experts, dtype=torch.int64, device=topk_idx.device)
+    per_expert.index_add_(0, experts[valid], torch.ones_like(experts[valid]))
+    owner = experts // (num_experts // num_ranks)
+    in_rank = torch.zeros((topk_idx.shape[0], num_ranks), dtype=torch.bool,
+                          device=topk_idx.device)
+    for j in range(topk_idx.shape[1]):
+        hit = torch.nn.functional.one_hot(owner[:, j], num_ranks).bool() & valid[:, j:j + 1]
+        in_rank |= hit
+    return in_rank.sum(0).to(torch.int32), per_expert.to(torch.int32), in_rank
+
+
+def dispatch(rank: int, xs: list, topk_idxs: list, topk_weights: list, num_experts: int,
+             scales: list | None = None) -> dict:
+    """What ``rank`` receives from every rank s's (xs[s], topk_idxs[s], topk_weights[s]):
+    rows grouped by source rank, each source's in token order; top-k made local (-1 and
+    weight 0 for experts elsewhere); ``src_idx`` the token on its source; ``per_expert``
+    the (token, expert) pairs each local expert receives."""
+    ranks = len(xs)
+    per_rank = num_experts // ranks
+    first = rank * per_rank
+    rows, scale_rows, idx, weights, src = [], [], [], [], []
+    per_expert = torch.zeros(per_rank, dtype=torch.int64)
+    for s in range(ranks):
+        _, _, in_rank = dispatch_layout(topk_idxs[s], num_experts, ranks)
+        tokens = torch.nonzero(in_rank[:, rank]).flatten()
+        rows.append(xs[s][tokens])
+        if scales is not None:
+            scale_rows.append(scales[s][tokens])
+        local = topk_idxs[s][tokens] - first
+        mine = (local >= 0) & (local < per_rank)
+        idx.append(torch.where(mine, local, -1))
+        weights.append(torch.where(mine, topk_weights[s][tokens], 0.0))
+        src.append(tokens.to(torch.int32))
+        per_expert += torch.bincount(local[mine].flatten().cpu(), minlength=per_rank)
+    out = {"x": torch.cat(rows), "topk_idx": torch.cat(idx), "topk_weights": torch.cat(weights),
+           "src_idx": torch.cat(src), "per_expert": per_expert.tolist()}
+    if scales is not None:
+        out["scales"] = torch.cat(scale_rows)
+    return out
+
+
+def combine(rank: int, ys: list, topk_idxs: list, num_experts: int) -> torch.Tensor:
+    """What ``rank`` gets back when every rank d returns ys[d] (rows in d's received
+    order): per token, the f32 sum in rank order of the rows of the ranks it went to
+    (+0 where none), rounded to bf16 once."""
+    ranks = len(ys)
+    _, _, in_rank = dispatch_layout(topk_idxs[rank], num_experts, ranks)
+    acc = torch.zeros((in_rank.shape[0], ys[0].shape[1]), dtype=torch.float32)
+    for d in range(ranks):
+        # Rank d's received rows: sources in order, each source's tokens in order.
+        start = 0
+        for s in range(rank):
+            _, _, theirs = dispatch_layout(topk_idxs[s], num_experts, ranks)
+            start += int(theirs[:, d].sum())
+        tokens = torch.nonzero(in_rank[:, d]).flatten()
+        rows = ys[d][start:start + len(tokens)].float()
+        acc[tokens] = acc[tokens] + rows
+    return acc.to(torch.bfloat16)
