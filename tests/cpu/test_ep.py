@@ -216,6 +216,30 @@ def test_receive_layout_matches_the_reference_order(ranks, channels):
         assert len(layout.table()) == 2 * ranks * channels
 
 
+def test_combine_reference_finds_each_token_s_rows_by_source_index():
+    """The combine reference, against a search of every rank's received rows for the
+    token's (source rank, source index)."""
+    ranks, experts = 3, 6
+    topk_idxs = [_routing(20 + 3 * s, experts, 2, 10 + s) for s in range(ranks)]
+    xs = [torch.randn(idx.shape[0], 16).bfloat16() for idx in topk_idxs]
+    weights = [torch.rand(idx.shape) for idx in topk_idxs]
+    received = [reference.dispatch(d, xs, topk_idxs, weights, experts) for d in range(ranks)]
+    sources = [torch.cat([torch.full((int(reference.dispatch_layout(topk_idxs[s], experts, ranks)
+                                          [2][:, d].sum()),), s) for s in range(ranks)])
+               for d in range(ranks)]
+    ys = [r["x"] * (d + 1) for d, r in enumerate(received)]
+    for rank in range(ranks):
+        got = reference.combine(rank, ys, topk_idxs, experts)
+        for t in range(topk_idxs[rank].shape[0]):
+            acc = torch.zeros(16)
+            for d in range(ranks):
+                hit = (sources[d] == rank) & (received[d]["src_idx"] == t)
+                assert int(hit.sum()) <= 1
+                if hit.any():
+                    acc = acc + ys[d][hit][0].float()
+            assert torch.equal(got[t], acc.bfloat16()), t
+
+
 def test_receive_layout_pads_expert_counts():
     messages = _messages([_routing(40, 8, 2, 1), _routing(30, 8, 2, 2)], 8, 2)
     plain = receive_layout(messages, 1, 4, 1).num_recv_tokens_per_expert

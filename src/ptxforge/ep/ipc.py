@@ -43,7 +43,7 @@ class PeerMemory:
                 peer = cu.CUipcMemHandle()
                 ctypes.memmove(peer.getPtr(), peer_blob, HANDLE_BYTES)
                 mapped = call("cuIpcOpenMemHandle", peer,
-                              cu.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS)
+                              int(cu.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS))
                 self._opened.append(mapped)
                 self.pointers.append(int(mapped))
 

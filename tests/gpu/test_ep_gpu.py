@@ -1,0 +1,293 @@
+"""ptxforge.ep across processes: get_dispatch_layout, dispatch and combine against the
+torch references (ptxforge.testing.ep) built from every rank's inputs, gathered over the
+group; bitwise where the recipe is exact, the same bits run to run; errors that every
+rank raises instead of hanging; a peer that never launches ends in the device timeout.
+
+Two processes (``gloo`` rendezvous: NCCL refuses two ranks on one GPU): both on cuda:0
+when one GPU is visible, on cuda:0 and cuda:1 when two are. Each scenario spawns its
+processes and fails with their tracebacks, or after TIMEOUT_S with the ranks that did
+not finish. Under torchrun on a multi-GPU machine:
+
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
+        PYTHONPATH=src torchrun --nproc-per-node 2 tests/gpu/test_ep_gpu.py
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import sys
+import tempfile
+import time
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ptxforge.ep import Buffer, Config, EPTimeoutError, buffer_size
+from ptxforge.testing import ep as reference
+from ptxforge.testing.reference import quantize_fp8_per_token
+
+pytestmark = pytest.mark.gpu
+
+WORLD = 2
+TIMEOUT_S = 300          # a scenario's processes, JIT builds included
+KERNEL_TIMEOUT_S = 20.0  # the buffers' device-side time limit (two processes share a GPU)
+EXPERTS, TOPK = 8, 4
+# Keep NVLink multicast off in every process these tests start.
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+# ---------------------------------------------------------------------------- process harness
+def _worker(rank: int, world: int, init_file: str, scenario: str, results) -> None:
+    try:
+        os.environ.update(NO_MULTICAST)
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                                world_size=world)
+        SCENARIOS[scenario](rank, world)
+        results.put((rank, None))
+    except BaseException:
+        results.put((rank, traceback.format_exc()))
+
+
+def run_spawned(scenario: str, world: int = WORLD) -> None:
+    context = torch.multiprocessing.get_context("spawn")
+    results = context.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        processes = [context.Process(target=_worker, args=(r, world, init_file, scenario, results),
+                                     daemon=True) for r in range(world)]
+        for p in processes:
+            p.start()
+        deadline, reports = time.monotonic() + TIMEOUT_S, {}
+        while len(reports) < world:
+            try:
+                rank, error = results.get(timeout=max(1.0, deadline - time.monotonic()))
+                reports[rank] = error
+            except queue.Empty:
+                break
+            if time.monotonic() > deadline:
+                break
+        for p in processes:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    missing = sorted(set(range(world)) - set(reports))
+    failures = [f"rank {r}:\n{error}" for r, error in sorted(reports.items()) if error]
+    if missing:
+        failures.append(f"rank(s) {missing} did not finish within {TIMEOUT_S} s (a hang?)")
+    if failures:
+        pytest.fail(f"scenario {scenario}:\n" + "\n".join(failures), pytrace=False)
+
+
+def _gather(obj) -> list:
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes, for bitwise comparisons."""
+    return t.contiguous().view(torch.uint8).cpu()
+
+
+def _assert_bitwise(got: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    assert got.shape == expected.shape and got.dtype == expected.dtype, (
+        f"{what}: got {tuple(got.shape)} {got.dtype}, expected {tuple(expected.shape)} "
+        f"{expected.dtype}")
+    differ = (_bits(got) != _bits(expected)).view(got.shape[0], -1).any(1) if got.numel() else []
+    bad = torch.nonzero(torch.as_tensor(differ)).flatten().tolist()
+    assert not bad, f"{what}: rows {bad[:10]} differ (of {got.shape[0]})"
+
+
+# ---------------------------------------------------------------------------- routings
+def _routing(rank: int, tokens: int, kind: str, seed: int) -> torch.Tensor:
+    """int64 [tokens, TOPK] expert indices (-1: none) of one rank."""
+    g = torch.Generator().manual_seed(1000 * seed + rank)
+    if not tokens:
+        return torch.empty((0, TOPK), dtype=torch.int64)
+    idx = torch.stack([torch.randperm(EXPERTS, generator=g)[:TOPK] for _ in range(tokens)])
+    if kind == "random":
+        idx[torch.rand(idx.shape, generator=g) < 0.25] = -1
+    elif kind == "some_ranks_left_out":
+        # Token t: experts on rank t % 2 only, every third token on none at all.
+        local = torch.stack([torch.randperm(EXPERTS // WORLD, generator=g)[:TOPK]
+                             for _ in range(tokens)])
+        idx = local + (torch.arange(tokens) % WORLD).unsqueeze(1) * (EXPERTS // WORLD)
+        idx[::3] = -1
+    elif kind == "all_to_rank_0":
+        idx = torch.stack([torch.randperm(EXPERTS // WORLD, generator=g)[:TOPK]
+                           for _ in range(tokens)])
+    return idx.to(torch.int64)
+
+
+def _inputs(rank: int, tokens: int, hidden: int, kind: str, seed: int, fp8: bool):
+    g = torch.Generator().manual_seed(7 + 1000 * seed + rank)
+    x = torch.randn(tokens, hidden, generator=g).bfloat16()
+    idx = _routing(rank, tokens, kind, seed)
+    weights = torch.rand(idx.shape, generator=g)
+    scales = None
+    if fp8:
+        x, scales = quantize_fp8_per_token(x)
+    return x, scales, idx, weights
+
+
+def _dispatch_case(buffer: Buffer, rank: int, *, tokens: int, hidden: int, kind: str,
+                   seed: int, fp8: bool = False, config: Config | None = None) -> None:
+    """One routing: layout, dispatch, cached dispatch, combine (twice), each against the
+    references from every rank's inputs."""
+    x, scales, idx, weights = _inputs(rank, tokens, hidden, kind, seed, fp8)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    x_dev, idx_dev, w_dev = x.to(dev), idx.to(dev), weights.to(dev)
+    # Column-major scales, as quantize_fp8_per_token's mn_major layout gives them.
+    x_arg = (x_dev, scales.t().contiguous().t().to(dev)) if fp8 else x_dev
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(idx_dev, EXPERTS)
+    ref_rank, ref_expert, ref_in_rank = reference.dispatch_layout(idx, EXPERTS, WORLD)
+    assert per_rank.cpu().tolist() == ref_rank.tolist(), (per_rank, ref_rank)
+    assert per_expert.cpu().tolist() == ref_expert.tolist(), (per_expert, ref_expert)
+    assert torch.equal(in_rank.cpu(), ref_in_rank)
+
+    recv_x, recv_idx, recv_w, counts, handle, _ = buffer.dispatch(
+        x_arg, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert, topk_idx=idx_dev, topk_weights=w_dev, config=config)
+    everyone = _gather((x, scales, idx, weights))
+    expected = reference.dispatch(rank, [e[0] for e in everyone], [e[2] for e in everyone],
+                                  [e[3] for e in everyone], EXPERTS,
+                                  [e[1] for e in everyone] if fp8 else None)
+    rows = recv_x[0] if fp8 else recv_x
+    _assert_bitwise(rows, expected["x"], f"{kind}: received rows")
+    if fp8:
+        _assert_bitwise(recv_x[1], expected["scales"], f"{kind}: received scales")
+    _assert_bitwise(recv_idx, expected["topk_idx"], f"{kind}: local top-k indices")
+    _assert_bitwise(recv_w, expected["topk_weights"], f"{kind}: top-k weights")
+    _assert_bitwise(handle.recv_src_idx, expected["src_idx"], f"{kind}: source token indices")
+    assert counts == expected["per_expert"], (counts, expected["per_expert"])
+
+    again = buffer.dispatch(x_arg, handle=handle, config=config)
+    _assert_bitwise(again[0][0] if fp8 else again[0], rows, f"{kind}: cached dispatch rows")
+    assert again[1] is None and again[2] is None
+
+    # The experts: each received row times the sum of its local weights, in bf16.
+    y = (rows.float() * recv_w.sum(1, keepdim=True)).bfloat16()
+    combined, _, _ = buffer.combine(y, handle, config=config)
+    _assert_bitwise(combined, reference.combine(rank, _gather(y.cpu()), [e[2] for e in everyone],
+                                                EXPERTS),
+                    f"{kind}: combined rows (f32 sum in rank order)")
+    repeat, _, _ = buffer.combine(y, handle, config=config)
+    _assert_bitwise(repeat, combined, f"{kind}: combine run to run")
+    # Against the weighted sum in f32: bf16 rounding of each rank's part and of the sum.
+    valid = (idx >= 0) & (idx < EXPERTS)
+    weighted = x.float() * torch.where(valid, weights, 0.0).sum(1, keepdim=True)
+    torch.testing.assert_close(combined.cpu().float(), weighted, rtol=2 ** -6, atol=1e-2)
+
+
+# ---------------------------------------------------------------------------- scenarios
+def scenario_routings(rank: int, world: int) -> None:
+    small = Config(num_sms=4, ring_slots=64)
+    buffer = Buffer(dist.group.WORLD, buffer_size(world, 512, TOPK), timeout_s=KERNEL_TIMEOUT_S)
+    _dispatch_case(buffer, rank, tokens=96 - 35 * rank, hidden=256, kind="random", seed=0,
+                   config=small)
+    _dispatch_case(buffer, rank, tokens=50, hidden=512, kind="some_ranks_left_out", seed=1)
+    _dispatch_case(buffer, rank, tokens=40 + rank, hidden=256, kind="all_to_rank_0", seed=2,
+                   config=small)
+    _dispatch_case(buffer, rank, tokens=77, hidden=256, kind="random", seed=3, fp8=True,
+                   config=small)
+    # 700 tokens through one channel's 64-entry rings: each ring wraps about 5 times.
+    _dispatch_case(buffer, rank, tokens=700, hidden=128, kind="random", seed=4,
+                   config=Config(num_sms=2, ring_slots=64))
+    _dispatch_case(buffer, rank, tokens=0 if rank else 30, hidden=256, kind="random", seed=5,
+                   config=small)
+    buffer.destroy()
+
+
+def scenario_errors(rank: int, world: int) -> None:
+    """Disagreements and bad indices raise the same error on every rank, and leave the
+    buffer usable; a buffer too small is refused before launching."""
+    buffer = Buffer(dist.group.WORLD, buffer_size(world, 512, TOPK, config=Config(4, 64)),
+                    num_sms=4, timeout_s=KERNEL_TIMEOUT_S)
+    dev = torch.device("cuda", torch.cuda.current_device())
+
+    def dispatch(hidden, idx):
+        x = torch.zeros(len(idx), hidden, dtype=torch.bfloat16, device=dev)
+        idx = idx.to(dev)
+        per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(idx, EXPERTS)
+        return buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                               num_tokens_per_expert=per_expert, topk_idx=idx,
+                               topk_weights=torch.ones(idx.shape, device=dev),
+                               config=Config(4, 64))
+
+    idx = _routing(rank, 20, "random", 9)
+    with pytest.raises(ValueError, match="disagree.*hidden: rank 0 has 256, rank 1 has 512"):
+        dispatch(256 * (rank + 1), idx)
+    bad = idx.clone()
+    if rank == 1:
+        bad[3, 1] = EXPERTS + 5
+    with pytest.raises(ValueError, match=r"\[-1, 8\); out of range \(rank 1: 1\)"):
+        dispatch(256, bad)
+    with pytest.raises(ValueError, match="too small for a dispatch of 7168-wide rows"):
+        dispatch(7168, idx)
+    recv_x, *_ = dispatch(256, idx)  # still works
+    everyone = _gather(idx)
+    assert recv_x.shape[0] == sum(int(reference.dispatch_layout(i, EXPERTS, world)[2][:, rank]
+                                      .sum()) for i in everyone)
+    buffer.destroy()
+
+
+def scenario_peer_never_launches(rank: int, world: int) -> None:
+    """Rank 1 stops taking part after the first dispatch; rank 0's next dispatch waits for
+    its tokens until the device timeout, traps, and the host names the wait."""
+    buffer = Buffer(dist.group.WORLD, buffer_size(world, 256, TOPK, config=Config(4, 64)),
+                    num_sms=4, timeout_s=2.0)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    x = torch.randn(16, 256, device=dev).bfloat16()
+    idx = _routing(rank, 16, "random", 11).to(dev)
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(idx, EXPERTS)
+    _, _, _, _, handle, _ = buffer.dispatch(
+        x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=torch.ones(16, TOPK,
+                                                                              device=dev),
+        config=Config(4, 64))
+    torch.cuda.synchronize()
+    dist.barrier()
+    if rank == 0:
+        start = time.monotonic()
+        with pytest.raises(RuntimeError):
+            buffer.dispatch(x, handle=handle, config=Config(4, 64))
+            torch.cuda.synchronize()
+        assert time.monotonic() - start < 60
+        with pytest.raises(EPTimeoutError, match=r"dispatch kernel waited more than 2.0 s .* "
+                                                 r"tokens from rank 1"):
+            buffer.check_timeout()
+    dist.barrier()  # rank 1 waits here, alive, while rank 0 times out
+
+
+SCENARIOS = {"routings": scenario_routings, "errors": scenario_errors,
+             "peer_never_launches": scenario_peer_never_launches}
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_two_processes(scenario, monkeypatch):
+    for name, value in NO_MULTICAST.items():
+        monkeypatch.setenv(name, value)
+    run_spawned(scenario)
+
+
+def main() -> int:
+    """torchrun entry: every scenario but the timeout one, on the launcher's group."""
+    for name, value in NO_MULTICAST.items():
+        os.environ.setdefault(name, value)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
+    dist.init_process_group("gloo")
+    for name in ("routings", "errors"):
+        SCENARIOS[name](rank, world)
+        print(f"rank {rank}: {name} passed", flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
