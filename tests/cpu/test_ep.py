@@ -68,14 +68,18 @@ def _body(ptx: str) -> list[str]:
 def test_dispatch_protocol_in_the_ptx():
     """Counters: the base read relaxed, waits acquire, publications release, all at system
     scope; the rings' payload read without the non-coherent path; every wait timed, with a
-    record and a trap."""
+    record and a trap, and so is an entry whose signature is not the receiver's."""
     cfg = dispatch_kernel.choose_config(SM90, 2, 2048, 4, fp8=True, num_sms=4, slots=64)
     lines = _body(dispatch_kernel.generate(cfg).ptx())
     assert sum("ld.acquire.sys.global.u32" in line for line in lines) == 2  # head, tail
     assert sum("st.release.sys.global.u32" in line for line in lines) == 2  # tail, head
     assert sum("ld.relaxed.sys.global.u32" in line for line in lines) == 2  # the bases
-    assert sum(line == "trap;" for line in lines) == 2
-    assert sum("st.relaxed.sys.global.v4.b32 [%error]" in line for line in lines) == 2
+    assert sum(line == "trap;" for line in lines) == 3
+    assert sum("st.relaxed.sys.global.v4.b32 [%error]" in line for line in lines) == 3
+    assert sum(f"st.global.u32 [%entry_at+{cfg.slot.signature}], {cfg.signature};" in line
+               for line in lines) == 1
+    assert sum(f"setp.ne.u32 %mismatch, %sent_for, {cfg.signature};" in line
+               for line in lines) == 1
     # Only the sender's inputs and what the host wrote before the launch go through .nc.
     nc = [line for line in lines if ".nc" in line]
     assert all(("%copy" in line or "%flag" in line or "%scale" in line or "%topk" in line or
@@ -123,6 +127,7 @@ def test_plan_regions_are_aligned_and_disjoint(ranks, channels, slots, hidden, t
     slot = ep_plan.DispatchSlot(hidden, topk, fp8)
     parts = [0, slot.scales, slot.topk_idx, slot.topk_weights, slot.source, slot.bytes]
     assert parts == sorted(parts) and all(p % 16 == 0 for p in parts)
+    assert slot.source + 4 == slot.signature and slot.signature + 4 <= slot.bytes
     assert slot.scales - 0 >= slot.row_bytes
     assert slot.topk_idx - slot.scales >= 4 * slot.scale_groups
     assert slot.topk_weights - slot.topk_idx >= 8 * topk
@@ -131,7 +136,8 @@ def test_plan_regions_are_aligned_and_disjoint(ranks, channels, slots, hidden, t
     last_counter = plan.counter("combine_tail", ep_plan.MAX_CHANNELS - 1, ep_plan.MAX_RANKS - 1)
     assert last_counter + 4 == counters_end <= plan.combine_rings
     assert plan.combine_rings + channels * ranks * plan.combine_ring_bytes <= plan.dispatch_rings
-    assert plan.combine_slot_bytes >= 2 * hidden and plan.combine_slot_bytes % 16 == 0
+    assert plan.combine_signature >= 2 * hidden and plan.combine_slot_bytes % 16 == 0
+    assert plan.combine_signature + 4 <= plan.combine_slot_bytes
     assert plan.bytes_needed(slot) == plan.dispatch_rings + channels * ranks * slots * slot.bytes
     assert plan.combine_rings % 1024 == 0 and plan.dispatch_rings % 1024 == 0
 
@@ -142,6 +148,16 @@ def test_counters_do_not_move_with_the_call():
     b = ep_plan.BufferPlan(8, 64, 1024, 16384)
     for name in ep_plan.COUNTERS:
         assert a.counter(name, 3, 1) == b.counter(name, 3, 1)
+
+
+def test_signatures_tell_the_sizes_apart():
+    sizes = [(h, k, fp8, c, s) for h in (128, 256) for k in (0, 8) for fp8 in (False, True)
+             for c in (1, 10) for s in (64, 128)]
+    words = {ep_plan.signature("dispatch", *size) for size in sizes}
+    assert len(words) == len(sizes) and all(0 < w < 2 ** 31 for w in words)
+    a = combine_kernel.choose_config(SM90, 2, 256, num_sms=4, slots=64)
+    b = combine_kernel.choose_config(SM90, 2, 256, num_sms=4, slots=128)
+    assert a.signature != b.signature
 
 
 def test_buffer_size_is_the_plan_s():

@@ -264,8 +264,36 @@ def scenario_peer_never_launches(rank: int, world: int) -> None:
     dist.barrier()  # rank 1 waits here, alive, while rank 0 times out
 
 
+def scenario_cached_call_disagrees(rank: int, world: int) -> None:
+    """A call reusing a handle exchanges nothing: rank 1 dispatches 512-wide rows where rank
+    0 dispatches 256-wide ones. The receivers find entries signed for other sizes (or,
+    where a peer trapped first, wait until the timeout); no rank hangs, and at least one
+    names the disagreement."""
+    buffer = Buffer(dist.group.WORLD, buffer_size(world, 512, TOPK, config=Config(4, 64)),
+                    num_sms=4, timeout_s=5.0)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    idx = _routing(rank, 24, "random", 12).to(dev)
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(idx, EXPERTS)
+    x = torch.randn(24, 256, device=dev).bfloat16()
+    _, _, _, _, handle, _ = buffer.dispatch(
+        x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert, topk_idx=idx,
+        topk_weights=torch.ones(24, TOPK, device=dev), config=Config(4, 64))
+    torch.cuda.synchronize()
+    dist.barrier()
+    wide = torch.randn(24, 256 * (rank + 1), device=dev).bfloat16()
+    with pytest.raises(RuntimeError):
+        buffer.dispatch(wide, handle=handle, config=Config(4, 64))
+        torch.cuda.synchronize()
+    with pytest.raises(EPTimeoutError) as error:
+        buffer.check_timeout()
+    messages = _gather(str(error.value))
+    assert any("laid out for other sizes" in m for m in messages), messages
+
+
 SCENARIOS = {"routings": scenario_routings, "errors": scenario_errors,
-             "peer_never_launches": scenario_peer_never_launches}
+             "peer_never_launches": scenario_peer_never_launches,
+             "cached_call_disagrees": scenario_cached_call_disagrees}
 
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS))

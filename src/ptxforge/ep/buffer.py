@@ -46,6 +46,7 @@ _WAITS = {kernel_common.DISPATCH_SEND: ("dispatch", "room in rank {peer}'s ring 
           kernel_common.DISPATCH_RECEIVE: ("dispatch", "tokens from rank {peer} (their tail)"),
           kernel_common.COMBINE_SEND: ("combine", "room in rank {peer}'s ring (its head)"),
           kernel_common.COMBINE_RECEIVE: ("combine", "rows from rank {peer} (their tail)")}
+_MISMATCHES = {kernel_common.DISPATCH_MISMATCH: "dispatch", kernel_common.COMBINE_MISMATCH: "combine"}
 
 
 class EPTimeoutError(RuntimeError):
@@ -362,11 +363,19 @@ class Buffer:
 
     # ------------------------------------------------------------------ errors, teardown
     def check_timeout(self) -> None:
-        """Raise EPTimeoutError if a kernel of this buffer timed out (it wrote a record to
-        host memory before trapping); nothing to do otherwise. Reads host memory only."""
+        """Raise EPTimeoutError if a kernel of this buffer timed out, or received an entry
+        laid out for other sizes (it wrote a record to host memory before trapping);
+        nothing to do otherwise. Reads host memory only."""
         code, channel, peer, seen = self.record.read()
         if not code:
             return
+        if code in _MISMATCHES:
+            raise EPTimeoutError(
+                f"ptxforge.ep: rank {self.rank}'s {_MISMATCHES[code]} kernel received from rank "
+                f"{peer} on channel {channel} an entry laid out for other sizes (hidden size, "
+                f"top-k, dtype, SMs or ring slots differ between the ranks' calls; signature "
+                f"{seen & 0xFFFFFFFF:#x}). The kernel trapped; this process's CUDA context is "
+                f"unusable.")
         kernel, waited = _WAITS.get(code, ("?", f"wait {code}"))
         raise EPTimeoutError(
             f"ptxforge.ep: rank {self.rank}'s {kernel} kernel waited more than {self.timeout_s} s "

@@ -1,8 +1,9 @@
-"""Waiting for a counter that another GPU publishes, with a time limit.
+"""Waiting for a counter that another GPU publishes, with a time limit; failing with a
+record the host can read.
 
 A communication kernel waits on counters its peers write (``st.release.sys``); if a peer
 never writes (it died, or disagrees on how much to send), the wait must end with a
-message instead of hanging the GPU. ``TimedWait`` emits, per wait:
+message instead of hanging the GPU. ``Watchdog.wait`` emits, per wait:
 
     mov.u64   start, %globaltimer              the wait's start, in ns
   top:
@@ -22,7 +23,8 @@ The record lands in host memory the launch names (``error``: a pinned, mapped bu
 4 int32); the trap then ends the kernel with an error the host sees at its next
 synchronisation, and the host reads the record to say which wait timed out. One thread
 polls (the caller picks it); the acquire orders what it reads after the counter, and a
-barrier after the wait passes that order on to the other threads.
+barrier after the wait passes that order on to the other threads. ``Watchdog.fail``
+emits the last three lines alone, for a check that fails outright.
 """
 
 from __future__ import annotations
@@ -33,9 +35,10 @@ from ..ptx import KernelBuilder, Reg, addr, sreg
 from ..ptx.operands import Address
 
 
-class TimedWait:
-    """Emits timed waits; ``error`` (u64: the record's address) and ``timeout_ns`` (u64)
-    are registers the kernel loaded once. Registers are shared by every wait it emits."""
+class Watchdog:
+    """Emits timed waits and failures; ``error`` (u64: the record's address) and
+    ``timeout_ns`` (u64) are registers the kernel loaded once. Registers are shared by
+    every wait it emits."""
 
     def __init__(self, k: KernelBuilder, error: Reg, timeout_ns: Reg):
         self.k, self.error, self.timeout_ns = k, error, timeout_ns
@@ -43,8 +46,8 @@ class TimedWait:
         self.waiting = k.pred("still_waiting")
         self.record = k.regs("b32", 4, "timeout_record")
 
-    def __call__(self, seen: Reg, counter: Address, ready: Callable[[Reg], Reg], *,
-                 code: int, channel, peer) -> None:
+    def wait(self, seen: Reg, counter: Address, ready: Callable[[Reg], Reg], *, code: int,
+             channel, peer) -> None:
         """Poll ``counter`` into ``seen`` until ``ready(seen)`` (a predicate the callback
         computes) holds; past the time limit, write the record (code, channel, peer, seen)
         and trap. ``channel`` and ``peer``: registers or integers."""
@@ -60,9 +63,14 @@ class TimedWait:
         k.setp("le", self.waiting, self.now, self.timeout_ns)
         with k.guard(self.waiting):
             k.bra(top)
-        for word, value in zip(self.record, (code, channel, peer, seen)):
-            k.mov(word, value, type="b32")
+        self.fail(code, channel, peer, seen)
+        k.place(done)
+
+    def fail(self, code: int, channel, peer, value) -> None:
+        """Write the record (code, channel, peer, value) and trap."""
+        k = self.k
+        for word, field in zip(self.record, (code, channel, peer, value)):
+            k.mov(word, field, type="b32")
         k.st(addr(self.error), self.record, sem="relaxed", scope="sys")
         k.fence("sc", "sys")
         k.trap()
-        k.place(done)

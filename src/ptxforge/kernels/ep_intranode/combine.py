@@ -46,8 +46,9 @@ from ...patterns import fp8
 from ...patterns.copy import VECTOR_BYTES, warp_copy
 from ...ptx import KernelBuilder, LaunchShape, addr, sreg
 from . import common
-from .dispatch import INPUT_LOAD, PAYLOAD_LOAD, STORE, warps_per_peer
-from .plan import BATCH, BufferPlan, check_plan
+from .common import INPUT_LOAD, PAYLOAD_LOAD, STORE, check_entry
+from .dispatch import warps_per_peer
+from .plan import BATCH, BufferPlan, check_plan, signature
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,18 @@ class CombineConfig:
     def threads(self) -> int:
         return 32 * self.warps
 
+    @property
+    def signature(self) -> int:
+        """What every entry carries: the sizes its rings were laid out for."""
+        return signature("combine", self.hidden, self.channels, self.slots)
+
+
+def combine_warps_per_peer(ranks: int) -> int:
+    """Half the dispatch's: 8 warps a CTA, so that a receiver thread may hold up to 255
+    registers (its sum keeps a 16-byte load from every rank in flight; ptxas 13.0 gives
+    the 2-rank receiver 146 at H = 7168)."""
+    return max(1, warps_per_peer(ranks) // 2)
+
 
 def check_problem(hidden: int) -> None:
     if hidden <= 0 or hidden % 8:
@@ -84,7 +97,7 @@ def check_problem(hidden: int) -> None:
 
 def choose_config(arch: Arch, ranks: int, hidden: int, *, num_sms: int = 20,
                   slots: int = 128) -> CombineConfig:
-    """The dispatch's channels and warps (nothing tuned yet)."""
+    """The dispatch's channels; ``combine_warps_per_peer`` (nothing tuned yet)."""
     check_problem(hidden)
     channels = num_sms // 2
     check_plan(ranks, channels, slots)
@@ -92,11 +105,14 @@ def choose_config(arch: Arch, ranks: int, hidden: int, *, num_sms: int = 20,
     if 2 * channels > arch.sm_count:
         raise ValueError(f"num_sms must be at most the {arch.sm_count} SMs of the device, "
                          f"got {num_sms}")
-    return CombineConfig(ranks, hidden, channels, slots, warps_per_peer(ranks), arch.target)
+    return CombineConfig(ranks, hidden, channels, slots, combine_warps_per_peer(ranks),
+                         arch.target)
 
 
 def generate(cfg: CombineConfig) -> KernelBuilder:
-    k = KernelBuilder(cfg.name, target=cfg.target, max_threads=cfg.threads)
+    # One CTA an SM (the grid is the SM budget): ptxas may give a thread every register
+    # the CTA's size allows, where it would otherwise spill to fit more CTAs.
+    k = KernelBuilder(cfg.name, target=cfg.target, max_threads=cfg.threads, min_blocks_per_sm=1)
     k.launch = LaunchShape(block=cfg.threads, cooperative=True)
     p = SimpleNamespace()
     p.x = k.param("x", "u64")                                # bf16 [N, H], contiguous
@@ -139,8 +155,8 @@ def _send(k, cfg, p, t) -> None:
                 return fits
 
             with k.if_(t.lane0, "not_polling"):
-                t.wait(head, addr(head_at), room, code=common.COMBINE_SEND, channel=t.channel,
-                       peer=t.group)
+                t.watchdog.wait(head, addr(head_at), room, code=common.COMBINE_SEND,
+                                channel=t.channel, peer=t.group)
             k.bar_warp_sync()
         with k.stage("copy: warp `member` takes rows batch + member, + warps_per_peer, ..."):
             i, first = k.reg("u32", "row_index"), k.reg("u32", "first_index")
@@ -157,6 +173,9 @@ def _send(k, cfg, p, t) -> None:
                 k.and_(slot_index, entry, cfg.slots - 1)
                 k.mad(dst, slot_index, plan.combine_slot_bytes, ring, mode="wide")
                 warp_copy(k, dst, src, row_bytes, t.lane, load=INPUT_LOAD, store=STORE)
+                with k.if_(t.lane0, "not_lane0"):
+                    k.st(addr(dst, plan.combine_signature), cfg.signature, type="u32")
+                    k.st(addr(dst, plan.combine_number), entry)
         with k.stage("publish: the group's rows, then the tail (st.release.sys)"):
             k.bar_sync(t.barrier, 32 * cfg.warps_per_peer)
             with k.guard(t.leader):
@@ -177,13 +196,11 @@ def _receive(k, cfg, p, t) -> None:
         r.rings = common.ring(k, own, plan.combine_rings, plan.combine_ring_bytes, t.channel,
                               0, cfg.ranks)
         r.counters = common.counter(k, own, plan, "combine_head", t.channel, 0)
-        r.base = k.regs("u32", cfg.ranks, "base")    # ring d's head when the kernel started
-        r.seen = k.regs("u32", cfg.ranks, "seen")    # the last tail of ring d this warp saw
-        r.count = k.regs("u32", cfg.ranks, "taken")  # tokens of ring d before the batch
+        r.head = k.regs("u32", cfg.ranks, "head")  # ring d's entries read before the batch
+        r.seen = k.regs("u32", cfg.ranks, "seen")  # the last tail of ring d this warp saw
         for d in range(cfg.ranks):
-            k.ld(r.base[d], addr(r.counters, _head(plan, d)), sem="relaxed", scope="sys")
-            k.mov(r.seen[d], r.base[d])
-            k.mov(r.count[d], 0)
+            k.ld(r.head[d], addr(r.counters, _head(plan, d)), sem="relaxed", scope="sys")
+            k.mov(r.seen[d], r.head[d])
         r.in_rank = k.reg("u64", "in_rank")
         k.ld_param(r.in_rank, p.is_token_in_rank)
         r.out = k.reg("u64", "out")
@@ -199,7 +216,7 @@ def _receive(k, cfg, p, t) -> None:
     flag_at = k.reg("u64", "flag_at")
     in_batch, goes, sent = k.pred("in_batch"), k.pred("goes"), k.pred("sent")
     r.ballot = k.regs("b32", cfg.ranks, "ballot")
-    r.entry = k.regs("u32", cfg.ranks, "lane_entry")  # the lane's token's entry, from count
+    r.entry = k.regs("u32", cfg.ranks, "lane_entry")  # the lane's token's entry, from head
     n = k.reg("u32", "batch_count")
     with k.loop(first, r.end, start=r.begin, step=BATCH, uniform=True, hint="receive_batch"):
         with k.stage("the batch's tokens: per rank a ballot, each token's entry"):
@@ -214,7 +231,6 @@ def _receive(k, cfg, p, t) -> None:
                 k.vote_sync(r.ballot[d], goes, mode="ballot")
                 k.and_(r.entry[d], r.ballot[d], lanes_below)
                 k.popc(r.entry[d], r.entry[d])
-                k.add(r.entry[d], r.entry[d], r.count[d])
             k.sub(batch_size, r.end, first)
             k.min(batch_size, batch_size, BATCH)
         i = k.reg("u32", "batch_token")
@@ -224,13 +240,11 @@ def _receive(k, cfg, p, t) -> None:
             k.bar_sync(0)
             for d in range(cfg.ranks):
                 k.popc(n, r.ballot[d])
-                k.add(r.count[d], r.count[d], n)
+                k.add(r.head[d], r.head[d], n)
                 k.setp("ne", sent, n, 0)
                 k.and_pred(sent, sent, first_thread)
                 with k.guard(sent):
-                    k.add(n, r.base[d], r.count[d])
-                with k.guard(sent):
-                    k.st(addr(r.counters, _head(plan, d)), n, sem="release", scope="sys")
+                    k.st(addr(r.counters, _head(plan, d)), r.head[d], sem="release", scope="sys")
 
 
 def _head(plan: BufferPlan, peer: int) -> int:
@@ -248,46 +262,52 @@ def _reduce_token(k, cfg, t, r, first, i) -> None:
     order, 16-byte vectors a lane."""
     plan = cfg.plan
     has = k.regs("pred", cfg.ranks, "has")
-    rows = k.regs("u64", cfg.ranks, "row_at")
-    entry, bit, slot_index, ahead = (k.reg("u32", name) for name in (
-        "entry", "bit", "slot_index", "ahead"))
+    rows = k.regs("u32", cfg.ranks, "row")  # the token's entry in ring (c, d), from ring (c, 0)
+    entry, bit, ahead = k.reg("u32", "entry"), k.reg("u32", "bit"), k.reg("u32", "ahead")
     behind, ready = k.pred("behind"), k.pred("ready")
-    with k.stage("wait for the token's entries; their addresses"):
+    check, number = k.pred("check"), k.reg("u32", "number")
+    at = k.reg("u64", "at")
+    with k.stage("wait for the token's entries, their addresses; check their signatures"):
         for d in range(cfg.ranks):
             k.bfe(bit, r.ballot[d], i, 1, type="u32")
             k.setp("ne", has[d], bit, 0)
             k.shfl_sync(entry, r.entry[d], i, mode="idx")
-            k.sub(ahead, r.seen[d], r.base[d])
+            k.sub(ahead, r.seen[d], r.head[d])
             k.setp("le", behind, ahead, entry)
             k.and_pred(behind, behind, has[d])
 
             def arrived(tail, d=d):
-                k.sub(ahead, tail, r.base[d])
+                k.sub(ahead, tail, r.head[d])
                 k.setp("gt", ready, ahead, entry)
                 return ready
 
             with k.if_(behind, f"entry_{d}_seen", uniform=True):
                 with k.if_(t.lane0, f"not_polling_{d}"):
-                    t.wait(r.seen[d], addr(r.counters, _tail(plan, d)), arrived,
-                           code=common.COMBINE_RECEIVE, channel=t.channel, peer=d)
+                    t.watchdog.wait(r.seen[d], addr(r.counters, _tail(plan, d)), arrived,
+                                    code=common.COMBINE_RECEIVE, channel=t.channel, peer=d)
                 k.bar_warp_sync()
                 k.shfl_sync(r.seen[d], r.seen[d], 0, mode="idx")
-            k.add(entry, entry, r.base[d])
-            k.and_(slot_index, entry, cfg.slots - 1)
-            k.add(rows[d], r.rings, d * plan.combine_ring_bytes)
-            k.mad(rows[d], slot_index, plan.combine_slot_bytes, rows[d], mode="wide")
+            k.add(number, entry, r.head[d])
+            k.and_(entry, number, cfg.slots - 1)
+            k.mad(rows[d], entry, plan.combine_slot_bytes, d * plan.combine_ring_bytes)
+            k.and_pred(check, has[d], t.lane0)
+            with k.if_(check, f"row_{d}_unchecked"):
+                k.mad(at, rows[d], 1, r.rings, mode="wide")
+                check_entry(k, t, at, plan.combine_signature, cfg.signature, number,
+                            common.COMBINE_MISMATCH, d)
     with k.stage("sum the rows in rank order, f32, one 16-byte vector a lane at a time"):
         vectors = 2 * cfg.hidden // VECTOR_BYTES
         v, offset = k.reg("u32", "vector"), k.reg("u64", "vector_offset")
         data = [k.regs("b32", 4, f"row{d}_") for d in range(cfg.ranks)]
         acc, halves = k.regs("f32", 8, "acc"), k.regs("f32", 2, "half")
-        packed, at = k.regs("b32", 4, "sum"), k.reg("u64", "at")
+        packed = k.regs("b32", 4, "sum")
         token = k.reg("u32", "token")
         k.add(token, first, i)
         with k.loop(v, vectors, start=t.lane, step=32, hint="vector"):
             k.mul(offset, v, VECTOR_BYTES, mode="wide")
             for d in range(cfg.ranks):
-                k.add(at, rows[d], offset)
+                k.mad(at, rows[d], 1, r.rings, mode="wide")
+                k.add(at, at, offset)
                 with k.guard(has[d]):
                     k.ld(data[d], addr(at), **PAYLOAD_LOAD)
             for a in acc:

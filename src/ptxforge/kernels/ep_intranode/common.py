@@ -11,20 +11,27 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from ...patterns.poll import TimedWait
+from ...patterns.poll import Watchdog
 from ...ptx import KernelBuilder, addr, sreg
 from .plan import MAX_RANKS, BufferPlan
 
-# TimedWait's record codes: which wait timed out (the host's messages, ep/buffer.py).
+# The watchdog's record codes: which wait timed out, or which entry came from a peer
+# that laid its rings out for other sizes (the host's messages, ep/buffer.py).
 DISPATCH_SEND, DISPATCH_RECEIVE, COMBINE_SEND, COMBINE_RECEIVE = 1, 2, 3, 4
+DISPATCH_MISMATCH, COMBINE_MISMATCH = 5, 6
+# Cache hints. A ring's entries are written by another GPU while the kernel runs: weak
+# loads that skip L1, never the non-coherent path. Inputs nothing writes meanwhile may
+# take it. Stores to a peer's ring skip L1.
+PAYLOAD_LOAD = {"eviction": "L1::no_allocate"}
+INPUT_LOAD = {"nc": True, "eviction": "L1::no_allocate"}
+STORE = {"eviction": "L1::no_allocate"}
 
 
 def prologue(k: KernelBuilder, warps_per_peer: int) -> SimpleNamespace:
     """Programmatic-launch housekeeping, then the thread's coordinates: ``lane``,
     ``warp``, ``group`` (the peer rank of its warp's group), ``member`` (the warp's place
     in the group), ``channel``, ``sender`` (predicate), ``leader`` (lane 0 of the group's
-    first warp), ``lane0``; the run-time scalars ``rank``, ``peers``, ``error``,
-    ``timeout_ns``; and ``wait``, the kernel's TimedWait."""
+    first warp), ``lane0``."""
     t = SimpleNamespace()
     with k.stage("programmatic launch; wait for the kernel before this one"):
         # A no-op unless launched programmatically; the inputs may be the previous
@@ -58,15 +65,15 @@ def prologue(k: KernelBuilder, warps_per_peer: int) -> SimpleNamespace:
 
 
 def scalars(k: KernelBuilder, t: SimpleNamespace, p: SimpleNamespace) -> None:
-    """The parameters every thread uses: rank, peers, error record, time limit; and the
-    kernel's TimedWait."""
+    """The parameters every thread uses: ``rank``, ``peers``; and ``watchdog``, the
+    kernel's Watchdog on the error record and time limit."""
     t.rank, t.peers = k.reg("u32", "rank"), k.reg("u64", "peers")
     k.ld_param(t.rank, p.rank)
     k.ld_param(t.peers, p.peers)
     error, timeout = k.reg("u64", "error"), k.reg("u64", "timeout_ns")
     k.ld_param(error, p.error)
     k.ld_param(timeout, p.timeout_ns)
-    t.wait = TimedWait(k, error, timeout)
+    t.watchdog = Watchdog(k, error, timeout)
 
 
 def declare_common_params(k: KernelBuilder, p: SimpleNamespace) -> None:
@@ -131,3 +138,19 @@ def counter(k: KernelBuilder, buffer, plan: BufferPlan, name: str, channel, peer
     k.add(at, buffer, plan.counter(name))
     k.mad(at, index, 4, at, mode="wide")
     return at
+
+
+def check_entry(k, t, entry_at, signature_offset: int, signature: int, number, code: int,
+                peer) -> None:
+    """An entry's signature (at ``signature_offset``) and number (the word after it) must
+    be this kernel's and ``number``: else the peer laid its rings out for other sizes, and
+    the watchdog's record says so (with the signature seen)."""
+    seen, seen_number = k.reg("u32", "sent_for"), k.reg("u32", "sent_number")
+    mismatch, other = k.pred("mismatch"), k.pred("other_number")
+    k.ld(seen, addr(entry_at, signature_offset), **PAYLOAD_LOAD)
+    k.ld(seen_number, addr(entry_at, signature_offset + 4), **PAYLOAD_LOAD)
+    k.setp("ne", mismatch, seen, signature)
+    k.setp("ne", other, seen_number, number)
+    k.or_(mismatch, mismatch, other)
+    with k.if_(mismatch, "entry_checked"):
+        t.watchdog.fail(code, t.channel, peer, seen)

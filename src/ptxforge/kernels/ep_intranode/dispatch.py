@@ -53,13 +53,10 @@ from ...arch import Arch
 from ...patterns.copy import warp_copy
 from ...ptx import KernelBuilder, LaunchShape, addr, sreg
 from . import common
-from .plan import BATCH, SCALE_GROUP, BufferPlan, DispatchSlot, check_plan
+from .plan import BATCH, SCALE_GROUP, BufferPlan, DispatchSlot, check_plan, signature
 
 MAX_TOPK = 32     # one lane an index
 MAX_THREADS = 1024
-PAYLOAD_LOAD = {"eviction": "L1::no_allocate"}  # a ring's entries: written by another GPU
-INPUT_LOAD = {"nc": True, "eviction": "L1::no_allocate"}  # inputs nothing writes meanwhile
-STORE = {"eviction": "L1::no_allocate"}
 
 
 @dataclass(frozen=True)
@@ -91,6 +88,12 @@ class DispatchConfig:
     @property
     def threads(self) -> int:
         return 32 * self.ranks * self.warps_per_peer
+
+    @property
+    def signature(self) -> int:
+        """What every entry carries: the sizes its rings were laid out for."""
+        return signature("dispatch", self.hidden, self.slot.topk, self.fp8, self.channels,
+                         self.slots)
 
 
 def warps_per_peer(ranks: int) -> int:
@@ -128,7 +131,9 @@ def choose_config(arch: Arch, ranks: int, hidden: int, topk: int, *, fp8: bool,
 
 
 def generate(cfg: DispatchConfig) -> KernelBuilder:
-    k = KernelBuilder(cfg.name, target=cfg.target, max_threads=cfg.threads)
+    # One CTA an SM (the grid is the SM budget): ptxas may give a thread every register
+    # the CTA's size allows, where it would otherwise spill to fit more CTAs.
+    k = KernelBuilder(cfg.name, target=cfg.target, max_threads=cfg.threads, min_blocks_per_sm=1)
     k.launch = LaunchShape(block=cfg.threads, cooperative=True)
     p = _Params(k, cfg)
     t = common.prologue(k, cfg.warps_per_peer)
@@ -213,8 +218,8 @@ def _send(k, cfg, p, t) -> None:
                     return fits
 
                 with k.if_(t.lane0, "not_polling"):
-                    t.wait(head, addr(s.head_at), room, code=common.DISPATCH_SEND,
-                           channel=t.channel, peer=t.group)
+                    t.watchdog.wait(head, addr(s.head_at), room, code=common.DISPATCH_SEND,
+                                    channel=t.channel, peer=t.group)
                 k.bar_warp_sync()
             _send_batch(k, cfg, p, t, s, first, ballot)
         with k.stage("publish: the group's entries, then tail += n (st.release.sys)"):
@@ -258,13 +263,15 @@ def _send_token(k, cfg, p, t, s, token, entry) -> None:
     k.mad(src, token, slot.row_bytes, src, mode="wide")
     k.and_(slot_index, entry, cfg.slots - 1)
     k.mad(dst, slot_index, slot.bytes, s.ring, mode="wide")
-    warp_copy(k, dst, src, slot.row_bytes, t.lane, load=INPUT_LOAD, store=STORE)
+    warp_copy(k, dst, src, slot.row_bytes, t.lane, load=common.INPUT_LOAD, store=common.STORE)
     if cfg.fp8:
         _send_scales(k, cfg, p, t, token, dst)
     if cfg.with_topk:
         _send_topk(k, cfg, p, t, token, dst)
-    with k.guard(t.lane0):
+    with k.if_(t.lane0, "not_lane0"):
         k.st(addr(dst, slot.source), token)
+        k.st(addr(dst, slot.signature), cfg.signature, type="u32")
+        k.st(addr(dst, slot.number), entry)
 
 
 def _send_scales(k, cfg, p, t, token, dst) -> None:
@@ -287,7 +294,7 @@ def _send_scales(k, cfg, p, t, token, dst) -> None:
         k.shl(offset, offset, 2)
         k.add(src, src, offset)
         with k.guard(in_row):
-            k.ld(scale, addr(src), **INPUT_LOAD)
+            k.ld(scale, addr(src), **common.INPUT_LOAD)
         k.mad(src, group, 4, dst, mode="wide")
         with k.guard(in_row):
             k.st(addr(src, slot.scales), scale)
@@ -304,10 +311,10 @@ def _send_topk(k, cfg, p, t, token, dst) -> None:
     with k.if_(is_pair, "no_pair"):
         k.ld_param(src, p.topk_idx)
         k.mad(src, pair, 8, src, mode="wide")
-        k.ld(index, addr(src), **INPUT_LOAD)
+        k.ld(index, addr(src), **common.INPUT_LOAD)
         k.ld_param(src, p.topk_weights)
         k.mad(src, pair, 4, src, mode="wide")
-        k.ld(weight, addr(src), **INPUT_LOAD)
+        k.ld(weight, addr(src), **common.INPUT_LOAD)
         k.mad(at, t.lane, 8, dst, mode="wide")
         k.st(addr(at, slot.topk_idx), index)
         k.mad(at, t.lane, 4, dst, mode="wide")
@@ -355,8 +362,8 @@ def _receive(k, cfg, p, t) -> None:
 
     with k.stage("the leader waits for entries past `received`, shares where they end"):
         with k.if_(t.leader, "not_the_leader"):
-            t.wait(seen, addr(r.tail_at), news, code=common.DISPATCH_RECEIVE,
-                   channel=t.channel, peer=t.group)
+            t.watchdog.wait(seen, addr(r.tail_at), news, code=common.DISPATCH_RECEIVE,
+                            channel=t.channel, peer=t.group)
             k.min(ahead, ahead, r.total)  # never past what the host's layout made room for
             k.st(addr(r.arrived_at), ahead, space="shared")
         k.bar_sync(t.barrier, 32 * cfg.warps_per_peer)
@@ -390,7 +397,7 @@ def _receive_entry(k, cfg, p, t, r, index) -> None:
     k.add(row, r.first_row, index)
     k.ld_param(dst, p.recv_x)
     k.mad(dst, row, slot.row_bytes, dst, mode="wide")
-    warp_copy(k, dst, src, slot.row_bytes, t.lane, load=PAYLOAD_LOAD, store={})
+    warp_copy(k, dst, src, slot.row_bytes, t.lane, load=common.PAYLOAD_LOAD, store={})
     if cfg.fp8:
         group, in_row = k.reg("u32", "scale_group"), k.pred("scale_in_row")
         scale, at = k.reg("b32", "scale"), k.reg("u64", "scale_at")
@@ -400,7 +407,7 @@ def _receive_entry(k, cfg, p, t, r, index) -> None:
             k.setp("lt", in_row, group, slot.scale_groups)
             k.mad(at, group, 4, src, mode="wide")
             with k.guard(in_row):
-                k.ld(scale, addr(at, slot.scales), **PAYLOAD_LOAD)
+                k.ld(scale, addr(at, slot.scales), **common.PAYLOAD_LOAD)
             k.mad(element, row, slot.scale_groups, group)
             k.ld_param(at, p.recv_scales)
             k.mad(at, element, 4, at, mode="wide")
@@ -410,7 +417,9 @@ def _receive_entry(k, cfg, p, t, r, index) -> None:
         _receive_topk(k, cfg, p, t, r, src, row)
     with k.if_(t.lane0, "not_lane0"):
         source, at = k.reg("u32", "source"), k.reg("u64", "source_at")
-        k.ld(source, addr(src, slot.source), **PAYLOAD_LOAD)
+        common.check_entry(k, t, src, slot.signature, cfg.signature, entry, common.DISPATCH_MISMATCH,
+                     t.group)
+        k.ld(source, addr(src, slot.source), **common.PAYLOAD_LOAD)
         k.ld_param(at, p.recv_src_idx)
         k.mad(at, row, 4, at, mode="wide")
         k.st(addr(at), source)
@@ -426,9 +435,9 @@ def _receive_topk(k, cfg, p, t, r, src, row) -> None:
         index, weight = k.reg("u64", "topk_index"), k.reg("f32", "topk_weight")
         at, pair = k.reg("u64", "pair_at"), k.reg("u32", "pair")
         k.mad(at, t.lane, 8, src, mode="wide")
-        k.ld(index, addr(at, slot.topk_idx), **PAYLOAD_LOAD)
+        k.ld(index, addr(at, slot.topk_idx), **common.PAYLOAD_LOAD)
         k.mad(at, t.lane, 4, src, mode="wide")
-        k.ld(weight, addr(at, slot.topk_weights), **PAYLOAD_LOAD)
+        k.ld(weight, addr(at, slot.topk_weights), **common.PAYLOAD_LOAD)
         # -1 and every expert below this rank's first wrap to at least E / R unsigned.
         k.sub(index, index, r.first_expert)
         k.setp("lt", local, index, r.experts_per_rank)
@@ -441,3 +450,4 @@ def _receive_topk(k, cfg, p, t, r, src, row) -> None:
         k.ld_param(at, p.recv_topk_weights)
         k.mad(at, pair, 4, at, mode="wide")
         k.st(addr(at), weight)
+

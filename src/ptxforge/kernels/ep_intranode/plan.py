@@ -18,11 +18,17 @@ for the others to clear them (a kernel starts from the values its predecessor le
 of two, so the u32 counters wrap cleanly).
 
 The counters' place depends on nothing, so it survives a change of hidden size, channels
-or ring slots between calls; the rings' layout is the call's.
+or ring slots between calls; the rings' layout is the call's. Every entry carries a
+signature of the sizes its sender laid the rings out for (``signature``) and its number
+(the counter value it was written under); a receiver whose own sizes differ (ranks that
+disagree, in a call that reuses a handle and so exchanges nothing) finds another
+signature, or an entry left there by an earlier call, and stops with an error instead of
+reading it.
 """
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 
 MAX_RANKS = 8          # one NVLink domain of 8 GPUs
@@ -75,6 +81,14 @@ class DispatchSlot:
         return self.topk_weights + _aligned(4 * self.topk)
 
     @property
+    def signature(self) -> int:
+        return self.source + 4
+
+    @property
+    def number(self) -> int:
+        return self.source + 8
+
+    @property
     def bytes(self) -> int:
         return self.source + ALIGN
 
@@ -91,8 +105,17 @@ class BufferPlan:
         return COUNTERS.index(name) * COUNTER_BYTES + 4 * (channel * MAX_RANKS + peer)
 
     @property
-    def combine_slot_bytes(self) -> int:
+    def combine_signature(self) -> int:
+        """A combine entry: the bf16 row, then the signature and the entry's number."""
         return _aligned(2 * self.hidden)
+
+    @property
+    def combine_number(self) -> int:
+        return self.combine_signature + 4
+
+    @property
+    def combine_slot_bytes(self) -> int:
+        return self.combine_signature + ALIGN
 
     @property
     def combine_rings(self) -> int:
@@ -113,6 +136,11 @@ class BufferPlan:
     def bytes_needed(self, slot: DispatchSlot) -> int:
         """The buffer size a dispatch with ``slot``'s entries and its combine need."""
         return self.dispatch_rings + self.channels * self.ranks * self.dispatch_ring_bytes(slot)
+
+
+def signature(*sizes) -> int:
+    """A non-zero 32-bit word naming ``sizes`` (the kernel, its row layout and rings)."""
+    return (zlib.crc32(repr(sizes).encode()) & 0x7FFFFFFF) | 1
 
 
 def check_plan(ranks: int, channels: int, slots: int) -> None:
