@@ -102,6 +102,13 @@ def _launcher(device_index: int, cfg):
     return jit.build(generate(cfg)).launcher(device_index)
 
 
+def _checked_num_sms(name: str, num_sms) -> int:
+    """An SM budget: two SMs a channel."""
+    if type(num_sms) is not int or num_sms < 2 or num_sms % 2:
+        raise ValueError(f"{name} must be an even int of at least 2, got {num_sms!r}")
+    return num_sms
+
+
 class Buffer:
     """One communication buffer per rank of ``group`` (a torch.distributed process group
     of 2 to 8 ranks on one node, each rank on its own GPU or, for tests, sharing one),
@@ -130,7 +137,7 @@ class Buffer:
             raise ValueError(f"the group must have 2 to {MAX_RANKS} ranks, got "
                              f"{self.group_size}")
         if num_sms is not None:
-            self.num_sms = num_sms
+            self.num_sms = _checked_num_sms("num_sms", num_sms)
         self.timeout_s = timeout_s
         self.device_index = torch.cuda.current_device()
         self.arch = device_arch(self.device_index)
@@ -145,9 +152,7 @@ class Buffer:
     @staticmethod
     def set_num_sms(new_num_sms: int) -> None:
         """The SM budget of the buffers that were not given one (DeepEP's class knob)."""
-        if type(new_num_sms) is not int or new_num_sms < 2 or new_num_sms % 2:
-            raise ValueError(f"num_sms must be an even int of at least 2, got {new_num_sms!r}")
-        Buffer.num_sms = new_num_sms
+        Buffer.num_sms = _checked_num_sms("num_sms", new_num_sms)
 
     def get_dispatch_config(self, num_ranks: int | None = None) -> Config:
         return Config(self.num_sms, DEFAULT_SLOTS)
@@ -237,10 +242,7 @@ class Buffer:
                                      previous_event, async_finish, allocate_on_comm_stream)
 
     def _channels(self, config: Config) -> int:
-        if type(config.num_sms) is not int or config.num_sms < 2 or config.num_sms % 2:
-            raise ValueError(f"config.num_sms must be an even int of at least 2, got "
-                             f"{config.num_sms!r}")
-        return config.num_sms // 2
+        return _checked_num_sms("config.num_sms", config.num_sms) // 2
 
     def _check_handle(self, handle, tokens: int, channels: int) -> int:
         if not isinstance(handle, DispatchHandle):

@@ -237,10 +237,17 @@ def _receive(k, cfg, p, t) -> None:
         with k.loop(i, batch_size, start=t.warp, step=cfg.warps, uniform=True, hint="token"):
             _reduce_token(k, cfg, t, r, first, i)
         with k.stage("free the batch's entries: heads (st.release.sys) after every warp's reads"):
+            # Every entry of the batch was acquired by the warp that summed it, and the
+            # bar.sync passes that on: a warp whose last tail seen lies below the new head
+            # moves it there (each warp keeps seen >= head, so seen - head never wraps).
             k.bar_sync(0)
+            ahead, lags = k.reg("u32", "seen_ahead"), k.pred("lags")
             for d in range(cfg.ranks):
                 k.popc(n, r.ballot[d])
+                k.sub(ahead, r.seen[d], r.head[d])
+                k.setp("lt", lags, ahead, n)
                 k.add(r.head[d], r.head[d], n)
+                k.selp(r.seen[d], r.head[d], r.seen[d], lags)
                 k.setp("ne", sent, n, 0)
                 k.and_pred(sent, sent, first_thread)
                 with k.guard(sent):
