@@ -1,0 +1,437 @@
+"""A small PTX interpreter, to run the communication kernels on the CPU in tests.
+
+It runs the builder's PTX for the instruction subset the EP kernels use (integer and
+predicate arithmetic, f32 adds, bf16 packing, loads and stores of the global, shared and
+param spaces, reductions, ballots, shuffles, named barriers, branches, trap), one Python
+object a thread. Several launches (one a simulated rank) run interleaved over one flat
+global memory, so a kernel's loads and stores reach its peers' buffers as they would
+through CUDA IPC.
+
+What it is not: a model of the GPU's memory ordering. Memory is sequentially consistent
+(every access lands at once, in the order the scheduler runs the threads), so it checks
+the protocol's logic (counts, offsets, ring wrap-around, waits, signatures, the order of
+the sums), not whether the acquire/release annotations suffice: the design note argues
+those. Threads run round-robin, QUANTUM instructions a turn, or as many as ``pace(launch
+name, CTA index, thread index)`` says: a sender that races ahead of its receiver, or falls behind it,
+is what breaks a ring protocol whose waits are wrong. A thread's turn also ends at a
+load with acquire semantics (a poll), so spinning costs little. A warp's collectives
+(vote, shfl, bar.warp.sync) wait for all 32 lanes at the same instruction, and bar.sync
+for its count of threads. ``%globaltimer`` counts the scheduler's passes over the
+threads (1 ns each), so a kernel's timeout is a number of passes.
+"""
+
+from __future__ import annotations
+
+import bisect
+import re
+import struct
+from collections import defaultdict
+
+import numpy as np
+
+QUANTUM = 64
+
+
+class Trap(RuntimeError):
+    """A thread executed ``trap``."""
+
+
+class Deadlock(RuntimeError):
+    """No thread can run and some have not finished."""
+
+
+class Memory:
+    """Flat global memory: allocations at increasing addresses, bytes per allocation."""
+
+    def __init__(self):
+        self._bases, self._blocks, self._next = [], [], 1 << 20
+
+    def alloc(self, nbytes: int, fill: int = 0) -> int:
+        base = self._next
+        self._bases.append(base)
+        self._blocks.append(bytearray([fill]) * max(nbytes, 1))
+        self._next = (base + nbytes + 4096) & ~255
+        return base
+
+    def _find(self, address: int, nbytes: int):
+        i = bisect.bisect_right(self._bases, address) - 1
+        if i < 0 or address + nbytes > self._bases[i] + len(self._blocks[i]):
+            raise IndexError(f"access of {nbytes} bytes at {address:#x} outside every allocation")
+        return self._blocks[i], address - self._bases[i]
+
+    def read(self, address: int, nbytes: int) -> bytes:
+        block, at = self._find(address, nbytes)
+        return bytes(block[at:at + nbytes])
+
+    def write(self, address: int, data: bytes) -> None:
+        block, at = self._find(address, len(data))
+        block[at:at + len(data)] = data
+
+    def put(self, data: bytes) -> int:
+        """A new allocation holding ``data``; its address."""
+        address = self.alloc(len(data))
+        self.write(address, data)
+        return address
+
+
+_WIDTH = {"u8": 1, "s8": 1, "b8": 1, "u16": 2, "b16": 2, "u32": 4, "s32": 4, "b32": 4,
+          "f32": 4, "u64": 8, "s64": 8, "b64": 8, "f64": 8, "pred": 1}
+_ADDRESS = re.compile(r"^\[([%\w$.]+)(?:([+-])(\d+))?\]$")
+
+
+def _split_operands(text: str) -> list[str]:
+    out, depth, cur = [], 0, ""
+    for ch in text:
+        if ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+        if ch == "," and depth == 0:
+            out.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    if cur.strip():
+        out.append(cur.strip())
+    return out
+
+
+def _f32(bits: int) -> np.float32:
+    return np.frombuffer(struct.pack("<I", bits & 0xFFFFFFFF), dtype=np.float32)[0]
+
+
+def _bits(value: np.float32) -> int:
+    return struct.unpack("<I", np.float32(value).tobytes())[0]
+
+
+def _bf16_rn(bits: int) -> int:
+    if (bits & 0x7F800000) == 0x7F800000 and bits & 0x7FFFFF:
+        return (bits >> 16) | 0x40
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
+
+
+class Kernel:
+    """A parsed ``.entry``: parameter names, shared symbols and their offsets, instructions."""
+
+    def __init__(self, ptx: str):
+        self.shared, self.shared_bytes = {}, 0
+        for align, name, size in re.findall(r"^\.shared \.align (\d+) \.b8 (\w+)\[(\d+)\];", ptx,
+                                            re.M):
+            self.shared_bytes = -(-self.shared_bytes // int(align)) * int(align)
+            self.shared[name] = self.shared_bytes
+            self.shared_bytes += int(size)
+        if re.search(r"^\.extern \.shared", ptx, re.M):
+            raise NotImplementedError("dynamic shared memory")
+        self.params = re.findall(r"\.param \.\w+ (\w+)", ptx)
+        body = ptx[ptx.index("{") + 1:ptx.rindex("}")]
+        self.code, self.labels, self.polls = [], {}, []
+        for raw in body.splitlines():
+            line = raw.split("//")[0].strip()
+            if not line or line.startswith(".reg"):
+                continue
+            if line.endswith(":"):
+                self.labels[line[:-1]] = len(self.code)
+                continue
+            self.code.append(line.rstrip(";"))
+        self.program = [self._compile(line) for line in self.code]
+        self.polls = [".acquire." in line.split()[1 if line.startswith("@") else 0]
+                      for line in self.code]
+
+    # Each instruction becomes (guard, negate, kind, function); function(thread) runs it.
+    def _compile(self, line: str):
+        guard, negate = None, False
+        if line.startswith("@"):
+            guard, line = line[1:].split(None, 1)
+            if guard.startswith("!"):
+                guard, negate = guard[1:], True
+        parts = line.split(None, 1)
+        opcode, operands = parts[0], _split_operands(parts[1]) if len(parts) > 1 else []
+        q = opcode.split(".")
+        return guard, negate, q[0], self._handler(opcode, q, operands)
+
+    def _handler(self, opcode, q, ops):  # noqa: C901 - one branch per instruction family
+        kind, t = q[0], q[-1]
+        mask = (1 << (8 * _WIDTH.get(t, 8))) - 1 if t in _WIDTH else None
+        value = self._reader
+        if kind in ("griddepcontrol", "fence", "ret", "trap", "exit"):
+            return None
+        if kind == "bra":
+            target = ops[0]
+            return lambda th: self.labels[target]
+        if kind == "mov":
+            src = value(ops[1])
+            return _assign(ops[0], lambda th: src(th) & mask)
+        if kind in ("add", "sub", "min", "and", "or", "xor", "shl", "shr", "div", "rem") \
+                and t != "f32":
+            a, b = value(ops[1]), value(ops[2])
+            fn = {"add": lambda x, y: x + y, "sub": lambda x, y: x - y, "min": min,
+                  "and": lambda x, y: x & y, "or": lambda x, y: x | y,
+                  "xor": lambda x, y: x ^ y, "shl": lambda x, y: x << y,
+                  "shr": lambda x, y: x >> y, "div": lambda x, y: x // y,
+                  "rem": lambda x, y: x % y}[kind]
+            if t == "pred":
+                return _assign(ops[0], lambda th: fn(a(th), b(th)) & 1)
+            return _assign(ops[0], lambda th: fn(a(th), b(th)) & mask)
+        if kind == "add" and t == "f32":
+            a, b = value(ops[1]), value(ops[2])
+            return _assign(ops[0], lambda th: _bits(_f32(a(th)) + _f32(b(th))))
+        if kind in ("mul", "mad"):
+            a, b = value(ops[1]), value(ops[2])
+            c = value(ops[3]) if kind == "mad" else (lambda th: 0)
+            out = (1 << 64) - 1 if q[1] == "wide" else mask
+            return _assign(ops[0], lambda th: (a(th) * b(th) + c(th)) & out)
+        if kind == "selp":
+            a, b, p = value(ops[1]), value(ops[2]), value(ops[3])
+            return _assign(ops[0], lambda th: (a(th) if p(th) else b(th)) & mask)
+        if kind == "setp":
+            a, b = value(ops[1]), value(ops[2])
+            cmp = {"lt": int.__lt__, "le": int.__le__, "gt": int.__gt__, "ge": int.__ge__,
+                   "eq": int.__eq__, "ne": int.__ne__, "lo": int.__lt__, "ls": int.__le__,
+                   "hi": int.__gt__, "hs": int.__ge__}[q[1]]
+            if t[0] == "s":
+                raise NotImplementedError(opcode)
+            return _assign(ops[0], lambda th: int(cmp(a(th), b(th))))
+        if kind == "bfe":
+            a, pos, length = value(ops[1]), value(ops[2]), value(ops[3])
+            return _assign(ops[0], lambda th: (a(th) >> pos(th)) & ((1 << length(th)) - 1))
+        if kind == "popc":
+            a = value(ops[1])
+            return _assign(ops[0], lambda th: bin(a(th)).count("1"))
+        if kind == "cvt":
+            if q[-2] == "bf16x2":
+                hi, lo = value(ops[1]), value(ops[2])
+                return _assign(ops[0], lambda th: (_bf16_rn(hi(th)) << 16) | _bf16_rn(lo(th)))
+            a, out = value(ops[1]), (1 << (8 * _WIDTH[q[-2]])) - 1
+            return _assign(ops[0], lambda th: a(th) & out)
+        if kind in ("ld", "st", "red"):
+            return self._memory(opcode, q, ops)
+        if kind in ("vote", "shfl", "bar"):
+            return None  # collectives and barriers: the scheduler's
+        raise NotImplementedError(f"ptxsim: {opcode}")
+
+    def _memory(self, opcode, q, ops):
+        space = next(s for s in ("global", "shared", "param") if s in q)
+        t = q[-1]
+        width = _WIDTH[t]
+        count = int(q[-2][1:]) if q[-2].startswith("v") else 1
+        address = ops[1] if q[0] == "ld" else ops[0]
+        if space == "param":
+            name = address[1:-1]
+            return _assign(ops[0], lambda th: th.args[name])
+        base, sign, offset = _ADDRESS.match(address).groups()
+        offset = int(offset or 0) * (-1 if sign == "-" else 1)
+        base_value = self._reader(base)
+        fmt = "<" + {1: "B", 2: "H", 4: "I", 8: "Q"}[width] * count
+
+        def where(th):
+            return base_value(th) + offset
+
+        if q[0] == "ld":
+            dests = ops[0].strip("{}").replace(" ", "").split(",")
+
+            def load(th):
+                data = th.load(space, where(th), width * count)
+                for d, v in zip(dests, struct.unpack(fmt, data)):
+                    th.regs[d] = v
+            return load
+        if q[0] == "st":
+            sources = [self._reader(s) for s in ops[1].strip("{}").replace(" ", "").split(",")]
+            mask = (1 << (8 * width)) - 1
+
+            def store(th):
+                th.store(space, where(th), struct.pack(fmt, *[s(th) & mask for s in sources]))
+            return store
+        value, mask = self._reader(ops[1]), (1 << (8 * width)) - 1
+        if q[-2] != "add":
+            raise NotImplementedError(opcode)
+
+        def reduce(th):
+            at = where(th)
+            old = struct.unpack(fmt, th.load(space, at, width))[0]
+            th.store(space, at, struct.pack(fmt, (old + value(th)) & mask))
+        return reduce
+
+    def _reader(self, text: str):
+        """A function of the thread giving the operand's value (bits, unsigned)."""
+        if text.startswith("%"):
+            special = _SPECIAL.get(text)
+            if special is not None:
+                return special
+            return lambda th: th.regs[text]
+        if text.startswith("0f"):
+            bits = int(text[2:], 16)
+            return lambda th: bits
+        if re.fullmatch(r"-?\d+", text):
+            number = int(text) & ((1 << 64) - 1)
+            return lambda th: number
+        if text in self.shared:
+            offset = self.shared[text]
+            return lambda th: offset
+        raise NotImplementedError(f"ptxsim: operand {text}")
+
+
+def _assign(dest: str, compute):
+    def run(th):
+        th.regs[dest] = compute(th)
+    return run
+
+
+_SPECIAL = {
+    "%tid.x": lambda th: th.tid, "%ctaid.x": lambda th: th.cta.index,
+    "%laneid": lambda th: th.tid & 31,
+    "%lanemask_lt": lambda th: (1 << (th.tid & 31)) - 1,
+    "%globaltimer": lambda th: th.sim.clock,
+}
+
+
+class _Cta:
+    def __init__(self, index: int, threads: int, shared_bytes: int):
+        self.index, self.threads = index, threads
+        self.shared = bytearray(max(shared_bytes, 1))
+        self.barriers: dict[int, list] = {}
+
+
+class _Thread:
+    def __init__(self, sim, launch, cta, tid):
+        self.sim, self.launch, self.cta, self.tid = sim, launch, cta, tid
+        # A register read before any write reads 0 (a load a guard skipped, then unpacked
+        # and discarded, as the combine's sum does for ranks a token skips).
+        self.args, self.regs, self.pc = launch.args, defaultdict(int), 0
+        self.blocked = self.done = False
+
+    def load(self, space, address, nbytes):
+        if space == "shared":
+            return bytes(self.cta.shared[address:address + nbytes])
+        return self.sim.memory.read(address, nbytes)
+
+    def store(self, space, address, data):
+        if space == "shared":
+            self.cta.shared[address:address + len(data)] = data
+        else:
+            self.sim.memory.write(address, data)
+
+
+class _Launch:
+    def __init__(self, name, kernel, grid, block, args):
+        missing = set(kernel.params) - set(args)
+        extra = set(args) - set(kernel.params)
+        if missing or extra:
+            raise TypeError(f"{name}: missing {sorted(missing)}, unknown {sorted(extra)}")
+        self.name, self.kernel, self.args = name, kernel, args
+        self.ctas = [_Cta(i, block, kernel.shared_bytes) for i in range(grid)]
+
+
+class Simulator:
+    """Launches kernels over one Memory and runs them all, interleaved, to completion."""
+
+    def __init__(self, memory: Memory, pace=None):
+        self.memory, self.clock = memory, 0
+        self.threads: list[_Thread] = []
+        self._warps: dict = {}
+        self._pace = pace
+
+    def launch(self, name: str, ptx_or_kernel, grid: int, block: int, **args) -> None:
+        kernel = ptx_or_kernel if isinstance(ptx_or_kernel, Kernel) else Kernel(ptx_or_kernel)
+        launch = _Launch(name, kernel, grid, block, args)
+        for cta in launch.ctas:
+            for tid in range(block):
+                self.threads.append(_Thread(self, launch, cta, tid))
+
+    def run(self, max_passes: int = 10_000_000) -> int:
+        """Run every launched thread to its end; the passes it took."""
+        while True:
+            self.clock += 1
+            progress, alive = False, False
+            for th in self.threads:
+                if th.done:
+                    continue
+                alive = True
+                if not th.blocked and self._step(th, self._quantum(th)):
+                    progress = True
+            if not alive:
+                self.threads = []
+                return self.clock
+            if not progress:
+                stuck = [(th.launch.name, th.cta.index, th.tid, th.launch.kernel.code[th.pc])
+                         for th in self.threads if not th.done][:5]
+                raise Deadlock(f"no thread can run; e.g. {stuck}")
+            if self.clock > max_passes:
+                raise Deadlock(f"more than {max_passes} passes")
+
+    def _quantum(self, th: _Thread) -> int:
+        return QUANTUM if self._pace is None else self._pace(th.launch.name, th.cta.index, th.tid)
+
+    def _step(self, th: _Thread, quantum: int) -> bool:
+        kernel = th.launch.kernel
+        program, code, polls = kernel.program, kernel.code, kernel.polls
+        ran = 0
+        while ran < quantum and not th.blocked and not th.done:
+            guard, negate, kind, fn = program[th.pc]
+            ran += 1
+            if guard is not None and bool(th.regs[guard]) == negate:
+                th.pc += 1
+                continue
+            if fn is not None:
+                poll = polls[th.pc]
+                target = fn(th)
+                th.pc = target if kind == "bra" else th.pc + 1
+                if poll:
+                    break
+                continue
+            if kind == "ret" or kind == "exit":
+                th.done = True
+            elif kind == "trap":
+                raise Trap(f"{th.launch.name}: CTA {th.cta.index} thread {th.tid} trapped at "
+                           f"{code[th.pc]!r}")
+            elif kind in ("vote", "shfl") or code[th.pc].startswith("bar.warp.sync"):
+                self._collective(th, code[th.pc])
+            elif kind == "bar":
+                self._barrier(th, code[th.pc])
+            else:
+                th.pc += 1  # fences, griddepcontrol
+        return ran > 0
+
+    def _collective(self, th: _Thread, line: str) -> None:
+        key = (id(th.launch), th.cta.index, th.tid >> 5, th.pc)
+        pending = self._warps.setdefault(key, {})
+        pending[th.tid & 31] = th
+        th.blocked = True
+        if len(pending) < 32:
+            return
+        del self._warps[key]
+        opcode, rest = line.split(None, 1)
+        ops = _split_operands(rest)
+        lanes = [pending[lane] for lane in range(32)]
+        kernel = th.launch.kernel
+        if opcode.startswith("vote.sync.ballot"):
+            p = kernel._reader(ops[1])
+            ballot = sum(1 << lane for lane, t in enumerate(lanes) if p(t))
+            results = [ballot] * 32
+        elif opcode.startswith("shfl.sync.idx"):
+            a, b = kernel._reader(ops[1]), kernel._reader(ops[2])
+            values = [a(t) for t in lanes]
+            results = [values[b(t) & 31] for t in lanes]
+        elif opcode == "bar.warp.sync":
+            results = None
+        else:
+            raise NotImplementedError(f"ptxsim: {opcode}")
+        for lane, t in enumerate(lanes):
+            if results is not None:
+                t.regs[ops[0]] = results[lane]
+            t.pc += 1
+            t.blocked = False
+
+    def _barrier(self, th: _Thread, line: str) -> None:
+        ops = _split_operands(line.split(None, 1)[1])
+        kernel = th.launch.kernel
+        ident = kernel._reader(ops[0])(th)
+        count = kernel._reader(ops[1])(th) if len(ops) > 1 else th.cta.threads
+        waiting = th.cta.barriers.setdefault(ident, [])
+        waiting.append(th)
+        th.blocked = True
+        if len(waiting) < count:
+            return
+        del th.cta.barriers[ident]
+        for t in waiting:
+            t.pc += 1
+            t.blocked = False

@@ -1,0 +1,276 @@
+"""The EP kernels' PTX run on the CPU (ptxforge.testing.ptxsim), several simulated ranks
+over one memory as CUDA IPC maps it: layout, dispatch and combine against the torch
+references bitwise, calls that reuse the counters (rings wrapping across launches), a
+rank that never launches (the watchdog's record and trap), ranks whose sizes disagree
+(the entries' signatures). Sequentially consistent memory: this checks the protocol's
+logic, not its memory orders (see ptxsim's docstring)."""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import replace
+
+import pytest
+
+from ptxforge import arch
+from ptxforge.kernels.ep_intranode import combine as combine_kernel
+from ptxforge.kernels.ep_intranode import common
+from ptxforge.kernels.ep_intranode import dispatch as dispatch_kernel
+from ptxforge.kernels.ep_intranode import layout as layout_kernel
+from ptxforge.kernels.ep_intranode.plan import channel_bounds
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("numpy")
+
+from ptxforge.ep.layout import Message, receive_layout  # noqa: E402
+from ptxforge.testing import ep as reference  # noqa: E402
+from ptxforge.testing.ptxsim import Kernel, Memory, Simulator, Trap  # noqa: E402
+from ptxforge.testing.reference import quantize_fp8_per_token  # noqa: E402
+
+SM90 = arch.get("sm_90a")
+TIMEOUT = 100_000  # scheduler passes (the simulator's ns)
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+def _tensor(memory: Memory, address: int, shape, dtype) -> torch.Tensor:
+    n = 1
+    for s in shape:
+        n *= s
+    size = n * torch.empty((), dtype=dtype).element_size()
+    data = bytearray(memory.read(address, size)) if size else bytearray()
+    return torch.frombuffer(data, dtype=torch.uint8).view(dtype).view(shape).clone() if size \
+        else torch.empty(shape, dtype=dtype)
+
+
+class World:
+    """Simulated ranks: one buffer each (zeroed), the peers table, an error record each."""
+
+    def __init__(self, ranks: int, nbytes: int):
+        self.ranks, self.memory = ranks, Memory()
+        self.buffers = [self.memory.alloc(nbytes) for _ in range(ranks)]
+        self.peers = self.memory.put(struct.pack(f"<{ranks}Q", *self.buffers))
+        self.errors = [self.memory.alloc(16) for _ in range(ranks)]
+
+    def record(self, rank: int) -> tuple:
+        return struct.unpack("<4I", self.memory.read(self.errors[rank], 16))
+
+    def common(self, rank: int, layout_table: int) -> dict:
+        return dict(rank=rank, peers=self.peers, recv_layout=layout_table,
+                    error=self.errors[rank], timeout_ns=TIMEOUT)
+
+
+def _routing(rank, tokens, experts, topk, seed, kind="random"):
+    g = torch.Generator().manual_seed(100 * seed + rank)
+    if not tokens:
+        return torch.empty((0, topk), dtype=torch.int64)
+    idx = torch.stack([torch.randperm(experts, generator=g)[:topk] for _ in range(tokens)])
+    if kind == "random":
+        idx[torch.rand(idx.shape, generator=g) < 0.25] = -1
+        idx[0] = -1  # a token that goes nowhere
+    elif kind == "to_rank_0":
+        idx = idx % (experts // 2)  # experts of rank 0 (of 2), repeats allowed
+    return idx.to(torch.int64)
+
+
+def _layout(world, sim, rank, idx, experts):
+    """Launch the layout kernel for ``idx``; returns the output addresses."""
+    cfg = layout_kernel.choose_config(SM90, experts, world.ranks, idx.shape[1])
+    memory, tokens = world.memory, idx.shape[0]
+    out = dict(num_tokens_per_rank=memory.alloc(4 * world.ranks),
+               num_tokens_per_expert=memory.alloc(4 * experts),
+               is_token_in_rank=memory.alloc(tokens * world.ranks))
+    if tokens:
+        sim.launch(f"layout{rank}", layout_kernel.generate(cfg).ptx(),
+                   -(-tokens // layout_kernel.THREADS), layout_kernel.THREADS,
+                   topk_idx=memory.put(_bytes(idx)), tokens=tokens, **out)
+    return out
+
+
+class Case:
+    """Every rank's inputs, the layout (kernel and host), a dispatch and a combine."""
+
+    def __init__(self, ranks=2, tokens=(40, 29), hidden=64, experts=8, topk=3, fp8=False,
+                 num_sms=2, slots=64, warps=2, seed=0, kind="random", buffer_bytes=None,
+                 pace=None):
+        self.ranks, self.hidden, self.experts, self.fp8 = ranks, hidden, experts, fp8
+        self.dispatch_cfg = replace(dispatch_kernel.choose_config(
+            SM90, ranks, hidden, topk, fp8=fp8, num_sms=num_sms, slots=slots),
+            warps_per_peer=warps)
+        self.combine_cfg = replace(combine_kernel.choose_config(
+            SM90, ranks, hidden, num_sms=num_sms, slots=slots), warps_per_peer=warps)
+        self.channels = self.dispatch_cfg.channels
+        g = torch.Generator().manual_seed(seed)
+        self.idx = [_routing(r, tokens[r], experts, topk, seed, kind) for r in range(ranks)]
+        self.weights = [torch.rand(self.idx[r].shape, generator=g) for r in range(ranks)]
+        x = [torch.randn(tokens[r], hidden, generator=g).bfloat16() for r in range(ranks)]
+        self.scales = None
+        if fp8:
+            pairs = [quantize_fp8_per_token(t) for t in x]
+            x, self.scales = [q for q, _ in pairs], [s for _, s in pairs]
+        self.x = x
+        self.world = World(ranks, buffer_bytes or self.dispatch_cfg.plan.bytes_needed(
+            self.dispatch_cfg.slot))
+        self.layouts, self.in_rank, self.tables = [], [], []
+        self.pace = pace  # the simulator's pace: instructions a turn by launch and CTA
+
+    def run_layout(self):
+        sim = Simulator(self.world.memory)
+        outs = [_layout(self.world, sim, r, self.idx[r], self.experts) for r in range(self.ranks)]
+        sim.run()
+        messages = []
+        for r, out in enumerate(outs):
+            m = self.world.memory
+            per_rank = _tensor(m, out["num_tokens_per_rank"], (self.ranks,), torch.int32)
+            per_expert = _tensor(m, out["num_tokens_per_expert"], (self.experts,), torch.int32)
+            in_rank = _tensor(m, out["is_token_in_rank"], (self.idx[r].shape[0], self.ranks),
+                              torch.bool)
+            ref = reference.dispatch_layout(self.idx[r], self.experts, self.ranks)
+            assert torch.equal(per_rank, ref[0]) and torch.equal(per_expert, ref[1])
+            assert torch.equal(in_rank, ref[2])
+            counts = [in_rank[b:e].sum(0).tolist() for b, e in
+                      channel_bounds(in_rank.shape[0], self.channels)]
+            messages.append(Message((), counts, per_expert.tolist(), 0))
+            self.in_rank.append(out["is_token_in_rank"])
+        for r in range(self.ranks):
+            layout = receive_layout(messages, r, self.experts // self.ranks)
+            self.layouts.append(layout)
+            self.tables.append(self.world.memory.put(struct.pack(f"<{len(layout.table())}I",
+                                                                 *layout.table())))
+
+    def launch_dispatch(self, sim, rank, cfg=None):
+        cfg = cfg or self.dispatch_cfg
+        m, n, k = self.world.memory, self.layouts[rank].num_recv_tokens, self.idx[rank].shape[1]
+        out = dict(recv_x=m.alloc(n * cfg.slot.row_bytes), recv_src_idx=m.alloc(4 * n),
+                   recv_topk_idx=m.alloc(8 * n * k), recv_topk_weights=m.alloc(4 * n * k))
+        args = dict(x=m.put(_bytes(self.x[rank])), is_token_in_rank=self.in_rank[rank],
+                    tokens=self.x[rank].shape[0], topk_idx=m.put(_bytes(self.idx[rank])),
+                    topk_weights=m.put(_bytes(self.weights[rank])),
+                    experts_per_rank=self.experts // self.ranks, **out,
+                    **self.world.common(rank, self.tables[rank]))
+        if cfg.fp8:
+            scales = self.scales[rank].t().contiguous().t()  # column-major, as mn_major
+            out["recv_scales"] = m.alloc(4 * n * cfg.slot.scale_groups)
+            args.update(x_scales=m.put(_bytes(scales.t())), scale_token_stride=1,
+                        scale_group_stride=scales.shape[0], recv_scales=out["recv_scales"])
+        sim.launch(f"dispatch{rank}", dispatch_kernel.generate(cfg).ptx(), 2 * cfg.channels,
+                   cfg.threads, **args)
+        return out
+
+    def dispatch(self):
+        sim = Simulator(self.world.memory, self.pace)
+        outs = [self.launch_dispatch(sim, r) for r in range(self.ranks)]
+        sim.run()
+        received = []
+        for r, out in enumerate(outs):
+            m, n, k = self.world.memory, self.layouts[r].num_recv_tokens, self.idx[r].shape[1]
+            dtype = torch.float8_e4m3fn if self.fp8 else torch.bfloat16
+            got = dict(x=_tensor(m, out["recv_x"], (n, self.hidden), dtype),
+                       src_idx=_tensor(m, out["recv_src_idx"], (n,), torch.int32),
+                       topk_idx=_tensor(m, out["recv_topk_idx"], (n, k), torch.int64),
+                       topk_weights=_tensor(m, out["recv_topk_weights"], (n, k), torch.float32))
+            expected = reference.dispatch(r, self.x, self.idx, self.weights, self.experts,
+                                          self.scales)
+            for name in ("x", "src_idx", "topk_idx", "topk_weights"):
+                assert _bytes(got[name]) == _bytes(expected[name]), (r, name)
+            if self.fp8:
+                scales = _tensor(m, out["recv_scales"], (n, self.hidden // 128), torch.float32)
+                assert _bytes(scales) == _bytes(expected["scales"]), (r, "scales")
+            assert self.layouts[r].num_recv_tokens_per_expert == expected["per_expert"]
+            received.append(got)
+        return received
+
+    def combine(self, ys):
+        sim, m, outs = Simulator(self.world.memory, self.pace), self.world.memory, []
+        cfg = self.combine_cfg
+        for r in range(self.ranks):
+            outs.append(m.alloc(2 * self.hidden * self.x[r].shape[0]))
+            sim.launch(f"combine{r}", combine_kernel.generate(cfg).ptx(), 2 * cfg.channels,
+                       cfg.threads, x=m.put(_bytes(ys[r])), is_token_in_rank=self.in_rank[r],
+                       tokens=self.x[r].shape[0], out=outs[r],
+                       **self.world.common(r, self.tables[r]))
+        sim.run()
+        for r in range(self.ranks):
+            got = _tensor(m, outs[r], (self.x[r].shape[0], self.hidden), torch.bfloat16)
+            expected = reference.combine(r, ys, self.idx, self.experts)
+            assert _bytes(got) == _bytes(expected), r
+
+
+def _experts_output(received, scale: float):
+    return [(got["x"].float() * scale + rank).bfloat16() for rank, got in enumerate(received)]
+
+
+@pytest.mark.parametrize("case", [
+    dict(),                                                 # 2 ranks, 1 channel
+    dict(num_sms=4, tokens=(50, 7), warps=1),               # 2 channels, one warp a peer
+    dict(ranks=3, tokens=(20, 0, 33), experts=6, topk=2),   # a rank with no tokens
+    dict(kind="to_rank_0", tokens=(30, 30)),                # rank 1 receives nothing
+    dict(fp8=True, hidden=256, tokens=(24, 17)),            # e4m3 rows and their scales
+], ids=["two_ranks", "two_channels", "three_ranks", "all_to_rank_0", "fp8"])
+def test_dispatch_and_combine_match_the_references(case):
+    c = Case(**case)
+    c.run_layout()
+    received = c.dispatch()
+    if not c.fp8:
+        c.combine(_experts_output(received, 0.5))
+
+
+# Instructions a turn: senders (even CTAs) far ahead of receivers, the reverse, one rank
+# far ahead of the other, the odd warps of every CTA far behind the even ones.
+PACES = {"even": None,
+         "senders_ahead": lambda name, cta, tid: 1 if cta % 2 else 1024,
+         "receivers_ahead": lambda name, cta, tid: 1024 if cta % 2 else 1,
+         "rank_0_ahead": lambda name, cta, tid: 1024 if name.endswith("0") else 1,
+         "odd_warps_behind": lambda name, cta, tid: 1 if tid // 32 % 2 else 1024}
+
+
+@pytest.mark.parametrize("pace", list(PACES))
+@pytest.mark.parametrize("topk", [1, 2])
+def test_counters_carry_over_and_rings_wrap(pace, topk):
+    """150 tokens a rank through 64-entry rings, three dispatches and two combines in a
+    row: each launch starts from the counters the last one left. Threads at different
+    paces make senders outrun receivers and the reverse, and one warp of a group lag
+    another."""
+    c = Case(tokens=(150, 120), hidden=16, topk=topk, pace=PACES[pace])
+    c.run_layout()
+    first = c.dispatch()
+    c.combine(_experts_output(first, 1.0))
+    again = c.dispatch()
+    assert all(_bytes(a["x"]) == _bytes(b["x"]) for a, b in zip(first, again))
+    c.combine(_experts_output(again, -2.0))
+    c.dispatch()
+
+
+def test_a_rank_that_never_launches_ends_in_the_watchdog():
+    c = Case(tokens=(20, 20))
+    c.run_layout()
+    sim = Simulator(c.world.memory)
+    c.launch_dispatch(sim, 0)  # rank 1 never launches
+    with pytest.raises(Trap, match="trap"):
+        sim.run()
+    code, channel, peer, seen = c.world.record(0)
+    assert (code, channel, peer, seen) == (common.DISPATCH_RECEIVE, 0, 1, 0)
+
+
+def test_ranks_that_disagree_on_sizes_trap_on_the_signature():
+    """Both ranks reuse one layout (a cached call: nothing exchanged), rank 1 with rows
+    twice as wide: a receiver finds an entry signed for other sizes."""
+    wide = replace(Case(hidden=128).dispatch_cfg, warps_per_peer=2)
+    c = Case(tokens=(20, 20), hidden=64, buffer_bytes=wide.plan.bytes_needed(wide.slot))
+    c.run_layout()
+    c.dispatch()
+    sim = Simulator(c.world.memory)
+    c.launch_dispatch(sim, 0)
+    c.x[1] = torch.randn(20, 128).bfloat16()
+    c.launch_dispatch(sim, 1, wide)
+    with pytest.raises(Trap):
+        sim.run()
+    codes = {c.world.record(r)[0] for r in range(2)} - {0}
+    assert common.DISPATCH_MISMATCH in codes, codes
+
+
+def test_simulator_refuses_what_it_does_not_know():
+    with pytest.raises(NotImplementedError, match="wgmma"):
+        Kernel(".visible .entry k(\n)\n{\n\twgmma.fence.sync.aligned;\n\tret;\n}\n")
