@@ -143,13 +143,15 @@ class Case:
     def launch_dispatch(self, sim, rank, cfg=None):
         cfg = cfg or self.dispatch_cfg
         m, n, k = self.world.memory, self.layouts[rank].num_recv_tokens, self.idx[rank].shape[1]
-        out = dict(recv_x=m.alloc(n * cfg.slot.row_bytes), recv_src_idx=m.alloc(4 * n),
-                   recv_topk_idx=m.alloc(8 * n * k), recv_topk_weights=m.alloc(4 * n * k))
+        out = dict(recv_x=m.alloc(n * cfg.slot.row_bytes), recv_src_idx=m.alloc(4 * n))
         args = dict(x=m.put(_bytes(self.x[rank])), is_token_in_rank=self.in_rank[rank],
-                    tokens=self.x[rank].shape[0], topk_idx=m.put(_bytes(self.idx[rank])),
-                    topk_weights=m.put(_bytes(self.weights[rank])),
-                    experts_per_rank=self.experts // self.ranks, **out,
-                    **self.world.common(rank, self.tables[rank]))
+                    tokens=self.x[rank].shape[0], **self.world.common(rank, self.tables[rank]))
+        if cfg.with_topk:
+            out.update(recv_topk_idx=m.alloc(8 * n * k), recv_topk_weights=m.alloc(4 * n * k))
+            args.update(topk_idx=m.put(_bytes(self.idx[rank])),
+                        topk_weights=m.put(_bytes(self.weights[rank])),
+                        experts_per_rank=self.experts // self.ranks)
+        args.update(out)
         if cfg.fp8:
             scales = self.scales[rank].t().contiguous().t()  # column-major, as mn_major
             out["recv_scales"] = m.alloc(4 * n * cfg.slot.scale_groups)
@@ -159,21 +161,26 @@ class Case:
                    cfg.threads, **args)
         return out
 
-    def dispatch(self):
+    def dispatch(self, with_topk: bool = True):
+        """Every rank's dispatch, checked; ``with_topk`` False: the variant of a call that
+        reuses a handle without top-k."""
+        cfg = replace(self.dispatch_cfg, with_topk=with_topk)
         sim = Simulator(self.world.memory, self.pace)
-        outs = [self.launch_dispatch(sim, r) for r in range(self.ranks)]
+        outs = [self.launch_dispatch(sim, r, cfg) for r in range(self.ranks)]
         sim.run()
         received = []
         for r, out in enumerate(outs):
             m, n, k = self.world.memory, self.layouts[r].num_recv_tokens, self.idx[r].shape[1]
             dtype = torch.float8_e4m3fn if self.fp8 else torch.bfloat16
             got = dict(x=_tensor(m, out["recv_x"], (n, self.hidden), dtype),
-                       src_idx=_tensor(m, out["recv_src_idx"], (n,), torch.int32),
-                       topk_idx=_tensor(m, out["recv_topk_idx"], (n, k), torch.int64),
-                       topk_weights=_tensor(m, out["recv_topk_weights"], (n, k), torch.float32))
+                       src_idx=_tensor(m, out["recv_src_idx"], (n,), torch.int32))
+            if with_topk:
+                got.update(topk_idx=_tensor(m, out["recv_topk_idx"], (n, k), torch.int64),
+                           topk_weights=_tensor(m, out["recv_topk_weights"], (n, k),
+                                                torch.float32))
             expected = reference.dispatch(r, self.x, self.idx, self.weights, self.experts,
                                           self.scales)
-            for name in ("x", "src_idx", "topk_idx", "topk_weights"):
+            for name in got:
                 assert _bytes(got[name]) == _bytes(expected[name]), (r, name)
             if self.fp8:
                 scales = _tensor(m, out["recv_scales"], (n, self.hidden // 128), torch.float32)
@@ -241,6 +248,33 @@ def test_counters_carry_over_and_rings_wrap(pace, topk):
     assert all(_bytes(a["x"]) == _bytes(b["x"]) for a, b in zip(first, again))
     c.combine(_experts_output(again, -2.0))
     c.dispatch()
+
+
+def test_three_ranks_two_channels_fp8_and_a_call_without_top_k():
+    """Rings of 64 entries wrapping on every channel of three ranks, FP8 rows and scales,
+    then the layout reused by a dispatch without top-k (its own kernel variant, whose
+    entries carry another signature) and a combine."""
+    c = Case(ranks=3, tokens=(130, 90, 150), experts=6, topk=3, fp8=True, hidden=128,
+             num_sms=4, pace=PACES["senders_ahead"])
+    c.run_layout()
+    c.dispatch()
+    received = c.dispatch(with_topk=False)
+    c.combine([(got["x"].float() * (rank + 1)).bfloat16() for rank, got in enumerate(received)])
+
+
+def test_layout_over_several_ctas():
+    """600 tokens: three CTAs add their histograms into the same outputs."""
+    world, experts = World(4, 64), 16
+    sim = Simulator(world.memory)
+    idx = _routing(0, 600, experts, 4, 7)
+    idx[5, 2] = experts + 3  # out of range: counted nowhere
+    out = _layout(world, sim, 0, idx, experts)
+    sim.run()
+    ref = reference.dispatch_layout(idx, experts, 4)
+    assert torch.equal(_tensor(world.memory, out["num_tokens_per_rank"], (4,), torch.int32), ref[0])
+    assert torch.equal(_tensor(world.memory, out["num_tokens_per_expert"], (experts,),
+                               torch.int32), ref[1])
+    assert torch.equal(_tensor(world.memory, out["is_token_in_rank"], (600, 4), torch.bool), ref[2])
 
 
 def test_a_rank_that_never_launches_ends_in_the_watchdog():
