@@ -49,8 +49,9 @@ def test_dispatch_variants_assemble_without_spills(ranks, hidden, dtype, with_to
 
 @pytest.mark.parametrize("ranks", [2, 3, 4, 6, 8])
 @pytest.mark.parametrize("hidden", [8, 256, 7168, 16384])
-def test_combine_variants_assemble_without_spills(ranks, hidden):
-    cfg = combine_kernel.choose_config(SM90, ranks, hidden, num_sms=2, slots=64)
+@pytest.mark.parametrize("topk", [0, 8, 32])
+def test_combine_variants_assemble_without_spills(ranks, hidden, topk):
+    cfg = combine_kernel.choose_config(SM90, ranks, hidden, topk=topk, num_sms=2, slots=64)
     _assembles(combine_kernel.generate(cfg))
 
 
@@ -136,7 +137,8 @@ def test_plan_regions_are_aligned_and_disjoint(ranks, channels, slots, hidden, t
     last_counter = plan.counter("combine_tail", ep_plan.MAX_CHANNELS - 1, ep_plan.MAX_RANKS - 1)
     assert last_counter + 4 == counters_end <= plan.combine_rings
     assert plan.combine_rings + channels * ranks * plan.combine_ring_bytes <= plan.dispatch_rings
-    assert plan.combine_signature >= 2 * hidden and plan.combine_slot_bytes % 16 == 0
+    assert plan.combine_weights >= 2 * hidden and plan.combine_slot_bytes % 16 == 0
+    assert plan.combine_signature >= plan.combine_weights + 4 * ep_plan.MAX_TOPK
     assert plan.combine_signature + 4 <= plan.combine_slot_bytes
     assert plan.bytes_needed(slot) == plan.dispatch_rings + channels * ranks * slots * slot.bytes
     assert plan.combine_rings % 1024 == 0 and plan.dispatch_rings % 1024 == 0
@@ -355,12 +357,19 @@ def test_routing_and_layout_argument_errors():
 
 
 def test_combine_and_buffer_size_errors():
+    x = torch.zeros(4, 256, dtype=BF16)
     with pytest.raises(ValueError, match=r"x must have shape \(5, 256\), got \(4, 256\)"):
-        checks.combine_inputs(torch.zeros(4, 256, dtype=BF16), num_recv_tokens=5, device=0)
+        checks.combine_inputs(x, None, num_recv_tokens=5, device=0)
     with pytest.raises(TypeError, match="x must have dtype torch.bfloat16"):
-        checks.combine_inputs(torch.zeros(4, 256), num_recv_tokens=4, device=0)
+        checks.combine_inputs(x.float(), None, num_recv_tokens=4, device=0)
+    with pytest.raises(TypeError, match="topk_weights must have dtype torch.float32"):
+        checks.combine_inputs(x, torch.zeros(4, 2, dtype=BF16), num_recv_tokens=4, device=0)
+    with pytest.raises(ValueError, match=r"topk_weights must have shape \(4, 2\), got \(3, 2\)"):
+        checks.combine_inputs(x, torch.zeros(3, 2), num_recv_tokens=4, device=0)
+    with pytest.raises(ValueError, match="1 to 32 columns, got 33"):
+        checks.combine_inputs(x, torch.zeros(4, 33), num_recv_tokens=4, device=0)
     with pytest.raises(ValueError, match="x must be on a CUDA device"):
-        checks.combine_inputs(torch.zeros(4, 256, dtype=BF16), num_recv_tokens=4, device=0)
+        checks.combine_inputs(x, torch.zeros(4, 2), num_recv_tokens=4, device=0)
     needed = buffer_size(8, 7168, 8)
     with pytest.raises(ValueError, match=f"too small for a dispatch.*needs {needed}"):
         checks.require_buffer(1 << 20, needed, "a dispatch of 7168-wide rows")

@@ -189,20 +189,32 @@ class Case:
             received.append(got)
         return received
 
-    def combine(self, ys):
+    def combine(self, ys, weights=None):
+        """Every rank's combine of ys (and of ``weights``, the dispatch's received top-k
+        weights), checked: the rows against the reference, the weights against each
+        token's own (0 where the index was -1)."""
         sim, m, outs = Simulator(self.world.memory, self.pace), self.world.memory, []
-        cfg = self.combine_cfg
+        k = 0 if weights is None else weights[0].shape[1]
+        cfg = replace(self.combine_cfg, topk=k)
         for r in range(self.ranks):
-            outs.append(m.alloc(2 * self.hidden * self.x[r].shape[0]))
+            tokens = self.x[r].shape[0]
+            outs.append((m.alloc(2 * self.hidden * tokens), m.alloc(4 * k * tokens)))
+            extra = {} if not k else dict(topk_weights=m.put(_bytes(weights[r])),
+                                          combined_topk_weights=outs[r][1])
             sim.launch(f"combine{r}", combine_kernel.generate(cfg).ptx(), 2 * cfg.channels,
                        cfg.threads, x=m.put(_bytes(ys[r])), is_token_in_rank=self.in_rank[r],
-                       tokens=self.x[r].shape[0], out=outs[r],
+                       tokens=tokens, out=outs[r][0], **extra,
                        **self.world.common(r, self.tables[r]))
         sim.run()
         for r in range(self.ranks):
-            got = _tensor(m, outs[r], (self.x[r].shape[0], self.hidden), torch.bfloat16)
+            tokens = self.x[r].shape[0]
+            got = _tensor(m, outs[r][0], (tokens, self.hidden), torch.bfloat16)
             expected = reference.combine(r, ys, self.idx, self.experts)
             assert _bytes(got) == _bytes(expected), r
+            if k:
+                got = _tensor(m, outs[r][1], (tokens, k), torch.float32)
+                valid = (self.idx[r] >= 0) & (self.idx[r] < self.experts)
+                assert _bytes(got) == _bytes(torch.where(valid, self.weights[r], 0.0)), r
 
 
 def _experts_output(received, scale: float):
@@ -221,7 +233,7 @@ def test_dispatch_and_combine_match_the_references(case):
     c.run_layout()
     received = c.dispatch()
     if not c.fp8:
-        c.combine(_experts_output(received, 0.5))
+        c.combine(_experts_output(received, 0.5), [got["topk_weights"] for got in received])
 
 
 # Instructions a turn: senders (even CTAs) far ahead of receivers, the reverse, one rank
@@ -243,7 +255,7 @@ def test_counters_carry_over_and_rings_wrap(pace, topk):
     c = Case(tokens=(150, 120), hidden=16, topk=topk, pace=PACES[pace])
     c.run_layout()
     first = c.dispatch()
-    c.combine(_experts_output(first, 1.0))
+    c.combine(_experts_output(first, 1.0), [got["topk_weights"] for got in first])
     again = c.dispatch()
     assert all(_bytes(a["x"]) == _bytes(b["x"]) for a, b in zip(first, again))
     c.combine(_experts_output(again, -2.0))

@@ -1,4 +1,5 @@
-"""ptxforge.ep across processes: get_dispatch_layout, dispatch and combine against the
+"""ptxforge.ep across processes: get_dispatch_layout, dispatch and combine (with and without
+top-k weights) against the
 torch references (ptxforge.testing.ep) built from every rank's inputs, gathered over the
 group; bitwise where the recipe is exact, the same bits run to run; errors that every
 rank raises instead of hanging; a peer that never launches ends in the device timeout.
@@ -172,14 +173,17 @@ def _dispatch_case(buffer: Buffer, rank: int, *, tokens: int, hidden: int, kind:
 
     # The experts: each received row times the sum of its local weights, in bf16.
     y = (rows.float() * recv_w.sum(1, keepdim=True)).bfloat16()
-    combined, _, _ = buffer.combine(y, handle, config=config)
+    combined, combined_w, _ = buffer.combine(y, handle, topk_weights=recv_w, config=config)
+    valid = (idx >= 0) & (idx < EXPERTS)
+    # Each valid expert lives on one rank, the others send 0: the sum is the weight itself.
+    _assert_bitwise(combined_w, torch.where(valid, weights, 0.0), f"{kind}: combined weights")
     _assert_bitwise(combined, reference.combine(rank, _gather(y.cpu()), [e[2] for e in everyone],
                                                 EXPERTS),
                     f"{kind}: combined rows (f32 sum in rank order)")
-    repeat, _, _ = buffer.combine(y, handle, config=config)
+    repeat, none, _ = buffer.combine(y, handle, config=config)
+    assert none is None
     _assert_bitwise(repeat, combined, f"{kind}: combine run to run")
     # Against the weighted sum in f32: bf16 rounding of each rank's part and of the sum.
-    valid = (idx >= 0) & (idx < EXPERTS)
     weighted = x.float() * torch.where(valid, weights, 0.0).sum(1, keepdim=True)
     torch.testing.assert_close(combined.cpu().float(), weighted, rtol=2 ** -6, atol=1e-2)
 

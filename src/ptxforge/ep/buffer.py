@@ -32,7 +32,7 @@ from ..kernels.ep_intranode import combine as combine_kernel
 from ..kernels.ep_intranode import common as kernel_common
 from ..kernels.ep_intranode import dispatch as dispatch_kernel
 from ..kernels.ep_intranode import layout as layout_kernel
-from ..kernels.ep_intranode.plan import MAX_RANKS, channel_bounds
+from ..kernels.ep_intranode.plan import MAX_RANKS, BufferPlan, DispatchSlot, channel_bounds
 from ..ops._common import device_arch
 from . import checks
 from .ipc import HostRecord, PeerMemory
@@ -90,8 +90,8 @@ def buffer_size(num_ranks: int, hidden: int, topk: int, *, fp8: bool = False,
                 config: Config = Config()) -> int:
     """The num_nvl_bytes a dispatch (and its combine) of ``hidden``-wide rows with ``topk``
     experts a token needs over ``num_ranks`` ranks with ``config``."""
-    return checks.dispatch_bytes(num_ranks, config.num_sms // 2, config.ring_slots, hidden,
-                                 topk, fp8)
+    plan = BufferPlan(num_ranks, config.num_sms // 2, config.ring_slots, hidden)
+    return plan.bytes_needed(DispatchSlot(hidden, topk, fp8))
 
 
 @functools.lru_cache(maxsize=None)
@@ -334,34 +334,43 @@ class Buffer:
                 config: Config | None = None, previous_event: EventOverlap | None = None,
                 async_finish: bool = False, allocate_on_comm_stream: bool = False):
         """Send each received row back to its token's rank and sum there: returns
-        ``(combined_x bf16 [T, H], None, event)`` with combined_x[t] the f32 sum, in rank
-        order, of the rows the ranks t went to send back (rows of x [N, H] in the
-        dispatch's received order), rounded to bf16 once; +0 for a token that went
-        nowhere. Bitwise the same run to run. topk_weights and bias are not taken yet."""
+        ``(combined_x bf16 [T, H], combined_topk_weights f32 [T, k] or None, event)`` with
+        combined_x[t] the f32 sum, in rank order, of the rows the ranks t went to send back
+        (rows of x [N, H] in the dispatch's received order), rounded to bf16 once; +0 for
+        a token that went nowhere. ``topk_weights`` (f32 [N, k], e.g. the dispatch's
+        received weights) travel with the rows and are summed the same way, in f32.
+        Bitwise the same run to run. ``bias`` is not taken yet."""
         self.check_timeout()
         if not isinstance(handle, DispatchHandle):
             raise TypeError(f"handle must be what dispatch returned, got {type(handle).__name__}")
-        if topk_weights is not None or bias is not None:
-            raise ValueError("combine does not take topk_weights or bias yet: weight the rows "
-                             "before combining")
+        if bias is not None:
+            raise ValueError("combine does not take bias yet: add it before combining")
         config = config or self.get_combine_config()
         if self._channels(config) != handle.channels:
             raise ValueError(f"config.num_sms must be the dispatch's {2 * handle.channels}, got "
                              f"{config.num_sms}")
-        hidden, ptr = checks.combine_inputs(x, num_recv_tokens=handle.num_recv_tokens,
-                                            device=self.device_index)
-        cfg = combine_kernel.choose_config(self.arch, self.group_size, hidden,
+        hidden, ptr, topk, weights_ptr = checks.combine_inputs(
+            x, topk_weights, num_recv_tokens=handle.num_recv_tokens, device=self.device_index)
+        cfg = combine_kernel.choose_config(self.arch, self.group_size, hidden, topk=topk,
                                            num_sms=config.num_sms, slots=config.ring_slots)
         checks.require_buffer(self.num_nvl_bytes, cfg.plan.dispatch_rings,
                               f"a combine of {hidden}-wide rows")
         with self._on_comm_stream(previous_event, allocate_on_comm_stream) as call:
             out = torch.empty((handle.num_tokens, hidden), dtype=torch.bfloat16, device=x.device)
-            call.start((x, handle.is_token_in_rank, handle.recv_layout, out))
-            _launcher(self.device_index, cfg)(
-                (2 * cfg.channels, 1, 1), self.comm_stream.cuda_stream, x=ptr,
-                is_token_in_rank=handle.is_token_in_rank.data_ptr(), tokens=handle.num_tokens,
-                out=out.data_ptr(), **self._common_arguments(handle))
-        return out, None, call.finish(async_finish)
+            arguments = dict(x=ptr, is_token_in_rank=handle.is_token_in_rank.data_ptr(),
+                             tokens=handle.num_tokens, out=out.data_ptr(),
+                             **self._common_arguments(handle))
+            out_weights = None
+            if topk:
+                out_weights = torch.empty((handle.num_tokens, topk), dtype=torch.float32,
+                                          device=x.device)
+                arguments.update(topk_weights=weights_ptr,
+                                 combined_topk_weights=out_weights.data_ptr())
+            call.start((x, topk_weights, handle.is_token_in_rank, handle.recv_layout, out,
+                        out_weights))
+            _launcher(self.device_index, cfg)((2 * cfg.channels, 1, 1),
+                                              self.comm_stream.cuda_stream, **arguments)
+        return out, out_weights, call.finish(async_finish)
 
     # ------------------------------------------------------------------ errors, teardown
     def check_timeout(self) -> None:

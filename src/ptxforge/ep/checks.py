@@ -12,7 +12,7 @@ import torch
 from ..kernels.ep_intranode import combine as combine_kernel
 from ..kernels.ep_intranode import dispatch as dispatch_kernel
 from ..kernels.ep_intranode import layout as layout_kernel
-from ..kernels.ep_intranode.plan import SCALE_GROUP, BufferPlan, DispatchSlot
+from ..kernels.ep_intranode.plan import SCALE_GROUP
 from ..ops._common import inspect, pair, require_cuda, require_shape
 
 
@@ -116,13 +116,21 @@ def routing_inputs(is_token_in_rank, num_tokens_per_expert, num_tokens_per_rank,
     return experts
 
 
-def combine_inputs(x, *, num_recv_tokens: int, device: int) -> tuple:
-    """x bf16 [N, H] contiguous, N the dispatch's received tokens: (hidden, pointer)."""
+def combine_inputs(x, topk_weights, *, num_recv_tokens: int, device: int) -> tuple:
+    """x bf16 [N, H] contiguous, N the dispatch's received tokens, and topk_weights (None,
+    or f32 [N, k] contiguous): (hidden, x pointer, k or 0, weights pointer or 0)."""
     (rows, hidden), ptr, index = _contiguous("x", x, torch.bfloat16, 2, 16, None)
     require_shape("x", (rows, hidden), (num_recv_tokens, hidden))
-    combine_kernel.check_problem(hidden)
+    topk, weights_ptr = 0, 0
+    if topk_weights is not None:
+        (n, topk), weights_ptr, _ = _contiguous("topk_weights", topk_weights, torch.float32, 2,
+                                                4, index)
+        require_shape("topk_weights", (n, topk), (num_recv_tokens, topk))
+        if topk == 0:
+            raise ValueError("topk_weights must have 1 to 32 columns, got 0")
+    combine_kernel.check_problem(hidden, topk)
     check_device("x", x, index, device)
-    return hidden, ptr
+    return hidden, ptr, topk, weights_ptr
 
 
 def require_buffer(nbytes: int, needed: int, what: str) -> None:
@@ -133,6 +141,3 @@ def require_buffer(nbytes: int, needed: int, what: str) -> None:
                          f"that (ptxforge.ep.buffer_size gives it)")
 
 
-def dispatch_bytes(ranks: int, channels: int, slots: int, hidden: int, topk: int,
-                   fp8: bool) -> int:
-    return BufferPlan(ranks, channels, slots, hidden).bytes_needed(DispatchSlot(hidden, topk, fp8))

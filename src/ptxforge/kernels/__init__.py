@@ -139,7 +139,18 @@ _EP_LAYOUT_VARIANTS = ({"experts": 256, "ranks": 8, "topk": 8},
                        {"experts": 256, "ranks": 2, "topk": 8}, {"experts": 8, "ranks": 2, "topk": 2})
 _EP_DISPATCH_VARIANTS = tuple({"ranks": r, "hidden": h, "topk": 8, "dtype": d}
                               for r in (2, 8) for h in (4096, 7168) for d in ("bf16", "e4m3"))
-_EP_COMBINE_VARIANTS = tuple({"ranks": r, "hidden": h} for r in (2, 8) for h in (4096, 7168))
+_EP_COMBINE_VARIANTS = tuple({"ranks": r, "hidden": h, "weights": w} for r in (2, 8)
+                             for h in (4096, 7168) for w in ("none", "f32"))
+
+
+def _ep_combine(arch, ranks: int, hidden: int, num_sms: int, slots: int, topk: int,
+                weights: str):
+    """The EP combine's configure: ``weights`` f32 (k = topk weights a row travel with it)
+    or none."""
+    if weights not in ("none", "f32"):
+        raise ValueError(f"option weights must be none or f32, got {weights!r}")
+    return ep_combine.choose_config(arch, ranks, hidden, topk=topk if weights == "f32" else 0,
+                                    num_sms=num_sms, slots=slots)
 
 REGISTRY = {
     spec.name: spec for spec in (
@@ -190,8 +201,8 @@ REGISTRY = {
         KernelSpec("ep_intranode_dispatch", _ep_dispatch, ep_dispatch.generate,
                    {**_EP_OPTIONS, "topk": 8, "dtype": "bf16"}, _EP_DISPATCH_VARIANTS,
                    "EP: tokens to their experts' ranks over NVLink rings (ptxforge.ep)"),
-        KernelSpec("ep_intranode_combine", ep_combine.choose_config, ep_combine.generate,
-                   _EP_OPTIONS, _EP_COMBINE_VARIANTS,
+        KernelSpec("ep_intranode_combine", _ep_combine, ep_combine.generate,
+                   {**_EP_OPTIONS, "topk": 8, "weights": "none"}, _EP_COMBINE_VARIANTS,
                    "EP: expert outputs back to their tokens' ranks, summed (ptxforge.ep)"),
     )
 }

@@ -55,10 +55,11 @@ def dispatch(rank: int, xs: list, topk_idxs: list, topk_weights: list, num_exper
     return out
 
 
-def combine(rank: int, ys: list, topk_idxs: list, num_experts: int) -> torch.Tensor:
+def combine(rank: int, ys: list, topk_idxs: list, num_experts: int,
+            dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """What ``rank`` gets back when every rank d returns ys[d] (rows in d's received
     order): per token, the f32 sum in rank order of the rows of the ranks it went to
-    (+0 where none), rounded to bf16 once."""
+    (+0 where none), rounded to ``dtype`` once (bf16 rows; f32 for top-k weights)."""
     ranks = len(ys)
     _, _, in_rank = dispatch_layout(topk_idxs[rank], num_experts, ranks)
     acc = torch.zeros((in_rank.shape[0], ys[0].shape[1]), dtype=torch.float32)
@@ -71,4 +72,4 @@ def combine(rank: int, ys: list, topk_idxs: list, num_experts: int) -> torch.Ten
         tokens = torch.nonzero(in_rank[:, d]).flatten()
         rows = ys[d][start:start + len(tokens)].float()
         acc[tokens] = acc[tokens] + rows
-    return acc.to(torch.bfloat16)
+    return acc.to(dtype)

@@ -6,7 +6,10 @@ back, in rank order, in f32:
 
 over the ranks t went to (is_token_in_rank[t]), each sum rounded to f32 (add.rn). The
 order is fixed, so the bits are the same run to run, and they are those of the torch loop
-``acc = acc + rows[d].float()`` over d. A token that went nowhere gets +0.
+``acc = acc + rows[d].float()`` over d. A token that went nowhere gets +0. With top-k
+weights (k > 0, compile-time), each row's k f32 weights travel with it and are summed
+the same way into combined_topk_weights [T, k] (a dispatch's received weights are 0 for
+the experts of other ranks, so the sum gives each token its weights back).
 
 It reuses the dispatch's layout (recv_layout: what each source rank sent on each
 channel, and where those rows start; the received rows are grouped by source rank, and
@@ -48,13 +51,14 @@ from ...ptx import KernelBuilder, LaunchShape, addr, sreg
 from . import common
 from .common import INPUT_LOAD, PAYLOAD_LOAD, STORE, check_entry
 from .dispatch import warps_per_peer
-from .plan import BATCH, BufferPlan, check_plan, signature
+from .plan import BATCH, MAX_TOPK, BufferPlan, check_plan, signature
 
 
 @dataclass(frozen=True)
 class CombineConfig:
     ranks: int
     hidden: int
+    topk: int            # top-k weights a row carries (0: none)
     channels: int
     slots: int
     warps_per_peer: int
@@ -62,8 +66,8 @@ class CombineConfig:
 
     @property
     def name(self) -> str:
-        return (f"ep_intranode_combine_r{self.ranks}_h{self.hidden}_c{self.channels}_"
-                f"s{self.slots}_w{self.warps_per_peer}")
+        return (f"ep_intranode_combine_r{self.ranks}_h{self.hidden}_k{self.topk}_"
+                f"c{self.channels}_s{self.slots}_w{self.warps_per_peer}")
 
     @property
     def plan(self) -> BufferPlan:
@@ -80,7 +84,7 @@ class CombineConfig:
     @property
     def signature(self) -> int:
         """What every entry carries: the sizes its rings were laid out for."""
-        return signature("combine", self.hidden, self.channels, self.slots)
+        return signature("combine", self.hidden, self.topk, self.channels, self.slots)
 
 
 def combine_warps_per_peer(ranks: int) -> int:
@@ -90,22 +94,24 @@ def combine_warps_per_peer(ranks: int) -> int:
     return max(1, warps_per_peer(ranks) // 2)
 
 
-def check_problem(hidden: int) -> None:
+def check_problem(hidden: int, topk: int = 0) -> None:
     if hidden <= 0 or hidden % 8:
         raise ValueError(f"hidden size (x.shape[1]) must be a positive multiple of 8, got {hidden}")
+    if not 0 <= topk <= MAX_TOPK:
+        raise ValueError(f"topk_weights must have 1 to {MAX_TOPK} columns, got {topk}")
 
 
-def choose_config(arch: Arch, ranks: int, hidden: int, *, num_sms: int = 20,
+def choose_config(arch: Arch, ranks: int, hidden: int, *, topk: int = 0, num_sms: int = 20,
                   slots: int = 128) -> CombineConfig:
     """The dispatch's channels; ``combine_warps_per_peer`` (nothing tuned yet)."""
-    check_problem(hidden)
+    check_problem(hidden, topk)
     channels = num_sms // 2
     check_plan(ranks, channels, slots)
     arch.require("griddepcontrol", "the combine kernel (programmatic dependent launch)")
     if 2 * channels > arch.sm_count:
         raise ValueError(f"num_sms must be at most the {arch.sm_count} SMs of the device, "
                          f"got {num_sms}")
-    return CombineConfig(ranks, hidden, channels, slots, combine_warps_per_peer(ranks),
+    return CombineConfig(ranks, hidden, topk, channels, slots, combine_warps_per_peer(ranks),
                          arch.target)
 
 
@@ -120,6 +126,9 @@ def generate(cfg: CombineConfig) -> KernelBuilder:
     p.tokens = k.param("tokens", "u32")
     common.declare_common_params(k, p)
     p.out = k.param("out", "u64")                            # bf16 [T, H], contiguous
+    if cfg.topk:
+        p.topk_weights = k.param("topk_weights", "u64")      # f32 [N, k]
+        p.out_weights = k.param("combined_topk_weights", "u64")  # f32 [T, k]
     t = common.prologue(k, cfg.warps_per_peer)
     common.scalars(k, t, p)
     with k.if_(t.sender, "not_a_sender", uniform=True):
@@ -173,6 +182,8 @@ def _send(k, cfg, p, t) -> None:
                 k.and_(slot_index, entry, cfg.slots - 1)
                 k.mad(dst, slot_index, plan.combine_slot_bytes, ring, mode="wide")
                 warp_copy(k, dst, src, row_bytes, t.lane, load=INPUT_LOAD, store=STORE)
+                if cfg.topk:
+                    _send_weights(k, cfg, p, t, row, dst)
                 with k.if_(t.lane0, "not_lane0"):
                     k.st(addr(dst, plan.combine_signature), cfg.signature, type="u32")
                     k.st(addr(dst, plan.combine_number), entry)
@@ -180,6 +191,20 @@ def _send(k, cfg, p, t) -> None:
             k.bar_sync(t.barrier, 32 * cfg.warps_per_peer)
             with k.guard(t.leader):
                 k.st(addr(tail_at), tail, sem="release", scope="sys")
+
+
+def _send_weights(k, cfg, p, t, row, dst) -> None:
+    """Lane j < k copies the row's weight j into the entry."""
+    is_pair, pair = k.pred("is_pair"), k.reg("u32", "pair")
+    at, weight = k.reg("u64", "weight_at"), k.reg("b32", "weight")
+    k.setp("lt", is_pair, t.lane, cfg.topk)
+    with k.if_(is_pair, "no_weight"):
+        k.mad(pair, row, cfg.topk, t.lane)
+        k.ld_param(at, p.topk_weights)
+        k.mad(at, pair, 4, at, mode="wide")
+        k.ld(weight, addr(at), **INPUT_LOAD)
+        k.mad(at, t.lane, 4, dst, mode="wide")
+        k.st(addr(at, cfg.plan.combine_weights), weight)
 
 
 def _receive(k, cfg, p, t) -> None:
@@ -235,7 +260,7 @@ def _receive(k, cfg, p, t) -> None:
             k.min(batch_size, batch_size, BATCH)
         i = k.reg("u32", "batch_token")
         with k.loop(i, batch_size, start=t.warp, step=cfg.warps, uniform=True, hint="token"):
-            _reduce_token(k, cfg, t, r, first, i)
+            _reduce_token(k, cfg, p, t, r, first, i)
         with k.stage("free the batch's entries: heads (st.release.sys) after every warp's reads"):
             # Every entry of the batch was acquired by the warp that summed it, and the
             # bar.sync passes that on: a warp whose last tail seen lies below the new head
@@ -264,7 +289,7 @@ def _tail(plan: BufferPlan, peer: int) -> int:
     return plan.counter("combine_tail", 0, peer) - plan.counter("combine_head")
 
 
-def _reduce_token(k, cfg, t, r, first, i) -> None:
+def _reduce_token(k, cfg, p, t, r, first, i) -> None:
     """Token first + i: wait for its entries, then out[token] = the sum of its rows in rank
     order, 16-byte vectors a lane."""
     plan = cfg.plan
@@ -330,3 +355,27 @@ def _reduce_token(k, cfg, t, r, first, i) -> None:
             k.mad(at, token, 2 * cfg.hidden, r.out, mode="wide")
             k.add(at, at, offset)
             k.st(addr(at), packed)
+    if cfg.topk:
+        _reduce_weights(k, cfg, p, t, r, rows, has, token)
+
+
+def _reduce_weights(k, cfg, p, t, r, rows, has, token) -> None:
+    """Lane j < k: the token's weight j, summed over its ranks in rank order in f32."""
+    with k.stage("sum the top-k weights in rank order, f32, one a lane"):
+        is_pair, pair = k.pred("is_pair"), k.reg("u32", "pair")
+        at, weight, total = k.reg("u64", "weight_at"), k.reg("f32", "weight"), k.reg(
+            "f32", "weight_sum")
+        k.setp("lt", is_pair, t.lane, cfg.topk)
+        with k.if_(is_pair, "no_weight"):
+            k.mov(total, 0.0)
+            for d in range(cfg.ranks):
+                k.mad(at, rows[d], 1, r.rings, mode="wide")
+                k.mad(at, t.lane, 4, at, mode="wide")
+                with k.guard(has[d]):
+                    k.ld(weight, addr(at, cfg.plan.combine_weights), **PAYLOAD_LOAD)
+                with k.guard(has[d]):
+                    k.add(total, total, weight, rnd="rn")
+            k.mad(pair, token, cfg.topk, t.lane)
+            k.ld_param(at, p.out_weights)
+            k.mad(at, pair, 4, at, mode="wide")
+            k.st(addr(at), total)

@@ -53,9 +53,8 @@ from ...arch import Arch
 from ...patterns.copy import warp_copy
 from ...ptx import KernelBuilder, LaunchShape, addr, sreg
 from . import common
-from .plan import BATCH, SCALE_GROUP, BufferPlan, DispatchSlot, check_plan, signature
+from .plan import BATCH, MAX_TOPK, SCALE_GROUP, BufferPlan, DispatchSlot, check_plan, signature
 
-MAX_TOPK = 32     # one lane an index
 MAX_THREADS = 1024
 
 

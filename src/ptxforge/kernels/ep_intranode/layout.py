@@ -23,11 +23,10 @@ from dataclasses import dataclass
 
 from ...arch import Arch
 from ...ptx import KernelBuilder, LaunchShape, addr, sreg
-from .plan import MAX_RANKS
+from .plan import MAX_RANKS, MAX_TOPK
 
 THREADS = 256
 MAX_EXPERTS = 4096   # the histograms' shared memory stays under 17 KiB
-MAX_TOPK = 32
 
 
 @dataclass(frozen=True)

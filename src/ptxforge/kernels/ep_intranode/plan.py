@@ -8,6 +8,7 @@ every peer rank p, the receiving end of the rings p sends on, and their counters
     | counters: 4 arrays [MAX_CHANNELS][MAX_RANKS] u32 (8 KiB)                          |
     |   dispatch_head, dispatch_tail, combine_head, combine_tail                       |
     | combine rings:  [channels][ranks] rings of `slots` bf16 rows (hidden * 2 bytes)  |
+    |                 and up to MAX_TOPK f32 top-k weights                             |
     | dispatch rings: [channels][ranks] rings of `slots` DispatchSlot entries           |
 
 Ring (c, p) in rank r's buffer carries what rank p sends rank r on channel c; its tail
@@ -41,6 +42,7 @@ RING_ALIGN = 1024
 COUNTERS = ("dispatch_head", "dispatch_tail", "combine_head", "combine_tail")
 COUNTER_BYTES = 4 * MAX_CHANNELS * MAX_RANKS
 SCALE_GROUP = 128      # FP8 rows carry one f32 scale per 128 elements
+MAX_TOPK = 32          # top-k entries a token carries (one lane each)
 
 
 def _aligned(n: int, to: int = ALIGN) -> int:
@@ -105,9 +107,14 @@ class BufferPlan:
         return COUNTERS.index(name) * COUNTER_BYTES + 4 * (channel * MAX_RANKS + peer)
 
     @property
-    def combine_signature(self) -> int:
-        """A combine entry: the bf16 row, then the signature and the entry's number."""
+    def combine_weights(self) -> int:
+        """A combine entry: the bf16 row, room for MAX_TOPK f32 weights (so that the rings'
+        place does not depend on k), the signature and the entry's number."""
         return _aligned(2 * self.hidden)
+
+    @property
+    def combine_signature(self) -> int:
+        return self.combine_weights + 4 * MAX_TOPK
 
     @property
     def combine_number(self) -> int:
