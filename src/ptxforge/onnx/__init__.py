@@ -15,6 +15,6 @@ which ONNX nodes became which kernels. docs/graph.md describes the front end.
 """
 
 from .load import load
+from .report import onnx_report
 
-
-__all__ = ["load"]
+__all__ = ["load", "onnx_report"]

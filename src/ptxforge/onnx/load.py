@@ -22,7 +22,6 @@ op, version, attribute or dtype the table does not take is a ValueError naming t
 
 from __future__ import annotations
 
-import operator
 import os
 import re
 from dataclasses import dataclass
@@ -35,6 +34,11 @@ DTYPES = {1: torch.float32, 10: torch.float16, 16: torch.bfloat16, 7: torch.int6
 # Integer and bool initializers up to this many elements are constants of the graph
 # (shapes, axes, indices); larger ones are buffers.
 SMALL = 1024
+
+
+def node_name(node) -> str:
+    """A node's name, or (ONNX names are optional) its first output's."""
+    return node.name or node.output[0]
 
 
 def type_name(elem_type: int) -> str:
@@ -73,6 +77,7 @@ class Builder:
                       [*self.onnx_graph.input, *self.onnx_graph.output, *self.onnx_graph.value_info]
                       if v.type.HasField("tensor_type")}
         self.producers = {out: n for n in self.onnx_graph.node for out in n.output}
+        self.position = {id(n): i for i, n in enumerate(self.onnx_graph.node)}
         self.consumers: dict = {}
         for n in self.onnx_graph.node:
             for name in n.input:
@@ -85,7 +90,7 @@ class Builder:
 
     # --- errors --------------------------------------------------------------------------
     def where(self, node) -> str:
-        return f"node {node.name!r} ({node.op_type}, opset {self.opset(node)})"
+        return f"node {node_name(node)!r} ({node.op_type}, opset {self.opset(node)})"
 
     def opset(self, node) -> int:
         return self.opsets.get(node.domain or "", 0)
@@ -94,25 +99,26 @@ class Builder:
         raise ValueError(f"ptxforge.onnx: {self.where(node)}: {what}")
 
     # --- FX nodes ------------------------------------------------------------------------
-    def call(self, target, *args, dtype=None, name=None, **kwargs):
+    def call(self, target, *args, result=None, name=None, **kwargs):
         """``target(*args, **kwargs)``: computed now when no argument is an FX node (a
         constant folded), else an FX node (``node``)."""
         if not _holds_node((args, kwargs)):
             if isinstance(target, str):
                 return getattr(args[0], target)(*args[1:], **kwargs)
             return target(*args, **kwargs)
-        return self.node(target, args, kwargs, dtype=dtype, name=name)
+        return self.node(target, args, kwargs, result=result, name=name)
 
-    def node(self, target, args, kwargs=None, *, dtype=None, name=None):
+    def node(self, target, args, kwargs=None, *, result=None, name=None):
         """An FX node calling ``target`` (a method for a string), named after the ONNX node
-        being lowered (or ``name``), its dtype ``dtype`` or its first tensor argument's."""
+        being lowered (or ``name``), its dtype ``result``, else the ``dtype`` it is given,
+        else its first tensor argument's."""
         op = "call_method" if isinstance(target, str) else "call_function"
         node = self.graph.create_node(op, target, tuple(args), kwargs or {},
                                       name=name or self._name())
-        self.origin[node.name] = ", ".join(n.name for n in self.current)
-        if dtype is None:
-            dtype = next((self.dtypes[a] for a in _nodes((args, kwargs)) if a in self.dtypes), None)
-        if dtype is not None:
+        self.origin[node.name] = ", ".join(node_name(n) for n in self.current)
+        dtype = result or (kwargs or {}).get("dtype") or next(
+            (self.dtypes[a] for a in _nodes((args, kwargs)) if a in self.dtypes), None)
+        if isinstance(dtype, torch.dtype):
             self.dtypes[node] = dtype
         return node
 
@@ -120,9 +126,10 @@ class Builder:
         return identifier(self.current[-1].output[0]) if self.current else "value"
 
     def device_node(self):
-        """The device the module runs on, read off its first input (a constant to Dynamo)."""
-        if self._device_node is None:
-            first = next(n for n in self.graph.nodes if n.op == "placeholder")
+        """The device the module runs on, read off its first input (a constant to Dynamo);
+        None (the default device) for a graph without inputs."""
+        first = next((n for n in self.graph.nodes if n.op == "placeholder"), None)
+        if self._device_node is None and first is not None:
             self._device_node = self.graph.create_node("call_function", getattr,
                                                        (first, "device"), name="device")
         return self._device_node
@@ -225,7 +232,7 @@ class Builder:
         else:
             made = self.node(torch.tensor, (value.tolist(),), {"dtype": value.dtype},
                              name="constant")
-        return self.node("to", (made, device), dtype=value.dtype, name="constant")
+        return made if device is None else self.node("to", (made, device), name="constant")
 
     def operand(self, name: str):
         """``name`` for an elementwise op: a 0-D constant as a Python number, else a node."""
@@ -302,7 +309,7 @@ class Builder:
         if len(floats) < 2:
             return values
         target = next(d for d in floats if d != torch.float32)
-        return tuple(self.call("to", v, target, dtype=target)
+        return tuple(self.call("to", v, target, result=target)
                      if isinstance(v, torch.fx.Node) and self.dtypes.get(v) == torch.float32
                      else v for v in values)
 
@@ -402,7 +409,7 @@ def load(model, *, dtype: torch.dtype | None = None, device="cpu") -> torch.fx.G
         builder.dtypes[node] = elem
         if dtype is not None and elem == torch.float32:
             builder.current = []
-            node = builder.call("to", node, dtype, dtype=dtype)
+            node = builder.call("to", node, dtype, result=dtype)
         builder.values[graph_input.name] = node
     lowered = patterns.Lowerings(builder)
     for node in model.graph.node:

@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from .load import DTYPES, Sizes, type_name
+from .load import DTYPES, Sizes, node_name, type_name
 
 _F = torch.nn.functional
 # The model opsets whose op versions the table takes: the versions of each op in force
@@ -106,7 +106,7 @@ def _elementwise(fn, *, result=None, items=None, tensors=False):
         operands = b.common(*operands)
         out = operands[0]
         for other in operands[1:]:
-            out = b.call(fn, out, other, dtype=result)
+            out = b.call(fn, out, other, result=result)
         return [out]
     return lower
 
@@ -140,7 +140,7 @@ def _unary(fn, result=None):
         value = b.value(node.input[0])
         if isinstance(value, torch.Tensor):
             return [fn(value)]
-        return [b.call(fn, b.as_node(value), dtype=result)]
+        return [b.call(fn, b.as_node(value), result=result)]
     return lower
 
 
@@ -151,7 +151,7 @@ def lower_where(b, node):
         x = b.tensor(node.input[1])    # a tensor of the graph's type, not a Python number
     x, y = b.common(x, y)
     dtype = b.dtype(x) or b.dtype(y)
-    return [b.call(torch.where, condition, x, y, dtype=dtype)]
+    return [b.call(torch.where, condition, x, y, result=dtype)]
 
 
 # --- shapes and data movement ------------------------------------------------------------
@@ -174,7 +174,7 @@ def lower_cast(b, node):
         return [Sizes(value.items, value.scalar, dtype)]
     if isinstance(value, torch.Tensor):
         return [value.to(dtype)]
-    return [b.call("to", b.as_node(value), dtype, dtype=dtype)]
+    return [b.call("to", b.as_node(value), dtype, result=dtype)]
 
 
 def lower_reshape(b, node):
@@ -256,8 +256,8 @@ def lower_gather(b, node):
 def lower_gather_nd(b, node):
     """batch_dims=0: ``data[indices[..., 0], indices[..., 1], ...]``."""
     data, indices = b.tensor(node.input[0]), b.tensor(node.input[1])
-    parts = b.call(torch.unbind, indices, -1, dtype=torch.int64)
-    return [b.call(operator.getitem, data, parts, dtype=b.dtype(data))]
+    parts = b.call(torch.unbind, indices, -1, result=torch.int64)
+    return [b.call(operator.getitem, data, parts, result=b.dtype(data))]
 
 
 # Slice bounds past this are "to the end" (ONNX writes INT64_MAX and INT64_MIN for them).
@@ -439,7 +439,7 @@ def lower_rotary_embedding(b, node):
         b.fail(node, "a 3-D input needs the num_heads attribute")
     positions = b.tensor(node.input[3]) if len(node.input) > 3 and node.input[3] else None
     return [b.call(rotary_embedding, x, cos, sin, positions, a.get("interleaved", 0),
-                   a.get("rotary_embedding_dim", 0), a.get("num_heads", 0), dtype=b.dtype(x))]
+                   a.get("rotary_embedding_dim", 0), a.get("num_heads", 0), result=b.dtype(x))]
 
 
 def lower_attention(b, node):
@@ -586,7 +586,7 @@ def validate(model, value_info=()) -> None:
     taken = ", ".join(type_name(t) for t in DTYPES)
     for node in model.graph.node:
         opset = opsets.get(node.domain or "", 0)
-        where = f"ptxforge.onnx: node {node.name!r} ({node.op_type}, opset {opset})"
+        where = f"ptxforge.onnx: node {node_name(node)!r} ({node.op_type}, opset {opset})"
         if (node.domain or "ai.onnx") != "ai.onnx":
             raise ValueError(f"{where}: domain {node.domain!r} is not supported (only the "
                              f"default ONNX domain)")

@@ -54,10 +54,9 @@ class Lowerings:
         value = self.b.constant(name) if name else None
         return value.reshape(-1)[0].item() if value is not None and value.numel() == 1 else None
 
-    def covering(self, nodes, outputs):
-        """The match's nodes as the origin of the FX nodes made for it; ``outputs``."""
-        self.b.current = list(nodes)
-        return outputs
+    def cover(self, nodes) -> None:
+        """The match's nodes: the origin of the FX nodes made for it from now on."""
+        self.b.current = sorted(nodes, key=lambda n: self.b.position[id(n)])
 
     # --- Linear ----------------------------------------------------------------------------
     def linear(self, node):
@@ -95,16 +94,16 @@ class Lowerings:
                 if (found is not None and b.is_parameter(weight)
                         and len(b.initializers[weight].dims) == 1):
                     x, eps, nodes = found
+                    self.cover([*nodes, node])
                     shape = tuple(b.initializers[weight].dims)
                     x, w = b.common(b.tensor(x), b.parameter(weight, weight=True))
-                    return self.covering([*nodes, node],
-                                         [b.call(torch.rms_norm, x, shape, w, eps)])
+                    return [b.call(torch.rms_norm, x, shape, w, eps)]
         found = self.normalization(node)
         if found is None:
             return None
         x, eps, nodes = found
-        shape = (b.size(x, -1),)
-        return self.covering(nodes, [b.call(torch.rms_norm, b.tensor(x), shape, None, eps)])
+        self.cover(nodes)
+        return [b.call(torch.rms_norm, b.tensor(x), (b.size(x, -1),), None, eps)]
 
     def normalization(self, node):
         """(x, eps, the nodes) if ``node`` is ``x * Reciprocal(Sqrt(mean + eps))`` or
@@ -144,7 +143,8 @@ class Lowerings:
         for x, other in (node.input, reversed(node.input)):
             sigmoid = self.producer(other, "Sigmoid")
             if sigmoid is not None and sigmoid.input[0] == x:
-                return self.covering([sigmoid, node], [self.b.call(_F.silu, self.b.tensor(x))])
+                self.cover([sigmoid, node])
+                return [self.b.call(_F.silu, self.b.tensor(x))]
         return None
 
     # --- attention -------------------------------------------------------------------------
@@ -172,15 +172,19 @@ class Lowerings:
         matmul = self.producer(scores, "MatMul")
         if matmul is None or any(b.rank(node, name) != 4 for name in (*matmul.input, v)):
             return None
-        (q, q_scale), (kt, k_scale) = (self.scaled(name, nodes) for name in matmul.input)
-        kwargs = {"scale": q_scale * k_scale}
-        if mask is not None:
-            kwargs["attn_mask"] = self.boolean_mask(mask, nodes)
         nodes += [softmax, matmul] + ([add] if add is not None else [])
-        q, k, v = b.common(b.tensor(q), self.untransposed(kt, nodes), b.tensor(v))
-        if mask is not None and b.dtype(kwargs["attn_mask"]) != torch.bool:
-            q, kwargs["attn_mask"] = b.common(q, kwargs["attn_mask"])
-        return self.covering(nodes, [b.call(_F.scaled_dot_product_attention, q, k, v, **kwargs)])
+        (q, q_scale), (kt, k_scale) = (self.scaled(name, nodes) for name in matmul.input)
+        mask = self.boolean_mask(mask, nodes) if mask is not None else None
+        k = self.untransposed(kt, nodes)
+        self.cover(nodes)
+        kwargs = {"scale": q_scale * k_scale}
+        q, k, v = b.common(b.tensor(q), self.as_node(k), b.tensor(v))
+        if mask is not None:
+            mask = b.tensor(mask)
+            if b.dtype(mask) != torch.bool:
+                q, mask = b.common(q, mask)
+            kwargs["attn_mask"] = mask
+        return [b.call(_F.scaled_dot_product_attention, q, k, v, **kwargs)]
 
     def scaled(self, name: str, nodes) -> tuple:
         """(x, a) if ``name`` is x * a with a constant number a, else (name, 1.0)."""
@@ -192,7 +196,7 @@ class Lowerings:
                     return x, float(self.number(scale))
         return name, 1.0
 
-    def boolean_mask(self, name: str, nodes):
+    def boolean_mask(self, name: str, nodes) -> str:
         """The boolean mask m of an additive ``Where(m, 0, -inf)`` (or the float32 minimum
         for -inf), else the additive mask itself."""
         where = self.producer(name, "Where")
@@ -200,18 +204,18 @@ class Lowerings:
             fill = self.number(where.input[2])
             if fill is not None and fill <= torch.finfo(torch.float32).min:
                 nodes.append(where)
-                return self.b.tensor(where.input[0])
-        return self.b.tensor(name)
+                return where.input[0]
+        return name
 
     def untransposed(self, kt: str, nodes):
         """k of kT = k transposed in its last two dimensions: as the exporter writes it
         (``Transpose(k, [0, 1, 3, 2])``, or a [B * H, T, D] view transposed and viewed as
-        [B, H, D, T]), k itself; else ``kT.transpose(-2, -1)``."""
+        [B, H, D, T]), the name of k; else kT's node transposed."""
         b = self.b
         transpose = self.producer(kt, "Transpose")
         if transpose is not None and b.attributes(transpose).get("perm") == [0, 1, 3, 2]:
             nodes.append(transpose)
-            return b.tensor(transpose.input[0])
+            return transpose.input[0]
         outer = self.producer(kt, "Reshape")
         transpose = self.producer(outer.input[0], "Transpose") if outer is not None else None
         inner = self.producer(transpose.input[0], "Reshape") if transpose is not None else None
@@ -223,8 +227,11 @@ class Lowerings:
                 if (_same(views[0], (-1, size[2], size[3]))
                         and _same(views[1], (size[0], size[1], size[3], size[2]))):
                     nodes += [inner, transpose, outer]
-                    return b.tensor(k)
+                    return k
         return b.call("transpose", b.tensor(kt), -2, -1)
+
+    def as_node(self, value):
+        return self.b.tensor(value) if isinstance(value, str) else value
 
     def known(self, name: str) -> bool:
         return not isinstance(self.b.value(name), torch.fx.Node)
