@@ -228,6 +228,12 @@ def cmd_bench(args) -> int:
     elif args.suite == "chain":
         result = bench.chain_suite()
         text, plot = bench.chain_table(result), None
+    elif args.suite == "onnx":
+        from .testing import onnx_bench
+
+        opsets = tuple(int(opset) for opset in args.opsets.split(","))
+        result = onnx_bench.onnx_suite(opsets, args.layers)
+        text, plot = onnx_bench.onnx_table(result), None
     elif args.suite == "model":
         from .testing import model_bench
 
@@ -447,13 +453,15 @@ def main(argv=None) -> int:
     p.add_argument("--bf16", action="store_true", help="the backend's fp8=False plan")
     p = command("bench", "GPU benchmark side by side with torch")
     p.add_argument("suite", choices=["memory", "fp8-gemm", "grouped-gemm", "bf16-gemm", "decode",
-                                     "chain", "model"])
+                                     "chain", "model", "onnx"])
     p.add_argument("--m", type=int, default=16384)
     p.add_argument("--k", type=int, default=7168)
     p.add_argument("--json", help="write the full results here")
     p.add_argument("--plot", help="write a PNG plot here")
     p.add_argument("--models", default="ffn,llama-8b", help="model suite: which models")
-    p.add_argument("--layers", type=int, default=2, help="model suite: transformers layers")
+    p.add_argument("--layers", type=int, default=2, help="model and onnx suites: transformers "
+                   "layers")
+    p.add_argument("--opsets", default="18,23", help="onnx suite: the opsets to export at")
     command("demo", "run (GPU) or assemble (CPU) every kernel, with checks")
     p = command("cache", "show or clear the on-disk cubin cache")
     p.add_argument("action", choices=["show", "clear"], nargs="?", default="show")

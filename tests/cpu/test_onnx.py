@@ -19,6 +19,7 @@ from onnx.reference import ReferenceEvaluator  # noqa: E402
 
 import ptxforge.onnx as ptxforge_onnx  # noqa: E402
 from ptxforge import cli  # noqa: E402
+from ptxforge.testing import models  # noqa: E402
 from ptxforge.testing.checks import calc_diff  # noqa: E402
 
 _ELEM = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.int64): TensorProto.INT64,
@@ -352,18 +353,7 @@ LLAMA = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
          "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 128}
 
 
-class Decoder(torch.nn.Module):
-    """transformers' LlamaModel called on token ids, returning its hidden states."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, ids):
-        return self.model(ids, use_cache=False).last_hidden_state
-
-
-def export_llama(path, opset: int, **external) -> None:
+def export_llama(path, opset: int, **options) -> None:
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("onnxscript")
     config = transformers.LlamaConfig(**LLAMA)
@@ -371,13 +361,10 @@ def export_llama(path, opset: int, **external) -> None:
     torch.manual_seed(0)
     model = transformers.LlamaModel(config).eval()
     with torch.no_grad():
-        for name, parameter in model.named_parameters():
+        for parameter in model.parameters():
             if parameter.dim() == 1:   # norms' weights: each its own initializer
                 parameter.normal_(1.0, 0.1)
-    ids = torch.randint(0, LLAMA["vocab_size"], (1, 8))
-    program = torch.onnx.export(Decoder(model).eval(), (ids,), dynamo=True, opset_version=opset,
-                                dynamic_shapes=({1: torch.export.Dim("seq")},), verbose=False)
-    program.save(str(path), **external)
+    models.export_onnx(model, path, opset, **options)
 
 
 @pytest.fixture(scope="module", params=[18, 23])

@@ -7,14 +7,15 @@ backend's passes take like any model.
     model = ptxforge.onnx.load("model.onnx", dtype=torch.bfloat16)  # its float32 in bf16
     out = ptxforge.compile(model.cuda())(ids)
 
-``load.py`` builds the graph module (initializers as parameters, shape arithmetic as
-Python ints and SymInts), ``ops.py`` holds the op table (ONNX op -> torch calls, the
-versions and attributes each lowering takes), ``patterns.py`` the subgraphs lowered as a
-whole to the calls the passes match (Linear, RMSNorm, SiLU, attention), ``report.py``
-which ONNX nodes became which kernels. docs/graph.md describes the front end.
+``builder.py`` builds the graph module (``load``: initializers as parameters, shape
+arithmetic as Python ints and SymInts), ``ops.py`` holds the op table (ONNX op -> torch
+calls, the versions and attributes each lowering takes), ``patterns.py`` the subgraphs
+lowered as a whole to the calls the passes match (Linear, RMSNorm, SiLU, attention),
+``report.py`` which ONNX nodes became which kernels. docs/graph.md describes the front
+end.
 """
 
-from .load import load
+from .builder import load
 from .report import onnx_report
 
 __all__ = ["load", "onnx_report"]

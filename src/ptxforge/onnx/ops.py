@@ -1,6 +1,6 @@
 """The op table: each ONNX op the front end takes, the versions of it whose semantics its
 lowering implements, the attributes (and attribute values) it takes, and the lowering,
-which emits torch calls through the ``Builder`` (``load.py``).
+which emits torch calls through the ``Builder`` (``builder.py``).
 
 A lowering gets the Builder and the ONNX node and returns the node's output values. Ops
 that shape arithmetic goes through have a ``sizes`` form too, taken when an input is
@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from .load import DTYPES, Sizes, node_name, type_name
+from .builder import DTYPES, Sizes, node_name, type_name
 
 _F = torch.nn.functional
 # The model opsets whose op versions the table takes: the versions of each op in force

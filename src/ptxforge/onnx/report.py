@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from .load import DTYPES, load
+from .builder import DTYPES, load
 
 # ONNX nodes of a match shown by name up to this many; more: the first and the last.
 SHOWN = 3
