@@ -468,6 +468,25 @@ def test_onnx_report_names_the_onnx_nodes_of_each_kernel(llama_onnx, capsys):
     assert "14 of 14 Linears on ptxforge GEMMs" in out
 
 
+def test_an_exported_qwen_keeps_the_biases_on_its_linears(tmp_path):
+    """Qwen2's q, k and v have biases: MatMul + Add(bias) becomes one Linear with its bias,
+    which the GEMM adds in its epilogue."""
+    ort = pytest.importorskip("onnxruntime")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = models.transformers_model(transformers.Qwen2Config(**LLAMA)).model.float()
+    path = tmp_path / "qwen.onnx"
+    models.export_onnx(model, path, 18)
+    ids = torch.randint(0, LLAMA["vocab_size"], (1, 7))
+    expected = ort.InferenceSession(str(path)).run(None, {"ids": ids.numpy()})[0]
+    assert calc_diff(ptxforge_onnx.load(path)(ids), torch.from_numpy(expected)) < 1e-10
+    ((gm, plan),) = trace_on_meta(ptxforge_onnx.load(path, dtype=torch.bfloat16, device="meta"),
+                                  fp8=True)
+    linears = [n for n in gm.graph.nodes if str(n.target) == "ptxforge.fp8_linear.default"]
+    assert sum(n.kwargs.get("bias") is not None for n in linears) == 3 * 2
+    assert all(item.operator for item in plan)
+
+
 def test_external_data_and_a_model_proto_load_the_same(tmp_path):
     path = tmp_path / "llama.onnx"
     export_llama(path, 18, external_data=True)

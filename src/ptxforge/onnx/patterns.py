@@ -4,6 +4,8 @@ model it was exported from:
 
     MatMul(x, B), B a float initializer [K, N]       -> F.linear(x, W), W = B^T [N, K] a
                                                         parameter (a Linear)
+    Add(MatMul(x, B), b), b a float initializer [N]  -> F.linear(x, W, b) (a Linear with
+                                                        bias: Qwen's q, k, v)
     Gemm(A, B, C), B a float initializer             -> F.linear(A', W, C) (transA, transB;
                                                         alpha and beta as Gemm applies them)
     Mul(w, Mul(x, Reciprocal(Sqrt(Add(ReduceMean(Pow(x, 2), [-1]), eps)))))
@@ -35,7 +37,8 @@ class Lowerings:
     def __init__(self, b):
         self.b = b
         self.by_op = {"MatMul": (self.attention, self.linear), "Gemm": (self.gemm,),
-                      "Mul": (self.rms_norm, self.silu), "Div": (self.rms_norm,)}
+                      "Add": (self.biased_linear,), "Mul": (self.rms_norm, self.silu),
+                      "Div": (self.rms_norm,)}
 
     def emit(self, node) -> list | None:
         """The outputs of ``node`` lowered with the subgraph it ends, or None (no match)."""
@@ -59,19 +62,36 @@ class Lowerings:
         self.b.current = sorted(nodes, key=lambda n: self.b.position[id(n)])
 
     # --- Linear ----------------------------------------------------------------------------
-    def linear(self, node):
+    def matrix(self, name: str) -> bool:
+        """Whether ``name`` is a float initializer [K, N] (a Linear's weight, transposed)."""
+        return self.b.is_parameter(name) and len(self.b.initializers[name].dims) == 2
+
+    def linear(self, node, bias: str | None = None):
         b = self.b
         x, weight = node.input
-        if not b.is_parameter(weight) or len(b.initializers[weight].dims) != 2:
+        if not self.matrix(weight):
             return None
         x, w = b.common(b.tensor(x), b.parameter(weight, weight=True, transposed=True))
-        return [b.call(_F.linear, x, w)]
+        bias = [b.parameter(bias, weight=True)] if bias else []
+        return [b.call(_F.linear, x, w, *bias)]
+
+    def biased_linear(self, node):
+        b = self.b
+        for product, bias in (node.input, reversed(node.input)):
+            matmul = self.producer(product, "MatMul")
+            if matmul is None or not self.matrix(matmul.input[1]) or not b.is_parameter(bias):
+                continue
+            n = b.initializers[matmul.input[1]].dims[1]
+            if len(b.consumers[product]) == 1 and tuple(b.initializers[bias].dims) == (n,):
+                self.cover([matmul, node])
+                return self.linear(matmul, bias)
+        return None
 
     def gemm(self, node):
         b = self.b
         a = b.attributes(node)
         weight = node.input[1]
-        if not b.is_parameter(weight):
+        if not self.matrix(weight):
             return None
         x = b.tensor(node.input[0])
         if a.get("transA", 0):
@@ -156,7 +176,8 @@ class Lowerings:
         zeroed = self.producer(probs, "Where")
         if zeroed is not None:
             isnan = self.producer(zeroed.input[0], "IsNaN")
-            if isnan is None or isnan.input[0] != zeroed.input[2] or self.number(zeroed.input[1]) != 0:
+            if (isnan is None or isnan.input[0] != zeroed.input[2]
+                    or self.number(zeroed.input[1]) != 0):
                 return None
             softmax = self.producer(zeroed.input[2], "Softmax")
             nodes += [isnan, zeroed]
