@@ -60,10 +60,8 @@ class Builder:
     """The FX graph under construction, the ONNX values it holds so far and what the op
     lowerings need of them (``ops.py`` and ``patterns.py`` call these methods)."""
 
-    def __init__(self, model, *, dtype, device, base_dir):
-        import onnx
-
-        self.model, self.onnx_graph = model, model.graph
+    def __init__(self, model, value_info, *, dtype, device, base_dir):
+        self.onnx_graph = model.graph
         self.compute_dtype, self.device, self.base_dir = dtype, device, base_dir
         self.opsets = {entry.domain or "": entry.version for entry in model.opset_import}
         self.graph = torch.fx.Graph()
@@ -73,8 +71,9 @@ class Builder:
         self.origin: dict = {}          # FX node name -> names of the ONNX nodes it lowers
         self.onnx_names: dict = {}      # attribute of the module -> ONNX initializer name
         self.initializers = {t.name: t for t in self.onnx_graph.initializer}
+        graph = self.onnx_graph
         self.infos = {v.name: v.type.tensor_type for v in
-                      [*self.onnx_graph.input, *self.onnx_graph.output, *self.onnx_graph.value_info]
+                      [*value_info, *graph.input, *graph.output, *graph.value_info]
                       if v.type.HasField("tensor_type")}
         self.producers = {out: n for n in self.onnx_graph.node for out in n.output}
         self.position = {id(n): i for i, n in enumerate(self.onnx_graph.node)}
@@ -86,17 +85,11 @@ class Builder:
         self.sizes: dict = {}           # (node, dim) -> int or x.size(dim) node
         self.current: list = []         # the ONNX nodes being lowered
         self._device_node = None
-        self.onnx = onnx
-
-    # --- errors --------------------------------------------------------------------------
-    def where(self, node) -> str:
-        return f"node {node_name(node)!r} ({node.op_type}, opset {self.opset(node)})"
-
-    def opset(self, node) -> int:
-        return self.opsets.get(node.domain or "", 0)
 
     def fail(self, node, what: str):
-        raise ValueError(f"ptxforge.onnx: {self.where(node)}: {what}")
+        opset = self.opsets.get(node.domain or "", 0)
+        raise ValueError(f"ptxforge.onnx: node {node_name(node)!r} ({node.op_type}, opset "
+                         f"{opset}): {what}")
 
     # --- FX nodes ------------------------------------------------------------------------
     def call(self, target, *args, result=None, name=None, **kwargs):
@@ -109,12 +102,15 @@ class Builder:
         return self.node(target, args, kwargs, result=result, name=name)
 
     def node(self, target, args, kwargs=None, *, result=None, name=None):
-        """An FX node calling ``target`` (a method for a string), named after the ONNX node
-        being lowered (or ``name``), its dtype ``result``, else the ``dtype`` it is given,
-        else its first tensor argument's."""
+        """An FX node calling ``target`` (a method for a string) on ``args`` (constant
+        tensors among them made nodes), named after the ONNX node being lowered (or
+        ``name``), its dtype ``result``, else the ``dtype`` it is given, else its first
+        tensor argument's."""
         op = "call_method" if isinstance(target, str) else "call_function"
-        node = self.graph.create_node(op, target, tuple(args), kwargs or {},
-                                      name=name or self._name())
+        args, kwargs = torch.fx.node.map_aggregate(
+            (tuple(args), kwargs or {}),
+            lambda a: self.as_node(a) if isinstance(a, torch.Tensor) else a)
+        node = self.graph.create_node(op, target, args, kwargs, name=name or self._name())
         self.origin[node.name] = ", ".join(node_name(n) for n in self.current)
         dtype = result or (kwargs or {}).get("dtype") or next(
             (self.dtypes[a] for a in _nodes((args, kwargs)) if a in self.dtypes), None)
@@ -186,9 +182,7 @@ class Builder:
             if transposed:
                 tensor = tensor.t()
             tensor = tensor.to(dtype).contiguous()
-            attr = self._attribute(name + ("_t" if transposed else "")
-                                   + ("" if dtype == DTYPES[proto.data_type] else
-                                      "_" + str(dtype).split(".")[-1]))
+            attr = self._attribute(name + ("_t" if transposed else ""))
             self.root.register_parameter(attr, torch.nn.Parameter(tensor, requires_grad=False))
             self.params[key] = self._get_attr(attr, dtype)
             self.onnx_names[attr] = name
@@ -216,6 +210,12 @@ class Builder:
         device)."""
         return self.as_node(self.value(name))
 
+    def data(self, name: str):
+        """``name`` as a tensor: a constant as it is (what it takes part in is folded), else
+        a node."""
+        value = self.value(name)
+        return value if isinstance(value, torch.Tensor) else self.as_node(value)
+
     def as_node(self, value):
         """A value as an FX node: a constant or Sizes made a tensor on the module's device
         (``torch.full`` where every element is one value, else ``torch.tensor(...).to``:
@@ -225,13 +225,12 @@ class Builder:
         device = self.device_node()
         if isinstance(value, Sizes):
             items = value.items[0] if value.scalar else list(value.items)
-            made = self.node(torch.tensor, (items,), {"dtype": value.dtype}, name="constant")
         elif value.numel() > 0 and bool((value == value.reshape(-1)[0]).all()):
             return self.node(torch.full, (tuple(value.shape), value.reshape(-1)[0].item()),
                              {"dtype": value.dtype, "device": device}, name="constant")
         else:
-            made = self.node(torch.tensor, (value.tolist(),), {"dtype": value.dtype},
-                             name="constant")
+            items = value.tolist()
+        made = self.node(torch.tensor, (items,), {"dtype": value.dtype}, name="constant")
         return made if device is None else self.node("to", (made, device), name="constant")
 
     def operand(self, name: str):
@@ -284,7 +283,7 @@ class Builder:
 
     def size(self, name: str, dim: int):
         """Dimension ``dim`` of tensor ``name``: an int where the graph fixes it, else an
-        ``x.size(dim)`` node (made once)."""
+        ``x.size(dim)`` node (made once per dimension)."""
         value = self.value(name)
         if isinstance(value, torch.Tensor):
             return value.shape[dim]
@@ -292,7 +291,7 @@ class Builder:
             return getattr(self.root, value.target).shape[dim]
         info = self.infos.get(name)
         if info is not None and info.HasField("shape"):
-            dim = dim % len(info.shape.dim)
+            dim %= len(info.shape.dim)
             if info.shape.dim[dim].HasField("dim_value"):
                 return info.shape.dim[dim].dim_value
         node = self.as_node(value)
@@ -313,8 +312,11 @@ class Builder:
                      if isinstance(v, torch.fx.Node) and self.dtypes.get(v) == torch.float32
                      else v for v in values)
 
-    def attributes(self, node) -> dict:
-        return {a.name: self.onnx.helper.get_attribute_value(a) for a in node.attribute}
+    @staticmethod
+    def attributes(node) -> dict:
+        from onnx import helper
+
+        return {a.name: helper.get_attribute_value(a) for a in node.attribute}
 
 
 def identifier(name: str) -> str:
@@ -396,10 +398,7 @@ def load(model, *, dtype: torch.dtype | None = None, device="cpu") -> torch.fx.G
     model, base_dir = _read_model(model)
     inferred = _with_shapes(model)
     ops.validate(model, inferred)
-    builder = Builder(model, dtype=dtype, device=device, base_dir=base_dir)
-    for info in inferred:
-        if info.type.HasField("tensor_type") and info.name not in builder.infos:
-            builder.infos[info.name] = info.type.tensor_type
+    builder = Builder(model, inferred, dtype=dtype, device=device, base_dir=base_dir)
     initializer_names = set(builder.initializers)
     for graph_input in model.graph.input:
         if graph_input.name in initializer_names:

@@ -136,12 +136,7 @@ def lower_div(b, node):
 
 
 def _unary(fn, result=None):
-    def lower(b, node):
-        value = b.value(node.input[0])
-        if isinstance(value, torch.Tensor):
-            return [fn(value)]
-        return [b.call(fn, b.as_node(value), result=result)]
-    return lower
+    return lambda b, node: [b.call(fn, b.data(node.input[0]), result=result)]
 
 
 def lower_where(b, node):
@@ -172,9 +167,7 @@ def lower_cast(b, node):
     value = b.value(node.input[0])
     if isinstance(value, Sizes) and not dtype.is_floating_point and dtype != torch.bool:
         return [Sizes(value.items, value.scalar, dtype)]
-    if isinstance(value, torch.Tensor):
-        return [value.to(dtype)]
-    return [b.call("to", b.as_node(value), dtype, result=dtype)]
+    return [b.call("to", b.data(node.input[0]), dtype, result=dtype)]
 
 
 def lower_reshape(b, node):
@@ -187,12 +180,12 @@ def lower_reshape(b, node):
     allow_zero = b.attributes(node).get("allowzero", 0)
     shape = tuple(b.size(node.input[0], d) if s == 0 and not allow_zero else s
                   for d, s in enumerate(shape))
-    return [b.call("reshape", b.as_node(value), shape)]
+    return [b.call("reshape", b.data(node.input[0]), shape)]
 
 
 def lower_expand(b, node):
     """ONNX broadcasts both ways (a 1 in the shape keeps x's size): torch's -1."""
-    x = b.tensor(node.input[0])
+    x = b.data(node.input[0])
     shape = b.ints(node, 1, "shape")
     rank = b.rank(node, node.input[0])
     shape = (1,) * (rank - len(shape)) + tuple(shape)
@@ -202,7 +195,7 @@ def lower_expand(b, node):
 def lower_transpose(b, node):
     rank = b.rank(node, node.input[0])
     perm = b.attributes(node).get("perm", list(reversed(range(rank))))
-    return [b.call("permute", b.tensor(node.input[0]), *perm)]
+    return [b.call("permute", b.data(node.input[0]), *perm)]
 
 
 def lower_concat(b, node):
@@ -221,7 +214,7 @@ def lower_unsqueeze(b, node):
     rank = b.rank(node, node.input[0]) + len(axes)
     axes = {_axis(a, rank) for a in axes}
     index = tuple(None if d in axes else slice(None) for d in range(rank))
-    return [b.call(operator.getitem, b.as_node(value), index)]
+    return [b.call(operator.getitem, b.data(node.input[0]), index)]
 
 
 def lower_squeeze(b, node):
@@ -229,28 +222,24 @@ def lower_squeeze(b, node):
     if _sizes_form(b, node):
         return [Sizes(value.items, True, value.dtype)]
     if len(node.input) > 1 and node.input[1]:
-        return [b.call("squeeze", b.as_node(value), b.ints(node, 1, "axes"))]
-    return [b.call("squeeze", b.as_node(value))]
+        return [b.call("squeeze", b.data(node.input[0]), b.ints(node, 1, "axes"))]
+    return [b.call("squeeze", b.data(node.input[0]))]
 
 
 def lower_gather(b, node):
     axis = b.attributes(node).get("axis", 0)
-    value, indices = b.value(node.input[0]), b.value(node.input[1])
+    data, indices = b.value(node.input[0]), b.value(node.input[1])
     if _sizes_form(b, node):
-        picked = [value.items[i] for i in _items(indices)]
-        return [sizes(picked, scalar=_scalar(indices), dtype=value.dtype)]
-    rank = b.rank(node, node.input[0])
-    axis = _axis(axis, rank)
+        picked = [data.items[i] for i in _items(indices)]
+        return [sizes(picked, scalar=_scalar(indices), dtype=data.dtype)]
+    axis = _axis(axis, b.rank(node, node.input[0]))
     if axis == 0 and b.is_parameter(node.input[0]):   # an embedding table
         data = b.parameter(node.input[0], weight=True)
     else:
-        data = b.as_node(value) if not isinstance(value, torch.Tensor) else value
-    index = indices.item() if isinstance(indices, torch.Tensor) and indices.dim() == 0 \
-        else b.as_node(indices)
-    if isinstance(data, torch.Tensor) and isinstance(index, int):
-        return [data[(slice(None),) * axis + (index,)]]
-    return [b.call(operator.getitem, b.as_node(data) if isinstance(data, torch.Tensor) else data,
-                   (slice(None),) * axis + (index,))]
+        data = b.data(node.input[0])
+    # torch's indexing is ONNX's Gather: negative indices count from the end, a 0-D index
+    # (a Python int here) drops the axis
+    return [b.call(operator.getitem, data, (slice(None),) * axis + (b.operand(node.input[1]),))]
 
 
 def lower_gather_nd(b, node):
@@ -292,7 +281,7 @@ def lower_slice(b, node):
         first = size - 1 - picked.start if picked else 0
         index[axis] = slice(first, first + len(picked) * -step, -step)
         flipped.append(axis)
-    x = b.as_node(value)
+    x = b.data(node.input[0])
     if flipped:
         x = b.call(torch.flip, x, flipped)
     return [b.call(operator.getitem, x, tuple(index))]
