@@ -154,6 +154,8 @@ CASES = [
     ("slice reverse", "Slice", [f32(4, 6), Const(i64(BIG, 4)), Const(i64(-BIG, 0)),
                                 Const(i64(0, 1)), Const(i64(-1, -2))], {}),
     ("slice empty", "Slice", [f32(5, 6), Const(i64(4)), Const(i64(2)), Const(i64(0))], {}),
+    ("slice to int64 min", "Slice", [f32(5, 6), Const(i64(2)), Const(i64(-BIG - 1)),
+                                     Const(i64(1))], {}),
     ("range int", "Range", [Const(np.int64(2)), Const(np.int64(11)), Const(np.int64(3))], {}),
     ("range float", "Range", [Const(np.float32(1)), Const(np.float32(-2)),
                               Const(np.float32(-0.5))], {}),
@@ -311,19 +313,21 @@ def test_import_ptxforge_does_not_import_onnx():
 # --- shapes stay symbolic -----------------------------------------------------------------------
 
 def test_shape_arithmetic_becomes_sizes_of_the_input():
-    """Shape -> Gather -> Add -> Unsqueeze -> Concat -> Reshape with a dynamic axis: the
-    reshape takes ``x.size(1) + 1`` as a Python int (a SymInt under Dynamo), and the
-    module runs at another length than the one it was built for."""
+    """Shape -> Slice -> Squeeze -> Cast -> Mul -> Max -> Unsqueeze -> Concat -> Reshape on a
+    dynamic axis: the reshape takes ``max(x.size(1) * 2, 3)`` as a Python int (a SymInt
+    under Dynamo, one graph for every length), no tensor of sizes is made."""
     nodes = [helper.make_node("Shape", ["x"], ["s"]),
-             helper.make_node("Gather", ["s", "one"], ["t"], axis=0),
-             helper.make_node("Mul", ["t", "two"], ["t2"]),
-             helper.make_node("Unsqueeze", ["t2", "zero"], ["t2v"]),
-             helper.make_node("Concat", ["minus", "t2v"], ["shape"], axis=0),
+             helper.make_node("Slice", ["s", "one", "two"], ["t1"]),
+             helper.make_node("Squeeze", ["t1"], ["t"]),
+             helper.make_node("Cast", ["t"], ["tc"], to=TensorProto.INT64),
+             helper.make_node("Mul", ["tc", "double"], ["t2"]),
+             helper.make_node("Max", ["t2", "three"], ["t3"]),
+             helper.make_node("Unsqueeze", ["t3", "zero"], ["t3v"]),
+             helper.make_node("Concat", ["minus", "t3v"], ["shape"], axis=0),
              helper.make_node("Reshape", ["x", "shape"], ["y"])]
-    constants = [numpy_helper.from_array(np.int64(1), "one"),
-                 numpy_helper.from_array(np.int64(2), "two"),
-                 numpy_helper.from_array(i64(0), "zero"),
-                 numpy_helper.from_array(i64(-1), "minus")]
+    constants = [numpy_helper.from_array(value, name) for name, value in (
+        ("one", i64(1)), ("two", i64(2)), ("double", np.int64(2)), ("three", np.int64(3)),
+        ("zero", i64(0)), ("minus", i64(-1)))]
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info(
         "x", TensorProto.FLOAT, [4, "seq", 2])], [helper.make_empty_tensor_value_info("y")],
         constants)

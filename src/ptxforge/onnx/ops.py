@@ -2,10 +2,12 @@
 lowering implements, the attributes (and attribute values) it takes, and the lowering,
 which emits torch calls through the ``Builder`` (``builder.py``).
 
-A lowering gets the Builder and the ONNX node and returns the node's output values. Ops
-that shape arithmetic goes through have a ``sizes`` form too, taken when an input is
-``Sizes`` (integers up to tensor sizes) and every input is known when the graph is built:
-it computes on the items (Python ints and int nodes) instead of making tensors of them.
+A lowering gets the Builder and the ONNX node and returns the node's output values. The
+lowerings of the ops shape arithmetic goes through (Shape, Gather, Slice, Concat,
+Unsqueeze, Squeeze, Reshape, Cast, Add, Sub, Mul, Div, Max, Min) compute on the items of
+``Sizes`` (Python ints and int nodes) when an input is Sizes and every input is known
+when the graph is built, instead of making tensors of them; an op whose inputs are all
+constants is computed when the graph is built.
 """
 
 from __future__ import annotations
@@ -245,11 +247,12 @@ def lower_gather(b, node):
 def lower_gather_nd(b, node):
     """batch_dims=0: ``data[indices[..., 0], indices[..., 1], ...]``."""
     data, indices = b.tensor(node.input[0]), b.tensor(node.input[1])
-    parts = b.call(torch.unbind, indices, -1, result=torch.int64)
+    parts = b.call(torch.unbind, indices, -1)
     return [b.call(operator.getitem, data, parts, result=b.dtype(data))]
 
 
-# Slice bounds past this are "to the end" (ONNX writes INT64_MAX and INT64_MIN for them).
+# Slice bounds are clamped to +-this: ONNX writes INT64_MAX and INT64_MIN for "to the end",
+# which torch's own clamping (start + size) would overflow.
 _FAR = 1 << 62
 
 
@@ -288,8 +291,8 @@ def lower_slice(b, node):
 
 
 def _slice(start, end, step) -> slice:
-    far = lambda v: isinstance(v, int) and abs(v) >= _FAR
-    return slice(None if far(start) else start, None if far(end) else end, step)
+    clamp = lambda v: max(-_FAR, min(_FAR, v)) if isinstance(v, int) else v
+    return slice(clamp(start), clamp(end), step)
 
 
 def lower_constant(b, node):
