@@ -305,6 +305,27 @@ def test_another_domain_is_refused():
                                  "domain)")
 
 
+def test_names_that_python_or_the_module_has_are_renamed_and_kept():
+    """Values and initializers named like Python keywords, a GraphModule's attributes or
+    the loaded module's own (``onnx_names``): renamed, traceable in ``onnx_names``."""
+    nodes = [helper.make_node("MatMul", ["input", "graph"], ["self"], name="1st"),
+             helper.make_node("Add", ["self", "forward"], ["class"]),
+             helper.make_node("Mul", ["class", "onnx_names"], ["out.put"])]
+    weights = [numpy_helper.from_array(f32(3, 2), "graph"),
+               numpy_helper.from_array(f32(2), "forward"),
+               numpy_helper.from_array(f32(2), "onnx_names")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info(
+        "input", TensorProto.FLOAT, [4, 3])], [helper.make_empty_tensor_value_info("out.put")],
+        weights)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    module = ptxforge_onnx.load(model)
+    assert module.onnx_names == {"graph_t": "graph", "forward_": "forward",
+                                 "onnx_names_": "onnx_names"}
+    x = f32(4, 3)
+    (expected,) = ReferenceEvaluator(model).run(None, {"input": x})
+    np.testing.assert_allclose(module(torch.from_numpy(x)).numpy(), expected, rtol=1e-5)
+
+
 def test_import_ptxforge_does_not_import_onnx():
     code = "import sys, ptxforge; assert 'onnx' not in sys.modules; ptxforge.onnx.load"
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -195,8 +195,11 @@ class Builder:
                 and _count(proto.dims) > 1)
 
     def _attribute(self, name: str) -> str:
+        """A new attribute name for the module, after ``name``: none a GraphModule or the
+        loaded module (``onnx_*``) has already."""
         attr = identifier(name)
-        while hasattr(self.root, attr):
+        while hasattr(self.root, attr) or hasattr(torch.fx.GraphModule, attr) \
+                or attr in ("onnx_names", "onnx_origin", "onnx_inputs"):
             attr += "_"
         return attr
 
