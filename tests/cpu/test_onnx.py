@@ -493,6 +493,29 @@ def test_onnx_report_names_the_onnx_nodes_of_each_kernel(llama_onnx, capsys):
     assert "14 of 14 Linears on ptxforge GEMMs" in out
 
 
+def test_a_llama_exported_in_bf16_gets_the_same_kernels(tmp_path):
+    """A bf16 model's export casts each RMSNorm's input to float32 and its output back: the
+    norm is still one torch.rms_norm (in bf16, computing in float32 inside), and the module
+    computes what the PyTorch model computes."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = models.transformers_model(transformers.LlamaConfig(**LLAMA)).model
+    path = tmp_path / "llama_bf16.onnx"
+    models.export_onnx(model, path, 18)
+    ids = torch.randint(0, LLAMA["vocab_size"], (1, 9))
+    with torch.no_grad():
+        expected = models.in_f32(model)(ids, use_cache=False).last_hidden_state
+        pytorch = model(ids, use_cache=False).last_hidden_state
+        got = ptxforge_onnx.load(path)(ids)
+    assert got.dtype == torch.bfloat16
+    assert calc_diff(got.float(), expected) < 1.5 * calc_diff(pytorch.float(), expected)
+    ((gm, plan),) = trace_on_meta(ptxforge_onnx.load(path, device="meta"), fp8=True)
+    names = [str(n.target).split(".")[1] for n in gm.graph.nodes
+             if n.op == "call_function" and str(n.target).startswith("ptxforge.")]
+    assert names == ["rms_norm_fp8", "fp8_linear", "fp8_linear", "rms_norm_fp8", "fp8_linear",
+                     "silu_mul_fp8", "fp8_linear"] * 2
+
+
 def test_an_exported_qwen_keeps_the_biases_on_its_linears(tmp_path):
     """Qwen2's q, k and v have biases: MatMul + Add(bias) becomes one Linear with its bias,
     which the GEMM adds in its epilogue."""

@@ -9,7 +9,8 @@ model it was exported from:
     Gemm(A, B, C), B a float initializer             -> F.linear(A', W, C) (transA, transB;
                                                         alpha and beta as Gemm applies them)
     Mul(w, Mul(x, Reciprocal(Sqrt(Add(ReduceMean(Pow(x, 2), [-1]), eps)))))
-      (or x / Sqrt(...); w a 1-D initializer, or none) -> torch.rms_norm(x, (H,), w, eps)
+      (or x / Sqrt(...); w a 1-D initializer, or none;  -> torch.rms_norm(x, (H,), w, eps)
+      a bf16 model's: x cast to float32 and back)
     Mul(x, Sigmoid(x))                               -> F.silu(x)
     MatMul(Where(IsNaN(p), 0, p), v), p = Softmax(MatMul(q * a, kT * b) + Where(m, 0, -inf))
                                                      -> F.scaled_dot_product_attention(q, k,
@@ -27,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from . import ops
+from .builder import DTYPES
 
 _F = torch.nn.functional
 
@@ -109,10 +111,10 @@ class Lowerings:
         b = self.b
         if node.op_type == "Mul":
             for weight, normed in (node.input, reversed(node.input)):
-                inner = self.producer(normed, "Mul", "Div")
-                found = self.normalization(inner) if inner is not None else None
-                if (found is not None and b.is_parameter(weight)
-                        and len(b.initializers[weight].dims) == 1):
+                if not b.is_parameter(weight) or len(b.initializers[weight].dims) != 1:
+                    continue
+                found = self.weighted(normed)
+                if found is not None:
                     x, eps, nodes = found
                     self.cover([*nodes, node])
                     shape = tuple(b.initializers[weight].dims)
@@ -124,6 +126,21 @@ class Lowerings:
         x, eps, nodes = found
         self.cover(nodes)
         return [b.call(torch.rms_norm, b.tensor(x), (b.size(x, -1),), None, eps)]
+
+    def weighted(self, normed: str):
+        """(x, eps, the nodes) if the scale multiplies ``normed``, a normalization of x, or
+        a bf16 / f16 model's ``Cast(normalization of Cast(x, float32), x's type)``."""
+        b = self.b
+        down = self.producer(normed, "Cast")
+        inner = self.producer(down.input[0] if down is not None else normed, "Mul", "Div")
+        found = self.normalization(inner) if inner is not None else None
+        if found is None or down is None:
+            return found
+        x, eps, nodes = found
+        up = self.producer(x, "Cast")
+        if up is None or b.dtype(b.value(up.input[0])) != DTYPES.get(b.attributes(down)["to"]):
+            return None
+        return up.input[0], eps, [up, *nodes, down]
 
     def normalization(self, node):
         """(x, eps, the nodes) if ``node`` is ``x * Reciprocal(Sqrt(mean + eps))`` or
