@@ -514,6 +514,7 @@ def test_a_llama_exported_in_bf16_gets_the_same_kernels(tmp_path):
              if n.op == "call_function" and str(n.target).startswith("ptxforge.")]
     assert names == ["rms_norm_fp8", "fp8_linear", "fp8_linear", "rms_norm_fp8", "fp8_linear",
                      "silu_mul_fp8", "fp8_linear"] * 2
+    assert all(item.operator for item in plan)   # the causal mask too: its -inf is bf16's min
 
 
 def test_an_exported_qwen_keeps_the_biases_on_its_linears(tmp_path):

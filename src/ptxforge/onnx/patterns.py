@@ -235,12 +235,13 @@ class Lowerings:
         return name, 1.0
 
     def boolean_mask(self, name: str, nodes) -> str:
-        """The boolean mask m of an additive ``Where(m, 0, -inf)`` (or the float32 minimum
+        """The boolean mask m of an additive ``Where(m, 0, -inf)`` (or the type's minimum
         for -inf), else the additive mask itself."""
         where = self.producer(name, "Where")
         if where is not None and self.number(where.input[1]) == 0:
-            fill = self.number(where.input[2])
-            if fill is not None and fill <= torch.finfo(torch.float32).min:
+            fill = self.b.constant(where.input[2])
+            if (fill is not None and fill.numel() == 1 and fill.is_floating_point()
+                    and fill.item() <= torch.finfo(fill.dtype).min):
                 nodes.append(where)
                 return where.input[0]
         return name
