@@ -123,6 +123,7 @@ CASES = [
     ("cast int to float", "Cast", [i64(1, -2, 3)], {"to": TensorProto.FLOAT}),
     ("cast bool to float", "Cast", [f32(3) > 0], {"to": TensorProto.FLOAT}),
     ("cast to float16", "Cast", [f32(3, 4)], {"to": TensorProto.FLOAT16}),
+    ("cast to bfloat16", "Cast", [f32(3, 4)], {"to": TensorProto.BFLOAT16}),
     ("cast to int32", "Cast", [i64(1, 2, 3)], {"to": TensorProto.INT32}),
     ("shape", "Shape", [f32(2, 3, 4)], {}),
     ("shape start end", "Shape", [f32(2, 3, 4, 5)], {"start": -3, "end": -1}),
@@ -324,6 +325,15 @@ def test_names_that_python_or_the_module_has_are_renamed_and_kept():
     x = f32(4, 3)
     (expected,) = ReferenceEvaluator(model).run(None, {"input": x})
     np.testing.assert_allclose(module(torch.from_numpy(x)).numpy(), expected, rtol=1e-5)
+
+
+def test_onnx_report_of_an_unsupported_model_is_one_line_on_stderr(tmp_path, capsys):
+    model, _ = one_node("TopK", [f32(3, 4), Const(i64(2))], 18, outputs=2)
+    onnx.save(model, tmp_path / "topk.onnx")
+    assert cli.main(["onnx-report", str(tmp_path / "topk.onnx")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ptxforge onnx-report: ptxforge.onnx: node 'the_node' (TopK, opset "
+                          "18): the op is not supported") and err.count("\n") == 1
 
 
 def test_import_ptxforge_does_not_import_onnx():
