@@ -8,7 +8,9 @@ Per candidate and token count: the wall time of a call (``model_bench.wall_us``:
 events around back-to-back calls, host included, median), the first call's (compile and
 assembly), and calc_diff against onnxruntime (CPU provider) running the exported file in
 f32 on the same token ids (the PyTorch model's against the first opset's file). Targets:
-the ONNX model within 1.1x of PyTorch's time; calc_diff <= 1e-4 in bf16, <= 5e-3 in FP8.
+the ONNX model within 1.1x of PyTorch's time; calc_diff <= 1e-4 in bf16, <= 5e-3 in FP8
+(which DeepGEMM's recipe itself misses on this randomly initialised model: 1.4e-2 against
+f32 from PyTorch too, docs/performance.md; the PyTorch row is the yardstick).
 """
 
 from __future__ import annotations
