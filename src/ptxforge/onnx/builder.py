@@ -83,6 +83,7 @@ class Builder:
                 self.consumers.setdefault(name, []).append(n)
         self.params: dict = {}          # (ONNX name, dtype, transposed) -> get_attr node
         self.sizes: dict = {}           # (node, dim) -> int or x.size(dim) node
+        self.made: dict = {}            # id of a constant or Sizes -> (it, its node)
         self.current: list = []         # the ONNX nodes being lowered
         self._device_node = None
 
@@ -225,6 +226,11 @@ class Builder:
         Dynamo cannot trace ``torch.tensor(..., device=)`` onto the meta device)."""
         if isinstance(value, torch.fx.Node):
             return value
+        if id(value) not in self.made:   # (the value kept beside its node: ids stay unique)
+            self.made[id(value)] = value, self._made(value)
+        return self.made[id(value)][1]
+
+    def _made(self, value):
         device = self.device_node()
         if isinstance(value, Sizes):
             items = value.items[0] if value.scalar else list(value.items)
@@ -311,7 +317,7 @@ class Builder:
         if len(floats) < 2:
             return values
         target = next(d for d in floats if d != torch.float32)
-        return tuple(self.call("to", v, target, result=target)
+        return tuple(self.call("to", v, target, result=target, name="cast")
                      if isinstance(v, torch.fx.Node) and self.dtypes.get(v) == torch.float32
                      else v for v in values)
 
