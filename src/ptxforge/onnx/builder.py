@@ -36,6 +36,15 @@ DTYPES = {1: torch.float32, 10: torch.float16, 16: torch.bfloat16, 7: torch.int6
 SMALL = 1024
 
 
+def opsets(model) -> dict:
+    """Domain -> the model's opset for it; the default domain as "" however it is spelled."""
+    return {domain(entry.domain): entry.version for entry in model.opset_import}
+
+
+def domain(name: str) -> str:
+    return "" if name in ("", "ai.onnx") else name
+
+
 def node_name(node) -> str:
     """A node's name, or (ONNX names are optional) its first output's."""
     return node.name or node.output[0]
@@ -63,7 +72,7 @@ class Builder:
     def __init__(self, model, value_info, *, dtype, device, base_dir):
         self.onnx_graph = model.graph
         self.compute_dtype, self.device, self.base_dir = dtype, device, base_dir
-        self.opsets = {entry.domain or "": entry.version for entry in model.opset_import}
+        self.opsets = opsets(model)
         self.graph = torch.fx.Graph()
         self.root = torch.nn.Module()
         self.values: dict = {}
@@ -88,7 +97,7 @@ class Builder:
         self._device_node = None
 
     def fail(self, node, what: str):
-        opset = self.opsets.get(node.domain or "", 0)
+        opset = self.opsets.get(domain(node.domain), 0)
         raise ValueError(f"ptxforge.onnx: node {node_name(node)!r} ({node.op_type}, opset "
                          f"{opset}): {what}")
 

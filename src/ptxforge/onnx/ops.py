@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from .builder import DTYPES, Sizes, node_name, type_name
+from .builder import DTYPES, Sizes, domain, node_name, opsets, type_name
 
 _F = torch.nn.functional
 # The model opsets whose op versions the table takes: the versions of each op in force
@@ -570,16 +570,16 @@ def validate(model, value_info=()) -> None:
     naming the node, its op type and opset."""
     import onnx
 
-    opsets = {entry.domain or "": entry.version for entry in model.opset_import}
+    model_opsets = opsets(model)
     types = {v.name: v.type.tensor_type.elem_type
              for v in [*model.graph.input, *model.graph.output, *model.graph.value_info,
                        *value_info] if v.type.HasField("tensor_type")}
     types.update({t.name: t.data_type for t in model.graph.initializer})
     taken = ", ".join(type_name(t) for t in DTYPES)
     for node in model.graph.node:
-        opset = opsets.get(node.domain or "", 0)
+        opset = model_opsets.get(domain(node.domain), 0)
         where = f"ptxforge.onnx: node {node_name(node)!r} ({node.op_type}, opset {opset})"
-        if (node.domain or "ai.onnx") != "ai.onnx":
+        if domain(node.domain):
             raise ValueError(f"{where}: domain {node.domain!r} is not supported (only the "
                              f"default ONNX domain)")
         op = TABLE.get(node.op_type)
