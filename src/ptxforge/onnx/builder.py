@@ -408,8 +408,9 @@ def load(model, *, dtype: torch.dtype | None = None, device="cpu") -> torch.fx.G
 
     ``dtype`` (e.g. torch.bfloat16): the type the graph's float32 computes in: weights
     (Linears', embedding tables, norms' scales) are stored in it and float inputs cast to
-    it; values computed in float32 from integers and small constants (a rotary
-    embedding's angles) stay float32 until they meet a value of ``dtype``. ``device``:
+    it; values computed in float32 from integers and from float initializers that are no
+    weights (a rotary embedding's inverse frequencies, hence its angles) stay float32
+    until they meet a value of ``dtype``, which they are cast to. ``device``:
     where the parameters are made ("meta": shapes only, no data read, for a report)."""
     from . import ops, patterns
 
