@@ -7,6 +7,10 @@
 # call, precompiling Llama's kernels cold) take a call of their own, within the device's 10
 # minutes a call:
 #   bash bench/device_run.sh models
+# The ONNX front end: its GPU test (an exported Llama against onnxruntime), then the bench
+# (Llama-3-8B sizes exported at each opset beside the model compiled from PyTorch):
+#   bash bench/device_run.sh onnx-test
+#   bash bench/device_run.sh onnx [opsets, default 18,23]
 set -u -o pipefail
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 export PTXFORGE_CACHE_DIR=/tmp/ptxforge-cache
@@ -32,6 +36,16 @@ if [ "${1:-}" = moe-models ]; then   # [models, default both MoE blocks]
   grep -v "^DEBUG\|[Ww]arn" "$log" | tail -40
   exit 0
 fi
+if [ "${1:-}" = onnx-test ]; then
+  timeout 540 $py -m pytest tests/gpu/test_onnx_gpu.py -q -p no:cacheprovider > "$log" 2>&1
+  grep -v "^DEBUG\|[Ww]arn" "$log" | tail -30
+  exit 0
+fi
+if [ "${1:-}" = onnx ]; then
+  $py -m ptxforge.cli bench onnx --opsets "${2:-18,23}" --json "$OUT/onnx.json" > "$log" 2>&1
+  grep -v "^DEBUG\|^W1\|[Ww]arn\|__new__" "$log" | tail -30
+  exit 0
+fi
 if [ "${1:-}" = models ]; then
   {
     step timeout 200 $py -m pytest tests/gpu/test_compiler_gpu.py -q -p no:cacheprovider
@@ -47,7 +61,7 @@ fi
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv
   $py -c "import torch, cuda.bindings; print('torch', torch.__version__, 'cuda-bindings', cuda.bindings.__version__)"
   step $py -m ptxforge.cli info
-  step timeout 300 $py -m pytest tests -q -p no:cacheprovider
+  step timeout 300 $py -m pytest tests -q -p no:cacheprovider --ignore=tests/gpu/test_onnx_gpu.py
   step $py bench/jit_timing.py "$OUT/jit.json"
   step $py bench/host_breakdown.py
   step $py bench/host_ab.py --native 21

@@ -45,6 +45,6 @@ for per_expert in [int(r) for r in sys.argv[1:]] or [128, 256]:
         cfg = gemm.choose_config(arch, m, n, k, groups=experts)
         t = timer(lambda: ptxforge.m_grouped_fp8_gemm_nt_contiguous(a, b, d, m_indices))
         rows.append([name, str(per_expert), cfg.name, f"{t * 1e3:.0f}",
-                     f"{2 * m * n * k / t / 1e9:.0f}", f"{experts * n * k / t / 1e9:.0f}"])
+                     f"{2 * m * n * k / t / 1e9:.0f}", f"{experts * n * k / t / 1e6:.0f}"])
 print(f"{torch.cuda.get_device_name()}: {experts} experts, every one the same rows")
 print(format_table(["gemm", "rows an expert", "kernel", "us", "TFLOPS", "weights GB/s"], rows))

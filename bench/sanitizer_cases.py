@@ -122,3 +122,13 @@ for layout in moe.LAYOUTS:
     moe.moe_experts_fp8(moe_x, topk_idx, topk_w, w13, w2, layout=layout)
     torch.cuda.synchronize()
     print("ran the MoE experts,", layout, "layout", flush=True)
+# The permutation's scale gather where its runs of 8 groups do not divide the groups:
+# fewer than 8 (512 columns: 4) and a ragged last run (2112: 17).
+for width in (512, 2112):
+    for layout in moe.LAYOUTS:
+        r = ptxforge.moe_routing_layout(topk_idx, experts, layout=layout,
+                                        rows_per_expert=tokens if layout == "masked" else None)
+        ptxforge.moe_permute_quantize_fp8(torch.randn(tokens, width, device="cuda").bfloat16(),
+                                          r.rows, moe.grouped_rows(layout, tokens, top_k, experts))
+torch.cuda.synchronize()
+print("ran the MoE permutation at 512 and 2112 columns", flush=True)

@@ -4,6 +4,7 @@
     q, s = ptxforge.quantize_fp8_per_token(x)          # bf16 [M, K] -> e4m3 + 1x128 scales
     y = ptxforge.rms_norm(x, weight)
     model = ptxforge.compile(model)                    # torch.compile with ptxforge's backend
+    model = ptxforge.onnx.load("model.onnx")           # an ONNX model as a torch module
 
 The layers, in the order a call passes through them: ``ops`` (validate, pick a config,
 launch) -> ``kernels`` (one generator per kernel) -> ``ptx`` (the builder) -> ``jit``
@@ -30,6 +31,10 @@ def __getattr__(name):
 
         globals()[name] = compile
         return compile
+    if name == "onnx":   # the ONNX front end, which needs the onnx package
+        import importlib
+
+        return importlib.import_module(".onnx", __name__)
     raise AttributeError(f"module 'ptxforge' has no attribute {name!r}")
 
 

@@ -1,4 +1,5 @@
-"""The ``ptxforge`` command: info, ptx, asm, precompile, compile-report, bench, demo, cache."""
+"""The ``ptxforge`` command: info, ptx, asm, precompile, compile-report, onnx-report, bench,
+demo, cache."""
 
 from __future__ import annotations
 
@@ -175,17 +176,29 @@ def cmd_precompile(args) -> int:
 def cmd_compile_report(args) -> int:
     from .compiler import report
 
-    from .testing.bench import format_table
-
     a = _target_arch(args.arch)
     case, graphs = _model_plan(args, a)
-    counts = (1, 64, 2048, 16384)
-    title, plan, summary, kernel_rows = report.report_tables(case, graphs, a, counts)
+    _print_report(*report.report_tables(case, graphs, a), nodes="nodes")
+    return 0
+
+
+def cmd_onnx_report(args) -> int:
+    from .onnx import onnx_report
+
+    _print_report(*onnx_report(args.model, _target_arch(args.arch), fp8=not args.bf16),
+                  nodes="ONNX nodes")
+    return 0
+
+
+def _print_report(title, plan, summary, kernel_rows, *, nodes: str,
+                  counts=(1, 64, 2048, 16384)) -> None:
+    """A compile report's tables (``compiler.report.report_tables``, at ``counts``)."""
+    from .testing.bench import format_table
+
     print(title)
-    print(format_table(["pattern", "nodes", "runs on", "detail"], plan))
+    print(format_table(["pattern", nodes, "runs on", "detail"], plan))
     print(f"\n{summary}\n\nkernels, by token count:")
     print(format_table(["kernel", *(f"M={m}" for m in counts)], kernel_rows))
-    return 0
 
 
 def cmd_bench(args) -> int:
@@ -215,6 +228,12 @@ def cmd_bench(args) -> int:
     elif args.suite == "chain":
         result = bench.chain_suite()
         text, plot = bench.chain_table(result), None
+    elif args.suite == "onnx":
+        from .testing import onnx_bench
+
+        opsets = tuple(int(opset) for opset in args.opsets.split(","))
+        result = onnx_bench.onnx_suite(opsets, args.layers)
+        text, plot = onnx_bench.onnx_table(result), None
     elif args.suite == "model":
         from .testing import model_bench
 
@@ -428,21 +447,28 @@ def main(argv=None) -> int:
     p = command("compile-report", "what the torch.compile backend does to a model (no GPU "
                 "needed)")
     model_options(p, required=True)
+    p = command("onnx-report", "which nodes of an ONNX model become which kernels (no GPU "
+                "needed)")
+    p.add_argument("model", help="an .onnx file (its external data beside it)")
+    p.add_argument("--bf16", action="store_true", help="the backend's fp8=False plan")
     p = command("bench", "GPU benchmark side by side with torch")
     p.add_argument("suite", choices=["memory", "fp8-gemm", "grouped-gemm", "bf16-gemm", "decode",
-                                     "chain", "model"])
+                                     "chain", "model", "onnx"])
     p.add_argument("--m", type=int, default=16384)
     p.add_argument("--k", type=int, default=7168)
     p.add_argument("--json", help="write the full results here")
     p.add_argument("--plot", help="write a PNG plot here")
     p.add_argument("--models", default="ffn,llama-8b", help="model suite: which models")
-    p.add_argument("--layers", type=int, default=2, help="model suite: transformers layers")
+    p.add_argument("--layers", type=int, default=2, help="model and onnx suites: transformers "
+                   "layers")
+    p.add_argument("--opsets", default="18,23", help="onnx suite: the opsets to export at")
     command("demo", "run (GPU) or assemble (CPU) every kernel, with checks")
     p = command("cache", "show or clear the on-disk cubin cache")
     p.add_argument("action", choices=["show", "clear"], nargs="?", default="show")
     args = parser.parse_args(argv)
     handler = {"info": cmd_info, "ptx": cmd_ptx, "asm": cmd_asm, "precompile": cmd_precompile,
-               "compile-report": cmd_compile_report, "bench": cmd_bench, "demo": cmd_demo,
+               "compile-report": cmd_compile_report, "onnx-report": cmd_onnx_report,
+               "bench": cmd_bench, "demo": cmd_demo,
                "cache": cmd_cache}[args.command]
     try:
         return handler(args)

@@ -1,5 +1,5 @@
 """Every public function, listed once: the ``ptxforge.ops`` module that defines it, the
-kernel registry entry it launches (``ptxforge.kernels.REGISTRY``, what ``ptxforge
+kernel registry entries it launches (``ptxforge.kernels.REGISTRY``, what ``ptxforge
 precompile`` walks), and which namespaces export it.
 
 ``ptxforge``, ``ptxforge.ops`` and ``ptxforge.deep_gemm`` take their names from this
@@ -17,36 +17,37 @@ from importlib import import_module
 class PublicName:
     name: str
     module: str                 # the ptxforge.ops module that defines it
-    kernel: str | None = None   # the kernel registry entry it launches, if it launches one
+    kernels: tuple = ()         # the kernel registry entries it launches, if any
     in_ptxforge: bool = True    # exported by ptxforge and ptxforge.ops
     in_deep_gemm: bool = False  # DeepGEMM has the name: exported by ptxforge.deep_gemm
 
 
 PUBLIC = (
-    PublicName("rms_norm", "rowwise", kernel="rms_norm"),
-    PublicName("quantize_fp8_per_token", "rowwise", kernel="quantize_fp8_per_token"),
-    PublicName("rms_norm_quantize_fp8", "rowwise", kernel="rms_norm_quantize_fp8"),
-    PublicName("silu_mul_quantize_fp8", "rowwise", kernel="silu_mul_quantize_fp8"),
-    PublicName("quantize_fp8_per_block", "block_quant", kernel="quantize_fp8_per_block"),
-    PublicName("fp8_gemm_nt", "gemm", kernel="fp8_gemm_nt", in_deep_gemm=True),
-    PublicName("bf16_gemm_nt", "gemm", kernel="bf16_gemm_nt", in_deep_gemm=True),
+    PublicName("rms_norm", "rowwise", kernels=("rms_norm",)),
+    PublicName("quantize_fp8_per_token", "rowwise", kernels=("quantize_fp8_per_token",)),
+    PublicName("rms_norm_quantize_fp8", "rowwise", kernels=("rms_norm_quantize_fp8",)),
+    PublicName("silu_mul_quantize_fp8", "rowwise", kernels=("silu_mul_quantize_fp8",)),
+    PublicName("quantize_fp8_per_block", "block_quant", kernels=("quantize_fp8_per_block",)),
+    PublicName("fp8_gemm_nt", "gemm", kernels=("fp8_gemm_nt",), in_deep_gemm=True),
+    PublicName("bf16_gemm_nt", "gemm", kernels=("bf16_gemm_nt",), in_deep_gemm=True),
     PublicName("m_grouped_fp8_gemm_nt_contiguous", "gemm",
-               kernel="m_grouped_fp8_gemm_nt_contiguous", in_deep_gemm=True),
-    PublicName("m_grouped_fp8_gemm_nt_masked", "gemm", kernel="m_grouped_fp8_gemm_nt_masked",
+               kernels=("m_grouped_fp8_gemm_nt_contiguous",), in_deep_gemm=True),
+    PublicName("m_grouped_fp8_gemm_nt_masked", "gemm", kernels=("m_grouped_fp8_gemm_nt_masked",),
                in_deep_gemm=True),
     PublicName("m_grouped_bf16_gemm_nt_contiguous", "gemm",
-               kernel="m_grouped_bf16_gemm_nt_contiguous", in_deep_gemm=True),
-    PublicName("m_grouped_bf16_gemm_nt_masked", "gemm", kernel="m_grouped_bf16_gemm_nt_masked",
+               kernels=("m_grouped_bf16_gemm_nt_contiguous",), in_deep_gemm=True),
+    PublicName("m_grouped_bf16_gemm_nt_masked", "gemm", kernels=("m_grouped_bf16_gemm_nt_masked",),
                in_deep_gemm=True),
     PublicName("get_mk_alignment_for_contiguous_layout", "gemm", in_deep_gemm=True),
     PublicName("get_tma_aligned_size", "layout", in_deep_gemm=True),
     # A MoE layer's experts (ops/moe.py), and the kernels it runs around the grouped GEMMs.
     PublicName("moe_experts_fp8", "moe"),
-    PublicName("moe_routing_layout", "routing", kernel="moe_routing_layout"),
+    PublicName("moe_routing_layout", "routing", kernels=("moe_routing_layout",)),
     PublicName("max_contiguous_rows", "routing"),
-    PublicName("moe_permute_quantize_fp8", "moe", kernel="moe_permute_quantize_fp8"),
-    PublicName("moe_silu_mul_quantize_fp8", "moe", kernel="moe_silu_mul_quantize_fp8"),
-    PublicName("moe_combine", "moe_combine", kernel="moe_combine"),
+    PublicName("moe_permute_quantize_fp8", "moe", kernels=("moe_permute_quantize_fp8",
+                                                                   "moe_permute_scales")),
+    PublicName("moe_silu_mul_quantize_fp8", "moe", kernels=("moe_silu_mul_quantize_fp8",)),
+    PublicName("moe_combine", "moe_combine", kernels=("moe_combine",)),
     PublicName("get_mn_major_tma_aligned_tensor", "layout", in_deep_gemm=True),
     # DeepGEMM's helpers, for its callers; ptxforge's own callers use num_sms= and the above.
     PublicName("ceil_div", "layout", in_ptxforge=False, in_deep_gemm=True),

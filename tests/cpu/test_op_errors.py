@@ -149,7 +149,7 @@ CASES = {  # case -> (op, well-formed CPU arguments for M rows (each group's M_m
     "moe_routing_layout(masked)": (ptxforge.moe_routing_layout, lambda m: (
         (zeros(I64, m, 8), 8), {"layout": "masked", "rows_per_expert": 4})),
 }
-KERNEL_OPS = {entry.name for entry in PUBLIC if entry.kernel and entry.in_ptxforge}
+KERNEL_OPS = {entry.name for entry in PUBLIC if entry.kernels and entry.in_ptxforge}
 
 
 def test_the_cases_cover_every_public_op_that_launches_a_kernel():

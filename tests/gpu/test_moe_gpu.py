@@ -77,6 +77,40 @@ def test_permute_and_silu_kernels_match_the_dense_kernels_bit_for_bit(layout):
     assert torch.equal(hs.reshape(-1, hs.shape[-1])[rows], dense_hs)
 
 
+@pytest.mark.parametrize("layout", moe.LAYOUTS)
+@pytest.mark.parametrize("hidden", [7168, 2112, 512])   # 56, 17 and 4 scales a row
+def test_permute_leaves_the_rows_no_pair_names(layout, hidden):
+    """Into a poisoned out=, after a call with another routing (whose row -> pair entries
+    the scale gather then finds in its reused buffer): the rows this routing names get
+    their token's row and scales, the others keep the poison; dropped pairs write nothing."""
+    tokens, top_k, experts = 300, 8, 32
+    x = torch.randn(tokens, hidden, device="cuda").bfloat16()
+    lead = moe.grouped_rows(layout, tokens, top_k, experts)
+    per_expert = {"rows_per_expert": tokens} if layout == "masked" else {}
+    first = ptxforge.moe_routing_layout(routing(tokens, top_k, experts, seed=1)[0], experts,
+                                        layout=layout, **per_expert)
+    ptxforge.moe_permute_quantize_fp8(x, first.rows, lead)
+    idx, _ = routing(tokens, top_k, experts, seed=2)
+    idx[::7, 0] = experts   # dropped pairs
+    r = ptxforge.moe_routing_layout(idx, experts, layout=layout, **per_expert)
+    q, s = moe.grouped_quantized(lead, hidden, "cuda")
+    q.view(torch.uint8).fill_(0x7F)   # e4m3 NaN
+    s.fill_(float("nan"))
+    ptxforge.moe_permute_quantize_fp8(x, r.rows, lead, out=(q, s))
+    dense_q, dense_s = ptxforge.quantize_fp8_per_token(x)
+    flat_q, flat_s = q.view(-1, hidden), s.reshape(-1, s.shape[-1])
+    rows = r.rows.view(-1).long()
+    kept = rows >= 0   # -1: a dropped pair
+    pair_token = (torch.arange(tokens * top_k, device="cuda") // top_k)[kept]
+    rows = rows[kept]
+    assert torch.equal(flat_q[rows].view(torch.uint8), dense_q[pair_token].view(torch.uint8))
+    assert torch.equal(flat_s[rows], dense_s[pair_token])
+    others = torch.ones(flat_q.shape[0], dtype=torch.bool, device="cuda")
+    others[rows] = False
+    assert (flat_q[others].view(torch.uint8) == 0x7F).all()
+    assert flat_s[others].isnan().all()
+
+
 CASES = [(1, 2, 8), (16, 2, 8), (64, 4, 16), (300, 8, 32)]
 
 

@@ -14,6 +14,7 @@ import torch
 
 from ..kernels import bf16_moe_combine as combine_kernel
 from ..kernels import bf16_row_rmsnorm_fp8quant as row_kernel
+from ..kernels import f32_moe_scale_gather as gather_kernel
 from ..kernels import i64_moe_routing_layout as routing_kernel
 from ..kernels import sm90_gemm as gemm_kernel
 from ..kernels.sm90_gemm.tile_model import token_counts
@@ -136,6 +137,21 @@ class MoeRouting(_Kernel):
 
 
 @dataclass(frozen=True)
+class MoeScaleGather(_Kernel):
+    """The permutation's second kernel, the grouped rows' scales: one config."""
+    hidden: int
+    top_k: int
+
+    def config(self, arch, m: int = 0):
+        return gather_kernel.choose_config(arch, self.hidden, self.top_k)
+
+    generate = staticmethod(gather_kernel.generate)
+
+    def __str__(self):
+        return f"moe_permute_scales hidden={self.hidden} topk={self.top_k}"
+
+
+@dataclass(frozen=True)
 class MoeCombine(_Kernel):
     """The combine kernel: one config, whatever the token count."""
     hidden: int
@@ -205,6 +221,7 @@ def moe_kernels(experts: int, hidden: int, inner: int, top_k: int, weight_dtype)
     weight_dtype = "bf16" if weight_dtype == torch.bfloat16 else "f32"
     return (MoeRouting(experts, top_k),
             Row("moe_permute_quantize_fp8", hidden, fanout=top_k),
+            MoeScaleGather(hidden, top_k),
             MoeGemm(2 * inner, hidden, "e4m3", experts=experts, top_k=top_k),
             Row("moe_silu_mul_quantize_fp8", inner),
             MoeGemm(hidden, inner, "e4m3", experts=experts, top_k=top_k),

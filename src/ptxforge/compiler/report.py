@@ -8,7 +8,8 @@ the meta device (shapes, no data), Dynamo traces it, the passes run for a given 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 
 import torch
 
@@ -19,10 +20,28 @@ from .passes import Replacement
 
 @dataclass
 class GraphPlan:
-    """One graph Dynamo made of the model: the plan, and the kernels of its ptxforge nodes
-    (node name -> Gemm / Row descriptors)."""
+    """One graph Dynamo made of the model: the plan, the kernels of its ptxforge nodes
+    (node name -> Gemm / Row descriptors), and for each node Dynamo traced out of a
+    ``torch.fx.GraphModule`` (an ONNX model's, ``ptxforge.onnx``) the name of the node of
+    that module it comes from (``sources``)."""
     plan: list[Replacement]
     kernels: dict[str, tuple]
+    sources: dict[str, str] = field(default_factory=dict)
+
+
+# A frame of the code torch.fx generates for a GraphModule, and the line it runs there.
+_FX_FRAME = re.compile(r'File "<eval_with_key>[^"]*", line \d+, in forward\n\s*(\w+) = ')
+
+
+def fx_sources(gm: torch.fx.GraphModule) -> dict[str, str]:
+    """Node name -> the variable the innermost frame of FX-generated code in its stack
+    trace assigns: the name of the node of the traced GraphModule that made it."""
+    sources = {}
+    for node in gm.graph.nodes:
+        frames = _FX_FRAME.findall(node.meta.get("stack_trace") or "")
+        if frames:
+            sources[node.name] = frames[-1]
+    return sources
 
 
 def trace(case, arch, *, fp8: bool = True, tokens: int = 64) -> list[GraphPlan]:
@@ -31,8 +50,9 @@ def trace(case, arch, *, fp8: bool = True, tokens: int = 64) -> list[GraphPlan]:
     graphs = []
 
     def backend(gm, example_inputs):
+        sources = fx_sources(gm)
         plan = passes.rewrite(gm, example_inputs, fp8=fp8, arch_of=lambda device: arch)
-        graphs.append(GraphPlan(plan, precompile.kernels_of(gm.graph)))
+        graphs.append(GraphPlan(plan, precompile.kernels_of(gm.graph), sources))
         return gm.forward
 
     args, kwargs = case.inputs(tokens, "meta")

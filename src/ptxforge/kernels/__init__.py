@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from . import (bf16_block_quant_fp8, bf16_moe_combine, bf16_row_rmsnorm_fp8quant,
-               i64_moe_routing_layout, sm90_gemm)
+               f32_moe_scale_gather, i64_moe_routing_layout, sm90_gemm)
 from .ep_intranode import combine as ep_combine
 from .ep_intranode import dispatch as ep_dispatch
 from .ep_intranode import layout as ep_layout
@@ -192,6 +192,10 @@ REGISTRY = {
                    bf16_row_rmsnorm_fp8quant.generate, {"hidden": 7168, "topk": 8},
                    tuple({"hidden": h, "topk": k} for h in HIDDEN_SIZES for k in (8, 2)),
                    "MoE: each token's row into its experts' rows, 1x128 FP8 quantization"),
+        KernelSpec("moe_permute_scales", f32_moe_scale_gather.choose_config,
+                   f32_moe_scale_gather.generate, {"hidden": 7168, "topk": 8},
+                   tuple({"hidden": h, "topk": k} for h in HIDDEN_SIZES for k in (8, 2)),
+                   "MoE: the grouped rows' 1x128 scales, MN-major, after the permutation"),
         KernelSpec("moe_silu_mul_quantize_fp8", _row(False, True, swiglu=True, row_map="indexed"),
                    bf16_row_rmsnorm_fp8quant.generate, {"hidden": 2048}, _SWIGLU_VARIANTS,
                    "MoE: SwiGLU + 1x128 FP8 quantization of the grouped rows holding a pair"),

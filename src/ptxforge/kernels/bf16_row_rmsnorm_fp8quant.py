@@ -48,17 +48,21 @@ Row maps (the MoE's grouped layouts; quantizing variants without RMSNorm). The k
 walks M work rows; ``row_map`` says which rows they read and write:
 
     dense    row i in, row i out (the ops above)
-    scatter  row i in, quantized once, then stored to rows index[i * fanout + j], j <
-             fanout (compile-time): a token's row into each of its experts' rows of the
-             grouped GEMM's A (moe_permute_quantize_fp8, fanout = top-k; x read once, not
-             once a pair; the fanout indices loaded under the row's copy)
+    scatter  row i in, quantized once, then its e4m3 row stored to rows index[i * fanout
+             + j], j < fanout (compile-time): a token's row into each of its experts' rows
+             of the grouped GEMM's A (moe_permute_quantize_fp8, fanout = top-k; x read
+             once, not once a pair; the fanout indices loaded under the row's copy). Its
+             scales go to row i of a token-major [M, G] (once), and the pair's index
+             i * fanout + j to sources[index[i * fanout + j]]: the MoE scale gather
+             (f32_moe_scale_gather.py) writes the grouped rows' MN-major scales from them,
+             which stored from here would be fanout x G scattered 4-byte stores a row
     indexed  row index[i] in and out: only the rows of a grouped layout that hold a pair
              (moe_silu_mul_quantize_fp8 between the grouped GEMMs)
 
 index is int32 on the GPU (``moe_routing_layout`` writes it); an entry outside
 [0, index_rows) is a dropped pair: nothing is written for it (indexed: row 0 is copied
-into the stage, so the stage's byte count stays whole, and left there). The grouped
-layouts' scales: row r's group g scale is at (r / rows_per_batch) * scale_batch_stride +
+into the stage, so the stage's byte count stays whole, and left there). The indexed
+map's scales: row r's group g scale is at (r / rows_per_batch) * scale_batch_stride +
 (r % rows_per_batch) * scale_row_stride + g * scale_group_stride (the masked layout's
 [E, M_max, G] MN-major scales have M_max rows a batch; the contiguous layout's one batch).
 
@@ -322,8 +326,11 @@ class _Params:
         if cfg.row_map != "dense":
             self.index = k.param("index", "u64")              # int32 [rows]: the row written
             self.index_rows = k.param("index_rows", "u32")    # rows of q (indexed: and x)
+        if cfg.row_map == "indexed":
             self.rows_per_batch = k.param("rows_per_batch", "u32")
             self.scale_batch_stride = k.param("scale_batch_stride", "u32")  # elements
+        if cfg.row_map == "scatter":
+            self.sources = k.param("sources", "u64")   # int32 [index_rows]: each row's pair
 
 
 def _issue_copies(k, cfg, p, stages, first, total) -> None:
@@ -567,7 +574,8 @@ def _quantize_and_store(k, cfg, p, t, row, x, valid, targets, stage_row):
     """Quantize the row, then store it: at ``row``, or (scatter) at each of ``targets``,
     the rows its index entries name: the e4m3 row written once into its stage (which the
     threads have read), then copied to each target by the copy engine (one bulk store of
-    K bytes a target, issued by the row's first thread), the scales by the threads."""
+    K bytes a target, issued by the row's first thread, who also stores the pair's index
+    at sources[target]); the scales once, at ``row`` (token-major)."""
     q, scales = _quantize(k, cfg, x)
     if targets is None:
         _store_quantized(k, cfg, p, t, row, q, scales, valid)
@@ -582,24 +590,27 @@ def _quantize_and_store(k, cfg, p, t, row, x, valid, targets, stage_row):
                      space="shared")
         k.fence_proxy_async()
         k.bar_sync(0)
+    _store_quantized(k, cfg, p, t, row, q, scales, valid, values=False)
     bound, written = k.reg("u32", "index_rows"), k.pred("pair_written")
     first, issuer = k.pred("row_first_thread"), k.pred("bulk_issuer")
     q_base, dst = k.reg("u64", "q_base"), k.reg("u64", "q_dst")
+    sources, source_at = k.reg("u64", "sources"), k.reg("u64", "source_at")
+    pair = k.reg("u32", "pair")
     k.ld_param(bound, p.index_rows)
     k.ld_param(q_base, p.q)
+    k.ld_param(sources, p.sources)
     k.setp("eq", first, t.col, 0)
     k.and_pred(first, first, valid[0])   # of a row that exists
-    slots = [k.pred(f"pair_slot{i}") for i in range(len(valid))]
     for j, target in enumerate(targets):
-        with k.stage(f"scatter: pair {j}'s row, a bulk store, and its scales"):
+        with k.stage(f"scatter: pair {j}'s row, a bulk store, and the pair at sources[row]"):
             k.setp("lt", written, target, bound, type="u32")
             k.and_pred(issuer, first, written)
             with k.guard(issuer):
                 k.mad(dst, target, cfg.hidden, q_base, mode="wide")
                 k.cp_async_bulk_store(addr(dst), addr(stage_row), cfg.hidden)
-            for slot, ok in zip(slots, valid):
-                k.and_pred(slot, ok, written)
-            _store_quantized(k, cfg, p, t, target, q, scales, slots, values=False)
+                k.mad(source_at, target, 4, sources, mode="wide")
+                k.mad(pair, row, cfg.fanout, j, mode="lo")
+                k.st(addr(source_at), pair)
     with k.stage("scatter: the stage is read before the CTA leaves"):
         k.cp_async_bulk_commit_group()
         k.cp_async_bulk_wait_group(0, read=True)
@@ -667,7 +678,7 @@ def _store_quantized(k, cfg, p, t, row, q, scales, valid, *, values: bool = True
         sidx, group = k.reg("u32", "scale_idx"), k.reg("u32", "group")
         k.shr(group, t.col, 4)
         k.mul(sidx, group, sgs, mode="lo")
-        if cfg.row_map == "dense":
+        if cfg.row_map != "indexed":   # dense, and a scatter's token-major scales
             k.mad(sidx, row, srs, sidx, mode="lo")
         else:   # the row's batch, then its row within the batch
             batch, per_batch = k.reg("u32", "scale_batch"), k.reg("u32", "rows_per_batch")

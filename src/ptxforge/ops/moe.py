@@ -22,13 +22,16 @@ fills is known only on the GPU, and only that is computed.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
+from .. import jit
 from ..kernels import bf16_row_rmsnorm_fp8quant as row_kernel
-from ._common import (current_stream, inspect, pair, require_cuda, require_disjoint,
-                      require_pdl, require_shape, strided_span)
+from ..kernels import f32_moe_scale_gather as gather_kernel
+from ._common import (current_stream, device_arch, inspect, pair, programmatic, require_cuda,
+                      require_disjoint, require_pdl, require_shape, strided_span)
 from .gemm import m_grouped_fp8_gemm_nt_contiguous, m_grouped_fp8_gemm_nt_masked
 from .layout import ceil_div, empty_mn_major_scales
 from .moe_combine import moe_combine
@@ -134,7 +137,8 @@ def moe_permute_quantize_fp8(x: torch.Tensor, rows: torch.Tensor, shape, *, out=
     """Each token's row into its experts' rows of the grouped GEMM's A, quantized per token
     (1x128 groups, as ``quantize_fp8_per_token``): row ``rows[t, j]`` of the output (its
     leading dimensions flattened) gets x[t]'s. Each row is read and quantized once, then
-    stored k times.
+    stored k times; a second kernel writes the grouped rows' scales, column by column of
+    the MN-major layout (``kernels/f32_moe_scale_gather.py`` says why).
 
     x: bf16 [T, H], contiguous rows. rows: int32 [T, k] (``moe_routing_layout``'s); an entry
     outside [0, R) is a dropped pair, not written. shape: the grouped rows' leading shape,
@@ -146,12 +150,41 @@ def moe_permute_quantize_fp8(x: torch.Tensor, rows: torch.Tensor, shape, *, out=
     pairs, k, rows_ptr, rows_span = _routing_rows(rows, device, tokens)
     out, arguments = _checked_out(out, _leading_shape(shape), hidden, pdl, ("x", x, device),
                                   (x_ptr, 2 * tokens * x_strides[0]), rows_span)
-    if pairs:   # a CTA per token (or a few): its row read and quantized once, stored k times
-        launcher, grid = _launcher(tokens, hidden, device, False, True, False, pdl, "scatter",
-                                   k)
-        launcher(grid, current_stream(device), x=x_ptr, x_row_stride=x_strides[0],
-                 rows=tokens, index=rows_ptr, **arguments)
+    if not pairs:
+        return out
+    groups = ceil_div(hidden, row_kernel.GROUP)
+    token_scales = torch.empty((tokens, groups), dtype=torch.float32, device=x.device)
+    sources = torch.empty(arguments["index_rows"], dtype=torch.int32, device=x.device)
+    # A CTA per token (or a few): its row read and quantized once, stored k times; its
+    # scales once, token-major.
+    launcher, grid = _launcher(tokens, hidden, device, False, True, False, pdl, "scatter", k)
+    launcher(grid, current_stream(device), x=x_ptr, x_row_stride=x_strides[0], rows=tokens,
+             index=rows_ptr, index_rows=arguments["index_rows"], q=arguments["q"],
+             scales=token_scales.data_ptr(), scale_row_stride=groups, scale_group_stride=1,
+             sources=sources.data_ptr())
+    launcher, grid = _scale_gather(device, hidden, k, pdl, arguments["index_rows"])
+    launcher(grid, current_stream(device), sources=sources.data_ptr(), rows=rows_ptr,
+             pairs=pairs, token_scales=token_scales.data_ptr(),
+             grouped_rows=arguments["index_rows"], rows_per_batch=arguments["rows_per_batch"],
+             scales=arguments["scales"], scale_row_stride=arguments["scale_row_stride"],
+             scale_group_stride=arguments["scale_group_stride"],
+             scale_batch_stride=arguments["scale_batch_stride"])
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def _scale_gather_kernel(device_index: int, hidden: int, topk: int, pdl: bool | None):
+    """(runs of groups, launcher) of the MoE scale gather for one device and variant."""
+    cfg = gather_kernel.choose_config(device_arch(device_index), hidden, topk)
+    launcher = jit.build(gather_kernel.generate(cfg)).launcher(device_index,
+                                                               programmatic=programmatic(pdl))
+    return cfg.group_runs, launcher
+
+
+def _scale_gather(device: int, hidden: int, topk: int, pdl, grouped_rows: int):
+    """(launcher, grid) of the MoE scale gather: a thread per grouped row and run of groups."""
+    runs, launcher = _scale_gather_kernel(device, hidden, topk, pdl)
+    return launcher, (ceil_div(grouped_rows, gather_kernel.THREADS), runs, 1)
 
 
 def _leading_shape(shape) -> tuple:

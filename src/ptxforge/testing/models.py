@@ -170,6 +170,30 @@ def moe_block(kind: str, *, experts_implementation: str = "grouped_mm", device=N
     return Case(label, model, inputs, hidden, describe)
 
 
+class TokensToHidden(torch.nn.Module):
+    """A transformers base model called on token ids alone, without a cache, returning its
+    hidden states: one tensor in and one out, as torch.onnx.export takes a model."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids):
+        return self.model(ids, use_cache=False).last_hidden_state
+
+
+def export_onnx(model: torch.nn.Module, path, opset: int, *, external_data: bool = False) -> None:
+    """transformers' base ``model`` as torch.onnx.export (the dynamo exporter) writes it at
+    ``opset`` to ``path``: token ids [1, seq] in, hidden states out, seq a dynamic axis;
+    ``external_data``: the weights in a file beside it (models over 2 GB need it)."""
+    vocab = model.config.vocab_size
+    ids = torch.randint(0, vocab, (1, 8), device=next(model.parameters()).device)
+    program = torch.onnx.export(TokensToHidden(model).eval(), (ids,), dynamo=True,
+                                opset_version=opset, verbose=False,
+                                dynamic_shapes=({1: torch.export.Dim("seq")},))
+    program.save(str(path), external_data=external_data)
+
+
 def build(name: str, layers: int = 2) -> Case:
     """"ffn", "llama-8b", "deepseek-v3-moe", "mixtral-moe", or the path of a transformers
     config.json."""
