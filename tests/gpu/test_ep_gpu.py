@@ -85,9 +85,28 @@ def run_spawned(scenario: str, world: int = WORLD) -> None:
 
 
 def _gather(obj) -> list:
+    """Every rank's ``obj`` (a tensor, a tuple of them, or plain data), tensors on the CPU.
+    e4m3 tensors travel as their bytes: the unpickler of torch 2.11 has no float8 storage."""
     out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
+    dist.all_gather_object(out, _packed(obj))
+    return [_unpacked(o) for o in out]
+
+
+def _packed(obj):
+    if isinstance(obj, tuple):
+        return tuple(_packed(o) for o in obj)
+    if isinstance(obj, torch.Tensor):
+        return ("tensor", _bits(obj), str(obj.dtype).removeprefix("torch."), tuple(obj.shape))
+    return obj
+
+
+def _unpacked(obj):
+    if isinstance(obj, tuple) and obj[:1] == ("tensor",):
+        _, data, dtype, shape = obj
+        return data.view(getattr(torch, dtype)).view(shape)
+    if isinstance(obj, tuple):
+        return tuple(_unpacked(o) for o in obj)
+    return obj
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
