@@ -15,6 +15,7 @@ not finish. Under torchrun on a multi-GPU machine:
 
 from __future__ import annotations
 
+import datetime
 import os
 import queue
 import sys
@@ -46,8 +47,10 @@ def _worker(rank: int, world: int, init_file: str, scenario: str, results) -> No
     try:
         os.environ.update(NO_MULTICAST)
         torch.cuda.set_device(rank % torch.cuda.device_count())
+        # A rank stuck in CUDA leaves its peer in a collective: 60 s, not gloo's 30 minutes,
+        # so the peer reports it within the scenario's deadline.
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                                world_size=world)
+                                world_size=world, timeout=datetime.timedelta(seconds=60))
         SCENARIOS[scenario](rank, world)
         results.put((rank, None))
     except BaseException:

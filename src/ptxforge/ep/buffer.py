@@ -234,11 +234,14 @@ class Buffer:
                                             slots=config.ring_slots)
         checks.require_buffer(self.num_nvl_bytes, cfg.plan.bytes_needed(cfg.slot),
                               f"a dispatch of {inputs.hidden}-wide rows")
+        # Built before the exchange, which every rank leaves together: a rank assembling its
+        # kernel after it would let the peer's kernel spin meanwhile, on its timeout's clock.
+        launcher = _launcher(self.device_index, cfg)
         if handle is None:
             handle = self._exchange(inputs, is_token_in_rank, num_tokens_per_expert, topk_idx,
                                     experts, channels, expert_alignment, config,
                                     previous_event)
-        return self._launch_dispatch(cfg, inputs, x, topk_idx, topk_weights, handle,
+        return self._launch_dispatch(launcher, cfg, inputs, x, topk_idx, topk_weights, handle,
                                      previous_event, async_finish, allocate_on_comm_stream)
 
     def _channels(self, config: Config) -> int:
@@ -289,8 +292,8 @@ class Buffer:
                               is_token_in_rank, table.view(2, self.group_size, channels),
                               src_idx, layout)
 
-    def _launch_dispatch(self, cfg, inputs, x, topk_idx, topk_weights, handle, previous_event,
-                         async_finish, allocate_on_comm_stream):
+    def _launch_dispatch(self, launcher, cfg, inputs, x, topk_idx, topk_weights, handle,
+                         previous_event, async_finish, allocate_on_comm_stream):
         n, hidden, k = handle.num_recv_tokens, inputs.hidden, inputs.topk
         with self._on_comm_stream(previous_event, allocate_on_comm_stream) as call:
             device = handle.recv_layout.device
@@ -317,8 +320,7 @@ class Buffer:
             if k:
                 arguments.update(topk_idx=inputs.topk_idx, topk_weights=inputs.topk_weights,
                                  experts_per_rank=handle.experts // self.group_size)
-            _launcher(self.device_index, cfg)((2 * cfg.channels, 1, 1),
-                                              self.comm_stream.cuda_stream, **arguments)
+            launcher((2 * cfg.channels, 1, 1), self.comm_stream.cuda_stream, **arguments)
         event = call.finish(async_finish)
         received = (recv_x, outputs["recv_scales"]) if inputs.fp8 else recv_x
         return (received, outputs.get("recv_topk_idx"), outputs.get("recv_topk_weights"),
