@@ -18,22 +18,15 @@ from ptxforge.ops import _common
 from ptxforge.testing.bench import Timer, format_table
 
 sys.path.insert(0, "bench")
-from moe_kernels import SIZES  # noqa: E402
+from moe_kernels import SIZES, problem  # noqa: E402
 
 hidden, inner, experts, _ = SIZES["deepseek-v3"]
 arch = _common.device_arch(0)
 timer = Timer()
-
-
-def weights(n: int, k: int):
-    q, s = ptxforge.quantize_fp8_per_block(
-        (torch.randn(experts * n, k, device="cuda") * 0.02).bfloat16())
-    return q.view(experts, n, k), s.view(experts, -1, s.shape[1])
-
+_, _, _, gate_up, down = problem("deepseek-v3", 1)   # the op's weights, as moe_kernels draws them
 
 rows = []
-problems = (("gate_up", weights(2 * inner, hidden), 2 * inner, hidden),
-            ("down", weights(hidden, inner), hidden, inner))
+problems = (("gate_up", gate_up, 2 * inner, hidden), ("down", down, hidden, inner))
 for per_expert in [int(r) for r in sys.argv[1:]] or [128, 256]:
     if per_expert % gemm.CONTIGUOUS_ALIGNMENT:
         raise SystemExit(f"rows an expert must be a multiple of {gemm.CONTIGUOUS_ALIGNMENT}")

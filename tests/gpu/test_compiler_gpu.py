@@ -9,7 +9,7 @@ import torch
 
 from ptxforge import compiler
 from ptxforge.testing.checks import calc_diff
-from ptxforge.testing.models import Ffn, in_f32
+from ptxforge.testing.models import Ffn, PlanRecorder, in_f32
 
 pytestmark = pytest.mark.gpu
 
@@ -25,12 +25,8 @@ def test_an_ffn_block_runs_on_ptxforge_gemms(fp8, limit):
 
     model = Ffn(1024, 512).cuda().to(torch.bfloat16)
     torch.nn.init.normal_(model.norm.weight, 1.0, 0.1)
-    plans = []
-
-    def backend(gm, example_inputs):
-        compiled = compiler.backend(gm, example_inputs, fp8=fp8)
-        plans.append(gm.ptxforge_plan)
-        return compiled
+    backend = PlanRecorder(fp8=fp8)
+    plans = backend.plans
 
     torch._dynamo.reset()
     counters.clear()
@@ -65,12 +61,8 @@ def test_a_small_llama_compiles_onto_ptxforge_gemms():
                                       attn_implementation="sdpa")
     model = transformers.LlamaModel(config).cuda().to(torch.bfloat16).eval()
     ids = torch.randint(0, 1000, (1, 64), device="cuda")
-    plans = []
-
-    def backend(gm, example_inputs):
-        compiled = compiler.backend(gm, example_inputs)
-        plans.append(gm.ptxforge_plan)
-        return compiled
+    backend = PlanRecorder()
+    plans = backend.plans
 
     torch._dynamo.reset()
     with torch.no_grad():

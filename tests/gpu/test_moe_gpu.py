@@ -183,12 +183,8 @@ def test_a_transformers_moe_block_compiles_to_the_experts_op(kind):
              "mixtral": dict(hidden_size=1024, intermediate_size=1024)}[kind]
     model = models.moe_block(kind.replace("_", "-") + "-moe", device="cuda", **sizes).model
     f32 = models.in_f32(model)
-    plans = []
-
-    def backend(gm, example_inputs):
-        compiled = compiler.backend(gm, example_inputs)
-        plans.append(gm.ptxforge_plan)
-        return compiled
+    backend = models.PlanRecorder()
+    plans = backend.plans
 
     compiled = torch.compile(model, backend=backend)
     with torch.no_grad():

@@ -51,12 +51,8 @@ def exported(request, llama, tmp_path_factory):
 def test_an_exported_llama_on_ptxforge_matches_onnxruntime(llama, exported, fp8, limit, same):
     path, session = exported
     module = ptxforge_onnx.load(path, dtype=torch.bfloat16, device="cuda")
-    plans = []
-
-    def backend(gm, example_inputs):
-        compiled = compiler.backend(gm, example_inputs, fp8=fp8)
-        plans.append(gm.ptxforge_plan)
-        return compiled
+    backend = models.PlanRecorder(fp8=fp8)
+    plans = backend.plans
 
     torch._dynamo.reset()
     onnx_compiled = torch.compile(module, backend=backend)

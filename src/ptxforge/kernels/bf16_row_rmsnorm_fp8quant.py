@@ -681,14 +681,10 @@ def _store_quantized(k, cfg, p, t, row, q, scales, valid, *, values: bool = True
         if cfg.row_map != "indexed":   # dense, and a scatter's token-major scales
             k.mad(sidx, row, srs, sidx, mode="lo")
         else:   # the row's batch, then its row within the batch
-            batch, per_batch = k.reg("u32", "scale_batch"), k.reg("u32", "rows_per_batch")
-            stride, in_batch = k.reg("u32", "scale_batch_stride"), k.reg("u32", "row_in_batch")
+            per_batch, stride = k.reg("u32", "rows_per_batch"), k.reg("u32", "scale_batch_stride")
             k.ld_param(per_batch, p.rows_per_batch)
             k.ld_param(stride, p.scale_batch_stride)
-            k.div(batch, row, per_batch, type="u32")
-            k.mad(sidx, batch, stride, sidx, mode="lo")
-            k.rem(in_batch, row, per_batch, type="u32")
-            k.mad(sidx, in_batch, srs, sidx, mode="lo")
+            fp8.add_batched_row_offset(k, sidx, row, per_batch, stride, srs)
         k.ld_param(s_ptr, p.scales)
         k.mad(s_ptr, sidx, 4, s_ptr, mode="wide")
         slot_step = k.reg("u32", "scale_slot_step")

@@ -34,6 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..arch import Arch
+from ..patterns import fp8
 from ..ptx import KernelBuilder, LaunchShape, addr, sreg
 from .bf16_row_rmsnorm_fp8quant import GROUP   # columns per scale (the 1x128 recipe)
 
@@ -134,22 +135,19 @@ def _copy_scales(k, cfg, p, row, token, named) -> None:
         k.ld_param(src, p.token_scales)
         k.mad(src, token, 4 * cfg.groups, src, mode="wide")
         k.mad(src, first, 4, src, mode="wide")
-        # The row's first scale: batch * batch_stride + (row in batch) * row_stride.
-        batch, in_batch, stride = (k.reg("u32", n) for n in ("batch", "row_in_batch", "stride"))
-        index = k.reg("u32", "scale_index")
-        k.ld_param(stride, p.rows_per_batch)
-        k.div(batch, row, stride, type="u32")
-        k.rem(in_batch, row, stride, type="u32")
-        k.ld_param(stride, p.scale_batch_stride)
-        k.mul(index, batch, stride, mode="lo")
-        k.ld_param(stride, p.scale_row_stride)
-        k.mad(index, in_batch, stride, index, mode="lo")
-        k.ld_param(stride, p.scale_group_stride)
-        k.mad(index, first, stride, index, mode="lo")
+        # The row's scale of the CTA's first group.
+        per_batch, batch_stride, row_stride, group_stride, index = (
+            k.reg("u32", n) for n in ("rows_per_batch", "scale_batch_stride", "scale_row_stride",
+                                      "scale_group_stride", "scale_index"))
+        for reg, param in ((per_batch, p.rows_per_batch), (batch_stride, p.scale_batch_stride),
+                           (row_stride, p.scale_row_stride), (group_stride, p.scale_group_stride)):
+            k.ld_param(reg, param)
+        k.mul(index, first, group_stride, mode="lo")
+        fp8.add_batched_row_offset(k, index, row, per_batch, batch_stride, row_stride)
         k.ld_param(dst, p.scales)
         k.mad(dst, index, 4, dst, mode="wide")
         step = k.reg("u64", "group_step")
-        k.mul(step, stride, 4, mode="wide")
+        k.mul(step, group_stride, 4, mode="wide")
         # A run's slots (G of them where G is less); where G is more and no multiple of
         # them, the last run's slots past G copy nothing.
         width = min(GROUPS_PER_CTA, cfg.groups)

@@ -55,3 +55,16 @@ def scale_from_amax(k: KernelBuilder, amax: Reg, inv_scale: Reg, scale: Reg) -> 
     k.rcp(inv_scale, amax, rnd="rn")
     k.mul(inv_scale, inv_scale, E4M3_MAX, rnd="rn")
     k.mul(scale, amax, 1.0 / E4M3_MAX, rnd="rn")
+
+
+def add_batched_row_offset(k: KernelBuilder, offset: Reg, row, rows_per_batch: Reg,
+                           batch_stride: Reg, row_stride: Reg) -> None:
+    """Four instructions: ``offset += (row / rows_per_batch) * batch_stride + (row %
+    rows_per_batch) * row_stride`` (u32), where a grouped layout's row ``row`` has its
+    scales in MN-major layouts of ``rows_per_batch`` rows each (the masked layout's
+    [E, M_max, G]: M_max rows a batch; the contiguous layout's: one batch)."""
+    batch, in_batch = k.reg("u32", "scale_batch"), k.reg("u32", "row_in_batch")
+    k.div(batch, row, rows_per_batch, type="u32")
+    k.mad(offset, batch, batch_stride, offset, mode="lo")
+    k.rem(in_batch, row, rows_per_batch, type="u32")
+    k.mad(offset, in_batch, row_stride, offset, mode="lo")

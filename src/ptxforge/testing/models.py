@@ -52,6 +52,21 @@ MIXTRAL_MOE = {"hidden_size": 4096, "intermediate_size": 14336, "num_local_exper
                "num_experts_per_tok": 2}
 
 
+class PlanRecorder:
+    """A torch.compile backend: ptxforge's with ``options`` (e.g. ``fp8=False``), keeping
+    the plan of each graph it compiles in ``plans``, for tests to assert on."""
+
+    def __init__(self, **options):
+        self.options, self.plans = options, []
+
+    def __call__(self, gm, example_inputs):
+        from .. import compiler
+
+        compiled = compiler.backend(gm, example_inputs, **self.options)
+        self.plans.append(gm.ptxforge_plan)
+        return compiled
+
+
 @dataclass
 class Case:
     """A model and how to call it for a number of tokens."""
