@@ -72,7 +72,8 @@ def test_dispatch_protocol_in_the_ptx():
     record and a trap, and so is an entry whose signature is not the receiver's."""
     cfg = dispatch_kernel.choose_config(SM90, 2, 2048, 4, fp8=True, num_sms=4, slots=64)
     lines = _body(dispatch_kernel.generate(cfg).ptx())
-    assert sum("ld.acquire.sys.global.u32" in line for line in lines) == 2  # head, tail
+    # head, tail: each polled, and looked at once more past the time limit
+    assert sum("ld.acquire.sys.global.u32" in line for line in lines) == 4
     assert sum("st.release.sys.global.u32" in line for line in lines) == 2  # tail, head
     assert sum("ld.relaxed.sys.global.u32" in line for line in lines) == 2  # the bases
     assert sum(line == "trap;" for line in lines) == 3
@@ -380,3 +381,34 @@ def test_set_num_sms_is_checked():
 
     with pytest.raises(ValueError, match="even int of at least 2, got 3"):
         Buffer.set_num_sms(3)
+
+
+def test_a_cached_dispatch_must_match_its_handle():
+    """A call reusing a handle exchanges nothing, so what the peers cannot check (the rows'
+    size and dtype, the top-k columns the entries make room for) is checked against the
+    handle on the host."""
+    from ptxforge.ep import Buffer
+    from ptxforge.ep.buffer import DispatchHandle
+
+    handle = DispatchHandle(num_tokens=4, num_recv_tokens=0, channels=2, experts=8, hidden=256,
+                            fp8=False, topk=2, is_token_in_rank=None, recv_layout=None,
+                            recv_src_idx=None, layout=None)
+    buffer = Buffer.__new__(Buffer)  # the check reads the handle and the call alone
+
+    def call(tokens=4, hidden=256, fp8=False, topk=0, channels=2):
+        inputs = checks.DispatchInputs(fp8, tokens, hidden, topk, 0, 0, (0, 0), 0, 0)
+        return buffer._check_handle(handle, inputs, channels)
+
+    assert call() == 8 and call(topk=2) == 8
+    with pytest.raises(ValueError, match="x must have the handle's 4 tokens, got 5"):
+        call(tokens=5)
+    with pytest.raises(ValueError, match="x must have the handle's hidden size 256, got 512"):
+        call(hidden=512)
+    with pytest.raises(ValueError, match=r"x must be bf16 as in the handle's dispatch, got FP8"):
+        call(fp8=True)
+    with pytest.raises(ValueError, match="topk_idx must have the handle's 2 columns, got 3"):
+        call(topk=3)
+    with pytest.raises(ValueError, match="config.num_sms must be the handle's 4, got 8"):
+        call(channels=4)
+    with pytest.raises(TypeError, match="handle must be what dispatch returned, got tuple"):
+        buffer._check_handle((), None, 2)

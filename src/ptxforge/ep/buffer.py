@@ -80,6 +80,9 @@ class DispatchHandle:
     num_recv_tokens: int
     channels: int
     experts: int
+    hidden: int
+    fp8: bool
+    topk: int                        # the entries' top-k room: a cached call lays them out alike
     is_token_in_rank: torch.Tensor   # bool [T, ranks]
     recv_layout: torch.Tensor        # int32 [2, ranks, channels] on the device
     recv_src_idx: torch.Tensor       # int32 [N]: each received row's token on its source rank
@@ -224,12 +227,16 @@ class Buffer:
                                             num_tokens_per_rank, num_tokens_per_rdma_rank,
                                             tokens=inputs.tokens, ranks=self.group_size,
                                             device=self.device_index)
+            topk = inputs.topk
         else:
-            experts = self._check_handle(handle, inputs.tokens, channels)
+            experts = self._check_handle(handle, inputs, channels)
+            topk = handle.topk
         if type(expert_alignment) is not int or expert_alignment < 1:
             raise ValueError(f"expert_alignment must be a positive int, got {expert_alignment!r}")
+        # A cached call's entries keep the first call's layout, top-k room included, whether
+        # or not top-k travels: a ring the peer may still be reading is never laid out anew.
         cfg = dispatch_kernel.choose_config(self.arch, self.group_size, inputs.hidden,
-                                            max(inputs.topk, 1), fp8=inputs.fp8,
+                                            topk, fp8=inputs.fp8,
                                             with_topk=bool(inputs.topk), num_sms=config.num_sms,
                                             slots=config.ring_slots)
         checks.require_buffer(self.num_nvl_bytes, cfg.plan.bytes_needed(cfg.slot),
@@ -247,11 +254,22 @@ class Buffer:
     def _channels(self, config: Config) -> int:
         return _checked_num_sms("config.num_sms", config.num_sms) // 2
 
-    def _check_handle(self, handle, tokens: int, channels: int) -> int:
+    def _check_handle(self, handle, inputs, channels: int) -> int:
+        """The handle's experts, after checking that the call matches its layout."""
         if not isinstance(handle, DispatchHandle):
             raise TypeError(f"handle must be what dispatch returned, got {type(handle).__name__}")
-        if handle.num_tokens != tokens:
-            raise ValueError(f"x must have the handle's {handle.num_tokens} tokens, got {tokens}")
+        if handle.num_tokens != inputs.tokens:
+            raise ValueError(f"x must have the handle's {handle.num_tokens} tokens, got "
+                             f"{inputs.tokens}")
+        if handle.hidden != inputs.hidden:
+            raise ValueError(f"x must have the handle's hidden size {handle.hidden}, got "
+                             f"{inputs.hidden}")
+        if handle.fp8 != inputs.fp8:
+            raise ValueError(f"x must be {'FP8 (e4m3, scales)' if handle.fp8 else 'bf16'} as in "
+                             f"the handle's dispatch, got {'FP8' if inputs.fp8 else 'bf16'}")
+        if inputs.topk not in (0, handle.topk):
+            raise ValueError(f"topk_idx must have the handle's {handle.topk} columns, got "
+                             f"{inputs.topk}")
         if handle.channels != channels:
             raise ValueError(f"config.num_sms must be the handle's {2 * handle.channels}, got "
                              f"{2 * channels}")
@@ -289,7 +307,7 @@ class Buffer:
         table = torch.tensor(layout.table(), dtype=torch.int32, device=self.device_index)
         src_idx = torch.empty(layout.num_recv_tokens, dtype=torch.int32, device=self.device_index)
         return DispatchHandle(inputs.tokens, layout.num_recv_tokens, channels, experts,
-                              is_token_in_rank, table.view(2, self.group_size, channels),
+                              inputs.hidden, inputs.fp8, inputs.topk, is_token_in_rank, table.view(2, self.group_size, channels),
                               src_idx, layout)
 
     def _launch_dispatch(self, launcher, cfg, inputs, x, topk_idx, topk_weights, handle,

@@ -14,6 +14,9 @@ message instead of hanging the GPU. ``Watchdog.wait`` emits, per wait:
     sub.u64   now, now, start
     setp.le.u64 waiting, now, timeout_ns
     @waiting bra top
+    ld.acquire.sys.global.u32  seen, [counter] once more: the context may have been switched
+    (the caller's test of ``seen``)            out between the load and the clock, for longer
+    @ready bra done                            than the limit, while the counter arrived
     st.relaxed.sys.global.v4.b32 [error], {code, channel, peer, seen}
     fence.sc.sys
     trap
@@ -63,6 +66,11 @@ class Watchdog:
         k.setp("le", self.waiting, self.now, self.timeout_ns)
         with k.guard(self.waiting):
             k.bra(top)
+        # Past the limit, one more look: a time slice given to another context between the
+        # load and the clock can outlast the limit while the counter is already there.
+        k.ld(seen, counter, sem="acquire", scope="sys")
+        with k.guard(ready(seen)):
+            k.bra(done)
         self.fail(code, channel, peer, seen)
         k.place(done)
 
