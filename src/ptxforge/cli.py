@@ -234,6 +234,15 @@ def cmd_bench(args) -> int:
         opsets = tuple(int(opset) for opset in args.opsets.split(","))
         result = onnx_bench.onnx_suite(opsets, args.layers)
         text, plot = onnx_bench.onnx_table(result), None
+    elif args.suite == "ep":
+        from .testing import ep_bench
+
+        result = ep_bench.ep_suite(tokens=args.tokens, hidden=args.k, sms=_ints(args.sms),
+                                   slots=_ints(args.slots))
+        if result is None:  # a rank other than 0 under torchrun: rank 0 reports
+            return 0
+        text = ep_bench.ep_table(result)
+        plot = _plot_ep
     elif args.suite == "model":
         from .testing import model_bench
 
@@ -253,6 +262,10 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split(","))
+
+
 def _pyplot():
     try:
         import matplotlib
@@ -263,6 +276,14 @@ def _pyplot():
         print("(matplotlib is not installed: no plot)")
         return None
     return plt
+
+
+def _plot_ep(result: dict, path: str) -> None:
+    from .testing import ep_bench
+
+    plt = _pyplot()
+    if plt is not None:
+        ep_bench.plot_ep(result, path, plt)
 
 
 def _plot_gemm(result: dict, path: str, *, peer: str, peer_label: str, what: str) -> None:
@@ -453,7 +474,7 @@ def main(argv=None) -> int:
     p.add_argument("--bf16", action="store_true", help="the backend's fp8=False plan")
     p = command("bench", "GPU benchmark side by side with torch")
     p.add_argument("suite", choices=["memory", "fp8-gemm", "grouped-gemm", "bf16-gemm", "decode",
-                                     "chain", "model", "onnx"])
+                                     "chain", "model", "onnx", "ep"])
     p.add_argument("--m", type=int, default=16384)
     p.add_argument("--k", type=int, default=7168)
     p.add_argument("--json", help="write the full results here")
@@ -462,6 +483,10 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=2, help="model and onnx suites: transformers "
                    "layers")
     p.add_argument("--opsets", default="18,23", help="onnx suite: the opsets to export at")
+    p.add_argument("--tokens", type=int, default=4096, help="ep suite: tokens a rank (--k: "
+                   "the hidden size)")
+    p.add_argument("--sms", default="8,12,16,20,24", help="ep suite: the SM budgets swept")
+    p.add_argument("--slots", default="64,128,256", help="ep suite: the ring sizes swept")
     command("demo", "run (GPU) or assemble (CPU) every kernel, with checks")
     p = command("cache", "show or clear the on-disk cubin cache")
     p.add_argument("action", choices=["show", "clear"], nargs="?", default="show")

@@ -157,3 +157,50 @@ def test_bench_chain_writes_json(monkeypatch, tmp_path, capsys):
     assert cli.main(["bench", "chain", "--json", str(out_json)]) == 0
     assert json.loads(out_json.read_text()) == CHAIN
     assert bench.chain_table(CHAIN) in capsys.readouterr().out
+
+
+def _ep_ranks():
+    """Two ranks' reports as ``ep_bench._measure`` gathers them (rank 1 the slower)."""
+    sweep = lambda d, c: [dict(sms=8, slots=64, dispatch_us=d, combine_us=c),
+                          dict(sms=20, slots=64, dispatch_us=d / 2, combine_us=c / 2),
+                          dict(sms=24, slots=64, dispatch_us=d / 4, combine_us=c / 4)]
+    peers = dict(p2p_copy_gbs=394.0, nccl_dispatch_bytes_us=150.0, nccl_bf16_4096x7168_us=131.0)
+    overlap = dict(gemm_sms=112, comm_sms=20, gemm_rows=9000, gemm_us=900.0, comm_us=300.0,
+                   overlapped_us=960.0, ratio=0.8)
+    return [dict(sweep=sweep(200.0, 400.0), dispatch_bytes=30e6, combine_bytes=58e6,
+                 peers=peers, overlap=overlap, recv=4000),
+            dict(sweep=sweep(220.0, 380.0), dispatch_bytes=32e6, combine_bytes=60e6,
+                 peers={}, overlap=overlap, recv=4100)]
+
+
+def test_ep_summary_takes_the_slowest_rank_and_picks_within_the_budget():
+    from ptxforge.testing import ep_bench
+
+    params = dict(tokens=4096, hidden=7168, topk=8, experts=256, sms=[8, 20, 24], slots=[64],
+                  calls=8, repeats=5)
+    result = ep_bench._summary(_ep_ranks(), params, 2, True, "NVIDIA H200")
+    first, second = result["sweep"][:2]
+    assert (first["dispatch_us"], first["combine_us"]) == (220.0, 400.0)
+    assert first["dispatch_gbs"] == pytest.approx(31e6 / 220.0 / 1e3)  # the ranks' mean bytes
+    assert second["combine_gbs"] == pytest.approx(59e6 / 200.0 / 1e3)
+    # 24 SMs is faster but over the 20-SM budget.
+    assert result["picked"] == {"dispatch": dict(sms=20, slots=64),
+                                "combine": dict(sms=20, slots=64)}
+    table = ep_bench.ep_table(result)
+    assert "|  20 |         64 |       110.0 |  282 |" in table
+    assert "dispatch: 282 GB/s = 72% of the P2P copy" in table
+    assert "picked (most GB/s on <= 20 SMs): dispatch 20 SMs x 64 slots" in table
+    assert "NCCL all_to_all_single bf16 4096x7168: 131.0 us" in table
+    assert "together 960.0 us = 0.80 x their sum" in table
+    one_gpu = ep_bench._summary(_ep_ranks(), params, 2, False, "NVIDIA H200")
+    assert "all on ONE GPU under MPS" in ep_bench.ep_table(one_gpu)
+
+
+def test_bench_ep_needs_mps_for_two_ranks_on_one_gpu(monkeypatch):
+    from ptxforge.testing import ep_bench
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(ep_bench, "_mps_running", lambda: False)
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(ValueError, match="world=2 ranks on 1 GPU\\(s\\) need MPS"):
+        ep_bench.ep_suite()

@@ -4,10 +4,13 @@ torch references (ptxforge.testing.ep) built from every rank's inputs, gathered 
 group; bitwise where the recipe is exact, the same bits run to run; errors that every
 rank raises instead of hanging; a peer that never launches ends in the device timeout.
 
-Two processes (``gloo`` rendezvous: NCCL refuses two ranks on one GPU): both on cuda:0
-when one GPU is visible, on cuda:0 and cuda:1 when two are. Each scenario spawns its
-processes and fails with their tracebacks, or after TIMEOUT_S with the ranks that did
-not finish. Under torchrun on a multi-GPU machine:
+Two processes (``gloo`` rendezvous: NCCL refuses two ranks on one GPU): on cuda:0 and
+cuda:1 when two GPUs are visible; both on cuda:0 when one is, under MPS (the ranks'
+kernels wait for each other, so they must be resident together, as on two GPUs; without
+MPS the two contexts only take turns; ``bash bench/device_run.sh ep`` starts the MPS
+daemon). Each scenario spawns its processes and fails with their tracebacks, or after
+TIMEOUT_S (``PTXFORGE_EP_TEST_TIMEOUT_S``) with the ranks that did not finish. Under
+torchrun on a multi-GPU machine:
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
         PYTHONPATH=src torchrun --nproc-per-node 2 tests/gpu/test_ep_gpu.py
@@ -34,7 +37,7 @@ from ptxforge.testing.reference import quantize_fp8_per_token
 pytestmark = pytest.mark.gpu
 
 WORLD = 2
-TIMEOUT_S = 300          # a scenario's processes, JIT builds included
+TIMEOUT_S = float(os.environ.get("PTXFORGE_EP_TEST_TIMEOUT_S", 300))  # a scenario, JIT included
 KERNEL_TIMEOUT_S = 20.0  # the buffers' device-side time limit (two processes share a GPU)
 EXPERTS, TOPK = 8, 4
 # Keep NVLink multicast off in every process these tests start.
@@ -43,7 +46,33 @@ NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"
 
 
 # ---------------------------------------------------------------------------- process harness
+_results = None  # the queue a spawned rank reports on
+
+
+def _report(rank: int, error) -> None:
+    """Put the rank's report and wait until it has left the process."""
+    _results.put((rank, error))
+    _results.close()
+    _results.join_thread()
+
+
+def _report_and_exit(rank: int) -> None:
+    """For a rank whose kernel trapped as the scenario meant: report success and leave at
+    once. Freeing a tensor used on two streams then makes torch record an event in the
+    dead context, which throws from a destructor and aborts the process."""
+    _report(rank, None)
+    os._exit(0)
+
+
+def mps_running() -> bool:
+    """Whether an MPS control daemon serves this process's pipe directory."""
+    pipe = os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps")
+    return os.path.exists(os.path.join(pipe, "control"))
+
+
 def _worker(rank: int, world: int, init_file: str, scenario: str, results) -> None:
+    global _results
+    _results = results
     try:
         os.environ.update(NO_MULTICAST)
         torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -52,9 +81,9 @@ def _worker(rank: int, world: int, init_file: str, scenario: str, results) -> No
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                                 world_size=world, timeout=datetime.timedelta(seconds=60))
         SCENARIOS[scenario](rank, world)
-        results.put((rank, None))
+        _report(rank, None)
     except BaseException:
-        results.put((rank, traceback.format_exc()))
+        _report(rank, traceback.format_exc())
 
 
 def run_spawned(scenario: str, world: int = WORLD) -> None:
@@ -288,14 +317,16 @@ def scenario_peer_never_launches(rank: int, world: int) -> None:
                                                  r"tokens from rank 1"):
             buffer.check_timeout()
     dist.barrier()  # rank 1 waits here, alive, while rank 0 times out
+    if rank == 0:
+        _report_and_exit(rank)
 
 
 def scenario_cached_call_disagrees(rank: int, world: int) -> None:
-    """A call reusing a handle exchanges nothing: rank 1 dispatches 512-wide rows where rank
-    0 dispatches 256-wide ones. The receivers find entries signed for other sizes (or,
-    where a peer trapped first, wait until the timeout); no rank hangs, and at least one
-    names the disagreement."""
-    buffer = Buffer(dist.group.WORLD, buffer_size(world, 512, TOPK, config=Config(4, 64)),
+    """A call reusing a handle exchanges nothing, and the host checks it against the handle
+    alone: rank 1 lays its rings out for 128 entries where rank 0 keeps 64. The receivers
+    find entries signed for other sizes (or, where a peer trapped first, wait until the
+    timeout); no rank hangs, and at least one names the disagreement."""
+    buffer = Buffer(dist.group.WORLD, buffer_size(world, 256, TOPK, config=Config(4, 128)),
                     num_sms=4, timeout_s=5.0)
     dev = torch.device("cuda", torch.cuda.current_device())
     idx = _routing(rank, 24, "random", 12).to(dev)
@@ -307,14 +338,14 @@ def scenario_cached_call_disagrees(rank: int, world: int) -> None:
         topk_weights=torch.ones(24, TOPK, device=dev), config=Config(4, 64))
     torch.cuda.synchronize()
     dist.barrier()
-    wide = torch.randn(24, 256 * (rank + 1), device=dev).bfloat16()
     with pytest.raises(RuntimeError):
-        buffer.dispatch(wide, handle=handle, config=Config(4, 64))
+        buffer.dispatch(x, handle=handle, config=Config(4, 64 * (rank + 1)))
         torch.cuda.synchronize()
     with pytest.raises(EPTimeoutError) as error:
         buffer.check_timeout()
     messages = _gather(str(error.value))
     assert any("laid out for other sizes" in m for m in messages), messages
+    _report_and_exit(rank)
 
 
 SCENARIOS = {"routings": scenario_routings, "errors": scenario_errors,
@@ -324,6 +355,8 @@ SCENARIOS = {"routings": scenario_routings, "errors": scenario_errors,
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_two_processes(scenario, monkeypatch):
+    if torch.cuda.device_count() < 2 and not mps_running():
+        pytest.skip("two ranks on one GPU need MPS (bash bench/device_run.sh ep starts it)")
     for name, value in NO_MULTICAST.items():
         monkeypatch.setenv(name, value)
     run_spawned(scenario)

@@ -1,0 +1,331 @@
+"""``ptxforge bench ep``: the intranode dispatch and combine (``ptxforge.ep.Buffer``) over a
+sweep of SM budgets and ring sizes, with the peers measured in the same run: the copy
+engine's one-direction P2P copy (1 GiB) and NCCL's ``all_to_all_single`` moving the same
+bytes, and the grouped FP8 GEMM run beside the communication on the SMs it leaves.
+
+Each rank is a process: under ``torchrun`` the launcher's, otherwise ``world`` processes
+this module spawns, one a GPU (or, with one GPU, all on it under MPS: the numbers then
+time the kernels' mechanics through one GPU's memory, not NVLink, and there are no peers).
+
+What is timed: the calls that reuse a dispatch's handle (no host synchronisation), ``calls``
+of them back to back on the communication stream after a host barrier, between two CUDA
+events; a call's time is the batch's over ``calls`` (the launch latency and the ranks'
+start skew are paid once a batch), the median of ``repeats`` batches, the slowest rank's.
+The bytes are those crossing between GPUs: the rows (and FP8 scales) a rank sends to the
+other ranks, its own rows excluded; GB/s is that over the time. The L2 is not flushed:
+the payload is sent once a call and does not stay in L2 between calls.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import statistics
+import tempfile
+
+import torch
+
+DEFAULT_SMS = (8, 12, 16, 20, 24)
+DEFAULT_SLOTS = (64, 128, 256)
+SM_BUDGET = 20          # the issue's budget: the picked config uses at most this many SMs
+GEMM_N = 4096           # the experts' gate_up width beside the communication (DeepSeek-V3)
+SLEEP_CYCLES = 20_000_000  # ~10 ms at 2 GHz: the host's time to enqueue a batch, and more
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def ep_suite(*, tokens: int = 4096, hidden: int = 7168, topk: int = 8, experts: int = 256,
+             sms=DEFAULT_SMS, slots=DEFAULT_SLOTS, world: int = 2, calls: int = 8,
+             repeats: int = 5) -> dict | None:
+    """Rank 0's results (None on the other ranks under torchrun)."""
+    params = dict(tokens=tokens, hidden=hidden, topk=topk, experts=experts, sms=list(sms),
+                  slots=list(slots), calls=calls, repeats=repeats)
+    os.environ.update(NO_MULTICAST)
+    if "RANK" in os.environ:
+        import torch.distributed as dist
+
+        rank = int(os.environ["RANK"])
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+        return _measure(rank, dist.get_world_size(), params)
+    if torch.cuda.device_count() < world and not _mps_running():
+        raise ValueError(f"world={world} ranks on {torch.cuda.device_count()} GPU(s) need MPS "
+                         f"(their kernels wait for each other); start nvidia-cuda-mps-control "
+                         f"or run under torchrun with a GPU a rank")
+    context = torch.multiprocessing.get_context("spawn")
+    results = context.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init = os.path.join(tmp, "rendezvous")
+        processes = [context.Process(target=_spawned, args=(r, world, init, params, results))
+                     for r in range(world)]
+        for p in processes:
+            p.start()
+        reports = dict(results.get(timeout=1200) for _ in range(world))
+        for p in processes:
+            p.join(timeout=60)
+    failed = [f"rank {r}: {report}" for r, report in sorted(reports.items())
+              if isinstance(report, str)]
+    if failed:
+        raise RuntimeError("ptxforge bench ep failed:\n" + "\n".join(failed))
+    return reports[0]
+
+
+def _mps_running() -> bool:
+    pipe = os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps")
+    return os.path.exists(os.path.join(pipe, "control"))
+
+
+def _spawned(rank: int, world: int, init: str, params: dict, results) -> None:
+    import traceback
+
+    import torch.distributed as dist
+
+    try:
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank,
+                                world_size=world, timeout=datetime.timedelta(seconds=120))
+        results.put((rank, _measure(rank, world, params)))
+        dist.destroy_process_group()
+    except BaseException:
+        results.put((rank, traceback.format_exc()))
+
+
+# ---------------------------------------------------------------------------- one rank
+def _routing(rank: int, tokens: int, experts: int, topk: int, hidden: int):
+    """A rank's tokens: bf16 rows quantized per token (FP8, MN-major scales), top-k
+    experts drawn uniformly without repetition, softmax-like weights."""
+    from .. import ops
+
+    g = torch.Generator(device="cuda").manual_seed(1234 + rank)
+    x = torch.randn(tokens, hidden, device="cuda", generator=g).bfloat16()
+    idx = torch.rand(tokens, experts, device="cuda", generator=g).topk(topk, dim=1).indices
+    weights = torch.rand(tokens, topk, device="cuda", generator=g)
+    return x, ops.quantize_fp8_per_token(x), idx.contiguous(), weights / weights.sum(1, True)
+
+
+def _batch_us(fn, calls: int, repeats: int, *, together: bool = True) -> float:
+    """Median over ``repeats`` of a batch of ``calls`` back-to-back calls, per call (us).
+    Each batch starts after a host barrier (``together``) and behind a sleep kernel long
+    enough for the host to enqueue the whole batch: the kernels then run back to back at the
+    GPU's pace, not the host's, and the ranks' batches start within the barrier's skew."""
+    import torch.distributed as dist
+
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        if together:
+            dist.barrier()
+        torch.cuda._sleep(SLEEP_CYCLES)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(times)
+
+
+def _measure(rank: int, world: int, p: dict) -> dict | None:
+    import torch.distributed as dist
+
+    from ..ep import Buffer, Config, buffer_size
+
+    device = torch.cuda.current_device()
+    distinct = torch.cuda.device_count() >= world
+    configs = [Config(s, n) for s in p["sms"] for n in p["slots"]]
+    hidden, topk, experts = p["hidden"], p["topk"], p["experts"]
+    x, (q, scales), idx, weights = _routing(rank, p["tokens"], experts, topk, hidden)
+    nbytes = max(buffer_size(world, hidden, topk, fp8=True, config=c) for c in configs)
+    buffer = Buffer(dist.group.WORLD, nbytes, timeout_s=60.0)
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(idx, experts)
+    sent = in_rank.clone()
+    sent[:, rank] = False
+    rows_out = int(sent.sum())
+    row_bytes = hidden + 4 * (hidden // 128)
+    dispatch_bytes, combine_bytes = rows_out * row_bytes, rows_out * 2 * hidden
+
+    sweep = []
+    for config in configs:
+        received, recv_idx, recv_w, counts, handle, _ = buffer.dispatch(
+            (q, scales), num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=weights, config=config)
+        again = buffer.dispatch((q, scales), handle=handle, config=config)[0]
+        if not torch.equal(again[0].view(torch.uint8), received[0].view(torch.uint8)):
+            raise RuntimeError(f"rank {rank}: a cached dispatch received other rows ({config})")
+        y = torch.randn(received[0].shape, device="cuda").bfloat16()  # the experts' rows
+        dispatch_us = _batch_us(lambda: buffer.dispatch((q, scales), handle=handle,
+                                                        config=config), p["calls"], p["repeats"])
+        combine_us = _batch_us(lambda: buffer.combine(y, handle, config=config), p["calls"],
+                               p["repeats"])
+        sweep.append(dict(sms=config.num_sms, slots=config.ring_slots, dispatch_us=dispatch_us,
+                          combine_us=combine_us))
+
+    peers = _peers(rank, world, in_rank, row_bytes, p) if distinct else {}
+    overlap = (_overlap(buffer, q, scales, idx, weights, per_rank, per_expert, in_rank, p)
+               if distinct else None)
+    everyone = [None] * world
+    dist.all_gather_object(everyone, dict(sweep=sweep, dispatch_bytes=dispatch_bytes,
+                                          combine_bytes=combine_bytes, peers=peers,
+                                          overlap=overlap, recv=int(handle.num_recv_tokens)))
+    buffer.destroy()
+    if rank:
+        return None
+    return _summary(everyone, p, world, distinct, torch.cuda.get_device_name(device))
+
+
+def _summary(everyone: list, p: dict, world: int, distinct: bool, device_name: str) -> dict:
+    """Per config the slowest rank's times and the bytes every rank sent over them; the
+    config picked per op (the most GB/s within the SM budget)."""
+    dispatch_bytes = sum(r["dispatch_bytes"] for r in everyone) / world
+    combine_bytes = sum(r["combine_bytes"] for r in everyone) / world
+    sweep = []
+    for i, row in enumerate(everyone[0]["sweep"]):
+        d_us = max(r["sweep"][i]["dispatch_us"] for r in everyone)
+        c_us = max(r["sweep"][i]["combine_us"] for r in everyone)
+        sweep.append(dict(row, dispatch_us=d_us, combine_us=c_us,
+                          dispatch_gbs=dispatch_bytes / d_us / 1e3,
+                          combine_gbs=combine_bytes / c_us / 1e3))
+    within = [r for r in sweep if r["sms"] <= SM_BUDGET] or sweep
+    picked = {op: max(within, key=lambda r: r[f"{op}_gbs"]) for op in ("dispatch", "combine")}
+    return dict(params=p, world=world, distinct_gpus=distinct, device=device_name,
+                dispatch_bytes_per_rank=dispatch_bytes, combine_bytes_per_rank=combine_bytes,
+                sweep=sweep, picked={op: dict(sms=r["sms"], slots=r["slots"])
+                                     for op, r in picked.items()},
+                peers=everyone[0]["peers"], overlap=[r["overlap"] for r in everyone])
+
+
+def _peers(rank: int, world: int, in_rank, row_bytes: int, p: dict) -> dict:
+    """The copy engine's one-direction P2P copy of 1 GiB (rank 0 to rank 1's GPU), and
+    NCCL's all_to_all_single: the FP8 dispatch's bytes (each rank's rows to each rank as
+    uint8 rows of row_bytes) and the anchor's bf16 4096 x 7168."""
+    import torch.distributed as dist
+
+    out = {}
+    if rank == 0:
+        src = torch.empty(1 << 30, dtype=torch.uint8, device=0)
+        dst = torch.empty(1 << 30, dtype=torch.uint8, device=1)
+        out["p2p_copy_gbs"] = (1 << 30) / _batch_us(lambda: dst.copy_(src), 1, 5,
+                                                    together=False) / 1e3
+    dist.barrier()
+    nccl = dist.new_group(backend="nccl")
+    to_rank = in_rank.sum(0).tolist()
+    from_rank = [None] * world
+    dist.all_gather_object(from_rank, to_rank)
+    recv_splits = [from_rank[r][rank] for r in range(world)]
+    send = torch.empty(sum(to_rank), row_bytes, dtype=torch.uint8, device="cuda")
+    recv = torch.empty(sum(recv_splits), row_bytes, dtype=torch.uint8, device="cuda")
+    dispatch_like = lambda: dist.all_to_all_single(recv, send, recv_splits, to_rank, group=nccl)
+    dispatch_like()  # NCCL's connections, outside the timing
+    out["nccl_dispatch_bytes_us"] = _batch_us(dispatch_like, p["calls"], p["repeats"])
+    square = torch.empty(4096, 7168, dtype=torch.bfloat16, device="cuda")
+    square_out = torch.empty_like(square)
+    out["nccl_bf16_4096x7168_us"] = _batch_us(
+        lambda: dist.all_to_all_single(square_out, square, group=nccl), p["calls"], p["repeats"])
+    dist.destroy_process_group(nccl)
+    return out
+
+
+def _overlap(buffer, q, scales, idx, weights, per_rank, per_expert, in_rank, p) -> dict:
+    """Dispatch + combine on SM_BUDGET SMs beside the received tokens' grouped FP8 GEMM
+    (gate_up, N = GEMM_N) on the other SMs: each alone, then together on two streams."""
+    from .. import ops
+    from ..ep import Config
+    from .bench import _group_weights, _padded_rows
+
+    config = Config(SM_BUDGET, 128)
+    align = ops.get_mk_alignment_for_contiguous_layout()
+    received, _, _, counts, handle, _ = buffer.dispatch(
+        (q, scales), num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=weights, config=config,
+        expert_alignment=align)
+    rows = []
+    for group, (size, padded) in enumerate(zip(counts, _padded_rows(counts))):
+        rows += [group] * size + [-1] * (padded - size)
+    m_indices = torch.tensor(rows, dtype=torch.int32, device="cuda")
+    a = ops.quantize_fp8_per_token(torch.randn(len(rows), p["hidden"], device="cuda").bfloat16())
+    _, b = _group_weights(len(counts), GEMM_N, p["hidden"])
+    d = torch.empty(len(rows), GEMM_N, dtype=torch.bfloat16, device="cuda")
+    y = torch.randn(received[0].shape, device="cuda").bfloat16()
+    gemm_sms = torch.cuda.get_device_properties(0).multi_processor_count - SM_BUDGET
+    side = torch.cuda.Stream()
+
+    def gemm():
+        ops.m_grouped_fp8_gemm_nt_contiguous(a, b, d, m_indices, num_sms=gemm_sms)
+
+    def comm():
+        buffer.dispatch((q, scales), handle=handle, config=config)
+        buffer.combine(y, handle, config=config)
+
+    def both():
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            gemm()
+        comm()
+        torch.cuda.current_stream().wait_stream(side)
+
+    gemm_us, comm_us, both_us = (_batch_us(fn, 4, p["repeats"]) for fn in (gemm, comm, both))
+    return dict(gemm_sms=gemm_sms, comm_sms=SM_BUDGET, gemm_rows=len(rows), gemm_us=gemm_us,
+                comm_us=comm_us, overlapped_us=both_us,
+                ratio=both_us / (gemm_us + comm_us))
+
+
+# ---------------------------------------------------------------------------- report
+def ep_table(result: dict) -> str:
+    from .bench import format_table
+
+    p = result["params"]
+    head = (f"ptxforge.ep intranode, {result['world']} ranks on {result['device']}"
+            f"{'' if result['distinct_gpus'] else ' (all on ONE GPU under MPS: no NVLink, no peers)'}"
+            f"; {p['tokens']} tokens a rank, H = {p['hidden']}, top-{p['topk']} of "
+            f"{p['experts']} experts; FP8 dispatch, bf16 combine. Bytes crossing a rank: "
+            f"{result['dispatch_bytes_per_rank'] / 1e6:.1f} MB dispatch, "
+            f"{result['combine_bytes_per_rank'] / 1e6:.1f} MB combine; a call's time: the "
+            f"median of batches of {p['calls']} cached calls, the slowest rank's.")
+    rows = [[r["sms"], r["slots"], f"{r['dispatch_us']:.1f}", f"{r['dispatch_gbs']:.0f}",
+             f"{r['combine_us']:.1f}", f"{r['combine_gbs']:.0f}"] for r in result["sweep"]]
+    text = head + "\n\n" + format_table(
+        ["SMs", "ring slots", "dispatch us", "GB/s", "combine us", "GB/s"], rows)
+    text += "\n\npicked (most GB/s on <= %d SMs): %s" % (SM_BUDGET, ", ".join(
+        f"{op} {c['sms']} SMs x {c['slots']} slots" for op, c in result["picked"].items()))
+    peers = result["peers"]
+    if peers:
+        for op, c in result["picked"].items():
+            gbs = next(r[f"{op}_gbs"] for r in result["sweep"]
+                       if (r["sms"], r["slots"]) == (c["sms"], c["slots"]))
+            text += f"\n{op}: {gbs:.0f} GB/s = {gbs / peers['p2p_copy_gbs']:.0%} of the P2P copy"
+        text += (f"\nP2P copy engine, 1 GiB one direction: {peers['p2p_copy_gbs']:.0f} GB/s"
+                 f"\nNCCL all_to_all_single, the FP8 dispatch's bytes: "
+                 f"{peers['nccl_dispatch_bytes_us']:.1f} us "
+                 f"({result['dispatch_bytes_per_rank'] / peers['nccl_dispatch_bytes_us'] / 1e3:.0f} GB/s)"
+                 f"\nNCCL all_to_all_single bf16 4096x7168: {peers['nccl_bf16_4096x7168_us']:.1f} us")
+    for rank, o in enumerate(result["overlap"]):
+        if o:
+            text += (f"\noverlap, rank {rank}: grouped FP8 GEMM ({o['gemm_rows']} rows, "
+                     f"{o['gemm_sms']} SMs) {o['gemm_us']:.1f} us, dispatch + combine "
+                     f"({o['comm_sms']} SMs) {o['comm_us']:.1f} us, together "
+                     f"{o['overlapped_us']:.1f} us = {o['ratio']:.2f} x their sum")
+    return text
+
+
+def plot_ep(result: dict, path: str, pyplot) -> None:
+    """GB/s against SMs, a line per ring size, dispatch and combine side by side; NCCL's
+    all_to_all_single of the same bytes and the P2P copy as horizontal lines."""
+    fig, axes = pyplot.subplots(1, 2, figsize=(11, 4), sharey=True)
+    peers = result["peers"]
+    for ax, op in zip(axes, ("dispatch", "combine")):
+        for slots in result["params"]["slots"]:
+            rows = [r for r in result["sweep"] if r["slots"] == slots]
+            ax.plot([r["sms"] for r in rows], [r[f"{op}_gbs"] for r in rows], marker="o",
+                    label=f"ring {slots} slots")
+        if peers:
+            ax.axhline(peers["p2p_copy_gbs"], color="gray", linestyle=":", label="P2P copy")
+            nccl = result["dispatch_bytes_per_rank"] / peers["nccl_dispatch_bytes_us"] / 1e3
+            ax.axhline(nccl, color="black", linestyle="--", label="NCCL all_to_all (dispatch bytes)")
+        ax.set_title(f"{op} ({'FP8' if op == 'dispatch' else 'bf16'})")
+        ax.set_xlabel("SMs")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("GB/s crossing a rank")
+    axes[1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
