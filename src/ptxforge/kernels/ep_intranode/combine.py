@@ -82,6 +82,12 @@ class CombineConfig:
         return 32 * self.warps
 
     @property
+    def unroll(self) -> int:
+        """The 16-byte vectors of each rank's row a receiving lane loads at once: about 8
+        loads in flight a lane, whatever the ranks."""
+        return max(1, 8 // self.ranks)
+
+    @property
     def signature(self) -> int:
         """What every entry carries: the sizes its rings were laid out for."""
         return signature("combine", self.hidden, self.topk, self.channels, self.slots)
@@ -89,8 +95,7 @@ class CombineConfig:
 
 def combine_warps_per_peer(ranks: int) -> int:
     """Half the dispatch's: 8 warps a CTA, so that a receiver thread may hold up to 255
-    registers (its sum keeps a 16-byte load from every rank in flight; ptxas 13.0 gives
-    the 2-rank receiver 146 at H = 7168)."""
+    registers (its sum keeps ``unroll`` 16-byte loads from every rank in flight)."""
     return max(1, warps_per_peer(ranks) // 2)
 
 
@@ -327,34 +332,46 @@ def _reduce_token(k, cfg, p, t, r, first, i) -> None:
                 k.mad(at, rows[d], 1, r.rings, mode="wide")
                 check_entry(k, t, at, plan.combine_signature, cfg.signature, number,
                             common.COMBINE_MISMATCH, d)
-    with k.stage("sum the rows in rank order, f32, one 16-byte vector a lane at a time"):
-        vectors = 2 * cfg.hidden // VECTOR_BYTES
+    with k.stage("sum the rows in rank order, f32, `unroll` 16-byte vectors a lane at once"):
+        # A lane's loads of `unroll` vectors from every rank are all issued before the first
+        # add: one vector a rank at a time left each warp a single load in flight per rank,
+        # and the receivers latency-bound.
+        vectors, unroll = 2 * cfg.hidden // VECTOR_BYTES, cfg.unroll
         v, offset = k.reg("u32", "vector"), k.reg("u64", "vector_offset")
-        data = [k.regs("b32", 4, f"row{d}_") for d in range(cfg.ranks)]
+        data = [[k.regs("b32", 4, f"row{d}_{u}_") for d in range(cfg.ranks)]
+                for u in range(unroll)]
+        in_row = k.regs("pred", unroll, "in_row")
+        load = k.pred("load")
         acc, halves = k.regs("f32", 8, "acc"), k.regs("f32", 2, "half")
         packed = k.regs("b32", 4, "sum")
         token = k.reg("u32", "token")
         k.add(token, first, i)
-        with k.loop(v, vectors, start=t.lane, step=32, hint="vector"):
+        with k.loop(v, vectors, start=t.lane, step=32 * unroll, hint="vector"):
             k.mul(offset, v, VECTOR_BYTES, mode="wide")
-            for d in range(cfg.ranks):
-                k.mad(at, rows[d], 1, r.rings, mode="wide")
-                k.add(at, at, offset)
-                with k.guard(has[d]):
-                    k.ld(data[d], addr(at), **PAYLOAD_LOAD)
-            for a in acc:
-                k.mov(a, 0.0)
-            for d in range(cfg.ranks):
-                for w, word in enumerate(data[d]):
-                    fp8.unpack_bf16x2(k, halves[0], halves[1], word)
-                    with k.guard(has[d]):
-                        for h in (0, 1):
-                            k.add(acc[2 * w + h], acc[2 * w + h], halves[h], rnd="rn")
-            for w, word in enumerate(packed):
-                k.cvt(word, acc[2 * w + 1], acc[2 * w], dtype="bf16x2", rnd="rn")
+            for u in range(unroll):
+                k.setp("lt", in_row[u], v, max(vectors - 32 * u, 0))  # u32: never below 0
+            for u in range(unroll):
+                for d in range(cfg.ranks):
+                    k.mad(at, rows[d], 1, r.rings, mode="wide")
+                    k.add(at, at, offset)
+                    k.and_pred(load, has[d], in_row[u])
+                    with k.guard(load):
+                        k.ld(data[u][d], addr(at, 32 * VECTOR_BYTES * u), **PAYLOAD_LOAD)
             k.mad(at, token, 2 * cfg.hidden, r.out, mode="wide")
             k.add(at, at, offset)
-            k.st(addr(at), packed)
+            for u in range(unroll):
+                for a in acc:
+                    k.mov(a, 0.0)
+                for d in range(cfg.ranks):
+                    for w, word in enumerate(data[u][d]):
+                        fp8.unpack_bf16x2(k, halves[0], halves[1], word)
+                        with k.guard(has[d]):
+                            for h in (0, 1):
+                                k.add(acc[2 * w + h], acc[2 * w + h], halves[h], rnd="rn")
+                for w, word in enumerate(packed):
+                    k.cvt(word, acc[2 * w + 1], acc[2 * w], dtype="bf16x2", rnd="rn")
+                with k.guard(in_row[u]):
+                    k.st(addr(at, 32 * VECTOR_BYTES * u), packed)
     if cfg.topk:
         _reduce_weights(k, cfg, p, t, r, rows, has, token)
 
