@@ -1,8 +1,9 @@
 """A warp copying one contiguous row of bytes, 16 bytes a lane at a time.
 
 ``warp_copy`` emits, for a row of V = nbytes / 16 vectors, ceil(V / 32) 16-byte loads and
-as many stores a lane, in groups of ``UNROLL``: a group's loads are all issued before its
-stores, so a lane has up to UNROLL loads in flight. Lane l moves vectors l, l + 32, ...:
+as many stores a lane, in groups of ``unroll`` (UNROLL unless the caller has registers
+for more): a group's loads are all issued before its stores, so a lane has up to
+``unroll`` loads in flight. Lane l moves vectors l, l + 32, ...:
 every warp-wide access is 512 contiguous bytes. Where V is no multiple of 32, the last
 group's lanes past the row's end are guarded off by a predicate.
 
@@ -19,7 +20,7 @@ UNROLL = 4
 
 
 def warp_copy(k: KernelBuilder, dst: Reg, src: Reg, nbytes: int, lane: Reg, *,
-              load: dict, store: dict) -> None:
+              load: dict, store: dict, unroll: int = UNROLL) -> None:
     """Copy ``nbytes`` (a multiple of 16) from ``src`` to ``dst`` (u64 addresses, 16-byte
     aligned, the same in every lane) with the whole warp."""
     if nbytes % VECTOR_BYTES:
@@ -33,9 +34,9 @@ def warp_copy(k: KernelBuilder, dst: Reg, src: Reg, nbytes: int, lane: Reg, *,
     if vectors % 32:
         in_row = k.pred("copy_in_row")
         k.setp("lt", in_row, lane, vectors % 32)
-    data = [k.regs("b32", 4, "copy") for _ in range(min(UNROLL, trips))]
-    for first in range(0, trips, UNROLL):
-        group = range(first, min(first + UNROLL, trips))
+    data = [k.regs("b32", 4, "copy") for _ in range(min(unroll, trips))]
+    for first in range(0, trips, unroll):
+        group = range(first, min(first + unroll, trips))
         for trip, v in zip(group, data):
             _guarded(k, in_row if trip == trips - 1 else None,
                      lambda: k.ld(v, addr(src_lane, trip * 32 * VECTOR_BYTES), **load))

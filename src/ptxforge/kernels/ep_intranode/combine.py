@@ -186,7 +186,8 @@ def _send(k, cfg, p, t) -> None:
                 k.add(entry, start, i)
                 k.and_(slot_index, entry, cfg.slots - 1)
                 k.mad(dst, slot_index, plan.combine_slot_bytes, ring, mode="wide")
-                warp_copy(k, dst, src, row_bytes, t.lane, load=INPUT_LOAD, store=STORE)
+                # 8 rows' vectors in flight a lane: a CTA has half the dispatch's warps.
+                warp_copy(k, dst, src, row_bytes, t.lane, load=INPUT_LOAD, store=STORE, unroll=8)
                 if cfg.topk:
                     _send_weights(k, cfg, p, t, row, dst)
                 with k.if_(t.lane0, "not_lane0"):
