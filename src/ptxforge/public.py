@@ -57,10 +57,13 @@ PUBLIC = (
                in_deep_gemm=True),
 )
 
-# Kernels that ``ptxforge.ep.Buffer``'s methods launch: methods, not functions, as they
-# need the buffer's peers; listed so that every registry kernel has a caller.
+# Kernels that ``ptxforge.ep`` launches (``Buffer``'s methods, or the functions of
+# ``ptxforge.ep.low_latency`` that the buffer's methods call): not public ops, as they need
+# the buffer's peers; listed so that every registry kernel has a caller.
 EP_KERNELS = {"ep_dispatch_layout": "Buffer.get_dispatch_layout",
-              "ep_intranode_dispatch": "Buffer.dispatch", "ep_intranode_combine": "Buffer.combine"}
+              "ep_intranode_dispatch": "Buffer.dispatch", "ep_intranode_combine": "Buffer.combine",
+              "ep_low_latency_dispatch": "low_latency.dispatch",
+              "ep_low_latency_combine": "low_latency.combine"}
 
 PTXFORGE_NAMES = tuple(entry.name for entry in PUBLIC if entry.in_ptxforge)
 DEEP_GEMM_NAMES = tuple(entry.name for entry in PUBLIC if entry.in_deep_gemm)

@@ -80,13 +80,15 @@ def _worker(rank: int, world: int, init_file: str, scenario: str, results) -> No
         # so the peer reports it within the scenario's deadline.
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                                 world_size=world, timeout=datetime.timedelta(seconds=60))
-        SCENARIOS[scenario](rank, world)
+        (SCENARIOS[scenario] if isinstance(scenario, str) else scenario)(rank, world)
         _report(rank, None)
     except BaseException:
         _report(rank, traceback.format_exc())
 
 
-def run_spawned(scenario: str, world: int = WORLD) -> None:
+def run_spawned(scenario, world: int = WORLD) -> None:
+    """Run ``scenario`` (a name in SCENARIOS, or a module-level function of (rank, world)
+    that another test file passes) in ``world`` spawned processes."""
     context = torch.multiprocessing.get_context("spawn")
     results = context.Queue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -113,7 +115,8 @@ def run_spawned(scenario: str, world: int = WORLD) -> None:
     if missing:
         failures.append(f"rank(s) {missing} did not finish within {TIMEOUT_S} s (a hang?)")
     if failures:
-        pytest.fail(f"scenario {scenario}:\n" + "\n".join(failures), pytrace=False)
+        name = scenario if isinstance(scenario, str) else scenario.__name__
+        pytest.fail(f"scenario {name}:\n" + "\n".join(failures), pytrace=False)
 
 
 def _gather(obj) -> list:

@@ -15,6 +15,8 @@ from . import (bf16_block_quant_fp8, bf16_moe_combine, bf16_row_rmsnorm_fp8quant
 from .ep_intranode import combine as ep_combine
 from .ep_intranode import dispatch as ep_dispatch
 from .ep_intranode import layout as ep_layout
+from .ep_low_latency import combine as ep_ll_combine
+from .ep_low_latency import dispatch as ep_ll_dispatch
 
 # Hidden sizes of DeepSeek-V3 / common LLM layers, for precompiling and the CPU checks.
 HIDDEN_SIZES = (512, 576, 1536, 2048, 2112, 4096, 7168, 8192, 16384)
@@ -152,6 +154,22 @@ def _ep_combine(arch, ranks: int, hidden: int, num_sms: int, slots: int, topk: i
     return ep_combine.choose_config(arch, ranks, hidden, topk=topk if weights == "f32" else 0,
                                     num_sms=num_sms, slots=slots)
 
+
+def _ep_low_latency(kernel):
+    """The low-latency kernels' configure: ``phase`` send, receive or both."""
+    def configure(arch, ranks: int, max_tokens: int, hidden: int, experts: int, topk: int,
+                  phase: str):
+        return kernel.choose_config(arch, ranks, max_tokens, hidden, experts, topk, phase=phase)
+    return configure
+
+
+# The decode target (128 tokens a rank, DeepSeek-V3's H = 7168, top-8 of 256 experts) on 2
+# and 8 ranks, each half apart and both together.
+_EP_LL_OPTIONS = {"ranks": 2, "max_tokens": 128, "hidden": 7168, "experts": 256, "topk": 8,
+                  "phase": "both"}
+_EP_LL_VARIANTS = tuple({**_EP_LL_OPTIONS, "ranks": r, "phase": phase} for r in (2, 8)
+                        for phase in ("send", "receive", "both"))
+
 REGISTRY = {
     spec.name: spec for spec in (
         KernelSpec("rms_norm", _row(True, False), bf16_row_rmsnorm_fp8quant.generate,
@@ -208,6 +226,14 @@ REGISTRY = {
         KernelSpec("ep_intranode_combine", _ep_combine, ep_combine.generate,
                    {**_EP_OPTIONS, "topk": 8, "weights": "none"}, _EP_COMBINE_VARIANTS,
                    "EP: expert outputs back to their tokens' ranks, summed (ptxforge.ep)"),
+        KernelSpec("ep_low_latency_dispatch", _ep_low_latency(ep_ll_dispatch),
+                   ep_ll_dispatch.generate, _EP_LL_OPTIONS, _EP_LL_VARIANTS,
+                   "EP decode: tokens quantized to FP8 into their experts' ranks, the masked "
+                   "layout (ptxforge.ep.low_latency)"),
+        KernelSpec("ep_low_latency_combine", _ep_low_latency(ep_ll_combine),
+                   ep_ll_combine.generate, _EP_LL_OPTIONS, _EP_LL_VARIANTS,
+                   "EP decode: expert outputs back to their tokens' ranks, weighted sums "
+                   "(ptxforge.ep.low_latency)"),
     )
 }
 

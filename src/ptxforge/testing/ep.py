@@ -73,3 +73,67 @@ def combine(rank: int, ys: list, topk_idxs: list, num_experts: int,
         rows = ys[d][start:start + len(tokens)].float()
         acc[tokens] = acc[tokens] + rows
     return acc.to(dtype)
+
+
+def _routed(topk_idx: torch.Tensor, expert: int):
+    """(tokens, k positions) of the tokens of ``topk_idx`` naming ``expert``, in token
+    order, each at its first k position naming it."""
+    hits = topk_idx == expert
+    tokens = torch.nonzero(hits.any(1)).flatten()
+    return tokens, hits[tokens].int().argmax(1)
+
+
+def low_latency_dispatch(rank: int, xs: list, topk_idxs: list, num_experts: int,
+                         max_tokens: int) -> dict:
+    """What ``rank`` receives from every rank s's (xs[s] bf16, topk_idxs[s]) in a
+    low-latency dispatch: per local expert l, the rows of the tokens naming expert rank * L
+    + l (indices outside [0, E) name none; a token naming it twice sends once), source
+    ranks in order, each in token order: ``x`` e4m3 and ``scales`` f32 (each source's
+    rows quantized by ``quantize_fp8_per_token``), ``src_info`` int32 (source rank, token,
+    first k position), rows past ``count`` [L] zero."""
+    from .reference import quantize_fp8_per_token
+
+    ranks, hidden = len(xs), xs[0].shape[1]
+    per_rank, rows = num_experts // ranks, ranks * max_tokens
+    quantized = [quantize_fp8_per_token(x) if x.shape[0] else
+                 (x.to(torch.float8_e4m3fn), x.new_zeros((0, hidden // 128), dtype=torch.float32))
+                 for x in xs]
+    x = torch.zeros((per_rank, rows, hidden), dtype=torch.float8_e4m3fn)
+    scales = torch.zeros((per_rank, rows, hidden // 128), dtype=torch.float32)
+    src_info = torch.zeros((per_rank, rows, 3), dtype=torch.int32)
+    count = torch.zeros(per_rank, dtype=torch.int32)
+    for local in range(per_rank):
+        n = 0
+        for s in range(ranks):
+            tokens, positions = _routed(topk_idxs[s], rank * per_rank + local)
+            q, sc = quantized[s]
+            x[local, n:n + len(tokens)] = q[tokens]
+            scales[local, n:n + len(tokens)] = sc[tokens]
+            src_info[local, n:n + len(tokens)] = torch.stack(
+                [torch.full_like(tokens, s), tokens, positions], 1).int()
+            n += len(tokens)
+        count[local] = n
+    return {"x": x, "scales": scales, "src_info": src_info, "count": count}
+
+
+def low_latency_combine(rank: int, ys: list, topk_idxs: list, topk_weights: list,
+                        num_experts: int) -> torch.Tensor:
+    """What ``rank`` gets back when every rank d returns ys[d] (bf16 [L, R * max_tokens, H],
+    rows in d's low-latency received order): per token, from +0, in k order over its
+    pairs whose index lies in [0, E), ``acc = acc + row.float() * weight`` (the product
+    and the sum each rounded to f32), rounded to bf16 once."""
+    ranks = len(ys)
+    per_rank = num_experts // ranks
+    idx, weights = topk_idxs[rank], topk_weights[rank].float()
+    acc = torch.zeros((idx.shape[0], ys[0].shape[2]), dtype=torch.float32)
+    for t in range(idx.shape[0]):
+        for j in range(idx.shape[1]):
+            expert = int(idx[t, j])
+            if not 0 <= expert < num_experts:
+                continue
+            d, local = divmod(expert, per_rank)
+            start = sum(len(_routed(topk_idxs[s], expert)[0]) for s in range(rank))
+            tokens, _ = _routed(idx, expert)
+            row = start + int((tokens < t).sum())
+            acc[t] = acc[t] + ys[d][local, row].float() * weights[t, j]
+    return acc.bfloat16()

@@ -1,9 +1,9 @@
 """A small PTX interpreter, to run the communication kernels on the CPU in tests.
 
 It runs the builder's PTX for the instruction subset the EP kernels use (integer and
-predicate arithmetic, f32 adds, bf16 packing, loads and stores of the global, shared and
-param spaces, reductions, ballots, shuffles, named barriers, branches, trap), one Python
-object a thread. Several launches (one a simulated rank) run interleaved over one flat
+predicate arithmetic, f32 adds, products, maxima and reciprocals, bf16 packing, e4m3
+conversion, loads and stores of the global, shared and param spaces, reductions, ballots,
+shuffles, named barriers, branches, trap), one Python object a thread. Several launches (one a simulated rank) run interleaved over one flat
 global memory, so a kernel's loads and stores reach its peers' buffers as they would
 through CUDA IPC.
 
@@ -104,6 +104,52 @@ def _bits(value: np.float32) -> int:
     return struct.unpack("<I", np.float32(value).tobytes())[0]
 
 
+def _e4m3_values() -> np.ndarray:
+    """The non-negative finite e4m3 values, by code 0x00 .. 0x7E."""
+    codes = np.arange(0x7F)
+    exponent, mantissa = codes >> 3, codes & 7
+    normal = (1 + mantissa / 8) * np.exp2(exponent - 7.0)
+    return np.where(exponent == 0, mantissa / 8 * 2.0 ** -6, normal)
+
+
+_E4M3 = _e4m3_values()
+
+
+def _e4m3_rn_satfinite(bits: int) -> int:
+    """f32 -> e4m3 byte, round to nearest even, finite values beyond 448 saturated, NaN
+    to 0x7F."""
+    value = float(_f32(bits))
+    if value != value:
+        return 0x7F
+    sign = 0x80 if bits >> 31 else 0
+    magnitude = min(abs(value), 448.0)
+    code = int(np.searchsorted(_E4M3, magnitude))  # the first value >= magnitude
+    if code and (code == len(_E4M3) or magnitude - _E4M3[code - 1] < _E4M3[code] - magnitude
+                 or (magnitude - _E4M3[code - 1] == _E4M3[code] - magnitude
+                     and (code - 1) % 2 == 0)):
+        code -= 1
+    return sign | code
+
+
+def _max_abs_bf16(a: int, b: int) -> int:
+    """max.NaN.xorsign.abs of two bf16: the larger magnitude, the xor of the signs."""
+    sign = (a ^ b) & 0x8000
+    ma, mb = a & 0x7FFF, b & 0x7FFF
+    if ma > 0x7F80 or mb > 0x7F80:
+        return 0x7FFF
+    return sign | max(ma, mb)
+
+
+def _max_f32(a: int, b: int) -> int:
+    """max.NaN.f32: NaN if either is, else the larger (+0 over -0)."""
+    x, y = _f32(a), _f32(b)
+    if x != x or y != y:
+        return 0x7FFFFFFF
+    if x == y:
+        return a & b  # +0 (sign bit clear) wins over -0
+    return a if x > y else b
+
+
 def _bf16_rn(bits: int) -> int:
     if (bits & 0x7F800000) == 0x7F800000 and bits & 0x7FFFFF:
         return (bits >> 16) | 0x40
@@ -158,6 +204,10 @@ class Kernel:
         if kind == "bra":
             target = ops[0]
             return lambda th: self.labels[target]
+        if kind == "mov" and ops[1].startswith("{"):  # two halves into one word, low first
+            lo, hi = (value(h.strip()) for h in ops[1].strip("{}").split(","))
+            half = 8 * _WIDTH[t] // 2
+            return _assign(ops[0], lambda th: lo(th) | (hi(th) << half))
         if kind == "mov":
             src = value(ops[1])
             return _assign(ops[0], lambda th: src(th) & mask)
@@ -175,6 +225,20 @@ class Kernel:
         if kind == "add" and t == "f32":
             a, b = value(ops[1]), value(ops[2])
             return _assign(ops[0], lambda th: _bits(_f32(a(th)) + _f32(b(th))))
+        if kind == "mul" and t == "f32":
+            a, b = value(ops[1]), value(ops[2])
+            return _assign(ops[0], lambda th: _bits(_f32(a(th)) * _f32(b(th))))
+        if kind == "rcp" and t == "f32":
+            a = value(ops[1])
+            return _assign(ops[0], lambda th: _bits(np.float32(1) / _f32(a(th))))
+        if kind == "max" and q[1] == "NaN" and t in ("f32", "bf16x2"):
+            a, b = value(ops[1]), value(ops[2])
+            if t == "f32":
+                return _assign(ops[0], lambda th: _max_f32(a(th), b(th)))
+            if "xorsign" not in q:
+                raise NotImplementedError(opcode)
+            return _assign(ops[0], lambda th: _max_abs_bf16(a(th) >> 16, b(th) >> 16) << 16
+                           | _max_abs_bf16(a(th) & 0xFFFF, b(th) & 0xFFFF))
         if kind in ("mul", "mad"):
             a, b = value(ops[1]), value(ops[2])
             c = value(ops[3]) if kind == "mad" else (lambda th: 0)
@@ -198,6 +262,10 @@ class Kernel:
             a = value(ops[1])
             return _assign(ops[0], lambda th: bin(a(th)).count("1"))
         if kind == "cvt":
+            if q[-2] == "e4m3x2":  # the first source in the upper byte
+                hi, lo = value(ops[1]), value(ops[2])
+                return _assign(ops[0], lambda th: (_e4m3_rn_satfinite(hi(th)) << 8)
+                               | _e4m3_rn_satfinite(lo(th)))
             if q[-2] == "bf16x2":
                 hi, lo = value(ops[1]), value(ops[2])
                 return _assign(ops[0], lambda th: (_bf16_rn(hi(th)) << 16) | _bf16_rn(lo(th)))
@@ -411,6 +479,10 @@ class Simulator:
             a, b = kernel._reader(ops[1]), kernel._reader(ops[2])
             values = [a(t) for t in lanes]
             results = [values[b(t) & 31] for t in lanes]
+        elif opcode.startswith("shfl.sync.bfly"):
+            a, b = kernel._reader(ops[1]), kernel._reader(ops[2])
+            values = [a(t) for t in lanes]
+            results = [values[lane ^ (b(t) & 31)] for lane, t in enumerate(lanes)]
         elif opcode == "bar.warp.sync":
             results = None
         else:

@@ -19,8 +19,10 @@ def quantize_fp8_per_token(x: torch.Tensor, group: int = 128):
     padded = torch.nn.functional.pad(x, (0, -k % group))
     view = padded.view(m, -1, group)
     amax = view.abs().float().amax(dim=2).clamp(AMAX_FLOOR)
-    q = (view * (E4M3_MAX / amax.unsqueeze(2))).to(torch.float8_e4m3fn)
-    return q.view(m, -1)[:, :k].contiguous(), amax / E4M3_MAX
+    # ``448 / amax`` and ``amax / 448`` as CUDA evaluates them (a reciprocal times 448, a
+    # product with 1 / 448), written out so the CPU rounds them the same way.
+    q = (view * (amax.unsqueeze(2).reciprocal() * E4M3_MAX)).to(torch.float8_e4m3fn)
+    return q.view(m, -1)[:, :k].contiguous(), amax * (1.0 / E4M3_MAX)
 
 
 def quantize_fp8_per_block(w: torch.Tensor, block: int = 128):

@@ -19,6 +19,10 @@ from .plan import MAX_RANKS, BufferPlan
 # that laid its rings out for other sizes (the host's messages, ep/buffer.py).
 DISPATCH_SEND, DISPATCH_RECEIVE, COMBINE_SEND, COMBINE_RECEIVE = 1, 2, 3, 4
 DISPATCH_MISMATCH, COMBINE_MISMATCH = 5, 6
+# The low-latency kernels' waits (kernels/ep_low_latency): a dispatch receiver for a
+# source rank's flag (channel: the local expert), a combine receiver for a pair's row
+# (channel: the token, peer: the expert).
+LL_DISPATCH_RECEIVE, LL_COMBINE_RECEIVE = 7, 8
 # Cache hints. A ring's entries are written by another GPU while the kernel runs: weak
 # loads that skip L1, never the non-coherent path. Inputs nothing writes meanwhile may
 # take it. Stores to a peer's ring skip L1.

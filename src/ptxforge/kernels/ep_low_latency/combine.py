@@ -1,0 +1,269 @@
+"""Low-latency combine: the reverse of a low-latency dispatch. Each rank sends every row of
+its experts' outputs (bf16, the masked layout the dispatch filled) back to the rank of its
+token, into combine row (token, k position) there (plan.py); each rank then sums, per
+token, its top-k pairs' rows in k order:
+
+    out[t] = bf16_rn(((+0 + w[t, 0] * row(t, 0)) + w[t, 1] * row(t, 1)) + ...)
+
+in f32, each product and each sum rounded to f32 (mul.rn, add.rn: no fma), over the pairs
+whose index lies in [0, E); a pair naming an expert named before it in the token's row
+takes that earlier pair's row (the dispatch sent the token once). The order is fixed, so
+the bits are the same run to run, and they are those of the torch loop ``acc = acc +
+row.float() * w`` (``ptxforge.testing.ep.low_latency_combine``).
+
+Roles (common.py: send CTAs first, then receive CTAs; ``WARPS`` warps each):
+
+    sender l (one CTA a local     rows recv_count[l] of x[l]: warp w takes rows w, w + WARPS,
+    expert)                       ...; a row's (source rank s, token t, k position j) from
+                                  src_info; it copies the row (16-byte vectors) into combine
+                                  row (t, j) of rank s, then bar.warp.sync and lane 0
+                                  publishes flag (t, j) = the dispatch's sequence number
+                                  (dispatch_received[l][s] of this rank) with st.release.sys.
+    receiver t (one CTA a token)  lane j < k of each warp: the pair's expert, its weight and
+                                  the k position whose row it takes; lane j of warp 0 waits
+                                  (ld.acquire.sys, timed) for that row's flag to carry the
+                                  dispatch's sequence number (dispatch_sent[e] of this
+                                  rank); bar.sync; each thread sums 16-byte vectors tid,
+                                  tid + threads, ... of the k rows.
+
+Memory orders and cache hints as in dispatch.py. Compile-time: ranks, max_tokens, hidden,
+experts, k, phase. Run-time: tokens, this rank, the pointers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+from ...arch import Arch
+from ...patterns import fp8
+from ...patterns.copy import VECTOR_BYTES, warp_copy
+from ...ptx import KernelBuilder, LaunchShape, addr
+from ..ep_intranode import common as intranode
+from . import common
+from .plan import LowLatencyPlan, check_problem
+
+
+@dataclass(frozen=True)
+class CombineConfig:
+    ranks: int
+    max_tokens: int
+    hidden: int
+    experts: int
+    topk: int
+    phase: str
+    target: str
+
+    @property
+    def name(self) -> str:
+        return (f"ep_ll_combine_{self.phase}_r{self.ranks}_t{self.max_tokens}_h{self.hidden}_"
+                f"e{self.experts}_k{self.topk}")
+
+    @property
+    def plan(self) -> LowLatencyPlan:
+        return LowLatencyPlan(self.ranks, self.max_tokens, self.hidden, self.experts, self.topk)
+
+    @property
+    def sends(self) -> bool:
+        return self.phase != "receive"
+
+    @property
+    def receives(self) -> bool:
+        return self.phase != "send"
+
+    @property
+    def threads(self) -> int:
+        return 32 * common.WARPS
+
+    def grid(self, tokens: int) -> int:
+        """Send CTAs (one a local expert), then receive CTAs (one of ``tokens``); at least
+        one CTA."""
+        return max(1, self.plan.local_experts * self.sends + tokens * self.receives)
+
+
+def choose_config(arch: Arch, ranks: int, max_tokens: int, hidden: int, experts: int,
+                  topk: int, *, phase: str = "both") -> CombineConfig:
+    check_problem(ranks, max_tokens, hidden, experts, topk)
+    common.check_phase(phase)
+    arch.require("griddepcontrol", "the low-latency combine (programmatic dependent launch)")
+    return CombineConfig(ranks, max_tokens, hidden, experts, topk, phase, arch.target)
+
+
+def generate(cfg: CombineConfig) -> KernelBuilder:
+    k = KernelBuilder(cfg.name, target=cfg.target, max_threads=cfg.threads,
+                      min_blocks_per_sm=common.MIN_CTAS_PER_SM)
+    k.launch = LaunchShape(block=cfg.threads, cooperative=cfg.phase == "both")
+    p = SimpleNamespace()
+    if cfg.sends:
+        p.x = k.param("x", "u64")                    # bf16 [L, R * max_tokens, H], contiguous
+        p.src_info = k.param("src_info", "u64")      # int32 [L, R * max_tokens, 3]
+        p.recv_count = k.param("recv_count", "u64")  # int32 [L]
+    if cfg.receives:
+        p.topk_idx = k.param("topk_idx", "u64")          # int64 [T, k]
+        p.topk_weights = k.param("topk_weights", "u64")  # f32 [T, k]
+        p.tokens = k.param("tokens", "u32")
+        p.out = k.param("out", "u64")                    # bf16 [T, H]
+    common.declare_common_params(k, p)
+    t = common.prologue(k, p, cfg.plan.local_experts if cfg.phase == "both" else None)
+    if cfg.phase == "both":
+        with k.if_(t.sender, "not_a_sender", uniform=True):
+            _send(k, cfg, p, t)
+        with k.if_(~t.sender, "not_a_receiver", uniform=True):
+            _receive(k, cfg, p, t)
+    elif cfg.sends:
+        _send(k, cfg, p, t)
+    else:
+        _receive(k, cfg, p, t)
+    return k
+
+
+def _send(k, cfg, p, t) -> None:
+    plan, local, row_bytes = cfg.plan, t.index, 2 * cfg.hidden
+    with k.stage("sender: the local expert's row count"):
+        count, at = k.reg("u32", "count"), k.reg("u64", "count_at")
+        k.ld_param(at, p.recv_count)
+        k.mad(at, local, 4, at, mode="wide")
+        k.ld(count, addr(at), **intranode.INPUT_LOAD)
+    i, row, source, token, position, pair, sequence = (k.reg("u32", name) for name in (
+        "row_index", "row", "source", "token", "position", "pair", "sequence"))
+    src, info, peer, dst = (k.reg("u64", name) for name in ("x_row", "info_at", "peer_buffer",
+                                                             "combine_row"))
+    with k.loop(i, count, start=t.warp, step=common.WARPS, uniform=True, hint="row"):
+        with k.stage("the row's source rank, token, k position; the dispatch's sequence number"):
+            k.mad(row, local, cfg.ranks * cfg.max_tokens, i)
+            k.ld_param(info, p.src_info)
+            k.mad(info, row, 12, info, mode="wide")
+            k.ld(source, addr(info), **intranode.INPUT_LOAD)
+            k.ld(token, addr(info, 4), **intranode.INPUT_LOAD)
+            k.ld(position, addr(info, 8), **intranode.INPUT_LOAD)
+            k.mad(pair, local, cfg.ranks, source)
+            k.mad(at, pair, 4, t.own, mode="wide")
+            k.ld(sequence, addr(at, plan.dispatch_received), sem="relaxed", scope="sys")
+        with k.stage("copy into combine row (token, position) of the source rank, then its flag"):
+            intranode.buffer_of(k, peer, t.peers, source)
+            k.mad(pair, token, cfg.topk, position)
+            k.mad(dst, pair, row_bytes, peer, mode="wide")
+            k.add(dst, dst, plan.combine_rows)
+            k.ld_param(src, p.x)
+            k.mad(src, row, row_bytes, src, mode="wide")
+            warp_copy(k, dst, src, row_bytes, t.lane, load=intranode.INPUT_LOAD,
+                      store=intranode.STORE)
+            k.bar_warp_sync()
+            k.mad(at, pair, 4, peer, mode="wide")
+            with k.guard(t.lane0):
+                k.st(addr(at, plan.combine_flags), sequence, sem="release", scope="sys")
+
+
+def _receive(k, cfg, p, t) -> None:
+    plan = cfg.plan
+    token = t.index
+    tokens = k.reg("u32", "tokens")
+    k.ld_param(tokens, p.tokens)
+    beyond = k.pred("beyond")
+    k.setp("ge", beyond, token, tokens)
+    with k.guard(beyond):
+        k.exit()
+    r = SimpleNamespace()
+    with k.stage("lane j < k: pair j's expert, weight, and the k position whose row it takes"):
+        pair_lane, is_pair, same, earlier = k.pred("is_pair"), k.pred("valid"), k.pred(
+            "same"), k.pred("earlier")
+        r.valid = is_pair
+        k.setp("lt", pair_lane, t.lane, cfg.topk)
+        idx_at, index, other = k.reg("u64", "idx_at"), k.reg("u64", "index"), k.reg(
+            "u64", "other_index")
+        k.ld_param(idx_at, p.topk_idx)
+        k.mad(idx_at, token, 8 * cfg.topk, idx_at, mode="wide")
+        k.mov(index, -1)
+        at = k.reg("u64", "lane_at")
+        k.mad(at, t.lane, 8, idx_at, mode="wide")
+        with k.guard(pair_lane):
+            k.ld(index, addr(at), **intranode.INPUT_LOAD)
+        # -1 and every index past the experts compare above E unsigned.
+        k.setp("lt", is_pair, index, cfg.experts)
+        r.first = k.reg("u32", "first_position")
+        k.mov(r.first, t.lane)
+        for j in reversed(range(cfg.topk)):  # the last match kept is the first position
+            k.ld(other, addr(idx_at, 8 * j), **intranode.INPUT_LOAD)
+            k.setp("eq", same, other, index)
+            k.setp("gt", earlier, t.lane, j)
+            k.and_pred(same, same, earlier)
+            with k.guard(same):
+                k.mov(r.first, j)
+        r.weight = k.reg("f32", "weight")
+        k.mov(r.weight, 0.0)
+        k.ld_param(at, p.topk_weights)
+        k.mad(at, token, 4 * cfg.topk, at, mode="wide")
+        k.mad(at, t.lane, 4, at, mode="wide")
+        with k.guard(is_pair):
+            k.ld(r.weight, addr(at), **intranode.INPUT_LOAD)
+    with k.stage("warp 0, lane j: wait for the row's flag to carry the dispatch's sequence number"):
+        waiter, warp0 = k.pred("waiter"), k.pred("warp0")
+        k.setp("eq", warp0, t.warp, 0)
+        k.and_pred(waiter, warp0, is_pair)
+        with k.if_(waiter, "not_waiting"):
+            expected, seen, expert = k.reg("u32", "sequence"), k.reg("u32", "flag_seen"), k.reg(
+                "u32", "expert")
+            ready, flag_at = k.pred("arrived"), k.reg("u64", "flag_at")
+            k.cvt(expert, index, dtype="u32", stype="u64")
+            k.mad(flag_at, expert, 4, t.own, mode="wide")
+            k.ld(expected, addr(flag_at, plan.dispatch_sent), sem="relaxed", scope="sys")
+            pair = k.reg("u32", "pair")
+            k.mad(pair, token, cfg.topk, r.first)
+            k.mad(flag_at, pair, 4, t.own, mode="wide")
+
+            def arrived(flag):
+                k.setp("eq", ready, flag, expected)
+                return ready
+
+            t.watchdog.wait(seen, addr(flag_at, plan.combine_flags), arrived,
+                            code=intranode.LL_COMBINE_RECEIVE, channel=token, peer=expert)
+        k.bar_sync(0)
+    _reduce(k, cfg, p, t, r, token)
+
+
+def _reduce(k, cfg, p, t, r, token) -> None:
+    plan, row_bytes = cfg.plan, 2 * cfg.hidden
+    with k.stage("each pair's row address, weight and presence, from its lane"):
+        has = k.regs("pred", cfg.topk, "has")
+        rows = k.regs("u64", cfg.topk, "row_at")
+        weights = k.regs("f32", cfg.topk, "w")
+        flag, first, pair = k.reg("u32", "has_pair"), k.reg("u32", "row_position"), k.reg(
+            "u32", "row_pair")
+        k.selp(flag, 1, 0, r.valid, type="u32")
+        for j in range(cfg.topk):
+            k.shfl_sync(first, flag, j, mode="idx")
+            k.setp("ne", has[j], first, 0)
+            k.shfl_sync(first, r.first, j, mode="idx")
+            k.mad(pair, token, cfg.topk, first)
+            k.mad(rows[j], pair, row_bytes, t.own, mode="wide")
+            k.add(rows[j], rows[j], plan.combine_rows)
+            k.shfl_sync(weights[j], r.weight, j, mode="idx")
+    with k.stage("sum the pairs in k order, f32 (mul.rn, add.rn), one 16-byte vector a thread"):
+        vectors = row_bytes // VECTOR_BYTES
+        v, offset, at = k.reg("u32", "vector"), k.reg("u64", "vector_offset"), k.reg(
+            "u64", "at")
+        data = [k.regs("b32", 4, f"pair{j}_") for j in range(cfg.topk)]
+        acc, halves = k.regs("f32", 8, "acc"), k.regs("f32", 2, "half")
+        packed = k.regs("b32", 4, "sum")
+        out = k.reg("u64", "out")
+        k.ld_param(out, p.out)
+        k.mad(out, token, row_bytes, out, mode="wide")
+        with k.loop(v, vectors, start=t.tid, step=cfg.threads, hint="vector"):
+            k.mul(offset, v, VECTOR_BYTES, mode="wide")
+            for j in range(cfg.topk):
+                k.add(at, rows[j], offset)
+                with k.guard(has[j]):
+                    k.ld(data[j], addr(at), **intranode.PAYLOAD_LOAD)
+            for a in acc:
+                k.mov(a, 0.0)
+            for j in range(cfg.topk):
+                for w, word in enumerate(data[j]):
+                    fp8.unpack_bf16x2(k, halves[0], halves[1], word)
+                    for h in (0, 1):
+                        k.mul(halves[h], halves[h], weights[j], rnd="rn")
+                        with k.guard(has[j]):
+                            k.add(acc[2 * w + h], acc[2 * w + h], halves[h], rnd="rn")
+            for w, word in enumerate(packed):
+                k.cvt(word, acc[2 * w + 1], acc[2 * w], dtype="bf16x2", rnd="rn")
+            k.add(at, out, offset)
+            k.st(addr(at), packed)

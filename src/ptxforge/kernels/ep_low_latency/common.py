@@ -1,0 +1,66 @@
+"""What the low-latency dispatch and combine share: the parameters every CTA reads, the
+thread's coordinates, and each CTA's role.
+
+A kernel's grid is its send CTAs, then its receive CTAs (a ``phase`` of "both" launches
+both, cooperatively: a receiver waits for senders that must be resident; "send" or
+"receive" launches one half). Senders never wait, so a send-only launch needs no
+residency, and the receive half can run later (the host's hook).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from ...ptx import KernelBuilder, sreg
+from ..ep_intranode import common as intranode
+
+PHASES = ("send", "receive", "both")
+WARPS = 4  # a CTA's warps: enough rows in flight per expert or token, many CTAs an SM
+# CTAs an SM must hold (at most 128 registers a thread): a cooperative launch of E + L
+# CTAs (384 for 256 experts over 2 ranks) fits 132 SMs; ptxas's own choice for these
+# kernels (40 registers) spilled.
+MIN_CTAS_PER_SM = 4
+
+
+def check_phase(phase: str) -> None:
+    if phase not in PHASES:
+        raise ValueError(f"phase must be one of {', '.join(PHASES)}, got {phase!r}")
+
+
+def declare_common_params(k: KernelBuilder, p: SimpleNamespace) -> None:
+    p.rank = k.param("rank", "u32")
+    p.peers = k.param("peers", "u64")            # u64 [ranks]: every rank's buffer, mapped here
+    p.error = k.param("error", "u64")            # int32 [4] in mapped host memory
+    p.timeout_ns = k.param("timeout_ns", "u64")
+
+
+def prologue(k: KernelBuilder, p: SimpleNamespace, senders: int | None) -> SimpleNamespace:
+    """Programmatic-launch housekeeping, the thread's coordinates (``tid``, ``lane``,
+    ``warp``, ``lane0``, ``thread0``), the common scalars (``rank``, ``peers``,
+    ``watchdog``, ``own``: this rank's buffer) and the CTA's role: ``sender`` (a
+    predicate; None where the phase has one role) and ``index``, the CTA's index among
+    its role's (``senders``: how many send CTAs come first; None: one role)."""
+    t = SimpleNamespace()
+    with k.stage("programmatic launch; wait for the kernel before this one"):
+        k.griddepcontrol_launch_dependents()
+        k.griddepcontrol_wait()
+    with k.stage("coordinates and role"):
+        t.tid, t.lane, t.warp = k.reg("u32", "tid"), k.reg("u32", "lane"), k.reg("u32", "warp")
+        k.mov(t.tid, sreg.tid.x)
+        k.and_(t.lane, t.tid, 31)
+        k.shr(t.warp, t.tid, 5)
+        t.lane0, t.thread0 = k.pred("lane0"), k.pred("thread0")
+        k.setp("eq", t.lane0, t.lane, 0)
+        k.setp("eq", t.thread0, t.tid, 0)
+        cta = k.reg("u32", "cta")
+        k.mov(cta, sreg.ctaid.x)
+        t.index, t.sender = cta, None
+        if senders is not None:
+            t.sender, t.index = k.pred("sender"), k.reg("u32", "role_index")
+            k.setp("lt", t.sender, cta, senders)
+            k.sub(t.index, cta, senders)
+            k.selp(t.index, cta, t.index, t.sender)
+    intranode.scalars(k, t, p)
+    t.own = k.reg("u64", "own_buffer")
+    intranode.buffer_of(k, t.own, t.peers, t.rank)
+    return t

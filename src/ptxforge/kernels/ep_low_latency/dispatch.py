@@ -1,0 +1,383 @@
+"""Low-latency dispatch: each rank quantizes its tokens to FP8 (1 x 128 scales, the recipe
+of ``ptxforge.testing.reference.quantize_fp8_per_token``, bit for bit) and writes each
+(token, expert) pair straight into slot (l, this rank, i) of the expert's rank (plan.py);
+each rank then packs what its local experts received into the masked layout the grouped
+GEMM reads.
+
+Roles (common.py: send CTAs first, then receive CTAs; ``WARPS`` warps each):
+
+    sender e (one CTA an expert)   every warp scans the tokens, 32 at a time (one a lane):
+                                   the first k position naming e, a ballot, and each
+                                   routed token's slot = the routed tokens before it (so
+                                   the order is the token order, with no atomics). Warp w
+                                   quantizes and writes the tokens whose slot is w modulo
+                                   WARPS: per 256 elements, a lane's 8 bf16 -> the half-
+                                   warp's amax -> scale -> 8 e4m3 bytes, the scales, then
+                                   the (token, k position) pair. bar.sync, then thread 0
+                                   takes the pair's next sequence number and publishes
+                                   ``sequence << 9 | count`` into flag (l, this rank) of the
+                                   expert's rank with st.release.sys (count 0 too).
+    receiver l (one CTA a local    thread s < R waits (ld.acquire.sys, timed) for flag
+    expert)                        (l, s) to carry its next sequence number and shares the
+                                   count through shared memory; bar.sync; each source's
+                                   rows start after the counts of the ranks before it.
+                                   Warp w copies rows w, w + WARPS, ... of each source: the
+                                   e4m3 row, its scales (into MN-major recv_scales), and
+                                   (source rank, token, k position) into recv_src_info.
+                                   Thread 0 writes recv_count[l].
+
+Memory orders: a sender's payload stores precede its flag's release (bar.sync, then one
+thread's release); a receiver's loads follow its acquire (the waiting thread's, passed on
+by bar.sync). Slots are read with weak loads that skip L1, never through the non-coherent
+path; the sender's inputs (x, topk_idx) through it.
+
+Top-k indices outside [0, E) (-1 among them) route nowhere; a token naming an expert twice
+goes to it once (its first k position).
+
+Compile-time: ranks, max_tokens, hidden, experts, k, phase. Run-time: tokens (<=
+max_tokens), this rank, the pointers and the scales' strides.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+from ...arch import Arch
+from ...patterns import fp8, reduce
+from ...patterns.copy import VECTOR_BYTES, warp_copy
+from ...ptx import KernelBuilder, LaunchShape, addr, sreg
+from ..ep_intranode import common as intranode
+from . import common
+from .plan import COUNT_BITS, SEQUENCE_MAX, LowLatencyPlan, check_problem
+
+BATCH = 32                 # tokens a warp scans at once, one a lane
+ELEMENTS = VECTOR_BYTES // 2  # bf16 elements a lane quantizes a step: 16 lanes a group
+
+
+@dataclass(frozen=True)
+class DispatchConfig:
+    ranks: int
+    max_tokens: int
+    hidden: int
+    experts: int
+    topk: int
+    phase: str
+    target: str
+
+    @property
+    def name(self) -> str:
+        return (f"ep_ll_dispatch_{self.phase}_r{self.ranks}_t{self.max_tokens}_h{self.hidden}_"
+                f"e{self.experts}_k{self.topk}")
+
+    @property
+    def plan(self) -> LowLatencyPlan:
+        return LowLatencyPlan(self.ranks, self.max_tokens, self.hidden, self.experts, self.topk)
+
+    @property
+    def sends(self) -> bool:
+        return self.phase != "receive"
+
+    @property
+    def receives(self) -> bool:
+        return self.phase != "send"
+
+    @property
+    def threads(self) -> int:
+        return 32 * common.WARPS
+
+    @property
+    def grid(self) -> int:
+        """Send CTAs (one an expert), then receive CTAs (one a local expert)."""
+        return self.experts * self.sends + self.plan.local_experts * self.receives
+
+
+def choose_config(arch: Arch, ranks: int, max_tokens: int, hidden: int, experts: int,
+                  topk: int, *, phase: str = "both") -> DispatchConfig:
+    check_problem(ranks, max_tokens, hidden, experts, topk)
+    common.check_phase(phase)
+    arch.require("fp8", "the low-latency dispatch (FP8 rows)")
+    arch.require("griddepcontrol", "the low-latency dispatch (programmatic dependent launch)")
+    return DispatchConfig(ranks, max_tokens, hidden, experts, topk, phase, arch.target)
+
+
+def generate(cfg: DispatchConfig) -> KernelBuilder:
+    k = KernelBuilder(cfg.name, target=cfg.target, max_threads=cfg.threads,
+                      min_blocks_per_sm=common.MIN_CTAS_PER_SM)
+    k.launch = LaunchShape(block=cfg.threads, cooperative=cfg.phase == "both")
+    p = _Params(k, cfg)
+    t = common.prologue(k, p, cfg.experts if cfg.phase == "both" else None)
+    if cfg.phase == "both":
+        with k.if_(t.sender, "not_a_sender", uniform=True):
+            _send(k, cfg, p, t)
+        with k.if_(~t.sender, "not_a_receiver", uniform=True):
+            _receive(k, cfg, p, t)
+    elif cfg.sends:
+        _send(k, cfg, p, t)
+    else:
+        _receive(k, cfg, p, t)
+    return k
+
+
+class _Params:
+    """Kernel parameters (launches bind them by name)."""
+
+    def __init__(self, k: KernelBuilder, cfg: DispatchConfig):
+        if cfg.sends:
+            self.x = k.param("x", "u64")                    # bf16 [T, H], contiguous
+            self.topk_idx = k.param("topk_idx", "u64")      # int64 [T, k], contiguous
+            self.tokens = k.param("tokens", "u32")          # T <= max_tokens
+        common.declare_common_params(k, self)
+        if cfg.receives:
+            self.recv_x = k.param("recv_x", "u64")          # e4m3 [L, R * max_tokens, H]
+            self.recv_scales = k.param("recv_scales", "u64")  # f32 [L, R * max_tokens, H / 128]
+            self.scale_expert_stride = k.param("scale_expert_stride", "u32")  # elements
+            self.scale_group_stride = k.param("scale_group_stride", "u32")    # (row stride 1)
+            self.recv_src_info = k.param("recv_src_info", "u64")  # int32 [L, R * max_tokens, 3]
+            self.recv_count = k.param("recv_count", "u64")  # int32 [L]
+
+
+def advance_sequence(k: KernelBuilder, sequence) -> None:
+    """Two instructions: ``sequence`` = the next sequence number (plan.next_sequence)."""
+    k.rem(sequence, sequence, SEQUENCE_MAX)
+    k.add(sequence, sequence, 1)
+
+
+def _send(k, cfg, p, t) -> None:
+    plan, s = cfg.plan, SimpleNamespace()
+    expert = t.index
+    with k.stage("sender: the expert's rank, its slots (l, this rank) there, the inputs"):
+        dest, local, pair = k.reg("u32", "dest_rank"), k.reg("u32", "local_expert"), k.reg(
+            "u32", "pair_index")
+        k.div(dest, expert, plan.local_experts)
+        k.rem(local, expert, plan.local_experts)
+        peer = k.reg("u64", "peer_buffer")
+        intranode.buffer_of(k, peer, t.peers, dest)
+        k.mad(pair, local, cfg.ranks, t.rank)
+        s.slots, s.flag_at = k.reg("u64", "slots"), k.reg("u64", "flag_at")
+        k.add(s.slots, peer, plan.dispatch_slots)
+        k.mad(s.slots, pair, cfg.max_tokens * plan.slot_bytes, s.slots, mode="wide")
+        k.add(s.flag_at, peer, plan.dispatch_flags)
+        k.mad(s.flag_at, pair, 4, s.flag_at, mode="wide")
+        s.tokens, s.x, idx = k.reg("u32", "tokens"), k.reg("u64", "x"), k.reg("u64", "topk_idx")
+        k.ld_param(s.tokens, p.tokens)
+        k.ld_param(s.x, p.x)
+        k.ld_param(idx, p.topk_idx)
+        wanted = k.reg("u64", "expert_wide")
+        k.cvt(wanted, expert, dtype="u64", stype="u32")
+        lanes_below = k.reg("u32", "lanes_below")
+        k.mov(lanes_below, sreg.lanemask_lt)
+        count = k.reg("u32", "count")  # the tokens routed to the expert so far
+        k.mov(count, 0)
+    first, token, position, slot, n = (k.reg("u32", name) for name in (
+        "batch_first", "lane_token", "position", "lane_slot", "batch_count"))
+    idx_at, index = k.reg("u64", "idx_at"), k.reg("u64", "index")
+    in_batch, match, goes = k.pred("in_batch"), k.pred("match"), k.pred("goes")
+    ballot = k.reg("b32", "ballot")
+    with k.loop(first, s.tokens, step=BATCH, uniform=True, hint="scan_batch"):
+        with k.stage("scan: the lane's token's first k position naming the expert, its slot"):
+            k.add(token, first, t.lane)
+            k.setp("lt", in_batch, token, s.tokens)
+            k.mad(idx_at, token, 8 * cfg.topk, idx, mode="wide")
+            k.mov(position, cfg.topk)  # none
+            for j in reversed(range(cfg.topk)):  # the last match kept is the first position
+                k.mov(index, -1)
+                with k.guard(in_batch):
+                    k.ld(index, addr(idx_at, 8 * j), **intranode.INPUT_LOAD)
+                k.setp("eq", match, index, wanted)
+                with k.guard(match):
+                    k.mov(position, j)
+            k.setp("lt", goes, position, cfg.topk)
+            k.vote_sync(ballot, goes, mode="ballot")
+            k.and_(slot, ballot, lanes_below)
+            k.popc(slot, slot)
+            k.add(slot, slot, count)
+        _send_batch(k, cfg, p, t, s, first, ballot, slot, position)
+        k.popc(n, ballot)
+        k.add(count, count, n)
+    with k.stage("publish: the CTA's rows, then sequence << 9 | count (st.release.sys)"):
+        k.bar_sync(0)
+        with k.if_(t.thread0, "not_publishing"):
+            sequence, sequence_at = k.reg("u32", "sequence"), k.reg("u64", "sequence_at")
+            k.mad(sequence_at, expert, 4, t.own, mode="wide")
+            k.ld(sequence, addr(sequence_at, plan.dispatch_sent), sem="relaxed", scope="sys")
+            advance_sequence(k, sequence)
+            k.st(addr(sequence_at, plan.dispatch_sent), sequence, sem="relaxed", scope="sys")
+            word = k.reg("u32", "flag")
+            k.shl(word, sequence, COUNT_BITS)
+            k.or_(word, word, count)
+            k.st(addr(s.flag_at), word, sem="release", scope="sys")
+
+
+def _send_batch(k, cfg, p, t, s, first, ballot, slot, position) -> None:
+    """The batch's routed tokens, lane i's at slot ``slot`` of lane i: warp w writes those
+    whose slot is w modulo WARPS."""
+    i, bit, token_slot, token_position, owner = (k.reg("u32", name) for name in (
+        "batch_lane", "bit", "token_slot", "token_position", "owner"))
+    mine, routed = k.pred("mine"), k.pred("routed")
+    with k.loop(i, BATCH, uniform=True, hint="batch_token"):
+        k.shfl_sync(token_slot, slot, i, mode="idx")
+        k.shfl_sync(token_position, position, i, mode="idx")
+        k.bfe(bit, ballot, i, 1, type="u32")
+        k.setp("ne", routed, bit, 0)
+        k.and_(owner, token_slot, common.WARPS - 1)
+        k.setp("eq", mine, owner, t.warp)
+        k.and_pred(mine, mine, routed)
+        with k.if_(mine, "not_mine", uniform=True):
+            token = k.reg("u32", "token")
+            k.add(token, first, i)
+            _send_token(k, cfg, t, s, token, token_slot, token_position)
+
+
+def _send_token(k, cfg, t, s, token, slot, position) -> None:
+    """Quantize x[token] into slot ``slot``: per step, 16 lanes (a half-warp) hold a
+    128-element group, 8 elements a lane."""
+    plan = cfg.plan
+    src, dst = k.reg("u64", "x_row"), k.reg("u64", "slot_at")
+    k.mad(src, token, 2 * cfg.hidden, s.x, mode="wide")
+    k.mad(dst, slot, plan.slot_bytes, s.slots, mode="wide")
+    vectors = cfg.hidden // ELEMENTS
+    vector, group = k.reg("u32", "vector"), k.reg("u32", "scale_group")
+    src_at, dst_at = k.reg("u64", "x_at"), k.reg("u64", "q_at")
+    in_row, group_leader = k.pred("in_row"), k.pred("group_leader")
+    words, packed = k.regs("b32", 4, "x"), k.regs("b32", 2, "q")
+    amax, inv_scale, scale, shuffled = (k.reg("f32", name) for name in (
+        "amax", "inv_scale", "scale", "shuffled"))
+    packed_max, halves = k.reg("b32", "packed_max"), k.regs("f32", 2, "half")
+    values, scratch = k.regs("f32", ELEMENTS, "v"), k.regs("b16", 2, "e4m3x2_")
+    base = k.reg("u32", "step_base")
+    # Rows of an odd number of groups end half-way through the last step: its upper
+    # half-warp quantizes zeros it does not store (every lane runs every step: shuffles).
+    with k.loop(base, -(-vectors // 32) * 32, step=32, uniform=True, hint="quantize_step"):
+        with k.stage("quantize: the half-warp's group amax, its scale, 8 e4m3 a lane"):
+            k.add(vector, base, t.lane)
+            k.setp("lt", in_row, vector, vectors)
+            for w in words:
+                k.mov(w, 0)
+            k.mad(src_at, vector, VECTOR_BYTES, src, mode="wide")
+            with k.guard(in_row):
+                k.ld(words, addr(src_at), **intranode.INPUT_LOAD)
+            fp8.packed_amax(k, amax, words, packed_max, halves)
+            reduce.butterfly_max(k, [amax], 16, [shuffled])
+            fp8.scale_from_amax(k, amax, inv_scale, scale)
+            for w, word in enumerate(words):
+                fp8.unpack_bf16x2(k, values[2 * w], values[2 * w + 1], word)
+            for v in values:
+                k.mul(v, v, inv_scale, rnd="rn")
+            fp8.pack_e4m3x4(k, packed[0], values[:4], scratch)
+            fp8.pack_e4m3x4(k, packed[1], values[4:], scratch)
+        with k.stage("store: 8 e4m3 bytes a lane, the group's scale from its first lane"):
+            k.mad(dst_at, vector, ELEMENTS, dst, mode="wide")
+            with k.guard(in_row):
+                k.st(addr(dst_at), packed, **intranode.STORE)
+            k.and_(group, t.lane, 15)
+            k.setp("eq", group_leader, group, 0)
+            k.and_pred(group_leader, group_leader, in_row)
+            k.shr(group, vector, 4)
+            k.mad(dst_at, group, 4, dst, mode="wide")
+            with k.guard(group_leader):
+                k.st(addr(dst_at, plan.slot_scales), scale, **intranode.STORE)
+    with k.if_(t.lane0, "not_lane0"):
+        k.st(addr(dst, plan.slot_source), token, **intranode.STORE)
+        k.st(addr(dst, plan.slot_source + 4), position, **intranode.STORE)
+
+
+def _receive(k, cfg, p, t) -> None:
+    plan, local = cfg.plan, t.index
+    with k.stage("receiver: thread s < R waits for flag (l, s) to carry its next sequence number"):
+        counts_at = k.reg("u32", "counts_at")
+        k.mov(counts_at, k.shared("counts", 4 * cfg.ranks, align=4))
+        waiter = k.pred("waiter")
+        k.setp("lt", waiter, t.tid, cfg.ranks)
+        with k.if_(waiter, "not_waiting"):
+            pair, seen, got = k.reg("u32", "pair_index"), k.reg("u32", "flag_seen"), k.reg(
+                "u32", "sequence_seen")
+            expected, at = k.reg("u32", "sequence"), k.reg("u64", "pair_at")
+            ready = k.pred("arrived")
+            k.mad(pair, local, cfg.ranks, t.tid)
+            k.mad(at, pair, 4, t.own, mode="wide")
+            k.ld(expected, addr(at, plan.dispatch_received), sem="relaxed", scope="sys")
+            advance_sequence(k, expected)
+
+            def arrived(flag):
+                k.shr(got, flag, COUNT_BITS)
+                k.setp("eq", ready, got, expected)
+                return ready
+
+            t.watchdog.wait(seen, addr(at, plan.dispatch_flags), arrived,
+                            code=intranode.LL_DISPATCH_RECEIVE, channel=local, peer=t.tid)
+            k.st(addr(at, plan.dispatch_received), expected, sem="relaxed", scope="sys")
+            k.and_(seen, seen, (1 << COUNT_BITS) - 1)
+            shared_at = k.reg("u32", "count_at")
+            k.mad(shared_at, t.tid, 4, counts_at)
+            k.st(addr(shared_at), seen, space="shared")
+        k.bar_sync(0)
+    with k.stage("each source's count and first row; recv_count[l]"):
+        counts = k.regs("u32", cfg.ranks, "count")
+        firsts = k.regs("u32", cfg.ranks, "first_row")
+        for s in range(cfg.ranks):
+            k.ld(counts[s], addr(counts_at, 4 * s), space="shared")
+            if s == 0:
+                k.mov(firsts[0], 0)
+            else:
+                k.add(firsts[s], firsts[s - 1], counts[s - 1])
+        total, at = k.reg("u32", "received"), k.reg("u64", "recv_count_at")
+        k.add(total, firsts[-1], counts[-1])
+        with k.if_(t.thread0, "not_counting"):
+            k.ld_param(at, p.recv_count)
+            k.mad(at, local, 4, at, mode="wide")
+            k.st(addr(at), total)
+    i = k.reg("u32", "slot_index")
+    for s in range(cfg.ranks):
+        with k.loop(i, counts[s], start=t.warp, step=common.WARPS, uniform=True,
+                    hint=f"source_{s}_row"):
+            _receive_row(k, cfg, p, t, s, i, firsts[s])
+
+
+def _receive_row(k, cfg, p, t, source: int, i, first) -> None:
+    """Slot (l, source, i) to row first + i of expert l's rows: the e4m3 row, its scales,
+    its (source rank, token, k position)."""
+    plan, local = cfg.plan, t.index
+    rows = cfg.ranks * cfg.max_tokens
+    slot, row, src, dst = k.reg("u32", "slot"), k.reg("u32", "row"), k.reg(
+        "u64", "slot_at"), k.reg("u64", "out_row")
+    k.mad(slot, local, cfg.ranks, source)
+    k.mad(slot, slot, cfg.max_tokens, i)
+    k.mad(src, slot, plan.slot_bytes, t.own, mode="wide")
+    k.add(src, src, plan.dispatch_slots)
+    k.add(row, first, i)
+    k.mad(row, local, rows, row)  # among all experts' rows
+    k.ld_param(dst, p.recv_x)
+    k.mad(dst, row, cfg.hidden, dst, mode="wide")
+    warp_copy(k, dst, src, cfg.hidden, t.lane, load=intranode.PAYLOAD_LOAD, store={})
+    with k.stage("scales: lane g to recv_scales[l, row, g], MN-major"):
+        group, element, in_row = k.reg("u32", "group"), k.reg("u32", "scale_element"), k.pred(
+            "group_in_row")
+        expert_stride, group_stride = k.reg("u32", "scale_expert_stride"), k.reg(
+            "u32", "scale_group_stride")
+        k.ld_param(expert_stride, p.scale_expert_stride)
+        k.ld_param(group_stride, p.scale_group_stride)
+        scale, at = k.reg("b32", "scale"), k.reg("u64", "scale_at")
+        for chunk in range(0, plan.scale_groups, 32):
+            k.add(group, t.lane, chunk)
+            k.setp("lt", in_row, group, plan.scale_groups)
+            k.mad(at, group, 4, src, mode="wide")
+            with k.guard(in_row):
+                k.ld(scale, addr(at, plan.slot_scales), **intranode.PAYLOAD_LOAD)
+            k.add(element, first, i)
+            k.mad(element, group, group_stride, element)
+            k.mad(element, local, expert_stride, element)
+            k.ld_param(at, p.recv_scales)
+            k.mad(at, element, 4, at, mode="wide")
+            with k.guard(in_row):
+                k.st(addr(at), scale)
+    with k.if_(t.lane0, "not_lane0"):
+        token, position, at = k.reg("u32", "token"), k.reg("u32", "position"), k.reg(
+            "u64", "info_at")
+        k.ld(token, addr(src, plan.slot_source), **intranode.PAYLOAD_LOAD)
+        k.ld(position, addr(src, plan.slot_source + 4), **intranode.PAYLOAD_LOAD)
+        k.ld_param(at, p.recv_src_info)
+        k.mad(at, row, 12, at, mode="wide")
+        k.st(addr(at), source, type="u32")
+        k.st(addr(at, 4), token)
+        k.st(addr(at, 8), position)

@@ -1,0 +1,139 @@
+"""Where everything lies in each rank's low-latency buffer, for the host (its size) and the
+kernel generators (the offsets they emit).
+
+Each rank allocates one buffer, mapped by every other rank (CUDA IPC, ``peers[r]``). For
+R ranks, E experts (L = E / R on each rank), T = max_tokens and k experts a token:
+
+    | sequence numbers (this rank's own):                                               |
+    |   dispatch_sent     [E]    u32  dispatches this rank sent to expert e             |
+    |   dispatch_received [L][R] u32  dispatches local expert l received from rank s   |
+    | dispatch_flags [L][R] u32: written by rank s, sequence << 9 | count               |
+    | combine_flags  [T][k] u32: written by the rank of the pair's expert, sequence     |
+    | dispatch slots [L][R][T]: an e4m3 row (H bytes), its H / 128 f32 scales, and its  |
+    |                (source token, k position) u32 pair                                |
+    | combine rows   [T][k]: a bf16 row (2 H bytes) a (token, k position) pair          |
+
+Protocol. Slot (l, s, i) holds the i-th token of rank s (in token order) routed to local
+expert l: the position is a scan over the tokens, so the layout is the same run to run.
+After its rows, rank s publishes ``sequence << 9 | count`` into flag (l, s) of the
+expert's rank with st.release.sys; the receiver waits (ld.acquire.sys, timed) until the
+flag carries the sequence number it expects. The combine returns pair (t, j)'s row into
+combine row (t, j) of rank s and publishes flag (t, j) = the dispatch's sequence number.
+
+Sequence numbers instead of clearing: the buffer starts zeroed and is never cleared.
+Each end keeps the count of dispatches per pair it sends or receives on in its own
+buffer (``dispatch_sent``, ``dispatch_received``; the thread that publishes or waits on
+a pair reads, increments and stores it, so no atomics and no grid-wide step): every
+dispatch publishes every (expert, source rank) pair once, count 0 included, so both ends
+count alike, and a flag from an earlier call carries an older number. The combine reuses
+its dispatch's numbers (the sender's ``dispatch_received``, the receiver's
+``dispatch_sent``): one combine a dispatch. Numbers run 1 .. 2**23 - 1 and wrap to 1, so
+a zeroed flag never matches. A call's receive half must end on every rank before any
+rank's next send of the same kind rewrites its slots: the dispatch -> combine -> dispatch
+chain guarantees it (a rank's next dispatch follows its combine, which waited for every
+peer's combine send, which followed that peer's dispatch receive).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MAX_RANKS = 8
+MAX_TOKENS = 256          # a count fits COUNT_BITS
+MAX_TOPK = 16
+COUNT_BITS = 9
+SEQUENCE_MAX = (1 << (32 - COUNT_BITS)) - 1
+SCALE_GROUP = 128
+ALIGN = 16
+REGION_ALIGN = 1024
+
+
+def _aligned(n: int, to: int = ALIGN) -> int:
+    return -(-n // to) * to
+
+
+def next_sequence(sequence: int) -> int:
+    """The sequence number after ``sequence`` (1 .. SEQUENCE_MAX, then 1 again); the
+    kernels emit the same."""
+    return sequence % SEQUENCE_MAX + 1
+
+
+def check_problem(ranks: int, max_tokens: int, hidden: int, experts: int, topk: int) -> None:
+    """The sizes the low-latency kernels take; errors name the argument."""
+    if not 2 <= ranks <= MAX_RANKS:
+        raise ValueError(f"the group must have 2 to {MAX_RANKS} ranks, got {ranks}")
+    if not 1 <= max_tokens <= MAX_TOKENS:
+        raise ValueError(f"num_max_dispatch_tokens_per_rank must be 1 to {MAX_TOKENS}, "
+                         f"got {max_tokens}")
+    if hidden <= 0 or hidden % SCALE_GROUP:
+        raise ValueError(f"hidden must be a positive multiple of {SCALE_GROUP}, got {hidden}")
+    if experts <= 0 or experts % ranks:
+        raise ValueError(f"num_experts must be a positive multiple of the {ranks} ranks, "
+                         f"got {experts}")
+    if not 1 <= topk <= MAX_TOPK:
+        raise ValueError(f"topk_idx must have 1 to {MAX_TOPK} columns, got {topk}")
+
+
+@dataclass(frozen=True)
+class LowLatencyPlan:
+    ranks: int
+    max_tokens: int
+    hidden: int
+    experts: int
+    topk: int
+
+    @property
+    def local_experts(self) -> int:
+        return self.experts // self.ranks
+
+    @property
+    def scale_groups(self) -> int:
+        return self.hidden // SCALE_GROUP
+
+    # ---- a dispatch slot
+    @property
+    def slot_scales(self) -> int:
+        return _aligned(self.hidden)
+
+    @property
+    def slot_source(self) -> int:
+        """The (source token, k position) pair of a slot."""
+        return self.slot_scales + _aligned(4 * self.scale_groups)
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.slot_source + ALIGN
+
+    # ---- the regions
+    @property
+    def dispatch_sent(self) -> int:
+        return 0
+
+    @property
+    def dispatch_received(self) -> int:
+        return 4 * self.experts
+
+    @property
+    def dispatch_flags(self) -> int:
+        return _aligned(self.dispatch_received + 4 * self.local_experts * self.ranks)
+
+    @property
+    def combine_flags(self) -> int:
+        return _aligned(self.dispatch_flags + 4 * self.local_experts * self.ranks)
+
+    @property
+    def dispatch_slots(self) -> int:
+        return _aligned(self.combine_flags + 4 * self.max_tokens * self.topk, REGION_ALIGN)
+
+    def dispatch_slot(self, local_expert: int, source: int, index: int) -> int:
+        """Byte offset of slot (local_expert, source, index)."""
+        return self.dispatch_slots + (
+            (local_expert * self.ranks + source) * self.max_tokens + index) * self.slot_bytes
+
+    @property
+    def combine_rows(self) -> int:
+        return _aligned(self.dispatch_slot(self.local_experts, 0, 0), REGION_ALIGN)
+
+    @property
+    def bytes_needed(self) -> int:
+        return self.combine_rows + self.max_tokens * self.topk * 2 * self.hidden
