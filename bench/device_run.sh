@@ -33,7 +33,7 @@ if [ "${1:-}" = ep ]; then
     nvidia-cuda-mps-control -d && trap 'echo quit | nvidia-cuda-mps-control' EXIT
   fi
   {
-    step env PTXFORGE_EP_TEST_TIMEOUT_S=90 timeout 420 $py -m pytest tests/gpu/test_ep_gpu.py -q -s -p no:cacheprovider
+    step env PTXFORGE_EP_TEST_TIMEOUT_S=90 timeout 480 $py -m pytest tests/gpu/test_ep_gpu.py tests/gpu/test_ep_low_latency_gpu.py -q -s -p no:cacheprovider
     step timeout 300 $py -m ptxforge.cli bench ep --json "$OUT/ep.json" --plot "$OUT/ep.png"
   } > "$log" 2>&1
   grep -E "passed|failed|Error" "$log" | grep -v "^|" | tail -12

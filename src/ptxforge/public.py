@@ -62,8 +62,8 @@ PUBLIC = (
 # the buffer's peers; listed so that every registry kernel has a caller.
 EP_KERNELS = {"ep_dispatch_layout": "Buffer.get_dispatch_layout",
               "ep_intranode_dispatch": "Buffer.dispatch", "ep_intranode_combine": "Buffer.combine",
-              "ep_low_latency_dispatch": "low_latency.dispatch",
-              "ep_low_latency_combine": "low_latency.combine"}
+              "ep_low_latency_dispatch": "Buffer.low_latency_dispatch",
+              "ep_low_latency_combine": "Buffer.low_latency_combine"}
 
 PTXFORGE_NAMES = tuple(entry.name for entry in PUBLIC if entry.in_ptxforge)
 DEEP_GEMM_NAMES = tuple(entry.name for entry in PUBLIC if entry.in_deep_gemm)

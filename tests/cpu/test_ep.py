@@ -414,3 +414,21 @@ def test_a_cached_dispatch_must_match_its_handle():
         call(channels=4)
     with pytest.raises(TypeError, match="handle must be what dispatch returned, got tuple"):
         buffer._check_handle((), None, 2)
+
+
+def test_low_latency_options_it_does_not_take_are_refused_by_name():
+    from ptxforge.ep import Buffer
+
+    buffer = Buffer.__new__(Buffer)  # the checks read these two attributes alone
+    buffer.low_latency_group, buffer.record = None, None
+    with pytest.raises(ValueError, match="no low-latency buffer: create it with num_rdma_bytes"):
+        buffer._check_low_latency_options(False)
+    buffer.low_latency_group = object()
+    buffer._check_low_latency_options(False, use_fp8=(True, True))
+    with pytest.raises(ValueError, match="async_finish: the low-latency calls run on the current"):
+        buffer._check_low_latency_options(True)
+    with pytest.raises(ValueError, match="use_fp8=False is not supported by ptxforge.ep yet"):
+        buffer._check_low_latency_options(False, use_fp8=(False, True))
+    with pytest.raises(ValueError, match="cumulative_local_expert_recv_stats=.* not supported"):
+        buffer._check_low_latency_options(
+            False, cumulative_local_expert_recv_stats=(torch.zeros(2), None))

@@ -1,9 +1,9 @@
-"""ptxforge.ep.low_latency across processes: dispatch and combine against the torch
-references (ptxforge.testing.ep) built from every rank's inputs, bitwise; rounds in a row
-on a buffer never cleared, with and without the receive hook; a peer that never launches
-ends in the device timeout's record. The harness (spawned processes, gathers, bitwise
-checks) is test_ep_gpu.py's; the buffer is a ``Buffer``'s memory, sized by
-``low_latency.buffer_size``.
+"""ptxforge.ep's decode path (``Buffer.low_latency_dispatch`` / ``low_latency_combine``)
+across processes: against the torch references (ptxforge.testing.ep) built from every
+rank's inputs, bitwise; rounds in a row on a buffer never cleared, with and without the
+receive hook; the same calls captured in a CUDA graph and replayed on new inputs; a peer
+that never launches ends in the device timeout, named on the host. The harness (spawned
+processes, gathers, bitwise checks, MPS on one GPU) is test_ep_gpu.py's.
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ptxforge.ep import Buffer, low_latency
-from ptxforge.kernels.ep_intranode import common as codes
+from ptxforge.ep import Buffer, EPTimeoutError
 from ptxforge.testing import ep as reference
 
-from test_ep_gpu import NO_MULTICAST, _assert_bitwise, _gather, run_spawned
+from test_ep_gpu import (NO_MULTICAST, _assert_bitwise, _gather, _report_and_exit, mps_running,
+                         run_spawned)
 
 pytestmark = pytest.mark.gpu
 
@@ -24,12 +24,9 @@ KERNEL_TIMEOUT_S = 20.0
 MAX_TOKENS, HIDDEN, EXPERTS, TOPK = 64, 1024, 8, 4
 
 
-def _group(world: int) -> tuple[Buffer, low_latency.Group]:
-    size = low_latency.buffer_size(MAX_TOKENS, HIDDEN, world, EXPERTS)
-    buffer = Buffer(dist.group.WORLD, size, timeout_s=KERNEL_TIMEOUT_S)
-    return buffer, low_latency.Group(buffer.rank, buffer.group_size, buffer.peers,
-                                     buffer.record.device_pointer, int(KERNEL_TIMEOUT_S * 1e9),
-                                     buffer.device_index, buffer.arch, buffer.num_nvl_bytes)
+def _buffer(world: int, timeout_s: float = KERNEL_TIMEOUT_S) -> Buffer:
+    size = Buffer.get_low_latency_rdma_size_hint(MAX_TOKENS, HIDDEN, world, EXPERTS)
+    return Buffer(dist.group.WORLD, 0, size, low_latency_mode=True, timeout_s=timeout_s)
 
 
 def _inputs(rank: int, tokens: int, seed: int):
@@ -43,58 +40,110 @@ def _inputs(rank: int, tokens: int, seed: int):
 def scenario_rounds(rank: int, world: int) -> None:
     """Four dispatch/combine rounds with new inputs (the last two through the receive
     hooks), each against the references, the combine run twice per dispatch's rows."""
-    buffer, group = _group(world)
+    buffer = _buffer(world)
     dev = torch.device("cuda", buffer.device_index)
     for seed, tokens in enumerate((MAX_TOKENS, 17, 1, 40)):
         hooked = seed >= 2
         x, idx, weights = _inputs(rank, tokens, seed)
-        (recv_x, recv_scales), recv_count, handle, hook = low_latency.dispatch(
-            group, x.to(dev), idx.to(dev), num_max_dispatch_tokens_per_rank=MAX_TOKENS,
-            num_experts=EXPERTS, return_recv_hook=hooked)
+        (recv_x, recv_scales), recv_count, handle, _, hook = buffer.low_latency_dispatch(
+            x.to(dev), idx.to(dev), MAX_TOKENS, EXPERTS, return_recv_hook=hooked)
         if hooked:
             hook()
-        everyone = _gather((x, idx, weights))
-        expected = reference.low_latency_dispatch(rank, [e[0] for e in everyone],
-                                                  [e[1] for e in everyone], EXPERTS, MAX_TOKENS)
-        assert recv_count.cpu().tolist() == expected["count"].tolist()
-        for local, n in enumerate(expected["count"].tolist()):
-            for name, got in (("x", recv_x), ("scales", recv_scales),
-                              ("src_info", handle.src_info)):
-                _assert_bitwise(got[local, :n], expected[name][local, :n],
-                                f"round {seed}: expert {local}'s {name}")
-        scales = recv_scales.repeat_interleave(128, 2)
-        y = (recv_x.float() * scales * 0.5 + rank).bfloat16()
-        combined, hook = low_latency.combine(group, y, idx.to(dev), weights.to(dev), handle,
-                                             return_recv_hook=hooked)
+        y = _check_dispatch(rank, seed, (x, idx, weights), recv_x, recv_scales, recv_count,
+                            handle)
+        combined, _, hook = buffer.low_latency_combine(y, idx.to(dev), weights.to(dev), handle,
+                                                       return_recv_hook=hooked)
         if hooked:
             hook()
-        ys = _gather(y.cpu())
-        _assert_bitwise(combined, reference.low_latency_combine(
-            rank, ys, [e[1] for e in everyone], [e[2] for e in everyone], EXPERTS),
-            f"round {seed}: combined rows")
+        _check_combine(rank, seed, (x, idx, weights), y, combined)
     torch.cuda.synchronize()
+    buffer.destroy()
+
+
+def _check_dispatch(rank, seed, inputs, recv_x, recv_scales, recv_count, handle):
+    """The received rows, scales, counts and sources against the reference from every
+    rank's inputs; returns the experts' outputs (bf16, a function of the rows and rank)."""
+    everyone = _gather(inputs)
+    expected = reference.low_latency_dispatch(rank, [e[0] for e in everyone],
+                                              [e[1] for e in everyone], EXPERTS, MAX_TOKENS)
+    assert recv_count.cpu().tolist() == expected["count"].tolist()
+    for local, n in enumerate(expected["count"].tolist()):
+        for name, got in (("x", recv_x), ("scales", recv_scales), ("src_info", handle.src_info)):
+            _assert_bitwise(got[local, :n], expected[name][local, :n],
+                            f"round {seed}: expert {local}'s {name}")
+    scales = recv_scales.repeat_interleave(128, 2)
+    return (recv_x.float() * scales * 0.5 + rank).bfloat16()
+
+
+def _check_combine(rank, seed, inputs, y, combined):
+    everyone = _gather(inputs)
+    ys = _gather(y.cpu())
+    _assert_bitwise(combined, reference.low_latency_combine(
+        rank, ys, [e[1] for e in everyone], [e[2] for e in everyone], EXPERTS),
+        f"round {seed}: combined rows")
+
+
+def scenario_graph(rank: int, world: int) -> None:
+    """Dispatch, the experts (a bf16 function of the rows) and combine captured in one CUDA
+    graph, replayed on new inputs copied into its static ones: each replay against the
+    references. Nothing in the calls waits for the host, so replays need no resetting."""
+    buffer = _buffer(world)
+    dev = torch.device("cuda", buffer.device_index)
+    tokens = 48
+    x, idx, weights = (t.to(dev) for t in _inputs(rank, tokens, 10))
+
+    def step():
+        (recv_x, recv_scales), recv_count, handle, _, _ = buffer.low_latency_dispatch(
+            x, idx, MAX_TOKENS, EXPERTS)
+        y = (recv_x.float() * recv_scales.repeat_interleave(128, 2) * 0.5 + rank).bfloat16()
+        combined, _, _ = buffer.low_latency_combine(y, idx, weights, handle)
+        return recv_x, recv_scales, recv_count, handle, y, combined
+
+    step()  # every kernel built and loaded before the capture
+    torch.cuda.synchronize()
+    dist.barrier()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = step()
+    for seed in (11, 12, 13):
+        inputs = _inputs(rank, tokens, seed)
+        for static, new in zip((x, idx, weights), inputs):
+            static.copy_(new)
+        torch.cuda.synchronize()
+        dist.barrier()
+        graph.replay()
+        torch.cuda.synchronize()
+        recv_x, recv_scales, recv_count, handle, y, combined = outputs
+        expected_y = _check_dispatch(rank, seed, inputs, recv_x, recv_scales, recv_count, handle)
+        _assert_bitwise(y, expected_y, f"replay {seed}: the experts' outputs")
+        _check_combine(rank, seed, inputs, y, combined)
     buffer.destroy()
 
 
 def scenario_peer_never_launches(rank: int, world: int) -> None:
     """Rank 1 creates its buffer and stops: rank 0's dispatch receiver times out, writes
     its record and traps."""
-    buffer, group = _group(world)
+    buffer = _buffer(world, timeout_s=2.0)
     if rank == 0:
         x, idx, _ = _inputs(rank, 8, 0)
         dev = torch.device("cuda", buffer.device_index)
-        low_latency.dispatch(group, x.to(dev), idx.to(dev),
-                             num_max_dispatch_tokens_per_rank=MAX_TOKENS, num_experts=EXPERTS)
+        buffer.low_latency_dispatch(x.to(dev), idx.to(dev), MAX_TOKENS, EXPERTS)
         with pytest.raises(RuntimeError):
             torch.cuda.synchronize()
-        code, _, peer, _ = buffer.record.read()
-        assert (code, peer) == (codes.LL_DISPATCH_RECEIVE, 1)
-    dist.barrier()
+        with pytest.raises(EPTimeoutError, match=r"low-latency dispatch kernel waited more than "
+                                                 r"2.0 s for tokens from rank 1 for local expert"):
+            buffer.check_timeout()
+    dist.barrier()  # rank 1 waits here, alive, while rank 0 times out
+    if rank == 0:
+        _report_and_exit(rank)
 
 
-@pytest.mark.parametrize("scenario", [scenario_rounds, scenario_peer_never_launches],
-                         ids=["rounds", "peer_never_launches"])
+@pytest.mark.parametrize("scenario", [scenario_rounds, scenario_graph,
+                                      scenario_peer_never_launches],
+                         ids=["rounds", "graph", "peer_never_launches"])
 def test_two_processes(scenario, monkeypatch):
+    if torch.cuda.device_count() < 2 and not mps_running():
+        pytest.skip("two ranks on one GPU need MPS (bash bench/device_run.sh ep starts it)")
     for name, value in NO_MULTICAST.items():
         monkeypatch.setenv(name, value)
     run_spawned(scenario)

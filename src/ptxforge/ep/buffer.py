@@ -15,6 +15,12 @@ no host synchronisation. The kernels run on the buffer's communication stream, a
 the current stream's work (or ``previous_event``); the current stream waits for them
 unless ``async_finish``, and each call returns the event it can wait on instead.
 
+The decode path (``low_latency_dispatch`` / ``low_latency_combine``, DeepEP's names) uses
+a buffer of its own, ``num_rdma_bytes`` (``get_low_latency_rdma_size_hint``), mapped by
+every rank over NVLink like the normal one: no host synchronisation, fixed sizes, so the
+calls can be captured in a CUDA graph; ``return_recv_hook`` splits each into its send half
+(now) and its receive half (when the hook is called).
+
 A kernel that waits longer than ``timeout_s`` for a peer writes what it waited for to
 mapped host memory and traps; the CUDA context is then unusable, and the next call (or
 ``check_timeout()`` after a CUDA error) raises ``EPTimeoutError`` saying which wait.
@@ -34,7 +40,7 @@ from ..kernels.ep_intranode import dispatch as dispatch_kernel
 from ..kernels.ep_intranode import layout as layout_kernel
 from ..kernels.ep_intranode.plan import MAX_RANKS, BufferPlan, DispatchSlot, channel_bounds
 from ..ops._common import device_arch
-from . import checks
+from . import checks, low_latency
 from .ipc import HostRecord, PeerMemory
 from .layout import Message, ReceiveLayout, check_agreement, receive_layout
 
@@ -47,6 +53,13 @@ _WAITS = {kernel_common.DISPATCH_SEND: ("dispatch", "room in rank {peer}'s ring 
           kernel_common.COMBINE_SEND: ("combine", "room in rank {peer}'s ring (its head)"),
           kernel_common.COMBINE_RECEIVE: ("combine", "rows from rank {peer} (their tail)")}
 _MISMATCHES = {kernel_common.DISPATCH_MISMATCH: "dispatch", kernel_common.COMBINE_MISMATCH: "combine"}
+# The decode path's waits: (kernel, what it waited for); the record's "channel" word holds
+# the local expert (dispatch) or the token (combine).
+_LOW_LATENCY_WAITS = {
+    kernel_common.LL_DISPATCH_RECEIVE: ("low-latency dispatch",
+                                        "tokens from rank {peer} for local expert {channel}"),
+    kernel_common.LL_COMBINE_RECEIVE: ("low-latency combine",
+                                       "token {channel}'s row from expert {peer}")}
 
 
 class EPTimeoutError(RuntimeError):
@@ -119,18 +132,26 @@ class Buffer:
 
     num_sms = DEFAULT_NUM_SMS
 
-    def __init__(self, group, num_nvl_bytes: int, num_rdma_bytes: int = 0, *,
+    def __init__(self, group, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
+                 low_latency_mode: bool = False, num_qps_per_rank: int = 24, *,
                  num_sms: int | None = None, timeout_s: float = DEFAULT_TIMEOUT_S):
+        """``num_nvl_bytes``: the normal mode's buffer (``buffer_size``); ``num_rdma_bytes``
+        with ``low_latency_mode``: the decode path's (``get_low_latency_rdma_size_hint``).
+        ``num_qps_per_rank`` is DeepEP's RDMA setting, taken and unused: one node, no RDMA."""
         import torch.distributed as dist
 
         if not dist.is_initialized():
             raise RuntimeError("Buffer needs torch.distributed initialised (the group's "
                                "rendezvous); call torch.distributed.init_process_group first")
-        if type(num_nvl_bytes) is not int or num_nvl_bytes <= 0:
-            raise ValueError(f"num_nvl_bytes must be a positive int, got {num_nvl_bytes!r}")
-        if num_rdma_bytes:
-            raise ValueError(f"num_rdma_bytes must be 0: ptxforge.ep is intranode only, got "
-                             f"{num_rdma_bytes!r}")
+        for name, value in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes)):
+            if type(value) is not int or value < 0:
+                raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+        if num_rdma_bytes and not low_latency_mode:
+            raise ValueError(f"num_rdma_bytes without low_latency_mode is DeepEP's internode "
+                             f"buffer, and ptxforge.ep is intranode only: got {num_rdma_bytes}")
+        if not num_nvl_bytes and not num_rdma_bytes:
+            raise ValueError("num_nvl_bytes and num_rdma_bytes are both 0: give the normal "
+                             "mode's buffer, the low-latency one (low_latency_mode), or both")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
         self.group = group
@@ -144,11 +165,24 @@ class Buffer:
         self.timeout_s = timeout_s
         self.device_index = torch.cuda.current_device()
         self.arch = device_arch(self.device_index)
-        self.memory = PeerMemory(num_nvl_bytes, self.device_index, group, dist)
-        self.num_nvl_bytes = min(self.memory.sizes)  # every rank writes into every other's
-        self.peers = torch.tensor(self.memory.pointers, dtype=torch.int64,
-                                  device=self.device_index)
+        # Every rank writes into every other's buffer: the smallest is the size.
+        self.memory = self.peers = self.low_latency_memory = self.low_latency_group = None
+        self.num_nvl_bytes = self.num_rdma_bytes = 0
         self.record = HostRecord(self.device_index)
+        if num_nvl_bytes:
+            self.memory = PeerMemory(num_nvl_bytes, self.device_index, group, dist)
+            self.num_nvl_bytes = min(self.memory.sizes)
+            self.peers = torch.tensor(self.memory.pointers, dtype=torch.int64,
+                                      device=self.device_index)
+        if num_rdma_bytes:
+            self.low_latency_memory = PeerMemory(num_rdma_bytes, self.device_index, group, dist)
+            self.num_rdma_bytes = min(self.low_latency_memory.sizes)
+            self.low_latency_group = low_latency.Group(
+                self.rank, self.group_size,
+                torch.tensor(self.low_latency_memory.pointers, dtype=torch.int64,
+                             device=self.device_index),
+                self.record.device_pointer, int(timeout_s * 1e9), self.device_index, self.arch,
+                self.num_rdma_bytes)
         self.comm_stream = torch.cuda.Stream(self.device_index)
 
     # ------------------------------------------------------------------ configuration
@@ -218,6 +252,7 @@ class Buffer:
         indices outside [-1, E) on any rank, raise a ValueError on every rank.
         """
         self.check_timeout()
+        self._require_normal_buffer()
         config = config or self.get_dispatch_config()
         inputs, _ = checks.dispatch_inputs(x, topk_idx, topk_weights, device=self.device_index,
                                            cached=handle is not None)
@@ -250,6 +285,11 @@ class Buffer:
                                     previous_event)
         return self._launch_dispatch(launcher, cfg, inputs, x, topk_idx, topk_weights, handle,
                                      previous_event, async_finish, allocate_on_comm_stream)
+
+    def _require_normal_buffer(self) -> None:
+        if self.memory is None:
+            raise ValueError("this Buffer has no normal-mode buffer (num_nvl_bytes=0): "
+                             "create it with num_nvl_bytes=buffer_size(...)")
 
     def _channels(self, config: Config) -> int:
         return _checked_num_sms("config.num_sms", config.num_sms) // 2
@@ -361,6 +401,7 @@ class Buffer:
         received weights) travel with the rows and are summed the same way, in f32.
         Bitwise the same run to run. ``bias`` is not taken yet."""
         self.check_timeout()
+        self._require_normal_buffer()
         if not isinstance(handle, DispatchHandle):
             raise TypeError(f"handle must be what dispatch returned, got {type(handle).__name__}")
         if bias is not None:
@@ -392,6 +433,76 @@ class Buffer:
                                               self.comm_stream.cuda_stream, **arguments)
         return out, out_weights, call.finish(async_finish)
 
+    # ------------------------------------------------------------------ decode path
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int,
+                                       num_ranks: int, num_experts: int) -> int:
+        """The num_rdma_bytes the decode path needs for these sizes (top-k up to 16)."""
+        return low_latency.buffer_size(num_max_dispatch_tokens_per_rank, hidden, num_ranks,
+                                       num_experts)
+
+    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,
+                             num_max_dispatch_tokens_per_rank: int, num_experts: int,
+                             cumulative_local_expert_recv_stats=None, use_fp8: bool = True,
+                             round_scale: bool = False, use_ue8m0: bool = False,
+                             async_finish: bool = False, return_recv_hook: bool = False):
+        """Send each token (bf16 [T, H], T <= num_max_dispatch_tokens_per_rank <= 256),
+        quantized to e4m3 with 1 x 128 scales, to the ranks of its experts, on the current
+        stream with no host synchronisation. Returns ``((recv_x e4m3 [L, M, H], recv_scales
+        f32 [L, M, H / 128] MN-major), recv_count int32 [L], handle, event, hook)``: L local
+        experts, M = ranks x num_max_dispatch_tokens_per_rank rows each, source rank 0's
+        first, each source's in token order: the masked layout (``masked_m = recv_count``)
+        of ``m_grouped_fp8_gemm_nt_masked``. ``hook``: with ``return_recv_hook``, the call
+        launched the send half only and the hook launches the receive half; else None.
+        Each dispatch is followed by one combine, or by nothing, before the next."""
+        self.check_timeout()
+        self._check_low_latency_options(async_finish, cumulative_local_expert_recv_stats=(
+            cumulative_local_expert_recv_stats, None), use_fp8=(use_fp8, True),
+            round_scale=(round_scale, False), use_ue8m0=(use_ue8m0, False))
+        received, recv_count, handle, hook = low_latency.dispatch(
+            self.low_latency_group, x, topk_idx,
+            num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
+            num_experts=num_experts, return_recv_hook=return_recv_hook)
+        return received, recv_count, handle, self._current_event(), hook
+
+    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor,
+                            topk_weights: torch.Tensor, handle, use_logfmt: bool = False,
+                            zero_copy: bool = False, async_finish: bool = False,
+                            return_recv_hook: bool = False, out=None):
+        """Send each row of the experts' outputs (bf16 [L, M, H], the dispatch's layout)
+        back to its token's rank and sum there: returns ``(combined bf16 [T, H], event,
+        hook)``, combined[t] the f32 sum in k order of topk_weights[t, j] times the row of
+        expert topk_idx[t, j], rounded to bf16 once; bitwise the same run to run."""
+        self.check_timeout()
+        self._check_low_latency_options(async_finish, use_logfmt=(use_logfmt, False),
+                                        zero_copy=(zero_copy, False), out=(out, None))
+        if not isinstance(handle, low_latency.Handle):
+            raise TypeError(f"handle must be what low_latency_dispatch returned, got "
+                            f"{type(handle).__name__}")
+        combined, hook = low_latency.combine(self.low_latency_group, x, topk_idx, topk_weights,
+                                             handle, return_recv_hook=return_recv_hook)
+        return combined, self._current_event(), hook
+
+    def _check_low_latency_options(self, async_finish: bool, **options) -> None:
+        """The decode path's buffer exists; DeepEP's options it does not take are refused,
+        by name, rather than ignored."""
+        if self.low_latency_group is None:
+            raise ValueError("this Buffer has no low-latency buffer: create it with "
+                             "num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint(...) and "
+                             "low_latency_mode=True")
+        if async_finish:
+            raise ValueError("async_finish: the low-latency calls run on the current stream; "
+                             "overlap them with return_recv_hook=True instead")
+        for name, (value, default) in options.items():
+            if value is not default:
+                raise ValueError(f"{name}={value!r} is not supported by ptxforge.ep yet "
+                                 f"(only {default!r})")
+
+    def _current_event(self) -> EventOverlap:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device_index))
+        return EventOverlap(event)
+
     # ------------------------------------------------------------------ errors, teardown
     def check_timeout(self) -> None:
         """Raise EPTimeoutError if a kernel of this buffer timed out, or received an entry
@@ -407,6 +518,14 @@ class Buffer:
                 f"top-k, dtype, SMs or ring slots differ between the ranks' calls; signature "
                 f"{seen & 0xFFFFFFFF:#x}). The kernel trapped; this process's CUDA context is "
                 f"unusable.")
+        if code in _LOW_LATENCY_WAITS:
+            kernel, waited = _LOW_LATENCY_WAITS[code]
+            raise EPTimeoutError(
+                f"ptxforge.ep: rank {self.rank}'s {kernel} kernel waited more than "
+                f"{self.timeout_s} s for {waited.format(peer=peer, channel=channel)}, last seen "
+                f"{seen:#x}: rank {peer if 'rank' in waited else '?'} died or hangs, or the "
+                f"ranks' calls differ. The kernel trapped; this process's CUDA context is "
+                f"unusable.")
         kernel, waited = _WAITS.get(code, ("?", f"wait {code}"))
         raise EPTimeoutError(
             f"ptxforge.ep: rank {self.rank}'s {kernel} kernel waited more than {self.timeout_s} s "
@@ -415,8 +534,10 @@ class Buffer:
             f"process's CUDA context is unusable.")
 
     def destroy(self) -> None:
-        """Free the buffer: collective (every rank unmaps the others' memory first)."""
-        self.memory.close()
+        """Free the buffers: collective (every rank unmaps the others' memory first)."""
+        for memory in (self.memory, self.low_latency_memory):
+            if memory is not None:
+                memory.close()
         self.record.close()
 
     def _on_comm_stream(self, previous_event, allocate_on_comm_stream):

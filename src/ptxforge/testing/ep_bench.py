@@ -29,6 +29,8 @@ DEFAULT_SMS = (8, 12, 16, 20, 24)
 DEFAULT_SLOTS = (64, 128, 256)
 SM_BUDGET = 20          # the issue's budget: the picked config uses at most this many SMs
 GEMM_N = 4096           # the experts' gate_up width beside the communication (DeepSeek-V3)
+DECODE_TOKENS = 128     # the decode target's tokens a rank
+DECODE_PAIRS = 10       # dispatch + combine pairs a captured graph holds
 SLEEP_CYCLES = 20_000_000  # ~10 ms at 2 GHz: the host's time to enqueue a batch, and more
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                 "NVSHMEM_DISABLE_NVLS": "1"}
@@ -164,8 +166,9 @@ def _measure(rank: int, world: int, p: dict) -> dict | None:
     peers = _peers(rank, world, in_rank, row_bytes, p) if distinct else {}
     overlap = (_overlap(buffer, q, scales, idx, weights, per_rank, per_expert, in_rank, p)
                if distinct else None)
+    decode = _decode(rank, world, p)
     everyone = [None] * world
-    dist.all_gather_object(everyone, dict(sweep=sweep, dispatch_bytes=dispatch_bytes,
+    dist.all_gather_object(everyone, dict(sweep=sweep, decode=decode, dispatch_bytes=dispatch_bytes,
                                           combine_bytes=combine_bytes, peers=peers,
                                           overlap=overlap, recv=int(handle.num_recv_tokens)))
     buffer.destroy()
@@ -192,7 +195,54 @@ def _summary(everyone: list, p: dict, world: int, distinct: bool, device_name: s
                 dispatch_bytes_per_rank=dispatch_bytes, combine_bytes_per_rank=combine_bytes,
                 sweep=sweep, picked={op: dict(sms=r["sms"], slots=r["slots"])
                                      for op, r in picked.items()},
-                peers=everyone[0]["peers"], overlap=[r["overlap"] for r in everyone])
+                peers=everyone[0]["peers"], overlap=[r["overlap"] for r in everyone],
+                decode={op: max(r["decode"][op] for r in everyone)
+                        for op in ("dispatch_us", "combine_us", "pair_us")})
+
+
+def _decode(rank: int, world: int, p: dict) -> dict:
+    """The decode path at DECODE_TOKENS tokens a rank: DECODE_PAIRS dispatch + combine
+    pairs captured in one CUDA graph, replayed after a host barrier under the profiler;
+    each kernel's median time (a pair's kernels wait for the peer's, so this is the time
+    from the later rank's start), and the replay's time per pair by events."""
+    import torch.distributed as dist
+
+    from ..ep import Buffer
+
+    hidden, experts, topk = p["hidden"], p["experts"], p["topk"]
+    size = Buffer.get_low_latency_rdma_size_hint(DECODE_TOKENS, hidden, world, experts)
+    buffer = Buffer(dist.group.WORLD, 0, size, low_latency_mode=True, timeout_s=60.0)
+    x, _, idx, weights = _routing(rank, DECODE_TOKENS, experts, topk, hidden)
+    y = torch.randn(experts // world, world * DECODE_TOKENS, hidden, device="cuda").bfloat16()
+
+    def pair():
+        _, _, handle, _, _ = buffer.low_latency_dispatch(x, idx, DECODE_TOKENS, experts)
+        buffer.low_latency_combine(y, idx, weights, handle)
+
+    pair()  # every kernel built and loaded before the capture
+    torch.cuda.synchronize()
+    dist.barrier()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(DECODE_PAIRS):
+            pair()
+    pair_us = _batch_us(graph.replay, 1, p["repeats"]) / DECODE_PAIRS
+    torch.cuda.synchronize()
+    dist.barrier()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(p["repeats"]):
+            graph.replay()
+        torch.cuda.synchronize()
+    times = {"dispatch": [], "combine": []}
+    for event in prof.events():
+        for op in times:
+            if event.device_type.name == "CUDA" and f"ep_ll_{op}" in event.name:
+                times[op].append(event.time_range.end - event.time_range.start)
+    torch.cuda.synchronize()
+    dist.barrier()
+    buffer.destroy()
+    return dict(dispatch_us=statistics.median(times["dispatch"]),
+                combine_us=statistics.median(times["combine"]), pair_us=pair_us)
 
 
 def _peers(rank: int, world: int, in_rank, row_bytes: int, p: dict) -> dict:
@@ -299,6 +349,10 @@ def ep_table(result: dict) -> str:
                  f"{peers['nccl_dispatch_bytes_us']:.1f} us "
                  f"({result['dispatch_bytes_per_rank'] / peers['nccl_dispatch_bytes_us'] / 1e3:.0f} GB/s)"
                  f"\nNCCL all_to_all_single bf16 4096x7168: {peers['nccl_bf16_4096x7168_us']:.1f} us")
+    d = result["decode"]
+    text += (f"\ndecode, {DECODE_TOKENS} tokens a rank (CUDA graph replay, the slowest rank's "
+             f"median kernel): dispatch {d['dispatch_us']:.1f} us, combine "
+             f"{d['combine_us']:.1f} us; a dispatch + combine pair {d['pair_us']:.1f} us")
     for rank, o in enumerate(result["overlap"]):
         if o:
             text += (f"\noverlap, rank {rank}: grouped FP8 GEMM ({o['gemm_rows']} rows, "
