@@ -53,6 +53,7 @@ from .plan import COUNT_BITS, SEQUENCE_MAX, LowLatencyPlan, check_problem
 
 BATCH = 32                 # tokens a warp scans at once, one a lane
 ELEMENTS = VECTOR_BYTES // 2  # bf16 elements a lane quantizes a step: 16 lanes a group
+UNROLL = 4                 # steps whose loads a lane issues before quantizing the first
 
 
 @dataclass(frozen=True)
@@ -239,44 +240,52 @@ def _send_token(k, cfg, t, s, token, slot, position) -> None:
     vectors = cfg.hidden // ELEMENTS
     vector, group = k.reg("u32", "vector"), k.reg("u32", "scale_group")
     src_at, dst_at = k.reg("u64", "x_at"), k.reg("u64", "q_at")
-    in_row, group_leader = k.pred("in_row"), k.pred("group_leader")
-    words, packed = k.regs("b32", 4, "x"), k.regs("b32", 2, "q")
+    in_row, group_leader = k.regs("pred", UNROLL, "in_row"), k.pred("group_leader")
+    words, packed = [k.regs("b32", 4, f"x{u}_") for u in range(UNROLL)], k.regs("b32", 2, "q")
     amax, inv_scale, scale, shuffled = (k.reg("f32", name) for name in (
         "amax", "inv_scale", "scale", "shuffled"))
     packed_max, halves = k.reg("b32", "packed_max"), k.regs("f32", 2, "half")
     values, scratch = k.regs("f32", ELEMENTS, "v"), k.regs("b16", 2, "e4m3x2_")
     base = k.reg("u32", "step_base")
-    # Rows of an odd number of groups end half-way through the last step: its upper
-    # half-warp quantizes zeros it does not store (every lane runs every step: shuffles).
-    with k.loop(base, -(-vectors // 32) * 32, step=32, uniform=True, hint="quantize_step"):
-        with k.stage("quantize: the half-warp's group amax, its scale, 8 e4m3 a lane"):
-            k.add(vector, base, t.lane)
-            k.setp("lt", in_row, vector, vectors)
-            for w in words:
-                k.mov(w, 0)
-            k.mad(src_at, vector, VECTOR_BYTES, src, mode="wide")
-            with k.guard(in_row):
-                k.ld(words, addr(src_at), **intranode.INPUT_LOAD)
-            fp8.packed_amax(k, amax, words, packed_max, halves)
-            reduce.butterfly_max(k, [amax], 16, [shuffled])
-            fp8.scale_from_amax(k, amax, inv_scale, scale)
-            for w, word in enumerate(words):
-                fp8.unpack_bf16x2(k, values[2 * w], values[2 * w + 1], word)
-            for v in values:
-                k.mul(v, v, inv_scale, rnd="rn")
-            fp8.pack_e4m3x4(k, packed[0], values[:4], scratch)
-            fp8.pack_e4m3x4(k, packed[1], values[4:], scratch)
-        with k.stage("store: 8 e4m3 bytes a lane, the group's scale from its first lane"):
-            k.mad(dst_at, vector, ELEMENTS, dst, mode="wide")
-            with k.guard(in_row):
-                k.st(addr(dst_at), packed, **intranode.STORE)
-            k.and_(group, t.lane, 15)
-            k.setp("eq", group_leader, group, 0)
-            k.and_pred(group_leader, group_leader, in_row)
-            k.shr(group, vector, 4)
-            k.mad(dst_at, group, 4, dst, mode="wide")
-            with k.guard(group_leader):
-                k.st(addr(dst_at, plan.slot_scales), scale, **intranode.STORE)
+    # Rows of an odd number of groups end half-way through a step: its upper half-warp
+    # quantizes zeros it does not store (every lane runs every step: shuffles); so do the
+    # steps of the last round past the row's end.
+    with k.loop(base, -(-vectors // (32 * UNROLL)) * 32 * UNROLL, step=32 * UNROLL,
+                uniform=True, hint="quantize_round"):
+        with k.stage("load: UNROLL steps' 16 bytes a lane, all in flight at once"):
+            k.mad(src_at, base, VECTOR_BYTES, src, mode="wide")
+            k.mad(src_at, t.lane, VECTOR_BYTES, src_at, mode="wide")
+            for u in range(UNROLL):
+                k.add(vector, base, t.lane)
+                k.setp("lt", in_row[u], vector, max(vectors - 32 * u, 0))  # u32: never < 0
+                for w in words[u]:
+                    k.mov(w, 0)
+                with k.guard(in_row[u]):
+                    k.ld(words[u], addr(src_at, 32 * VECTOR_BYTES * u), **intranode.INPUT_LOAD)
+        for u in range(UNROLL):
+            with k.stage("quantize: the half-warp's group amax, its scale, 8 e4m3 a lane"):
+                fp8.packed_amax(k, amax, words[u], packed_max, halves)
+                reduce.butterfly_max(k, [amax], 16, [shuffled])
+                fp8.scale_from_amax(k, amax, inv_scale, scale)
+                for w, word in enumerate(words[u]):
+                    fp8.unpack_bf16x2(k, values[2 * w], values[2 * w + 1], word)
+                for v in values:
+                    k.mul(v, v, inv_scale, rnd="rn")
+                fp8.pack_e4m3x4(k, packed[0], values[:4], scratch)
+                fp8.pack_e4m3x4(k, packed[1], values[4:], scratch)
+            with k.stage("store: 8 e4m3 bytes a lane, the group's scale from its first lane"):
+                k.add(vector, base, t.lane)
+                k.add(vector, vector, 32 * u)
+                k.mad(dst_at, vector, ELEMENTS, dst, mode="wide")
+                with k.guard(in_row[u]):
+                    k.st(addr(dst_at), packed, **intranode.STORE)
+                k.and_(group, t.lane, 15)
+                k.setp("eq", group_leader, group, 0)
+                k.and_pred(group_leader, group_leader, in_row[u])
+                k.shr(group, vector, 4)
+                k.mad(dst_at, group, 4, dst, mode="wide")
+                with k.guard(group_leader):
+                    k.st(addr(dst_at, plan.slot_scales), scale, **intranode.STORE)
     with k.if_(t.lane0, "not_lane0"):
         k.st(addr(dst, plan.slot_source), token, **intranode.STORE)
         k.st(addr(dst, plan.slot_source + 4), position, **intranode.STORE)
