@@ -196,15 +196,16 @@ def _summary(everyone: list, p: dict, world: int, distinct: bool, device_name: s
                 sweep=sweep, picked={op: dict(sms=r["sms"], slots=r["slots"])
                                      for op, r in picked.items()},
                 peers=everyone[0]["peers"], overlap=[r["overlap"] for r in everyone],
-                decode={op: max(r["decode"][op] for r in everyone)
-                        for op in ("dispatch_us", "combine_us", "pair_us")})
+                decode={key: max(r["decode"][key] for r in everyone)
+                        for key in everyone[0]["decode"]})
 
 
 def _decode(rank: int, world: int, p: dict) -> dict:
     """The decode path at DECODE_TOKENS tokens a rank: DECODE_PAIRS dispatch + combine
     pairs captured in one CUDA graph, replayed after a host barrier under the profiler;
     each kernel's median time (a pair's kernels wait for the peer's, so this is the time
-    from the later rank's start), and the replay's time per pair by events."""
+    from the later rank's start), and the replay's time per pair by events; then the same
+    with the receive hooks, each half's kernel timed apart."""
     import torch.distributed as dist
 
     from ..ep import Buffer
@@ -215,34 +216,53 @@ def _decode(rank: int, world: int, p: dict) -> dict:
     x, _, idx, weights = _routing(rank, DECODE_TOKENS, experts, topk, hidden)
     y = torch.randn(experts // world, world * DECODE_TOKENS, hidden, device="cuda").bfloat16()
 
-    def pair():
-        _, _, handle, _, _ = buffer.low_latency_dispatch(x, idx, DECODE_TOKENS, experts)
-        buffer.low_latency_combine(y, idx, weights, handle)
+    def pair(hooked: bool):
+        _, _, handle, _, hook = buffer.low_latency_dispatch(x, idx, DECODE_TOKENS, experts,
+                                                            return_recv_hook=hooked)
+        if hooked:
+            hook()
+        _, _, hook = buffer.low_latency_combine(y, idx, weights, handle, return_recv_hook=hooked)
+        if hooked:
+            hook()
 
-    pair()  # every kernel built and loaded before the capture
-    torch.cuda.synchronize()
-    dist.barrier()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(DECODE_PAIRS):
-            pair()
-    pair_us = _batch_us(graph.replay, 1, p["repeats"]) / DECODE_PAIRS
+    result = {}
+    for hooked in (False, True):
+        pair(hooked)  # every kernel built and loaded before the capture
+        torch.cuda.synchronize()
+        dist.barrier()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(DECODE_PAIRS):
+                pair(hooked)
+        if not hooked:
+            result["pair_us"] = _batch_us(graph.replay, 1, p["repeats"]) / DECODE_PAIRS
+        result.update(_kernel_medians(graph, p["repeats"]))
+    buffer.destroy()
+    return result
+
+
+def _kernel_medians(graph, repeats: int) -> dict:
+    """Each low-latency kernel's median time (us) over ``repeats`` replays of ``graph``,
+    from the profiler, keyed by op and phase: dispatch_us (both halves in one kernel),
+    dispatch_send_us, dispatch_receive_us, the same for combine."""
+    import torch.distributed as dist
+
     torch.cuda.synchronize()
     dist.barrier()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(p["repeats"]):
+        for _ in range(repeats):
             graph.replay()
         torch.cuda.synchronize()
-    times = {"dispatch": [], "combine": []}
+    times = {}
     for event in prof.events():
-        for op in times:
-            if event.device_type.name == "CUDA" and f"ep_ll_{op}" in event.name:
-                times[op].append(event.time_range.end - event.time_range.start)
+        if event.device_type.name != "CUDA" or not event.name.startswith("ep_ll_"):
+            continue
+        op, phase = event.name.split("_")[2:4]  # ep_ll_<op>_<phase>_...
+        key = f"{op}_us" if phase == "both" else f"{op}_{phase}_us"
+        times.setdefault(key, []).append(event.time_range.end - event.time_range.start)
     torch.cuda.synchronize()
     dist.barrier()
-    buffer.destroy()
-    return dict(dispatch_us=statistics.median(times["dispatch"]),
-                combine_us=statistics.median(times["combine"]), pair_us=pair_us)
+    return {key: statistics.median(values) for key, values in times.items()}
 
 
 def _peers(rank: int, world: int, in_rank, row_bytes: int, p: dict) -> dict:
@@ -353,6 +373,10 @@ def ep_table(result: dict) -> str:
     text += (f"\ndecode, {DECODE_TOKENS} tokens a rank (CUDA graph replay, the slowest rank's "
              f"median kernel): dispatch {d['dispatch_us']:.1f} us, combine "
              f"{d['combine_us']:.1f} us; a dispatch + combine pair {d['pair_us']:.1f} us")
+    if "dispatch_send_us" in d:
+        text += ("\n  halves apart (the hooks): " + ", ".join(
+            f"{op} {phase} {d[f'{op}_{phase}_us']:.1f} us" for op in ("dispatch", "combine")
+            for phase in ("send", "receive")))
     for rank, o in enumerate(result["overlap"]):
         if o:
             text += (f"\noverlap, rank {rank}: grouped FP8 GEMM ({o['gemm_rows']} rows, "
