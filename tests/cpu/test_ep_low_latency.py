@@ -24,6 +24,7 @@ pytest.importorskip("numpy")
 from ptxforge.ep import low_latency  # noqa: E402
 from ptxforge.testing import ep as reference  # noqa: E402
 from ptxforge.testing.ptxsim import Memory, Simulator, Trap  # noqa: E402
+from ptxforge.testing.reference import quantize_fp8_per_token  # noqa: E402
 
 SM90 = arch.get("sm_90a")
 TIMEOUT = 100_000  # scheduler passes (the simulator's ns)
@@ -96,7 +97,13 @@ def test_protocol_in_the_ptx():
     assert sum("ld.acquire.sys.global.u32" in line for line in lines) == 2
     assert sum(line == "trap;" for line in lines) == 1
     nc = [line for line in lines if ".nc" in line]
-    assert nc and all("%x" in line or "%index" in line or "_buffer" in line for line in nc), nc
+    # Only the sender's inputs (the quantized rows, their scales, top-k) and the buffers'
+    # addresses, which the host wrote before the launch.
+    assert nc and all("%copy" in line or "%scale" in line or "%index" in line or
+                      "_buffer" in line for line in nc), nc
+    # The receivers read the slots the peers wrote: never through the non-coherent path.
+    receive = lines[next(i for i, line in enumerate(lines) if line.startswith("$L_not_a_sender")):]
+    assert not [line for line in receive if ".nc" in line and "_buffer" not in line]
     assert not any("atom" in line for line in lines)  # positions from a scan
     cfg = combine_kernel.choose_config(SM90, 2, 64, 256, 8, 3)
     lines = _body(combine_kernel.generate(cfg).ptx())
@@ -241,8 +248,12 @@ class World:
                                             self.experts, self.topk, phase=phase)
         m, args = self.memory, self.common(rank)
         if cfg.sends:
-            args.update(x=m.put(_bytes(self.x[rank])), topk_idx=m.put(_bytes(self.idx[rank])),
-                        tokens=self.x[rank].shape[0])
+            # The host quantizes each token once (ops.quantize_fp8_per_token, row-major
+            # scales): its recipe, bit for bit, is the reference's.
+            q, scales = quantize_fp8_per_token(self.x[rank]) if len(self.x[rank]) else (
+                torch.empty(0, self.hidden, dtype=torch.float8_e4m3fn), torch.empty(0))
+            args.update(x=m.put(_bytes(q)), x_scales=m.put(_bytes(scales.contiguous())),
+                        topk_idx=m.put(_bytes(self.idx[rank])), tokens=self.x[rank].shape[0])
         out = {}
         if cfg.receives:
             padded = -(-self.rows // 4) * 4  # MN-major, TMA-aligned columns

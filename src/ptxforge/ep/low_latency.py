@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import jit
+from .. import jit, ops
 from ..arch import Arch
 from ..kernels.ep_low_latency import combine as combine_kernel
 from ..kernels.ep_low_latency import dispatch as dispatch_kernel
@@ -195,7 +195,10 @@ def dispatch(group: Group, x: torch.Tensor, topk_idx: torch.Tensor, *,
     recv_scales = scales[:, :, :rows].transpose(1, 2)
     src_info = torch.empty((local, rows, 3), dtype=torch.int32, device=device)
     recv_count = torch.empty(local, dtype=torch.int32, device=device)
-    arguments = dict(x=x.data_ptr(), topk_idx=topk_idx.data_ptr(), tokens=tokens,
+    # Each token quantized once (the row kernel), not once for each expert it goes to.
+    q, q_scales = ops.quantize_fp8_per_token(x, "row_major")
+    arguments = dict(x=q.data_ptr(), x_scales=q_scales.data_ptr(), topk_idx=topk_idx.data_ptr(),
+                     tokens=tokens,
                      recv_x=recv_x.data_ptr(), recv_scales=scales.data_ptr(),
                      scale_expert_stride=groups * aligned, scale_group_stride=aligned,
                      recv_src_info=src_info.data_ptr(), recv_count=recv_count.data_ptr(),

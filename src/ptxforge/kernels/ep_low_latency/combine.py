@@ -147,7 +147,7 @@ def _send(k, cfg, p, t) -> None:
             k.ld_param(src, p.x)
             k.mad(src, row, row_bytes, src, mode="wide")
             warp_copy(k, dst, src, row_bytes, t.lane, load=intranode.INPUT_LOAD,
-                      store=intranode.STORE)
+                      store=intranode.STORE, unroll=common.COPY_UNROLL)
             k.bar_warp_sync()
             k.mad(at, pair, 4, peer, mode="wide")
             with k.guard(t.lane0):

@@ -20,6 +20,9 @@ WARPS = 4  # a CTA's warps: enough rows in flight per expert or token, many CTAs
 # CTAs (384 for 256 experts over 2 ranks) fits 132 SMs; ptxas's own choice for these
 # kernels (40 registers) spilled.
 MIN_CTAS_PER_SM = 4
+# The 16-byte vectors of a row a lane has in flight: a decode call's CTA copies a few rows,
+# so each copy's latency is its cost, and 8 loads at once hide most of it.
+COPY_UNROLL = 8
 
 
 def check_phase(phase: str) -> None:

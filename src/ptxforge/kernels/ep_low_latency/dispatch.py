@@ -1,8 +1,8 @@
-"""Low-latency dispatch: each rank quantizes its tokens to FP8 (1 x 128 scales, the recipe
-of ``ptxforge.testing.reference.quantize_fp8_per_token``, bit for bit) and writes each
-(token, expert) pair straight into slot (l, this rank, i) of the expert's rank (plan.py);
-each rank then packs what its local experts received into the masked layout the grouped
-GEMM reads.
+"""Low-latency dispatch: each rank writes each (token, expert) pair of its tokens, quantized
+to FP8 beforehand (``ops.quantize_fp8_per_token``, row-major scales: once a token, not
+once a pair), straight into slot (l, this rank, i) of the expert's rank (plan.py); each
+rank then packs what its local experts received into the masked layout the grouped GEMM
+reads.
 
 Roles (common.py: send CTAs first, then receive CTAs; ``WARPS`` warps each):
 
@@ -10,11 +10,10 @@ Roles (common.py: send CTAs first, then receive CTAs; ``WARPS`` warps each):
                                    the first k position naming e, a ballot, and each
                                    routed token's slot = the routed tokens before it (so
                                    the order is the token order, with no atomics). Warp w
-                                   quantizes and writes the tokens whose slot is w modulo
-                                   WARPS: per 256 elements, a lane's 8 bf16 -> the half-
-                                   warp's amax -> scale -> 8 e4m3 bytes, the scales, then
-                                   the (token, k position) pair. bar.sync, then thread 0
-                                   takes the pair's next sequence number and publishes
+                                   copies the tokens whose slot is w modulo WARPS: the e4m3
+                                   row (16-byte vectors), its scales, then the (token, k
+                                   position) pair. bar.sync, then thread 0 takes the
+                                   pair's next sequence number and publishes
                                    ``sequence << 9 | count`` into flag (l, this rank) of the
                                    expert's rank with st.release.sys (count 0 too).
     receiver l (one CTA a local    thread s < R waits (ld.acquire.sys, timed) for flag
@@ -44,16 +43,13 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 from ...arch import Arch
-from ...patterns import fp8, reduce
-from ...patterns.copy import VECTOR_BYTES, warp_copy
+from ...patterns.copy import warp_copy
 from ...ptx import KernelBuilder, LaunchShape, addr, sreg
 from ..ep_intranode import common as intranode
 from . import common
 from .plan import COUNT_BITS, SEQUENCE_MAX, LowLatencyPlan, check_problem
 
 BATCH = 32                 # tokens a warp scans at once, one a lane
-ELEMENTS = VECTOR_BYTES // 2  # bf16 elements a lane quantizes a step: 16 lanes a group
-UNROLL = 4                 # steps whose loads a lane issues before quantizing the first
 
 
 @dataclass(frozen=True)
@@ -125,7 +121,8 @@ class _Params:
 
     def __init__(self, k: KernelBuilder, cfg: DispatchConfig):
         if cfg.sends:
-            self.x = k.param("x", "u64")                    # bf16 [T, H], contiguous
+            self.x = k.param("x", "u64")                    # e4m3 [T, H], contiguous
+            self.x_scales = k.param("x_scales", "u64")      # f32 [T, H / 128], contiguous
             self.topk_idx = k.param("topk_idx", "u64")      # int64 [T, k], contiguous
             self.tokens = k.param("tokens", "u32")          # T <= max_tokens
         common.declare_common_params(k, self)
@@ -163,6 +160,8 @@ def _send(k, cfg, p, t) -> None:
         s.tokens, s.x, idx = k.reg("u32", "tokens"), k.reg("u64", "x"), k.reg("u64", "topk_idx")
         k.ld_param(s.tokens, p.tokens)
         k.ld_param(s.x, p.x)
+        s.x_scales = k.reg("u64", "x_scales")
+        k.ld_param(s.x_scales, p.x_scales)
         k.ld_param(idx, p.topk_idx)
         wanted = k.reg("u64", "expert_wide")
         k.cvt(wanted, expert, dtype="u64", stype="u32")
@@ -231,61 +230,29 @@ def _send_batch(k, cfg, p, t, s, first, ballot, slot, position) -> None:
 
 
 def _send_token(k, cfg, t, s, token, slot, position) -> None:
-    """Quantize x[token] into slot ``slot``: per step, 16 lanes (a half-warp) hold a
-    128-element group, 8 elements a lane."""
+    """Copy x[token] (e4m3), its scales and its (token, k position) pair into slot
+    ``slot``: the row with 16-byte vectors, the scales one f32 a lane."""
     plan = cfg.plan
     src, dst = k.reg("u64", "x_row"), k.reg("u64", "slot_at")
-    k.mad(src, token, 2 * cfg.hidden, s.x, mode="wide")
+    k.mad(src, token, cfg.hidden, s.x, mode="wide")
     k.mad(dst, slot, plan.slot_bytes, s.slots, mode="wide")
-    vectors = cfg.hidden // ELEMENTS
-    vector, group = k.reg("u32", "vector"), k.reg("u32", "scale_group")
-    src_at, dst_at = k.reg("u64", "x_at"), k.reg("u64", "q_at")
-    in_row, group_leader = k.regs("pred", UNROLL, "in_row"), k.pred("group_leader")
-    words, packed = [k.regs("b32", 4, f"x{u}_") for u in range(UNROLL)], k.regs("b32", 2, "q")
-    amax, inv_scale, scale, shuffled = (k.reg("f32", name) for name in (
-        "amax", "inv_scale", "scale", "shuffled"))
-    packed_max, halves = k.reg("b32", "packed_max"), k.regs("f32", 2, "half")
-    values, scratch = k.regs("f32", ELEMENTS, "v"), k.regs("b16", 2, "e4m3x2_")
-    base = k.reg("u32", "step_base")
-    # Rows of an odd number of groups end half-way through a step: its upper half-warp
-    # quantizes zeros it does not store (every lane runs every step: shuffles); so do the
-    # steps of the last round past the row's end.
-    with k.loop(base, -(-vectors // (32 * UNROLL)) * 32 * UNROLL, step=32 * UNROLL,
-                uniform=True, hint="quantize_round"):
-        with k.stage("load: UNROLL steps' 16 bytes a lane, all in flight at once"):
-            k.mad(src_at, base, VECTOR_BYTES, src, mode="wide")
-            k.mad(src_at, t.lane, VECTOR_BYTES, src_at, mode="wide")
-            for u in range(UNROLL):
-                k.add(vector, base, t.lane)
-                k.setp("lt", in_row[u], vector, max(vectors - 32 * u, 0))  # u32: never < 0
-                for w in words[u]:
-                    k.mov(w, 0)
-                with k.guard(in_row[u]):
-                    k.ld(words[u], addr(src_at, 32 * VECTOR_BYTES * u), **intranode.INPUT_LOAD)
-        for u in range(UNROLL):
-            with k.stage("quantize: the half-warp's group amax, its scale, 8 e4m3 a lane"):
-                fp8.packed_amax(k, amax, words[u], packed_max, halves)
-                reduce.butterfly_max(k, [amax], 16, [shuffled])
-                fp8.scale_from_amax(k, amax, inv_scale, scale)
-                for w, word in enumerate(words[u]):
-                    fp8.unpack_bf16x2(k, values[2 * w], values[2 * w + 1], word)
-                for v in values:
-                    k.mul(v, v, inv_scale, rnd="rn")
-                fp8.pack_e4m3x4(k, packed[0], values[:4], scratch)
-                fp8.pack_e4m3x4(k, packed[1], values[4:], scratch)
-            with k.stage("store: 8 e4m3 bytes a lane, the group's scale from its first lane"):
-                k.add(vector, base, t.lane)
-                k.add(vector, vector, 32 * u)
-                k.mad(dst_at, vector, ELEMENTS, dst, mode="wide")
-                with k.guard(in_row[u]):
-                    k.st(addr(dst_at), packed, **intranode.STORE)
-                k.and_(group, t.lane, 15)
-                k.setp("eq", group_leader, group, 0)
-                k.and_pred(group_leader, group_leader, in_row[u])
-                k.shr(group, vector, 4)
+    with k.stage("row: the e4m3 bytes, 16 a lane at a time"):
+        warp_copy(k, dst, src, cfg.hidden, t.lane, load=intranode.INPUT_LOAD,
+                  store=intranode.STORE, unroll=common.COPY_UNROLL)
+    with k.stage("scales: one f32 a lane"):
+        scale, group = k.reg("f32", "scale"), k.reg("u32", "scale_group")
+        src_at, dst_at, in_row = k.reg("u64", "scale_src"), k.reg("u64", "scale_dst"), k.pred(
+            "scale_in_row")
+        for trip in range(-(-plan.scale_groups // 32)):
+            k.add(group, t.lane, 32 * trip)
+            k.setp("lt", in_row, group, plan.scale_groups)
+            with k.if_(in_row, f"scale_{trip}_past_the_row"):
+                k.mad(group, token, plan.scale_groups, group)  # the scale's index in x_scales
+                k.mad(src_at, group, 4, s.x_scales, mode="wide")
+                k.add(group, t.lane, 32 * trip)
+                k.ld(scale, addr(src_at), **intranode.INPUT_LOAD)
                 k.mad(dst_at, group, 4, dst, mode="wide")
-                with k.guard(group_leader):
-                    k.st(addr(dst_at, plan.slot_scales), scale, **intranode.STORE)
+                k.st(addr(dst_at, plan.slot_scales), scale, **intranode.STORE)
     with k.if_(t.lane0, "not_lane0"):
         k.st(addr(dst, plan.slot_source), token, **intranode.STORE)
         k.st(addr(dst, plan.slot_source + 4), position, **intranode.STORE)
@@ -358,7 +325,8 @@ def _receive_row(k, cfg, p, t, source: int, i, first) -> None:
     k.mad(row, local, rows, row)  # among all experts' rows
     k.ld_param(dst, p.recv_x)
     k.mad(dst, row, cfg.hidden, dst, mode="wide")
-    warp_copy(k, dst, src, cfg.hidden, t.lane, load=intranode.PAYLOAD_LOAD, store={})
+    warp_copy(k, dst, src, cfg.hidden, t.lane, load=intranode.PAYLOAD_LOAD, store={},
+              unroll=common.COPY_UNROLL)
     with k.stage("scales: lane g to recv_scales[l, row, g], MN-major"):
         group, element, in_row = k.reg("u32", "group"), k.reg("u32", "scale_element"), k.pred(
             "group_in_row")
