@@ -163,6 +163,10 @@ class ArithmeticOps:
     def popc(self, d: Reg, a: Operand, *, type: str = "b32") -> None:
         self.emit(f"popc.{type}", d, a)
 
+    def bfind(self, d: Reg, a: Operand, *, type: str = "u32") -> None:
+        """d = the position of a's most significant set bit (0xffffffff when a is 0)."""
+        self.emit(f"bfind.{type}", d, a)
+
     # ---------------------------------------------------------------- comparison
     def setp(self, cmp: str, p: Reg, a: Operand, b: Operand, *, type: str | None = None) -> None:
         """p = a <cmp> b, with ``cmp`` a PTX comparison ('lt', 'ge', 'eq', 'ne', 'lo', 'hs', ...).

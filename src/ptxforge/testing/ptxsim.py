@@ -261,6 +261,11 @@ class Kernel:
         if kind == "popc":
             a = value(ops[1])
             return _assign(ops[0], lambda th: bin(a(th)).count("1"))
+        if kind == "bfind":
+            if t != "u32":
+                raise NotImplementedError(opcode)
+            a = value(ops[1])
+            return _assign(ops[0], lambda th: a(th).bit_length() - 1 if a(th) else 0xFFFFFFFF)
         if kind == "cvt":
             if q[-2] == "e4m3x2":  # the first source in the upper byte
                 hi, lo = value(ops[1]), value(ops[2])

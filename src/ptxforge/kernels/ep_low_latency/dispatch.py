@@ -211,22 +211,34 @@ def _send(k, cfg, p, t) -> None:
 
 def _send_batch(k, cfg, p, t, s, first, ballot, slot, position) -> None:
     """The batch's routed tokens, lane i's at slot ``slot`` of lane i: warp w writes those
-    whose slot is w modulo WARPS."""
-    i, bit, token_slot, token_position, owner = (k.reg("u32", name) for name in (
-        "batch_lane", "bit", "token_slot", "token_position", "owner"))
+    whose slot is w modulo WARPS, visiting only those (the set bits of a ballot, highest
+    first): a walk over all 32 lanes a batch cost more than the copies at decode sizes."""
     mine, routed = k.pred("mine"), k.pred("routed")
-    with k.loop(i, BATCH, uniform=True, hint="batch_token"):
-        k.shfl_sync(token_slot, slot, i, mode="idx")
-        k.shfl_sync(token_position, position, i, mode="idx")
-        k.bfe(bit, ballot, i, 1, type="u32")
-        k.setp("ne", routed, bit, 0)
-        k.and_(owner, token_slot, common.WARPS - 1)
-        k.setp("eq", mine, owner, t.warp)
-        k.and_pred(mine, mine, routed)
-        with k.if_(mine, "not_mine", uniform=True):
-            token = k.reg("u32", "token")
-            k.add(token, first, i)
-            _send_token(k, cfg, t, s, token, token_slot, token_position)
+    owner, bit, mine_bits = k.reg("u32", "owner"), k.reg("u32", "bit"), k.reg("b32", "mine_bits")
+    k.bfe(bit, ballot, t.lane, 1, type="u32")
+    k.setp("ne", routed, bit, 0)
+    k.and_(owner, slot, common.WARPS - 1)
+    k.setp("eq", mine, owner, t.warp)
+    k.and_pred(mine, mine, routed)
+    k.vote_sync(mine_bits, mine, mode="ballot")
+    i, token_slot, token_position = (k.reg("u32", name) for name in (
+        "batch_lane", "token_slot", "token_position"))
+    none_left = k.pred("none_left")
+    top, done = k.label("mine"), k.label("mine_end")
+    k.place(top)
+    k.setp("eq", none_left, mine_bits, 0)
+    with k.guard(none_left):
+        k.bra(done, uniform=True)
+    k.bfind(i, mine_bits)
+    k.shl(bit, 1, i)
+    k.xor(mine_bits, mine_bits, bit)
+    k.shfl_sync(token_slot, slot, i, mode="idx")
+    k.shfl_sync(token_position, position, i, mode="idx")
+    token = k.reg("u32", "token")
+    k.add(token, first, i)
+    _send_token(k, cfg, t, s, token, token_slot, token_position)
+    k.bra(top, uniform=True)
+    k.place(done)
 
 
 def _send_token(k, cfg, t, s, token, slot, position) -> None:
