@@ -21,8 +21,9 @@ WARPS = 4  # a CTA's warps: enough rows in flight per expert or token, many CTAs
 # kernels (40 registers) spilled.
 MIN_CTAS_PER_SM = 4
 # The 16-byte vectors of a row a lane has in flight: a decode call's CTA copies a few rows,
-# so each copy's latency is its cost, and 8 loads at once hide most of it.
-COPY_UNROLL = 8
+# one after another, so each copy's latency is its cost; 16 cover a 7168-byte e4m3 row
+# (14 a lane) in one round.
+COPY_UNROLL = 16
 
 
 def check_phase(phase: str) -> None:

@@ -6,14 +6,16 @@ reads.
 
 Roles (common.py: send CTAs first, then receive CTAs; ``WARPS`` warps each):
 
-    sender e (one CTA an expert)   every warp scans the tokens, 32 at a time (one a lane):
-                                   the first k position naming e, a ballot, and each
-                                   routed token's slot = the routed tokens before it (so
-                                   the order is the token order, with no atomics). Warp w
-                                   copies the tokens whose slot is w modulo WARPS: the e4m3
-                                   row (16-byte vectors), its scales, then the (token, k
-                                   position) pair. bar.sync, then thread 0 takes the
-                                   pair's next sequence number and publishes
+    sender e (one CTA an expert)   warp w scans batches w, w + WARPS, ... of 32 tokens
+                                   (one a lane): the first k position naming e, a ballot,
+                                   the batch's count into shared memory; bar.sync; each
+                                   routed token's slot = the routed tokens before it (the
+                                   earlier batches' counts, then the ballot: token order,
+                                   no atomics). Warp w copies its batches' routed tokens
+                                   (the ballot's set bits): the e4m3 row (16-byte vectors,
+                                   one round), its scales, the (token, k position) pair.
+                                   bar.sync, then thread 0 takes the pair's next sequence
+                                   number and publishes
                                    ``sequence << 9 | count`` into flag (l, this rank) of the
                                    expert's rank with st.release.sys (count 0 too).
     receiver l (one CTA a local    thread s < R waits (ld.acquire.sys, timed) for flag
@@ -167,37 +169,64 @@ def _send(k, cfg, p, t) -> None:
         k.cvt(wanted, expert, dtype="u64", stype="u32")
         lanes_below = k.reg("u32", "lanes_below")
         k.mov(lanes_below, sreg.lanemask_lt)
-        count = k.reg("u32", "count")  # the tokens routed to the expert so far
-        k.mov(count, 0)
-    first, token, position, slot, n = (k.reg("u32", name) for name in (
-        "batch_first", "lane_token", "position", "lane_slot", "batch_count"))
-    idx_at, index = k.reg("u64", "idx_at"), k.reg("u64", "index")
-    in_batch, match, goes = k.pred("in_batch"), k.pred("match"), k.pred("goes")
-    ballot = k.reg("b32", "ballot")
-    with k.loop(first, s.tokens, step=BATCH, uniform=True, hint="scan_batch"):
-        with k.stage("scan: the lane's token's first k position naming the expert, its slot"):
-            k.add(token, first, t.lane)
+    batches = -(-cfg.max_tokens // BATCH)
+    rounds = -(-batches // common.WARPS)  # the batches a warp scans: w, w + WARPS, ...
+    counts_at = k.reg("u32", "batch_counts_at")
+    k.mov(counts_at, k.shared("batch_counts", 4 * batches, align=4))
+    ballots, positions = k.regs("b32", rounds, "ballot"), k.regs("u32", rounds, "position")
+    token, n, batch = (k.reg("u32", name) for name in ("lane_token", "batch_count", "batch"))
+    idx_at, index, at = k.reg("u64", "idx_at"), k.reg("u64", "index"), k.reg("u32", "count_at")
+    in_batch, match, goes, exists = (k.pred(name) for name in (
+        "in_batch", "match", "goes", "batch_exists"))
+    with k.stage("scan: warp w's batches w, w + WARPS, ...: each lane's token's first k "
+                 "position naming the expert, a ballot, the batch's count to shared memory"):
+        for r in range(rounds):
+            k.add(batch, t.warp, common.WARPS * r)
+            k.mad(token, batch, BATCH, t.lane)
             k.setp("lt", in_batch, token, s.tokens)
             k.mad(idx_at, token, 8 * cfg.topk, idx, mode="wide")
-            k.mov(position, cfg.topk)  # none
+            k.mov(positions[r], cfg.topk)  # none
             for j in reversed(range(cfg.topk)):  # the last match kept is the first position
                 k.mov(index, -1)
                 with k.guard(in_batch):
                     k.ld(index, addr(idx_at, 8 * j), **intranode.INPUT_LOAD)
                 k.setp("eq", match, index, wanted)
                 with k.guard(match):
-                    k.mov(position, j)
-            k.setp("lt", goes, position, cfg.topk)
-            k.vote_sync(ballot, goes, mode="ballot")
-            k.and_(slot, ballot, lanes_below)
-            k.popc(slot, slot)
-            k.add(slot, slot, count)
-        _send_batch(k, cfg, p, t, s, first, ballot, slot, position)
-        k.popc(n, ballot)
-        k.add(count, count, n)
+                    k.mov(positions[r], j)
+            k.setp("lt", goes, positions[r], cfg.topk)
+            k.vote_sync(ballots[r], goes, mode="ballot")
+            k.popc(n, ballots[r])
+            k.setp("lt", exists, batch, batches)
+            k.and_pred(exists, exists, t.lane0)
+            k.mad(at, batch, 4, counts_at)
+            with k.guard(exists):
+                k.st(addr(at), n, space="shared")
+        k.bar_sync(0)
+    first, slot, before, earlier = (k.reg("u32", name) for name in (
+        "batch_first", "lane_slot", "routed_before", "earlier_batch"))
+    for r in range(rounds):
+        with k.stage("copy: the batch's routed tokens, their slots after the earlier batches'"):
+            k.add(batch, t.warp, common.WARPS * r)
+            k.setp("lt", exists, batch, batches)
+            with k.if_(exists, f"no_batch_{r}", uniform=True):
+                k.mul(first, batch, BATCH, mode="lo")
+                k.mov(before, 0)
+                with k.loop(earlier, batch, uniform=True, hint="earlier_batch"):
+                    k.mad(at, earlier, 4, counts_at)
+                    k.ld(n, addr(at), space="shared")
+                    k.add(before, before, n)
+                k.and_(slot, ballots[r], lanes_below)
+                k.popc(slot, slot)
+                k.add(slot, slot, before)
+                _send_batch(k, cfg, t, s, first, ballots[r], slot, positions[r])
     with k.stage("publish: the CTA's rows, then sequence << 9 | count (st.release.sys)"):
         k.bar_sync(0)
         with k.if_(t.thread0, "not_publishing"):
+            count = k.reg("u32", "count")  # the tokens routed to the expert
+            k.mov(count, 0)
+            for b in range(batches):
+                k.ld(n, addr(counts_at, 4 * b), space="shared")
+                k.add(count, count, n)
             sequence, sequence_at = k.reg("u32", "sequence"), k.reg("u64", "sequence_at")
             k.mad(sequence_at, expert, 4, t.own, mode="wide")
             k.ld(sequence, addr(sequence_at, plan.dispatch_sent), sem="relaxed", scope="sys")
@@ -209,29 +238,21 @@ def _send(k, cfg, p, t) -> None:
             k.st(addr(s.flag_at), word, sem="release", scope="sys")
 
 
-def _send_batch(k, cfg, p, t, s, first, ballot, slot, position) -> None:
-    """The batch's routed tokens, lane i's at slot ``slot`` of lane i: warp w writes those
-    whose slot is w modulo WARPS, visiting only those (the set bits of a ballot, highest
-    first): a walk over all 32 lanes a batch cost more than the copies at decode sizes."""
-    mine, routed = k.pred("mine"), k.pred("routed")
-    owner, bit, mine_bits = k.reg("u32", "owner"), k.reg("u32", "bit"), k.reg("b32", "mine_bits")
-    k.bfe(bit, ballot, t.lane, 1, type="u32")
-    k.setp("ne", routed, bit, 0)
-    k.and_(owner, slot, common.WARPS - 1)
-    k.setp("eq", mine, owner, t.warp)
-    k.and_pred(mine, mine, routed)
-    k.vote_sync(mine_bits, mine, mode="ballot")
-    i, token_slot, token_position = (k.reg("u32", name) for name in (
-        "batch_lane", "token_slot", "token_position"))
+def _send_batch(k, cfg, t, s, first, ballot, slot, position) -> None:
+    """The batch's routed tokens (the set bits of ``ballot``, highest first), lane i's at
+    slot ``slot`` of lane i: the warp visits only those."""
+    bits, bit, i = k.reg("b32", "routed_bits"), k.reg("u32", "bit"), k.reg("u32", "batch_lane")
+    token_slot, token_position = k.reg("u32", "token_slot"), k.reg("u32", "token_position")
     none_left = k.pred("none_left")
-    top, done = k.label("mine"), k.label("mine_end")
+    top, done = k.label("routed"), k.label("routed_end")
+    k.mov(bits, ballot)
     k.place(top)
-    k.setp("eq", none_left, mine_bits, 0)
+    k.setp("eq", none_left, bits, 0)
     with k.guard(none_left):
         k.bra(done, uniform=True)
-    k.bfind(i, mine_bits)
+    k.bfind(i, bits)
     k.shl(bit, 1, i)
-    k.xor(mine_bits, mine_bits, bit)
+    k.xor(bits, bits, bit)
     k.shfl_sync(token_slot, slot, i, mode="idx")
     k.shfl_sync(token_position, position, i, mode="idx")
     token = k.reg("u32", "token")
@@ -243,28 +264,32 @@ def _send_batch(k, cfg, p, t, s, first, ballot, slot, position) -> None:
 
 def _send_token(k, cfg, t, s, token, slot, position) -> None:
     """Copy x[token] (e4m3), its scales and its (token, k position) pair into slot
-    ``slot``: the row with 16-byte vectors, the scales one f32 a lane."""
+    ``slot``: the scales' loads (one f32 a lane) issued first, then the row's (16-byte
+    vectors, up to COPY_UNROLL a lane at once), so that a row costs one load latency."""
     plan = cfg.plan
     src, dst = k.reg("u64", "x_row"), k.reg("u64", "slot_at")
     k.mad(src, token, cfg.hidden, s.x, mode="wide")
     k.mad(dst, slot, plan.slot_bytes, s.slots, mode="wide")
+    trips = -(-plan.scale_groups // 32)
+    scales, in_row = k.regs("f32", trips, "scale"), k.regs("pred", trips, "scale_in_row")
+    group, at = k.reg("u32", "scale_group"), k.reg("u64", "scale_at")
+    with k.stage("scales: one f32 a lane, loaded"):
+        for trip in range(trips):
+            k.add(group, t.lane, 32 * trip)
+            k.setp("lt", in_row[trip], group, plan.scale_groups)
+            k.mad(group, token, plan.scale_groups, group)  # the scale's index in x_scales
+            k.mad(at, group, 4, s.x_scales, mode="wide")
+            with k.guard(in_row[trip]):
+                k.ld(scales[trip], addr(at), **intranode.INPUT_LOAD)
     with k.stage("row: the e4m3 bytes, 16 a lane at a time"):
         warp_copy(k, dst, src, cfg.hidden, t.lane, load=intranode.INPUT_LOAD,
                   store=intranode.STORE, unroll=common.COPY_UNROLL)
-    with k.stage("scales: one f32 a lane"):
-        scale, group = k.reg("f32", "scale"), k.reg("u32", "scale_group")
-        src_at, dst_at, in_row = k.reg("u64", "scale_src"), k.reg("u64", "scale_dst"), k.pred(
-            "scale_in_row")
-        for trip in range(-(-plan.scale_groups // 32)):
+    with k.stage("scales: stored"):
+        for trip in range(trips):
             k.add(group, t.lane, 32 * trip)
-            k.setp("lt", in_row, group, plan.scale_groups)
-            with k.if_(in_row, f"scale_{trip}_past_the_row"):
-                k.mad(group, token, plan.scale_groups, group)  # the scale's index in x_scales
-                k.mad(src_at, group, 4, s.x_scales, mode="wide")
-                k.add(group, t.lane, 32 * trip)
-                k.ld(scale, addr(src_at), **intranode.INPUT_LOAD)
-                k.mad(dst_at, group, 4, dst, mode="wide")
-                k.st(addr(dst_at, plan.slot_scales), scale, **intranode.STORE)
+            k.mad(at, group, 4, dst, mode="wide")
+            with k.guard(in_row[trip]):
+                k.st(addr(at, plan.slot_scales), scales[trip], **intranode.STORE)
     with k.if_(t.lane0, "not_lane0"):
         k.st(addr(dst, plan.slot_source), token, **intranode.STORE)
         k.st(addr(dst, plan.slot_source + 4), position, **intranode.STORE)
