@@ -14,11 +14,13 @@ row.float() * w`` (``ptxforge.testing.ep.low_latency_combine``).
 Roles (common.py: send CTAs first, then receive CTAs; ``WARPS`` warps each):
 
     sender l (one CTA a local     rows recv_count[l] of x[l]: warp w takes rows w, w + WARPS,
-    expert)                       ...; a row's (source rank s, token t, k position j) from
-                                  src_info; it copies the row (16-byte vectors) into combine
-                                  row (t, j) of rank s, then bar.warp.sync and lane 0
-                                  publishes flag (t, j) = the dispatch's sequence number
-                                  (dispatch_received[l][s] of this rank) with st.release.sys.
+    expert)                       ..., 32 a chunk: lane j loads its row's (source rank s,
+                                  token t, k position j) from src_info and the dispatch's
+                                  sequence number (dispatch_received[l][s] of this rank),
+                                  all in one round; the warp copies the chunk's rows (16-byte
+                                  vectors) into combine row (t, j) of rank s; bar.warp.sync,
+                                  then each lane publishes its row's flag (t, j) = the
+                                  sequence number with st.release.sys (one instruction).
     receiver t (one CTA a token)  lane j < k of each warp: the pair's expert, its weight and
                                   the k position whose row it takes; lane j of warp 0 waits
                                   (ld.acquire.sys, timed) for that row's flag to carry the
@@ -124,34 +126,54 @@ def _send(k, cfg, p, t) -> None:
         k.ld_param(at, p.recv_count)
         k.mad(at, local, 4, at, mode="wide")
         k.ld(count, addr(at), **intranode.INPUT_LOAD)
-    i, row, source, token, position, pair, sequence = (k.reg("u32", name) for name in (
-        "row_index", "row", "source", "token", "position", "pair", "sequence"))
-    src, info, peer, dst = (k.reg("u64", name) for name in ("x_row", "info_at", "peer_buffer",
-                                                             "combine_row"))
-    with k.loop(i, count, start=t.warp, step=common.WARPS, uniform=True, hint="row"):
-        with k.stage("the row's source rank, token, k position; the dispatch's sequence number"):
+    first, i, row, source, token, position, pair, sequence, n, j = (k.reg("u32", name) for name in (
+        "chunk_first", "row_index", "row", "source", "token", "position", "pair", "sequence",
+        "chunk_rows", "chunk_row"))
+    src, info, peer, dst, flag_at = (k.reg("u64", name) for name in (
+        "x_row", "info_at", "peer_buffer", "combine_row", "flag_at"))
+    valid, ballot = k.pred("row_valid"), k.reg("b32", "valid_rows")
+    # Warp w sends rows w, w + WARPS, ...: 32 of them a chunk, lane j's the chunk's j-th.
+    with k.loop(first, count, start=t.warp, step=32 * common.WARPS, uniform=True,
+                hint="chunk"):
+        with k.stage("lane j: its row's source rank, token, k position, flag and the "
+                     "dispatch's sequence number, all loaded in one round"):
+            k.mad(i, t.lane, common.WARPS, first)
+            k.setp("lt", valid, i, count)
             k.mad(row, local, cfg.ranks * cfg.max_tokens, i)
             k.ld_param(info, p.src_info)
             k.mad(info, row, 12, info, mode="wide")
-            k.ld(source, addr(info), **intranode.INPUT_LOAD)
-            k.ld(token, addr(info, 4), **intranode.INPUT_LOAD)
-            k.ld(position, addr(info, 8), **intranode.INPUT_LOAD)
+            with k.guard(valid):
+                k.ld(source, addr(info), **intranode.INPUT_LOAD)
+                k.ld(token, addr(info, 4), **intranode.INPUT_LOAD)
+                k.ld(position, addr(info, 8), **intranode.INPUT_LOAD)
             k.mad(pair, local, cfg.ranks, source)
             k.mad(at, pair, 4, t.own, mode="wide")
-            k.ld(sequence, addr(at, plan.dispatch_received), sem="relaxed", scope="sys")
-        with k.stage("copy into combine row (token, position) of the source rank, then its flag"):
-            intranode.buffer_of(k, peer, t.peers, source)
+            with k.guard(valid):
+                k.ld(sequence, addr(at, plan.dispatch_received), sem="relaxed", scope="sys")
+                intranode.buffer_of(k, peer, t.peers, source)
             k.mad(pair, token, cfg.topk, position)
-            k.mad(dst, pair, row_bytes, peer, mode="wide")
-            k.add(dst, dst, plan.combine_rows)
-            k.ld_param(src, p.x)
-            k.mad(src, row, row_bytes, src, mode="wide")
-            warp_copy(k, dst, src, row_bytes, t.lane, load=intranode.INPUT_LOAD,
-                      store=intranode.STORE, unroll=common.COPY_UNROLL)
+            k.mad(flag_at, pair, 4, peer, mode="wide")
+            k.vote_sync(ballot, valid, mode="ballot")
+            k.popc(n, ballot)
+        with k.loop(j, n, uniform=True, hint="chunk_row"):
+            with k.stage("copy row j of the chunk into combine row (token, position) of its "
+                         "source rank"):
+                rows_j, pair_j, source_j = k.reg("u32", "row_j"), k.reg("u32", "pair_j"), k.reg(
+                    "u32", "source_j")
+                k.shfl_sync(rows_j, row, j, mode="idx")
+                k.shfl_sync(pair_j, pair, j, mode="idx")
+                k.shfl_sync(source_j, source, j, mode="idx")
+                intranode.buffer_of(k, dst, t.peers, source_j)
+                k.mad(dst, pair_j, row_bytes, dst, mode="wide")
+                k.add(dst, dst, plan.combine_rows)
+                k.ld_param(src, p.x)
+                k.mad(src, rows_j, row_bytes, src, mode="wide")
+                warp_copy(k, dst, src, row_bytes, t.lane, load=intranode.INPUT_LOAD,
+                          store=intranode.STORE, unroll=common.COPY_UNROLL)
+        with k.stage("the chunk's flags: every row's copy, then one release a lane"):
             k.bar_warp_sync()
-            k.mad(at, pair, 4, peer, mode="wide")
-            with k.guard(t.lane0):
-                k.st(addr(at, plan.combine_flags), sequence, sem="release", scope="sys")
+            with k.guard(valid):
+                k.st(addr(flag_at, plan.combine_flags), sequence, sem="release", scope="sys")
 
 
 def _receive(k, cfg, p, t) -> None:

@@ -349,7 +349,8 @@ def _receive(k, cfg, p, t) -> None:
 
 def _receive_row(k, cfg, p, t, source: int, i, first) -> None:
     """Slot (l, source, i) to row first + i of expert l's rows: the e4m3 row, its scales,
-    its (source rank, token, k position)."""
+    its (source rank, token, k position). The scales' and the pair's loads go out with
+    the row's, so that a row costs one load latency."""
     plan, local = cfg.plan, t.index
     rows = cfg.ranks * cfg.max_tokens
     slot, row, src, dst = k.reg("u32", "slot"), k.reg("u32", "row"), k.reg(
@@ -360,38 +361,43 @@ def _receive_row(k, cfg, p, t, source: int, i, first) -> None:
     k.add(src, src, plan.dispatch_slots)
     k.add(row, first, i)
     k.mad(row, local, rows, row)  # among all experts' rows
-    k.ld_param(dst, p.recv_x)
-    k.mad(dst, row, cfg.hidden, dst, mode="wide")
-    warp_copy(k, dst, src, cfg.hidden, t.lane, load=intranode.PAYLOAD_LOAD, store={},
-              unroll=common.COPY_UNROLL)
-    with k.stage("scales: lane g to recv_scales[l, row, g], MN-major"):
-        group, element, in_row = k.reg("u32", "group"), k.reg("u32", "scale_element"), k.pred(
-            "group_in_row")
+    trips = -(-plan.scale_groups // 32)
+    scales, in_row = k.regs("b32", trips, "scale"), k.regs("pred", trips, "group_in_row")
+    group, at = k.reg("u32", "group"), k.reg("u64", "scale_at")
+    token, position = k.reg("u32", "token"), k.reg("u32", "position")
+    with k.stage("load: the scales (lane g: group g), the (token, k position) pair"):
+        for trip in range(trips):
+            k.add(group, t.lane, 32 * trip)
+            k.setp("lt", in_row[trip], group, plan.scale_groups)
+            k.mad(at, group, 4, src, mode="wide")
+            with k.guard(in_row[trip]):
+                k.ld(scales[trip], addr(at, plan.slot_scales), **intranode.PAYLOAD_LOAD)
+        with k.guard(t.lane0):
+            k.ld(token, addr(src, plan.slot_source), **intranode.PAYLOAD_LOAD)
+            k.ld(position, addr(src, plan.slot_source + 4), **intranode.PAYLOAD_LOAD)
+    with k.stage("the row: e4m3 bytes, 16 a lane at a time"):
+        k.ld_param(dst, p.recv_x)
+        k.mad(dst, row, cfg.hidden, dst, mode="wide")
+        warp_copy(k, dst, src, cfg.hidden, t.lane, load=intranode.PAYLOAD_LOAD, store={},
+                  unroll=common.COPY_UNROLL)
+    with k.stage("store: scale g to recv_scales[l, row, g] (MN-major), the row's source"):
+        element = k.reg("u32", "scale_element")
         expert_stride, group_stride = k.reg("u32", "scale_expert_stride"), k.reg(
             "u32", "scale_group_stride")
         k.ld_param(expert_stride, p.scale_expert_stride)
         k.ld_param(group_stride, p.scale_group_stride)
-        scale, at = k.reg("b32", "scale"), k.reg("u64", "scale_at")
-        for chunk in range(0, plan.scale_groups, 32):
-            k.add(group, t.lane, chunk)
-            k.setp("lt", in_row, group, plan.scale_groups)
-            k.mad(at, group, 4, src, mode="wide")
-            with k.guard(in_row):
-                k.ld(scale, addr(at, plan.slot_scales), **intranode.PAYLOAD_LOAD)
+        for trip in range(trips):
+            k.add(group, t.lane, 32 * trip)
             k.add(element, first, i)
             k.mad(element, group, group_stride, element)
             k.mad(element, local, expert_stride, element)
             k.ld_param(at, p.recv_scales)
             k.mad(at, element, 4, at, mode="wide")
-            with k.guard(in_row):
-                k.st(addr(at), scale)
-    with k.if_(t.lane0, "not_lane0"):
-        token, position, at = k.reg("u32", "token"), k.reg("u32", "position"), k.reg(
-            "u64", "info_at")
-        k.ld(token, addr(src, plan.slot_source), **intranode.PAYLOAD_LOAD)
-        k.ld(position, addr(src, plan.slot_source + 4), **intranode.PAYLOAD_LOAD)
-        k.ld_param(at, p.recv_src_info)
-        k.mad(at, row, 12, at, mode="wide")
-        k.st(addr(at), source, type="u32")
-        k.st(addr(at, 4), token)
-        k.st(addr(at, 8), position)
+            with k.guard(in_row[trip]):
+                k.st(addr(at), scales[trip])
+        with k.if_(t.lane0, "not_lane0"):
+            k.ld_param(at, p.recv_src_info)
+            k.mad(at, row, 12, at, mode="wide")
+            k.st(addr(at), source, type="u32")
+            k.st(addr(at, 4), token)
+            k.st(addr(at, 8), position)
