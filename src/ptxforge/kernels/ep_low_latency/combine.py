@@ -13,9 +13,10 @@ row.float() * w`` (``ptxforge.testing.ep.low_latency_combine``).
 
 Roles (common.py: send CTAs first, then receive CTAs; ``WARPS`` warps each):
 
-    sender l (one CTA a local     rows recv_count[l] of x[l]: warp w takes rows w, w + WARPS,
-    expert)                       ..., 32 a chunk: lane j loads its row's (source rank s,
-                                  token t, k position j) from src_info and the dispatch's
+    sender l (SEND_CTAS CTAs a    rows recv_count[l] of x[l]: sender warp w takes rows w,
+    local expert)                 w + SENDERS, ..., 32 a chunk: lane j loads its row's
+                                  (source rank s, token t, k position j) from src_info and
+                                  the dispatch's
                                   sequence number (dispatch_received[l][s] of this rank),
                                   all in one round; the warp copies the chunk's rows (16-byte
                                   vectors) into combine row (t, j) of rank s; bar.warp.sync,
@@ -44,6 +45,11 @@ from ...ptx import KernelBuilder, LaunchShape, addr
 from ..ep_intranode import common as intranode
 from . import common
 from .plan import LowLatencyPlan, check_problem
+
+# CTAs a local expert's rows are sent by: an expert receives up to R x max_tokens rows,
+# and its slowest sender sets the kernel's time.
+SEND_CTAS = 2
+SENDERS = SEND_CTAS * common.WARPS  # warps
 
 
 @dataclass(frozen=True)
@@ -78,9 +84,10 @@ class CombineConfig:
         return 32 * common.WARPS
 
     def grid(self, tokens: int) -> int:
-        """Send CTAs (one a local expert), then receive CTAs (one of ``tokens``); at least
-        one CTA."""
-        return max(1, self.plan.local_experts * self.sends + tokens * self.receives)
+        """Send CTAs (SEND_CTAS a local expert), then receive CTAs (one of ``tokens``); at
+        least one CTA."""
+        return max(1, SEND_CTAS * self.plan.local_experts * self.sends
+                   + tokens * self.receives)
 
 
 def choose_config(arch: Arch, ranks: int, max_tokens: int, hidden: int, experts: int,
@@ -106,7 +113,8 @@ def generate(cfg: CombineConfig) -> KernelBuilder:
         p.tokens = k.param("tokens", "u32")
         p.out = k.param("out", "u64")                    # bf16 [T, H]
     common.declare_common_params(k, p)
-    t = common.prologue(k, p, cfg.plan.local_experts if cfg.phase == "both" else None)
+    t = common.prologue(k, p, SEND_CTAS * cfg.plan.local_experts if cfg.phase == "both"
+                        else None)
     if cfg.phase == "both":
         with k.if_(t.sender, "not_a_sender", uniform=True):
             _send(k, cfg, p, t)
@@ -120,8 +128,12 @@ def generate(cfg: CombineConfig) -> KernelBuilder:
 
 
 def _send(k, cfg, p, t) -> None:
-    plan, local, row_bytes = cfg.plan, t.index, 2 * cfg.hidden
-    with k.stage("sender: the local expert's row count"):
+    plan, row_bytes = cfg.plan, 2 * cfg.hidden
+    with k.stage("sender: the local expert, this CTA's warps among its senders', its rows"):
+        local, sender_warp = k.reg("u32", "local_expert"), k.reg("u32", "sender_warp")
+        k.div(local, t.index, SEND_CTAS)
+        k.rem(sender_warp, t.index, SEND_CTAS)
+        k.mad(sender_warp, sender_warp, common.WARPS, t.warp)
         count, at = k.reg("u32", "count"), k.reg("u64", "count_at")
         k.ld_param(at, p.recv_count)
         k.mad(at, local, 4, at, mode="wide")
@@ -132,12 +144,13 @@ def _send(k, cfg, p, t) -> None:
     src, info, peer, dst, flag_at = (k.reg("u64", name) for name in (
         "x_row", "info_at", "peer_buffer", "combine_row", "flag_at"))
     valid, ballot = k.pred("row_valid"), k.reg("b32", "valid_rows")
-    # Warp w sends rows w, w + WARPS, ...: 32 of them a chunk, lane j's the chunk's j-th.
-    with k.loop(first, count, start=t.warp, step=32 * common.WARPS, uniform=True,
+    # Sender warp w (of the expert's SEND_CTAS x WARPS) sends rows w, w + SENDERS, ...: 32
+    # of them a chunk, lane j's the chunk's j-th.
+    with k.loop(first, count, start=sender_warp, step=32 * SENDERS, uniform=True,
                 hint="chunk"):
         with k.stage("lane j: its row's source rank, token, k position, flag and the "
                      "dispatch's sequence number, all loaded in one round"):
-            k.mad(i, t.lane, common.WARPS, first)
+            k.mad(i, t.lane, SENDERS, first)
             k.setp("lt", valid, i, count)
             k.mad(row, local, cfg.ranks * cfg.max_tokens, i)
             k.ld_param(info, p.src_info)
