@@ -310,16 +310,23 @@ def scenario_peer_never_launches(rank: int, world: int) -> None:
         config=Config(4, 64))
     torch.cuda.synchronize()
     dist.barrier()
+    rank_0_times_out(rank, buffer, lambda: buffer.dispatch(x, handle=handle, config=Config(4, 64)),
+                     r"dispatch kernel waited more than 2.0 s .* tokens from rank 1")
+
+
+def rank_0_times_out(rank: int, buffer: Buffer, launch, message: str) -> None:
+    """Rank 0 launches a kernel that waits for rank 1, which stays alive in a barrier and
+    launches nothing: the kernel traps within a minute and the host names the wait
+    (``message``, a regex); then rank 0 reports and leaves (its context is dead)."""
     if rank == 0:
         start = time.monotonic()
         with pytest.raises(RuntimeError):
-            buffer.dispatch(x, handle=handle, config=Config(4, 64))
+            launch()
             torch.cuda.synchronize()
         assert time.monotonic() - start < 60
-        with pytest.raises(EPTimeoutError, match=r"dispatch kernel waited more than 2.0 s .* "
-                                                 r"tokens from rank 1"):
+        with pytest.raises(EPTimeoutError, match=message):
             buffer.check_timeout()
-    dist.barrier()  # rank 1 waits here, alive, while rank 0 times out
+    dist.barrier()
     if rank == 0:
         _report_and_exit(rank)
 

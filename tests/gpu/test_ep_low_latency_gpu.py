@@ -12,10 +12,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ptxforge.ep import Buffer, EPTimeoutError
+from ptxforge.ep import Buffer
 from ptxforge.testing import ep as reference
 
-from test_ep_gpu import (NO_MULTICAST, _assert_bitwise, _gather, _report_and_exit, mps_running,
+from test_ep_gpu import (NO_MULTICAST, _assert_bitwise, _gather, mps_running, rank_0_times_out,
                          run_spawned)
 
 pytestmark = pytest.mark.gpu
@@ -124,18 +124,11 @@ def scenario_peer_never_launches(rank: int, world: int) -> None:
     """Rank 1 creates its buffer and stops: rank 0's dispatch receiver times out, writes
     its record and traps."""
     buffer = _buffer(world, timeout_s=2.0)
-    if rank == 0:
-        x, idx, _ = _inputs(rank, 8, 0)
-        dev = torch.device("cuda", buffer.device_index)
-        buffer.low_latency_dispatch(x.to(dev), idx.to(dev), MAX_TOKENS, EXPERTS)
-        with pytest.raises(RuntimeError):
-            torch.cuda.synchronize()
-        with pytest.raises(EPTimeoutError, match=r"low-latency dispatch kernel waited more than "
-                                                 r"2.0 s for tokens from rank 1 for local expert"):
-            buffer.check_timeout()
-    dist.barrier()  # rank 1 waits here, alive, while rank 0 times out
-    if rank == 0:
-        _report_and_exit(rank)
+    dev = torch.device("cuda", buffer.device_index)
+    x, idx, _ = (t.to(dev) for t in _inputs(rank, 8, 0))
+    rank_0_times_out(rank, buffer, lambda: buffer.low_latency_dispatch(x, idx, MAX_TOKENS, EXPERTS),
+                     r"low-latency dispatch kernel waited more than 2.0 s for tokens from rank 1 "
+                     r"for local expert")
 
 
 @pytest.mark.parametrize("scenario", [scenario_rounds, scenario_graph,

@@ -52,7 +52,8 @@ _WAITS = {kernel_common.DISPATCH_SEND: ("dispatch", "room in rank {peer}'s ring 
           kernel_common.DISPATCH_RECEIVE: ("dispatch", "tokens from rank {peer} (their tail)"),
           kernel_common.COMBINE_SEND: ("combine", "room in rank {peer}'s ring (its head)"),
           kernel_common.COMBINE_RECEIVE: ("combine", "rows from rank {peer} (their tail)")}
-_MISMATCHES = {kernel_common.DISPATCH_MISMATCH: "dispatch", kernel_common.COMBINE_MISMATCH: "combine"}
+_MISMATCHES = {kernel_common.DISPATCH_MISMATCH: "dispatch",
+               kernel_common.COMBINE_MISMATCH: "combine"}
 # The decode path's waits: (kernel, what it waited for); the record's "channel" word holds
 # the local expert (dispatch) or the token (combine).
 _LOW_LATENCY_WAITS = {
@@ -347,7 +348,8 @@ class Buffer:
         table = torch.tensor(layout.table(), dtype=torch.int32, device=self.device_index)
         src_idx = torch.empty(layout.num_recv_tokens, dtype=torch.int32, device=self.device_index)
         return DispatchHandle(inputs.tokens, layout.num_recv_tokens, channels, experts,
-                              inputs.hidden, inputs.fp8, inputs.topk, is_token_in_rank, table.view(2, self.group_size, channels),
+                              inputs.hidden, inputs.fp8, inputs.topk, is_token_in_rank,
+                              table.view(2, self.group_size, channels),
                               src_idx, layout)
 
     def _launch_dispatch(self, launcher, cfg, inputs, x, topk_idx, topk_weights, handle,

@@ -55,7 +55,8 @@ def layout_inputs(topk_idx, num_experts, ranks: int, device: int) -> tuple:
     return tokens, k, ptr
 
 
-def dispatch_inputs(x, topk_idx, topk_weights, *, device: int, cached: bool) -> tuple[DispatchInputs, int]:
+def dispatch_inputs(x, topk_idx, topk_weights, *, device: int,
+                    cached: bool) -> tuple[DispatchInputs, int]:
     """x, topk_idx and topk_weights of a dispatch; returns (the inputs, x's device index).
     x: bf16 [T, H], or (e4m3 [T, H], f32 scales [T, H / 128]) as quantize_fp8_per_token
     writes them (any scale strides); rows contiguous. topk_idx int64 [T, k] and

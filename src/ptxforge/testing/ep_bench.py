@@ -345,8 +345,9 @@ def ep_table(result: dict) -> str:
     from .bench import format_table
 
     p = result["params"]
+    one_gpu = " (all on ONE GPU under MPS: no NVLink, no peers)"
     head = (f"ptxforge.ep intranode, {result['world']} ranks on {result['device']}"
-            f"{'' if result['distinct_gpus'] else ' (all on ONE GPU under MPS: no NVLink, no peers)'}"
+            f"{'' if result['distinct_gpus'] else one_gpu}"
             f"; {p['tokens']} tokens a rank, H = {p['hidden']}, top-{p['topk']} of "
             f"{p['experts']} experts; FP8 dispatch, bf16 combine. Bytes crossing a rank: "
             f"{result['dispatch_bytes_per_rank'] / 1e6:.1f} MB dispatch, "
@@ -364,11 +365,12 @@ def ep_table(result: dict) -> str:
             gbs = next(r[f"{op}_gbs"] for r in result["sweep"]
                        if (r["sms"], r["slots"]) == (c["sms"], c["slots"]))
             text += f"\n{op}: {gbs:.0f} GB/s = {gbs / peers['p2p_copy_gbs']:.0%} of the P2P copy"
+        nccl_gbs = result["dispatch_bytes_per_rank"] / peers["nccl_dispatch_bytes_us"] / 1e3
         text += (f"\nP2P copy engine, 1 GiB one direction: {peers['p2p_copy_gbs']:.0f} GB/s"
                  f"\nNCCL all_to_all_single, the FP8 dispatch's bytes: "
                  f"{peers['nccl_dispatch_bytes_us']:.1f} us "
-                 f"({result['dispatch_bytes_per_rank'] / peers['nccl_dispatch_bytes_us'] / 1e3:.0f} GB/s)"
-                 f"\nNCCL all_to_all_single bf16 4096x7168: {peers['nccl_bf16_4096x7168_us']:.1f} us")
+                 f"({nccl_gbs:.0f} GB/s)\nNCCL all_to_all_single bf16 4096x7168: "
+                 f"{peers['nccl_bf16_4096x7168_us']:.1f} us")
     d = result["decode"]
     text += (f"\ndecode, {DECODE_TOKENS} tokens a rank (CUDA graph replay, the slowest rank's "
              f"median kernel): dispatch {d['dispatch_us']:.1f} us, combine "
@@ -399,7 +401,8 @@ def plot_ep(result: dict, path: str, pyplot) -> None:
         if peers:
             ax.axhline(peers["p2p_copy_gbs"], color="gray", linestyle=":", label="P2P copy")
             nccl = result["dispatch_bytes_per_rank"] / peers["nccl_dispatch_bytes_us"] / 1e3
-            ax.axhline(nccl, color="black", linestyle="--", label="NCCL all_to_all (dispatch bytes)")
+            ax.axhline(nccl, color="black", linestyle="--",
+                       label="NCCL all_to_all (dispatch bytes)")
         ax.set_title(f"{op} ({'FP8' if op == 'dispatch' else 'bf16'})")
         ax.set_xlabel("SMs")
         ax.grid(alpha=0.3)

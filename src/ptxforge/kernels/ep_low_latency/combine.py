@@ -44,7 +44,7 @@ from ...patterns.copy import VECTOR_BYTES, warp_copy
 from ...ptx import KernelBuilder, LaunchShape, addr
 from ..ep_intranode import common as intranode
 from . import common
-from .plan import LowLatencyPlan, check_problem
+from .plan import check_problem
 
 # CTAs a local expert's rows are sent by: an expert receives up to R x max_tokens rows,
 # and its slowest sender sets the kernel's time.
@@ -53,35 +53,8 @@ SENDERS = SEND_CTAS * common.WARPS  # warps
 
 
 @dataclass(frozen=True)
-class CombineConfig:
-    ranks: int
-    max_tokens: int
-    hidden: int
-    experts: int
-    topk: int
-    phase: str
-    target: str
-
-    @property
-    def name(self) -> str:
-        return (f"ep_ll_combine_{self.phase}_r{self.ranks}_t{self.max_tokens}_h{self.hidden}_"
-                f"e{self.experts}_k{self.topk}")
-
-    @property
-    def plan(self) -> LowLatencyPlan:
-        return LowLatencyPlan(self.ranks, self.max_tokens, self.hidden, self.experts, self.topk)
-
-    @property
-    def sends(self) -> bool:
-        return self.phase != "receive"
-
-    @property
-    def receives(self) -> bool:
-        return self.phase != "send"
-
-    @property
-    def threads(self) -> int:
-        return 32 * common.WARPS
+class CombineConfig(common.LowLatencyConfig):
+    KIND = "combine"
 
     def grid(self, tokens: int) -> int:
         """Send CTAs (SEND_CTAS a local expert), then receive CTAs (one of ``tokens``); at

@@ -9,10 +9,13 @@ residency, and the receive half can run later (the host's hook).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import ClassVar
 
 from ...ptx import KernelBuilder, sreg
 from ..ep_intranode import common as intranode
+from .plan import LowLatencyPlan
 
 PHASES = ("send", "receive", "both")
 WARPS = 4  # a CTA's warps: enough rows in flight per expert or token, many CTAs an SM
@@ -24,6 +27,42 @@ MIN_CTAS_PER_SM = 4
 # one after another, so each copy's latency is its cost; 16 cover a 7168-byte e4m3 row
 # (14 a lane) in one round.
 COPY_UNROLL = 16
+
+
+@dataclass(frozen=True)
+class LowLatencyConfig:
+    """A decode kernel's variant: the sizes its buffer plan is laid out for, and which half
+    (or both) it runs. ``KIND`` (the subclass's): "dispatch" or "combine"."""
+
+    KIND: ClassVar[str]
+    ranks: int
+    max_tokens: int
+    hidden: int
+    experts: int
+    topk: int
+    phase: str
+    target: str
+
+    @property
+    def name(self) -> str:
+        return (f"ep_ll_{self.KIND}_{self.phase}_r{self.ranks}_t{self.max_tokens}_"
+                f"h{self.hidden}_e{self.experts}_k{self.topk}")
+
+    @property
+    def plan(self) -> LowLatencyPlan:
+        return LowLatencyPlan(self.ranks, self.max_tokens, self.hidden, self.experts, self.topk)
+
+    @property
+    def sends(self) -> bool:
+        return self.phase != "receive"
+
+    @property
+    def receives(self) -> bool:
+        return self.phase != "send"
+
+    @property
+    def threads(self) -> int:
+        return 32 * WARPS
 
 
 def check_phase(phase: str) -> None:

@@ -49,41 +49,14 @@ from ...patterns.copy import warp_copy
 from ...ptx import KernelBuilder, LaunchShape, addr, sreg
 from ..ep_intranode import common as intranode
 from . import common
-from .plan import COUNT_BITS, SEQUENCE_MAX, LowLatencyPlan, check_problem
+from .plan import COUNT_BITS, SEQUENCE_MAX, check_problem
 
 BATCH = 32                 # tokens a warp scans at once, one a lane
 
 
 @dataclass(frozen=True)
-class DispatchConfig:
-    ranks: int
-    max_tokens: int
-    hidden: int
-    experts: int
-    topk: int
-    phase: str
-    target: str
-
-    @property
-    def name(self) -> str:
-        return (f"ep_ll_dispatch_{self.phase}_r{self.ranks}_t{self.max_tokens}_h{self.hidden}_"
-                f"e{self.experts}_k{self.topk}")
-
-    @property
-    def plan(self) -> LowLatencyPlan:
-        return LowLatencyPlan(self.ranks, self.max_tokens, self.hidden, self.experts, self.topk)
-
-    @property
-    def sends(self) -> bool:
-        return self.phase != "receive"
-
-    @property
-    def receives(self) -> bool:
-        return self.phase != "send"
-
-    @property
-    def threads(self) -> int:
-        return 32 * common.WARPS
+class DispatchConfig(common.LowLatencyConfig):
+    KIND = "dispatch"
 
     @property
     def grid(self) -> int:
