@@ -27,7 +27,8 @@ def _private_cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("PTXFORGE_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "kernel-cache"))
 
 
-def _assembles(builder):
+def assembles_cleanly(builder):
+    """The kernel assembled with no spills, no stack frame and no warning."""
     compiled = jit.build(builder)
     assert compiled.resources.spills == 0, compiled.log
     assert compiled.resources.stack_frame == 0, compiled.log
@@ -43,7 +44,7 @@ def _assembles(builder):
 def test_dispatch_variants_assemble_without_spills(ranks, hidden, dtype, with_topk):
     cfg = dispatch_kernel.choose_config(SM90, ranks, hidden, 8, fp8=dtype == "e4m3",
                                         with_topk=with_topk, num_sms=24, slots=256)
-    compiled = _assembles(dispatch_kernel.generate(cfg))
+    compiled = assembles_cleanly(dispatch_kernel.generate(cfg))
     assert compiled.launch.cooperative and compiled.launch.block == cfg.threads
 
 
@@ -52,13 +53,13 @@ def test_dispatch_variants_assemble_without_spills(ranks, hidden, dtype, with_to
 @pytest.mark.parametrize("topk", [0, 8, 32])
 def test_combine_variants_assemble_without_spills(ranks, hidden, topk):
     cfg = combine_kernel.choose_config(SM90, ranks, hidden, topk=topk, num_sms=2, slots=64)
-    _assembles(combine_kernel.generate(cfg))
+    assembles_cleanly(combine_kernel.generate(cfg))
 
 
 @pytest.mark.parametrize("experts, ranks, topk", [(8, 2, 1), (256, 8, 8), (4096, 8, 32),
                                                   (6, 3, 2)])
 def test_layout_variants_assemble_without_spills(experts, ranks, topk):
-    _assembles(layout_kernel.generate(layout_kernel.choose_config(SM90, experts, ranks, topk)))
+    assembles_cleanly(layout_kernel.generate(layout_kernel.choose_config(SM90, experts, ranks, topk)))
 
 
 def _body(ptx: str) -> list[str]:

@@ -11,7 +11,7 @@ import struct
 
 import pytest
 
-from ptxforge import arch, jit
+from ptxforge import arch
 from ptxforge.kernels.ep_intranode import common as codes
 from ptxforge.kernels.ep_low_latency import combine as combine_kernel
 from ptxforge.kernels.ep_low_latency import dispatch as dispatch_kernel
@@ -25,6 +25,8 @@ from ptxforge.ep import low_latency  # noqa: E402
 from ptxforge.testing import ep as reference  # noqa: E402
 from ptxforge.testing.ptxsim import Memory, Simulator, Trap  # noqa: E402
 from ptxforge.testing.reference import quantize_fp8_per_token  # noqa: E402
+
+from test_ep import assembles_cleanly  # noqa: E402
 
 SM90 = arch.get("sm_90a")
 TIMEOUT = 100_000  # scheduler passes (the simulator's ns)
@@ -62,12 +64,6 @@ def test_sequence_numbers_skip_zero():
 
 
 # ---------------------------------------------------------------------------- kernels
-def _assembles(builder):
-    compiled = jit.build(builder)
-    assert compiled.resources.spills == 0, compiled.log
-    assert compiled.resources.stack_frame == 0, compiled.log
-    assert "warning" not in compiled.log.lower(), compiled.log
-    return compiled
 
 
 @pytest.mark.parametrize("phase", ["send", "receive", "both"])
@@ -77,7 +73,7 @@ def _assembles(builder):
 def test_variants_assemble_without_spills(phase, ranks, max_tokens, hidden, experts, topk):
     for kernel in (dispatch_kernel, combine_kernel):
         cfg = kernel.choose_config(SM90, ranks, max_tokens, hidden, experts, topk, phase=phase)
-        compiled = _assembles(kernel.generate(cfg))
+        compiled = assembles_cleanly(kernel.generate(cfg))
         assert compiled.launch.cooperative == (phase == "both")
         assert compiled.launch.block == cfg.threads
 

@@ -363,13 +363,19 @@ SCENARIOS = {"routings": scenario_routings, "errors": scenario_errors,
              "cached_call_disagrees": scenario_cached_call_disagrees}
 
 
-@pytest.mark.parametrize("scenario", list(SCENARIOS))
-def test_two_processes(scenario, monkeypatch):
+def run_two_ranks(scenario, monkeypatch) -> None:
+    """A scenario over two processes: a GPU each, or one GPU under MPS (else skipped);
+    NVLink multicast off in both."""
     if torch.cuda.device_count() < 2 and not mps_running():
         pytest.skip("two ranks on one GPU need MPS (bash bench/device_run.sh ep starts it)")
     for name, value in NO_MULTICAST.items():
         monkeypatch.setenv(name, value)
     run_spawned(scenario)
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_two_processes(scenario, monkeypatch):
+    run_two_ranks(scenario, monkeypatch)
 
 
 def main() -> int:

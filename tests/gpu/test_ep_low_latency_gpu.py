@@ -15,8 +15,7 @@ import torch.distributed as dist
 from ptxforge.ep import Buffer
 from ptxforge.testing import ep as reference
 
-from test_ep_gpu import (NO_MULTICAST, _assert_bitwise, _gather, mps_running, rank_0_times_out,
-                         run_spawned)
+from test_ep_gpu import _assert_bitwise, _gather, rank_0_times_out, run_two_ranks
 
 pytestmark = pytest.mark.gpu
 
@@ -135,8 +134,4 @@ def scenario_peer_never_launches(rank: int, world: int) -> None:
                                       scenario_peer_never_launches],
                          ids=["rounds", "graph", "peer_never_launches"])
 def test_two_processes(scenario, monkeypatch):
-    if torch.cuda.device_count() < 2 and not mps_running():
-        pytest.skip("two ranks on one GPU need MPS (bash bench/device_run.sh ep starts it)")
-    for name, value in NO_MULTICAST.items():
-        monkeypatch.setenv(name, value)
-    run_spawned(scenario)
+    run_two_ranks(scenario, monkeypatch)

@@ -88,15 +88,7 @@ def generate(cfg: CombineConfig) -> KernelBuilder:
     common.declare_common_params(k, p)
     t = common.prologue(k, p, SEND_CTAS * cfg.plan.local_experts if cfg.phase == "both"
                         else None)
-    if cfg.phase == "both":
-        with k.if_(t.sender, "not_a_sender", uniform=True):
-            _send(k, cfg, p, t)
-        with k.if_(~t.sender, "not_a_receiver", uniform=True):
-            _receive(k, cfg, p, t)
-    elif cfg.sends:
-        _send(k, cfg, p, t)
-    else:
-        _receive(k, cfg, p, t)
+    common.roles(k, cfg, t, lambda: _send(k, cfg, p, t), lambda: _receive(k, cfg, p, t))
     return k
 
 

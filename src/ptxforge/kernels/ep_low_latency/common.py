@@ -65,6 +65,20 @@ class LowLatencyConfig:
         return 32 * WARPS
 
 
+def roles(k: KernelBuilder, cfg: LowLatencyConfig, t: SimpleNamespace, send, receive) -> None:
+    """Emit the halves the phase runs (``send()``, ``receive()``: emitters); with both, the
+    CTA's role picks its half."""
+    if cfg.phase == "both":
+        with k.if_(t.sender, "not_a_sender", uniform=True):
+            send()
+        with k.if_(~t.sender, "not_a_receiver", uniform=True):
+            receive()
+    elif cfg.sends:
+        send()
+    else:
+        receive()
+
+
 def check_phase(phase: str) -> None:
     if phase not in PHASES:
         raise ValueError(f"phase must be one of {', '.join(PHASES)}, got {phase!r}")
