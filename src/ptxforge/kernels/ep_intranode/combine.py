@@ -51,35 +51,17 @@ from ...ptx import KernelBuilder, LaunchShape, addr, sreg
 from . import common
 from .common import INPUT_LOAD, PAYLOAD_LOAD, STORE, check_entry
 from .dispatch import warps_per_peer
-from .plan import BATCH, MAX_TOPK, BufferPlan, check_plan, signature
+from .plan import BATCH, MAX_TOPK, BufferPlan, signature
 
 
 @dataclass(frozen=True)
-class CombineConfig:
-    ranks: int
-    hidden: int
+class CombineConfig(common.RingConfig):
     topk: int            # top-k weights a row carries (0: none)
-    channels: int
-    slots: int
-    warps_per_peer: int
-    target: str
 
     @property
     def name(self) -> str:
         return (f"ep_intranode_combine_r{self.ranks}_h{self.hidden}_k{self.topk}_"
                 f"c{self.channels}_s{self.slots}_w{self.warps_per_peer}")
-
-    @property
-    def plan(self) -> BufferPlan:
-        return BufferPlan(self.ranks, self.channels, self.slots, self.hidden)
-
-    @property
-    def warps(self) -> int:
-        return self.ranks * self.warps_per_peer
-
-    @property
-    def threads(self) -> int:
-        return 32 * self.warps
 
     @property
     def unroll(self) -> int:
@@ -110,14 +92,10 @@ def choose_config(arch: Arch, ranks: int, hidden: int, *, topk: int = 0, num_sms
                   slots: int = 128) -> CombineConfig:
     """The dispatch's channels; ``combine_warps_per_peer`` (nothing tuned yet)."""
     check_problem(hidden, topk)
-    channels = num_sms // 2
-    check_plan(ranks, channels, slots)
-    arch.require("griddepcontrol", "the combine kernel (programmatic dependent launch)")
-    if 2 * channels > arch.sm_count:
-        raise ValueError(f"num_sms must be at most the {arch.sm_count} SMs of the device, "
-                         f"got {num_sms}")
-    return CombineConfig(ranks, hidden, topk, channels, slots, combine_warps_per_peer(ranks),
-                         arch.target)
+    channels = common.channels_for(arch, ranks, num_sms, slots, "combine")
+    return CombineConfig(ranks=ranks, hidden=hidden, channels=channels, slots=slots,
+                         warps_per_peer=combine_warps_per_peer(ranks), target=arch.target,
+                         topk=topk)
 
 
 def generate(cfg: CombineConfig) -> KernelBuilder:

@@ -9,11 +9,13 @@ rank; group p's named barrier is 1 + p.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import SimpleNamespace
 
+from ...arch import Arch
 from ...patterns.poll import Watchdog
 from ...ptx import KernelBuilder, addr, sreg
-from .plan import MAX_RANKS, BufferPlan
+from .plan import MAX_RANKS, BufferPlan, check_plan
 
 # The watchdog's record codes: which wait timed out, or which entry came from a peer
 # that laid its rings out for other sizes (the host's messages, ep/buffer.py).
@@ -30,6 +32,43 @@ PAYLOAD_LOAD = {"eviction": "L1::no_allocate"}
 INPUT_LOAD = {"nc": True, "eviction": "L1::no_allocate"}
 STORE = {"eviction": "L1::no_allocate"}
 
+
+
+@dataclass(frozen=True)
+class RingConfig:
+    """What the dispatch's and the combine's variants share: the ranks and row size, the
+    channels (two CTAs each) and their rings' slots, the warps a CTA gives each peer."""
+
+    ranks: int
+    hidden: int
+    channels: int
+    slots: int
+    warps_per_peer: int
+    target: str
+
+    @property
+    def plan(self) -> BufferPlan:
+        return BufferPlan(self.ranks, self.channels, self.slots, self.hidden)
+
+    @property
+    def warps(self) -> int:
+        return self.ranks * self.warps_per_peer
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+
+def channels_for(arch: Arch, ranks: int, num_sms: int, slots: int, kernel: str) -> int:
+    """The channels an SM budget gives (two SMs each), checked against the plan and the
+    device; ``kernel`` names the kernel in the errors."""
+    channels = num_sms // 2
+    check_plan(ranks, channels, slots)
+    arch.require("griddepcontrol", f"the {kernel} kernel (programmatic dependent launch)")
+    if 2 * channels > arch.sm_count:
+        raise ValueError(f"num_sms must be at most the {arch.sm_count} SMs of the device, "
+                         f"got {num_sms}")
+    return channels
 
 def prologue(k: KernelBuilder, warps_per_peer: int) -> SimpleNamespace:
     """Programmatic-launch housekeeping, then the thread's coordinates: ``lane``,

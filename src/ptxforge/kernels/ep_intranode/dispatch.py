@@ -53,22 +53,16 @@ from ...arch import Arch
 from ...patterns.copy import warp_copy
 from ...ptx import KernelBuilder, LaunchShape, addr, sreg
 from . import common
-from .plan import BATCH, MAX_TOPK, SCALE_GROUP, BufferPlan, DispatchSlot, check_plan, signature
+from .plan import BATCH, MAX_TOPK, SCALE_GROUP, DispatchSlot, signature
 
 MAX_THREADS = 1024
 
 
 @dataclass(frozen=True)
-class DispatchConfig:
-    ranks: int
-    hidden: int
+class DispatchConfig(common.RingConfig):
     fp8: bool
     topk: int
     with_topk: bool      # top-k indices and weights travel with the rows
-    channels: int
-    slots: int
-    warps_per_peer: int
-    target: str
 
     @property
     def name(self) -> str:
@@ -77,16 +71,8 @@ class DispatchConfig:
                 f"c{self.channels}_s{self.slots}_w{self.warps_per_peer}")
 
     @property
-    def plan(self) -> BufferPlan:
-        return BufferPlan(self.ranks, self.channels, self.slots, self.hidden)
-
-    @property
     def slot(self) -> DispatchSlot:
         return DispatchSlot(self.hidden, self.topk if self.with_topk else 0, self.fp8)
-
-    @property
-    def threads(self) -> int:
-        return 32 * self.ranks * self.warps_per_peer
 
     @property
     def copy_unroll(self) -> int:
@@ -125,14 +111,10 @@ def choose_config(arch: Arch, ranks: int, hidden: int, topk: int, *, fp8: bool,
     """Channels: half the SM budget; warps: ``warps_per_peer``. Nothing is tuned yet."""
     check_hidden(hidden, fp8)
     check_topk(topk)
-    channels = num_sms // 2
-    check_plan(ranks, channels, slots)
-    arch.require("griddepcontrol", "the dispatch kernel (programmatic dependent launch)")
-    if 2 * channels > arch.sm_count:
-        raise ValueError(f"num_sms must be at most the {arch.sm_count} SMs of the device, "
-                         f"got {num_sms}")
-    return DispatchConfig(ranks, hidden, fp8, topk, with_topk, channels, slots,
-                          warps_per_peer(ranks), arch.target)
+    channels = common.channels_for(arch, ranks, num_sms, slots, "dispatch")
+    return DispatchConfig(ranks=ranks, hidden=hidden, channels=channels, slots=slots,
+                          warps_per_peer=warps_per_peer(ranks), target=arch.target, fp8=fp8,
+                          topk=topk, with_topk=with_topk)
 
 
 def generate(cfg: DispatchConfig) -> KernelBuilder:
