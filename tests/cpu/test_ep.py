@@ -98,11 +98,11 @@ def test_combine_sums_in_rank_order_in_f32():
     cfg = combine_kernel.choose_config(SM90, 4, 256, num_sms=2, slots=64)
     lines = _body(combine_kernel.generate(cfg).ptx())
     adds = [line for line in lines if line.startswith("@%has") and "add.rn.f32" in line]
-    assert cfg.unroll == 2
-    assert len(adds) == 2 * 4 * 8  # 8 f32 sums a vector, one add each per rank, 2 vectors
+    assert cfg.unroll == 4
+    assert len(adds) == 4 * 4 * 8  # 8 f32 sums a vector, one add each per rank, 4 vectors
     assert [line.split()[0] for line in adds[::8]] == ["@%has0", "@%has1", "@%has2",
-                                                       "@%has3"] * 2
-    assert sum("cvt.rn.bf16x2.f32" in line for line in lines) == 2 * 4
+                                                       "@%has3"] * 4
+    assert sum("cvt.rn.bf16x2.f32" in line for line in lines) == 4 * 4
     assert not any("fma" in line for line in lines)
 
 

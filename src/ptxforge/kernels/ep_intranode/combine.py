@@ -65,9 +65,9 @@ class CombineConfig(common.RingConfig):
 
     @property
     def unroll(self) -> int:
-        """The 16-byte vectors of each rank's row a receiving lane loads at once: about 8
+        """The 16-byte vectors of each rank's row a receiving lane loads at once: about 16
         loads in flight a lane, whatever the ranks."""
-        return max(1, 8 // self.ranks)
+        return max(1, 16 // self.ranks)
 
     @property
     def signature(self) -> int:
@@ -164,8 +164,9 @@ def _send(k, cfg, p, t) -> None:
                 k.add(entry, start, i)
                 k.and_(slot_index, entry, cfg.slots - 1)
                 k.mad(dst, slot_index, plan.combine_slot_bytes, ring, mode="wide")
-                # 8 rows' vectors in flight a lane: a CTA has half the dispatch's warps.
-                warp_copy(k, dst, src, row_bytes, t.lane, load=INPUT_LOAD, store=STORE, unroll=8)
+                # 16 vectors in flight a lane: a CTA has half the dispatch's warps.
+                warp_copy(k, dst, src, row_bytes, t.lane, load=INPUT_LOAD, store=STORE,
+                          unroll=16)
                 if cfg.topk:
                     _send_weights(k, cfg, p, t, row, dst)
                 with k.if_(t.lane0, "not_lane0"):
