@@ -311,7 +311,7 @@ def _reduce_token(k, cfg, p, t, r, first, i) -> None:
             with k.if_(check, f"row_{d}_unchecked"):
                 k.mad(at, rows[d], 1, r.rings, mode="wide")
                 check_entry(k, t, at, plan.combine_signature, cfg.signature, number,
-                            common.COMBINE_MISMATCH, d)
+                            common.COMBINE_MISMATCH, d)()
     with k.stage("sum the rows in rank order, f32, `unroll` 16-byte vectors a lane at once"):
         # A lane's loads of `unroll` vectors from every rank are all issued before the first
         # add: one vector a rank at a time left each warp a single load in flight per rank,

@@ -184,16 +184,20 @@ def counter(k: KernelBuilder, buffer, plan: BufferPlan, name: str, channel, peer
 
 
 def check_entry(k, t, entry_at, signature_offset: int, signature: int, number, code: int,
-                peer) -> None:
+                peer):
     """An entry's signature (at ``signature_offset``) and number (the word after it) must
     be this kernel's and ``number``: else the peer laid its rings out for other sizes, and
-    the watchdog's record says so (with the signature seen)."""
+    the watchdog's record says so (with the signature seen). Emits the loads now; returns
+    the emitter of the comparison and the failure, to place after other loads."""
     seen, seen_number = k.reg("u32", "sent_for"), k.reg("u32", "sent_number")
     mismatch, other = k.pred("mismatch"), k.pred("other_number")
     k.ld(seen, addr(entry_at, signature_offset), **PAYLOAD_LOAD)
     k.ld(seen_number, addr(entry_at, signature_offset + 4), **PAYLOAD_LOAD)
-    k.setp("ne", mismatch, seen, signature)
-    k.setp("ne", other, seen_number, number)
-    k.or_(mismatch, mismatch, other)
-    with k.if_(mismatch, "entry_checked"):
-        t.watchdog.fail(code, t.channel, peer, seen)
+
+    def verify():
+        k.setp("ne", mismatch, seen, signature)
+        k.setp("ne", other, seen_number, number)
+        k.or_(mismatch, mismatch, other)
+        with k.if_(mismatch, "entry_checked"):
+            t.watchdog.fail(code, t.channel, peer, seen)
+    return verify

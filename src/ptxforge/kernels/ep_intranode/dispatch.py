@@ -244,6 +244,9 @@ def _send_batch(k, cfg, p, t, s, first, ballot) -> None:
 
 
 def _send_token(k, cfg, p, t, s, token, entry) -> None:
+    """Entry ``entry`` of the ring: the token's row, scales, top-k and index. Every load
+    goes out before the first store (the row's in one round, 16 vectors a lane for e4m3),
+    so that an entry costs one load latency, not one a part."""
     slot = cfg.slot
     src, dst, slot_index = k.reg("u64", "x_row"), k.reg("u64", "entry_at"), k.reg(
         "u32", "slot_index")
@@ -251,63 +254,80 @@ def _send_token(k, cfg, p, t, s, token, entry) -> None:
     k.mad(src, token, slot.row_bytes, src, mode="wide")
     k.and_(slot_index, entry, cfg.slots - 1)
     k.mad(dst, slot_index, slot.bytes, s.ring, mode="wide")
+    stores = []
+    if cfg.fp8:
+        stores.append(_load_scales(k, cfg, p, t, token, dst))
+    if cfg.with_topk:
+        stores.append(_load_topk(k, cfg, p, t, token, dst))
     warp_copy(k, dst, src, slot.row_bytes, t.lane, load=common.INPUT_LOAD, store=common.STORE,
               unroll=cfg.copy_unroll)
-    if cfg.fp8:
-        _send_scales(k, cfg, p, t, token, dst)
-    if cfg.with_topk:
-        _send_topk(k, cfg, p, t, token, dst)
+    for store in stores:
+        store()
     with k.if_(t.lane0, "not_lane0"):
         k.st(addr(dst, slot.source), token)
         k.st(addr(dst, slot.signature), cfg.signature, type="u32")
         k.st(addr(dst, slot.number), entry)
 
 
-def _send_scales(k, cfg, p, t, token, dst) -> None:
-    """Lane j copies scales j, j + 32, ... of the token: x_scales[token, j] lies at
-    token * scale_token_stride + j * scale_group_stride elements."""
+def _load_scales(k, cfg, p, t, token, dst):
+    """Lane j loads scales j, j + 32, ... of the token (x_scales[token, j] lies at
+    token * scale_token_stride + j * scale_group_stride elements); returns the emitter of
+    their stores into the entry at ``dst``."""
     slot = cfg.slot
+    trips = -(-slot.scale_groups // 32)
     token_stride, group_stride = k.reg("u32", "scale_token_stride"), k.reg(
         "u32", "scale_group_stride")
     k.ld_param(token_stride, p.scale_token_stride)
     k.ld_param(group_stride, p.scale_group_stride)
-    src, offset, scale = k.reg("u64", "scale_at"), k.reg("u64", "scale_offset"), k.reg(
-        "b32", "scale")
-    group, in_row = k.reg("u32", "scale_group"), k.pred("scale_in_row")
-    for first in range(0, slot.scale_groups, 32):
-        k.add(group, t.lane, first)
-        k.setp("lt", in_row, group, slot.scale_groups)
+    src, offset = k.reg("u64", "scale_at"), k.reg("u64", "scale_offset")
+    scales, in_row = k.regs("b32", trips, "scale"), k.regs("pred", trips, "scale_in_row")
+    group = k.reg("u32", "scale_group")
+    for trip in range(trips):
+        k.add(group, t.lane, 32 * trip)
+        k.setp("lt", in_row[trip], group, slot.scale_groups)
         k.mul(offset, token, token_stride, mode="wide")
         k.mad(offset, group, group_stride, offset, mode="wide")
         k.ld_param(src, p.x_scales)
         k.shl(offset, offset, 2)
         k.add(src, src, offset)
-        with k.guard(in_row):
-            k.ld(scale, addr(src), **common.INPUT_LOAD)
-        k.mad(src, group, 4, dst, mode="wide")
-        with k.guard(in_row):
-            k.st(addr(src, slot.scales), scale)
+        with k.guard(in_row[trip]):
+            k.ld(scales[trip], addr(src), **common.INPUT_LOAD)
+
+    def store():
+        for trip in range(trips):
+            k.add(group, t.lane, 32 * trip)
+            k.mad(src, group, 4, dst, mode="wide")
+            with k.guard(in_row[trip]):
+                k.st(addr(src, slot.scales), scales[trip])
+    return store
 
 
-def _send_topk(k, cfg, p, t, token, dst) -> None:
-    """Lane j < k copies the token's index j (int64) and weight j (f32)."""
+def _load_topk(k, cfg, p, t, token, dst):
+    """Lane j < k loads the token's index j (int64) and weight j (f32); returns the
+    emitter of their stores into the entry at ``dst``."""
     slot = cfg.slot
     is_pair = k.pred("is_pair")
     k.setp("lt", is_pair, t.lane, cfg.topk)
     pair, src, at = k.reg("u32", "pair"), k.reg("u64", "pair_at"), k.reg("u64", "pair_dst")
     index, weight = k.reg("b64", "topk_index"), k.reg("b32", "topk_weight")
     k.mad(pair, token, cfg.topk, t.lane)
-    with k.if_(is_pair, "no_pair"):
-        k.ld_param(src, p.topk_idx)
-        k.mad(src, pair, 8, src, mode="wide")
+    k.ld_param(src, p.topk_idx)
+    k.mad(src, pair, 8, src, mode="wide")
+    with k.guard(is_pair):
         k.ld(index, addr(src), **common.INPUT_LOAD)
-        k.ld_param(src, p.topk_weights)
-        k.mad(src, pair, 4, src, mode="wide")
+    k.ld_param(src, p.topk_weights)
+    k.mad(src, pair, 4, src, mode="wide")
+    with k.guard(is_pair):
         k.ld(weight, addr(src), **common.INPUT_LOAD)
+
+    def store():
         k.mad(at, t.lane, 8, dst, mode="wide")
-        k.st(addr(at, slot.topk_idx), index)
+        with k.guard(is_pair):
+            k.st(addr(at, slot.topk_idx), index)
         k.mad(at, t.lane, 4, dst, mode="wide")
-        k.st(addr(at, slot.topk_weights), weight)
+        with k.guard(is_pair):
+            k.st(addr(at, slot.topk_weights), weight)
+    return store
 
 
 def _receive(k, cfg, p, t) -> None:
@@ -376,6 +396,9 @@ def _receive(k, cfg, p, t) -> None:
 
 
 def _receive_entry(k, cfg, p, t, r, index) -> None:
+    """Entry ``index`` past the base to row first_row + index of the outputs: every load
+    (the signature and number, the source, the scales, the top-k) before the row's, every
+    store after, so that an entry costs one load latency."""
     slot = cfg.slot
     entry, slot_index, row = k.reg("u32", "entry"), k.reg("u32", "slot_index"), k.reg(
         "u32", "row")
@@ -384,60 +407,84 @@ def _receive_entry(k, cfg, p, t, r, index) -> None:
     k.and_(slot_index, entry, cfg.slots - 1)
     k.mad(src, slot_index, slot.bytes, r.ring, mode="wide")
     k.add(row, r.first_row, index)
+    source = k.reg("u32", "source")
+    with k.if_(t.lane0, "not_lane0_loading"):
+        verify = common.check_entry(k, t, src, slot.signature, cfg.signature, entry,
+                                    common.DISPATCH_MISMATCH, t.group)
+        k.ld(source, addr(src, slot.source), **common.PAYLOAD_LOAD)
+    stores = []
+    if cfg.fp8:
+        stores.append(_receive_scales(k, cfg, p, t, src, row))
+    if cfg.with_topk:
+        stores.append(_receive_topk(k, cfg, p, t, r, src, row))
     k.ld_param(dst, p.recv_x)
     k.mad(dst, row, slot.row_bytes, dst, mode="wide")
     warp_copy(k, dst, src, slot.row_bytes, t.lane, load=common.PAYLOAD_LOAD, store={},
               unroll=cfg.copy_unroll)
-    if cfg.fp8:
-        group, in_row = k.reg("u32", "scale_group"), k.pred("scale_in_row")
-        scale, at = k.reg("b32", "scale"), k.reg("u64", "scale_at")
-        element = k.reg("u32", "scale_element")
-        for first in range(0, slot.scale_groups, 32):
-            k.add(group, t.lane, first)
-            k.setp("lt", in_row, group, slot.scale_groups)
-            k.mad(at, group, 4, src, mode="wide")
-            with k.guard(in_row):
-                k.ld(scale, addr(at, slot.scales), **common.PAYLOAD_LOAD)
-            k.mad(element, row, slot.scale_groups, group)
-            k.ld_param(at, p.recv_scales)
-            k.mad(at, element, 4, at, mode="wide")
-            with k.guard(in_row):
-                k.st(addr(at), scale)
-    if cfg.with_topk:
-        _receive_topk(k, cfg, p, t, r, src, row)
+    for store in stores:
+        store()
     with k.if_(t.lane0, "not_lane0"):
-        source, at = k.reg("u32", "source"), k.reg("u64", "source_at")
-        common.check_entry(k, t, src, slot.signature, cfg.signature, entry, common.DISPATCH_MISMATCH,
-                     t.group)
-        k.ld(source, addr(src, slot.source), **common.PAYLOAD_LOAD)
+        verify()
+        at = k.reg("u64", "source_at")
         k.ld_param(at, p.recv_src_idx)
         k.mad(at, row, 4, at, mode="wide")
         k.st(addr(at), source)
 
 
-def _receive_topk(k, cfg, p, t, r, src, row) -> None:
-    """Lane j < k: index j made local (e - rank * E / R where this rank holds expert e,
-    else -1) and its weight (0 where the expert is elsewhere)."""
+def _receive_scales(k, cfg, p, t, src, row):
+    """Lane j loads scales j, j + 32, ... of the entry at ``src``; returns the emitter of
+    their stores into recv_scales[row]."""
+    slot = cfg.slot
+    trips = -(-slot.scale_groups // 32)
+    group, element, at = k.reg("u32", "scale_group"), k.reg("u32", "scale_element"), k.reg(
+        "u64", "scale_at")
+    scales, in_row = k.regs("b32", trips, "scale"), k.regs("pred", trips, "scale_in_row")
+    for trip in range(trips):
+        k.add(group, t.lane, 32 * trip)
+        k.setp("lt", in_row[trip], group, slot.scale_groups)
+        k.mad(at, group, 4, src, mode="wide")
+        with k.guard(in_row[trip]):
+            k.ld(scales[trip], addr(at, slot.scales), **common.PAYLOAD_LOAD)
+
+    def store():
+        for trip in range(trips):
+            k.add(group, t.lane, 32 * trip)
+            k.mad(element, row, slot.scale_groups, group)
+            k.ld_param(at, p.recv_scales)
+            k.mad(at, element, 4, at, mode="wide")
+            with k.guard(in_row[trip]):
+                k.st(addr(at), scales[trip])
+    return store
+
+
+def _receive_topk(k, cfg, p, t, r, src, row):
+    """Lane j < k loads index j and its weight; returns the emitter that stores them,
+    the index made local (e - rank * E / R where this rank holds expert e, else -1) and
+    the weight 0 where the expert is elsewhere."""
     slot = cfg.slot
     is_pair, local = k.pred("is_pair"), k.pred("local")
     k.setp("lt", is_pair, t.lane, cfg.topk)
-    with k.if_(is_pair, "no_pair"):
-        index, weight = k.reg("u64", "topk_index"), k.reg("f32", "topk_weight")
-        at, pair = k.reg("u64", "pair_at"), k.reg("u32", "pair")
-        k.mad(at, t.lane, 8, src, mode="wide")
+    index, weight = k.reg("u64", "topk_index"), k.reg("f32", "topk_weight")
+    at, pair = k.reg("u64", "pair_at"), k.reg("u32", "pair")
+    k.mad(at, t.lane, 8, src, mode="wide")
+    with k.guard(is_pair):
         k.ld(index, addr(at, slot.topk_idx), **common.PAYLOAD_LOAD)
-        k.mad(at, t.lane, 4, src, mode="wide")
+    k.mad(at, t.lane, 4, src, mode="wide")
+    with k.guard(is_pair):
         k.ld(weight, addr(at, slot.topk_weights), **common.PAYLOAD_LOAD)
-        # -1 and every expert below this rank's first wrap to at least E / R unsigned.
-        k.sub(index, index, r.first_expert)
-        k.setp("lt", local, index, r.experts_per_rank)
-        k.selp(index, index, 0xFFFFFFFFFFFFFFFF, local)
-        k.selp(weight, weight, 0.0, local)
-        k.mad(pair, row, cfg.topk, t.lane)
-        k.ld_param(at, p.recv_topk_idx)
-        k.mad(at, pair, 8, at, mode="wide")
-        k.st(addr(at), index)
-        k.ld_param(at, p.recv_topk_weights)
-        k.mad(at, pair, 4, at, mode="wide")
-        k.st(addr(at), weight)
 
+    def store():
+        with k.if_(is_pair, "no_pair"):
+            # -1 and every expert below this rank's first wrap to at least E / R unsigned.
+            k.sub(index, index, r.first_expert)
+            k.setp("lt", local, index, r.experts_per_rank)
+            k.selp(index, index, 0xFFFFFFFFFFFFFFFF, local)
+            k.selp(weight, weight, 0.0, local)
+            k.mad(pair, row, cfg.topk, t.lane)
+            k.ld_param(at, p.recv_topk_idx)
+            k.mad(at, pair, 8, at, mode="wide")
+            k.st(addr(at), index)
+            k.ld_param(at, p.recv_topk_weights)
+            k.mad(at, pair, 4, at, mode="wide")
+            k.st(addr(at), weight)
+    return store
