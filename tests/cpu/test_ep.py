@@ -433,3 +433,36 @@ def test_low_latency_options_it_does_not_take_are_refused_by_name():
     with pytest.raises(ValueError, match="cumulative_local_expert_recv_stats=.* not supported"):
         buffer._check_low_latency_options(
             False, cumulative_local_expert_recv_stats=(torch.zeros(2), None))
+
+
+def test_decode_sizes_are_checked_with_the_other_ranks_once(monkeypatch):
+    """The first low-latency dispatch with given sizes exchanges them; a disagreement is a
+    ValueError naming the size and the ranks; sizes agreed on are not exchanged again."""
+    import torch.distributed as dist
+
+    from ptxforge.ep import Buffer
+    from ptxforge.ep.layout import Message
+
+    buffer = Buffer.__new__(Buffer)  # the check reads these three attributes
+    buffer.group, buffer.group_size, buffer._low_latency_sizes = None, 2, set()
+    peers, calls = [(("hidden", 7168), ("topk", 8))], []
+
+    def all_gather_object(out, message, group=None):
+        calls.append(message)
+        out[:] = [message, Message(peers[0], [], [], 0)]
+
+    monkeypatch.setattr(dist, "all_gather_object", all_gather_object)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    mine = (("hidden", 7168), ("topk", 8))
+    buffer._agree_on_low_latency_sizes(mine)
+    buffer._agree_on_low_latency_sizes(mine)
+    assert len(calls) == 1
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    buffer._agree_on_low_latency_sizes(mine)  # agreed on: nothing to exchange in a capture
+    with pytest.raises(ValueError, match="run one before capturing"):
+        buffer._agree_on_low_latency_sizes((("hidden", 2048), ("topk", 8)))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    peers[0] = (("hidden", 4096), ("topk", 8))
+    with pytest.raises(ValueError, match="disagree on the dispatch: hidden: rank 0 has 7168, "
+                                         "rank 1 has 4096"):
+        buffer._agree_on_low_latency_sizes((("hidden", 7168), ("topk", 6)))

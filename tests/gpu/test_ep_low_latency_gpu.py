@@ -119,6 +119,26 @@ def scenario_graph(rank: int, world: int) -> None:
     buffer.destroy()
 
 
+def scenario_ranks_disagree(rank: int, world: int) -> None:
+    """Ranks whose decode sizes differ (rank 1's rows twice as wide) raise the same
+    ValueError before any kernel runs; the buffer then still works."""
+    buffer = _buffer(world)
+    dev = torch.device("cuda", buffer.device_index)
+    x, idx, weights = (t.to(dev) for t in _inputs(rank, 16, 20))
+    wide = torch.cat([x, x], 1) if rank else x[:, :HIDDEN // 2].contiguous()
+    with pytest.raises(ValueError, match=f"disagree on the dispatch: hidden: rank 0 has "
+                                         f"{HIDDEN // 2}, rank 1 has {2 * HIDDEN}"):
+        buffer.low_latency_dispatch(wide, idx, MAX_TOKENS, EXPERTS)
+    (recv_x, recv_scales), recv_count, handle, _, _ = buffer.low_latency_dispatch(
+        x, idx, MAX_TOKENS, EXPERTS)
+    y = _check_dispatch(rank, 20, (x.cpu(), idx.cpu(), weights.cpu()), recv_x, recv_scales,
+                        recv_count, handle)
+    combined, _, _ = buffer.low_latency_combine(y, idx, weights, handle)
+    _check_combine(rank, 20, (x.cpu(), idx.cpu(), weights.cpu()), y, combined)
+    torch.cuda.synchronize()
+    buffer.destroy()
+
+
 def scenario_peer_never_launches(rank: int, world: int) -> None:
     """Rank 1 creates its buffer and stops: rank 0's dispatch receiver times out, writes
     its record and traps."""
@@ -130,8 +150,8 @@ def scenario_peer_never_launches(rank: int, world: int) -> None:
                      r"for local expert")
 
 
-@pytest.mark.parametrize("scenario", [scenario_rounds, scenario_graph,
+@pytest.mark.parametrize("scenario", [scenario_rounds, scenario_graph, scenario_ranks_disagree,
                                       scenario_peer_never_launches],
-                         ids=["rounds", "graph", "peer_never_launches"])
+                         ids=["rounds", "graph", "ranks_disagree", "peer_never_launches"])
 def test_two_processes(scenario, monkeypatch):
     run_two_ranks(scenario, monkeypatch)

@@ -168,6 +168,7 @@ class Buffer:
         self.arch = device_arch(self.device_index)
         # Every rank writes into every other's buffer: the smallest is the size.
         self.memory = self.peers = self.low_latency_memory = self.low_latency_group = None
+        self._low_latency_sizes = set()  # the decode sizes the ranks agreed on
         self.num_nvl_bytes = self.num_rdma_bytes = 0
         self.record = HostRecord(self.device_index)
         if num_nvl_bytes:
@@ -461,6 +462,12 @@ class Buffer:
         self._check_low_latency_options(async_finish, cumulative_local_expert_recv_stats=(
             cumulative_local_expert_recv_stats, None), use_fp8=(use_fp8, True),
             round_scale=(round_scale, False), use_ue8m0=(use_ue8m0, False))
+        _, hidden, topk = low_latency.check_dispatch(
+            x, topk_idx, num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
+            num_experts=num_experts, ranks=self.group_size, device=self.device_index)
+        self._agree_on_low_latency_sizes((
+            ("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank),
+            ("hidden", hidden), ("num_experts", num_experts), ("topk", topk)))
         received, recv_count, handle, hook = low_latency.dispatch(
             self.low_latency_group, x, topk_idx,
             num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
@@ -484,6 +491,24 @@ class Buffer:
         combined, hook = low_latency.combine(self.low_latency_group, x, topk_idx, topk_weights,
                                              handle, return_recv_hook=return_recv_hook)
         return combined, self._current_event(), hook
+
+    def _agree_on_low_latency_sizes(self, signature: tuple) -> None:
+        """The first decode dispatch with these sizes checks them with the other ranks (one
+        ``all_gather_object``; every rank makes the same call): where they differ, every
+        rank raises the same ValueError, where a kernel would read rows laid out for other
+        sizes. Later calls with the same sizes exchange nothing."""
+        import torch.distributed as dist
+
+        if signature in self._low_latency_sizes:
+            return
+        if torch.cuda.is_current_stream_capturing():
+            raise ValueError(f"the first low-latency dispatch with {dict(signature)} checks "
+                             f"them with the other ranks, which a CUDA graph capture cannot "
+                             f"do: run one before capturing")
+        messages = [None] * self.group_size
+        dist.all_gather_object(messages, Message(signature, [], [], 0), group=self.group)
+        check_agreement(messages)
+        self._low_latency_sizes.add(signature)
 
     def _check_low_latency_options(self, async_finish: bool, **options) -> None:
         """The decode path's buffer exists; DeepEP's options it does not take are refused,
