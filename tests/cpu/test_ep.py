@@ -436,33 +436,39 @@ def test_low_latency_options_it_does_not_take_are_refused_by_name():
 
 
 def test_decode_sizes_are_checked_with_the_other_ranks_once(monkeypatch):
-    """The first low-latency dispatch with given sizes exchanges them; a disagreement is a
-    ValueError naming the size and the ranks; sizes agreed on are not exchanged again."""
+    """The first low-latency dispatch with given sizes builds its kernels and exchanges
+    the sizes; a disagreement is a ValueError naming the size and the ranks; sizes agreed
+    on are not exchanged again, and a first call inside a graph capture is refused."""
     import torch.distributed as dist
 
-    from ptxforge.ep import Buffer
+    from ptxforge.ep import Buffer, low_latency
     from ptxforge.ep.layout import Message
 
-    buffer = Buffer.__new__(Buffer)  # the check reads these three attributes
+    def sizes(hidden, topk=8):
+        return (("num_max_dispatch_tokens_per_rank", 128), ("hidden", hidden),
+                ("num_experts", 256), ("topk", topk))
+
+    buffer = Buffer.__new__(Buffer)  # the check reads these attributes alone
     buffer.group, buffer.group_size, buffer._low_latency_sizes = None, 2, set()
-    peers, calls = [(("hidden", 7168), ("topk", 8))], []
+    buffer.low_latency_group = None
+    peers, calls, built = [sizes(7168)], [], []
 
     def all_gather_object(out, message, group=None):
         calls.append(message)
         out[:] = [message, Message(peers[0], [], [], 0)]
 
     monkeypatch.setattr(dist, "all_gather_object", all_gather_object)
+    monkeypatch.setattr(low_latency, "prepare", lambda group, *args: built.append(args))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    mine = (("hidden", 7168), ("topk", 8))
-    buffer._agree_on_low_latency_sizes(mine)
-    buffer._agree_on_low_latency_sizes(mine)
-    assert len(calls) == 1
+    buffer._agree_on_low_latency_sizes(sizes(7168))
+    buffer._agree_on_low_latency_sizes(sizes(7168))
+    assert len(calls) == 1 and built == [(128, 7168, 256, 8)]
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    buffer._agree_on_low_latency_sizes(mine)  # agreed on: nothing to exchange in a capture
+    buffer._agree_on_low_latency_sizes(sizes(7168))  # agreed on: nothing to exchange
     with pytest.raises(ValueError, match="run one before capturing"):
-        buffer._agree_on_low_latency_sizes((("hidden", 2048), ("topk", 8)))
+        buffer._agree_on_low_latency_sizes(sizes(2048))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    peers[0] = (("hidden", 4096), ("topk", 8))
+    peers[0] = sizes(4096)
     with pytest.raises(ValueError, match="disagree on the dispatch: hidden: rank 0 has 7168, "
-                                         "rank 1 has 4096"):
-        buffer._agree_on_low_latency_sizes((("hidden", 7168), ("topk", 6)))
+                                         "rank 1 has 4096; topk: rank 0 has 6, rank 1 has 8"):
+        buffer._agree_on_low_latency_sizes(sizes(7168, topk=6))

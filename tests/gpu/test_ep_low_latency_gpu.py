@@ -140,11 +140,17 @@ def scenario_ranks_disagree(rank: int, world: int) -> None:
 
 
 def scenario_peer_never_launches(rank: int, world: int) -> None:
-    """Rank 1 creates its buffer and stops: rank 0's dispatch receiver times out, writes
-    its record and traps."""
+    """After a round together, rank 1 stops: rank 0's next dispatch receiver times out,
+    writes its record and traps."""
     buffer = _buffer(world, timeout_s=2.0)
     dev = torch.device("cuda", buffer.device_index)
-    x, idx, _ = (t.to(dev) for t in _inputs(rank, 8, 0))
+    x, idx, weights = (t.to(dev) for t in _inputs(rank, 8, 0))
+    # One round together: the first call with these sizes checks them with the peer.
+    (recv_x, _), _, handle, _, _ = buffer.low_latency_dispatch(x, idx, MAX_TOKENS, EXPERTS)
+    buffer.low_latency_combine(torch.zeros(recv_x.shape, dtype=torch.bfloat16, device=dev),
+                               idx, weights, handle)
+    torch.cuda.synchronize()
+    dist.barrier()
     rank_0_times_out(rank, buffer, lambda: buffer.low_latency_dispatch(x, idx, MAX_TOKENS, EXPERTS),
                      r"low-latency dispatch kernel waited more than 2.0 s for tokens from rank 1 "
                      r"for local expert")

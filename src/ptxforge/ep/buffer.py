@@ -493,10 +493,11 @@ class Buffer:
         return combined, self._current_event(), hook
 
     def _agree_on_low_latency_sizes(self, signature: tuple) -> None:
-        """The first decode dispatch with these sizes checks them with the other ranks (one
-        ``all_gather_object``; every rank makes the same call): where they differ, every
-        rank raises the same ValueError, where a kernel would read rows laid out for other
-        sizes. Later calls with the same sizes exchange nothing."""
+        """The first decode dispatch with these sizes builds its kernels, then checks the
+        sizes with the other ranks (one ``all_gather_object``; every rank makes the same
+        call): where they differ, every rank raises the same ValueError, where a kernel
+        would read rows laid out for other sizes. Later calls with the same sizes exchange
+        nothing."""
         import torch.distributed as dist
 
         if signature in self._low_latency_sizes:
@@ -505,6 +506,9 @@ class Buffer:
             raise ValueError(f"the first low-latency dispatch with {dict(signature)} checks "
                              f"them with the other ranks, which a CUDA graph capture cannot "
                              f"do: run one before capturing")
+        sizes = dict(signature)
+        low_latency.prepare(self.low_latency_group, sizes["num_max_dispatch_tokens_per_rank"],
+                            sizes["hidden"], sizes["num_experts"], sizes["topk"])
         messages = [None] * self.group_size
         dist.all_gather_object(messages, Message(signature, [], [], 0), group=self.group)
         check_agreement(messages)

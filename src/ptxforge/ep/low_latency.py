@@ -148,6 +148,15 @@ def _launcher(device_index: int, cfg):
     return compiled.launcher(device_index), tuple(p.name for p in compiled.params)
 
 
+def prepare(group: Group, max_tokens: int, hidden: int, experts: int, topk: int) -> None:
+    """Build and load the one-launch dispatch and combine for these sizes now: a rank
+    assembling its kernel while its peer's already waits would eat into the peer's time
+    limit. (The hooks' halves are built at their first use.)"""
+    args = (group.arch, group.ranks, max_tokens, hidden, experts, topk)
+    _launcher(group.device_index, dispatch_kernel.choose_config(*args))
+    _launcher(group.device_index, combine_kernel.choose_config(*args))
+
+
 def _require_buffer(group: Group, plan: LowLatencyPlan) -> None:
     if group.num_bytes < plan.bytes_needed:
         raise ValueError(f"the buffer must hold {plan.bytes_needed} bytes for these sizes "
