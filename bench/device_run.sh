@@ -34,9 +34,10 @@ if [ "${1:-}" = ep ]; then
   fi
   {
     step env PTXFORGE_EP_TEST_TIMEOUT_S=90 timeout 480 $py -m pytest tests/gpu/test_ep_gpu.py tests/gpu/test_ep_low_latency_gpu.py -q -s -p no:cacheprovider
+    step timeout 240 $py -m torch.distributed.run --nproc-per-node 2 tests/gpu/test_ep_gpu.py
     step timeout 300 $py -m ptxforge.cli bench ep --json "$OUT/ep.json" --plot "$OUT/ep.png"
   } > "$log" 2>&1
-  grep -E "passed|failed|Error" "$log" | grep -v "^|" | tail -12
+  grep -E "passed|failed|Error" "$log" | grep -v "^|" | tail -18
   sed -n '/### .*bench ep/,$p' "$log" | grep -v "^###\|^DEBUG\|[Ww]arn"
   exit 0
 fi

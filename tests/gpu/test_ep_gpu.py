@@ -379,14 +379,21 @@ def test_two_processes(scenario, monkeypatch):
 
 
 def main() -> int:
-    """torchrun entry: every scenario but the timeout one, on the launcher's group."""
+    """torchrun entry: every scenario of both paths but the ones that end in a trap, on
+    the launcher's group."""
+    import test_ep_low_latency_gpu as low_latency
+
     for name, value in NO_MULTICAST.items():
         os.environ.setdefault(name, value)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
     dist.init_process_group("gloo")
-    for name in ("routings", "errors"):
-        SCENARIOS[name](rank, world)
+    scenarios = {"routings": SCENARIOS["routings"], "errors": SCENARIOS["errors"],
+                 "low_latency_rounds": low_latency.scenario_rounds,
+                 "low_latency_graph": low_latency.scenario_graph,
+                 "low_latency_ranks_disagree": low_latency.scenario_ranks_disagree}
+    for name, scenario in scenarios.items():
+        scenario(rank, world)
         print(f"rank {rank}: {name} passed", flush=True)
     dist.destroy_process_group()
     return 0
