@@ -314,6 +314,36 @@ def scenario_peer_never_launches(rank: int, world: int) -> None:
                      r"dispatch kernel waited more than 2.0 s .* tokens from rank 1")
 
 
+def scenario_peer_dies(rank: int, world: int) -> None:
+    """Rank 1 exits after the first dispatch; rank 0's next dispatch waits for it until the
+    device timeout, traps, and the host names the wait: an error within a minute, not a
+    hang."""
+    buffer = Buffer(dist.group.WORLD, buffer_size(world, 256, TOPK, config=Config(4, 64)),
+                    num_sms=4, timeout_s=2.0)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    x = torch.randn(16, 256, device=dev).bfloat16()
+    idx = _routing(rank, 16, "random", 13).to(dev)
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(idx, EXPERTS)
+    _, _, _, _, handle, _ = buffer.dispatch(
+        x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert, topk_idx=idx,
+        topk_weights=torch.ones(16, TOPK, device=dev), config=Config(4, 64))
+    torch.cuda.synchronize()
+    dist.barrier()
+    if rank == 1:
+        _report_and_exit(rank)
+    time.sleep(3)  # rank 1 is gone; its buffer's mapping here outlives it
+    start = time.monotonic()
+    with pytest.raises(RuntimeError):
+        buffer.dispatch(x, handle=handle, config=Config(4, 64))
+        torch.cuda.synchronize()
+    assert time.monotonic() - start < 60
+    with pytest.raises(EPTimeoutError, match=r"dispatch kernel waited more than 2.0 s .* "
+                                             r"rank 1"):
+        buffer.check_timeout()
+    _report_and_exit(rank)
+
+
 def rank_0_times_out(rank: int, buffer: Buffer, launch, message: str) -> None:
     """Rank 0 launches a kernel that waits for rank 1, which stays alive in a barrier and
     launches nothing: the kernel traps within a minute and the host names the wait
@@ -360,6 +390,7 @@ def scenario_cached_call_disagrees(rank: int, world: int) -> None:
 
 SCENARIOS = {"routings": scenario_routings, "errors": scenario_errors,
              "peer_never_launches": scenario_peer_never_launches,
+             "peer_dies": scenario_peer_dies,
              "cached_call_disagrees": scenario_cached_call_disagrees}
 
 
