@@ -462,16 +462,17 @@ class Buffer:
         self._check_low_latency_options(async_finish, cumulative_local_expert_recv_stats=(
             cumulative_local_expert_recv_stats, None), use_fp8=(use_fp8, True),
             round_scale=(round_scale, False), use_ue8m0=(use_ue8m0, False))
-        _, hidden, topk = low_latency.check_dispatch(
+        sizes = low_latency.check_dispatch(
             x, topk_idx, num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
             num_experts=num_experts, ranks=self.group_size, device=self.device_index)
+        _, hidden, topk = sizes
         self._agree_on_low_latency_sizes((
             ("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank),
             ("hidden", hidden), ("num_experts", num_experts), ("topk", topk)))
-        received, recv_count, handle, hook = low_latency.dispatch(
-            self.low_latency_group, x, topk_idx,
-            num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
-            num_experts=num_experts, return_recv_hook=return_recv_hook)
+        received, recv_count, handle, hook = low_latency.launch_dispatch(
+            self.low_latency_group, x, topk_idx, sizes,
+            max_tokens=num_max_dispatch_tokens_per_rank, num_experts=num_experts,
+            return_recv_hook=return_recv_hook)
         return received, recv_count, handle, self._current_event(), hook
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor,
@@ -485,9 +486,6 @@ class Buffer:
         self.check_timeout()
         self._check_low_latency_options(async_finish, use_logfmt=(use_logfmt, False),
                                         zero_copy=(zero_copy, False), out=(out, None))
-        if not isinstance(handle, low_latency.Handle):
-            raise TypeError(f"handle must be what low_latency_dispatch returned, got "
-                            f"{type(handle).__name__}")
         combined, hook = low_latency.combine(self.low_latency_group, x, topk_idx, topk_weights,
                                              handle, return_recv_hook=return_recv_hook)
         return combined, self._current_event(), hook

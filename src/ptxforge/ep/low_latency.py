@@ -190,10 +190,18 @@ def dispatch(group: Group, x: torch.Tensor, topk_idx: torch.Tensor, *,
     """Send each token, quantized to e4m3 with 1 x 128 scales, to the ranks of its experts.
     Returns ``((recv_x, recv_scales), recv_count, handle, hook)`` (the module's docstring
     says what each holds)."""
-    tokens, hidden, topk = check_dispatch(
+    sizes = check_dispatch(
         x, topk_idx, num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
         num_experts=num_experts, ranks=group.ranks, device=group.device_index)
-    max_tokens = num_max_dispatch_tokens_per_rank
+    return launch_dispatch(group, x, topk_idx, sizes,
+                           max_tokens=num_max_dispatch_tokens_per_rank, num_experts=num_experts,
+                           return_recv_hook=return_recv_hook)
+
+
+def launch_dispatch(group: Group, x: torch.Tensor, topk_idx: torch.Tensor, sizes: tuple, *,
+                    max_tokens: int, num_experts: int, return_recv_hook: bool):
+    """``dispatch`` after ``check_dispatch`` gave ``sizes`` (tokens, hidden, k)."""
+    tokens, hidden, topk = sizes
     plan = LowLatencyPlan(group.ranks, max_tokens, hidden, num_experts, topk)
     _require_buffer(group, plan)
     local, rows, groups = plan.local_experts, group.ranks * max_tokens, plan.scale_groups
