@@ -202,7 +202,7 @@ def test_bench_ep_needs_mps_for_two_ranks_on_one_gpu(monkeypatch):
     from ptxforge.testing import ep_bench
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(ep_bench, "_mps_running", lambda: False)
+    monkeypatch.setattr(ep_bench, "mps_running", lambda: False)
     monkeypatch.delenv("RANK", raising=False)
     with pytest.raises(ValueError, match="world=2 ranks on 1 GPU\\(s\\) need MPS"):
         ep_bench.ep_suite()

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from ptxforge.ep import Buffer, Config, EPTimeoutError, buffer_size
 from ptxforge.testing import ep as reference
+from ptxforge.testing.ep_bench import NO_MULTICAST, mps_running
 from ptxforge.testing.reference import quantize_fp8_per_token
 
 pytestmark = pytest.mark.gpu
@@ -40,9 +41,6 @@ WORLD = 2
 TIMEOUT_S = float(os.environ.get("PTXFORGE_EP_TEST_TIMEOUT_S", 300))  # a scenario, JIT included
 KERNEL_TIMEOUT_S = 20.0  # the buffers' device-side time limit (two processes share a GPU)
 EXPERTS, TOPK = 8, 4
-# Keep NVLink multicast off in every process these tests start.
-NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 # ---------------------------------------------------------------------------- process harness
@@ -62,12 +60,6 @@ def _report_and_exit(rank: int) -> None:
     dead context, which throws from a destructor and aborts the process."""
     _report(rank, None)
     os._exit(0)
-
-
-def mps_running() -> bool:
-    """Whether an MPS control daemon serves this process's pipe directory."""
-    pipe = os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps")
-    return os.path.exists(os.path.join(pipe, "control"))
 
 
 def _worker(rank: int, world: int, init_file: str, scenario: str, results) -> None:

@@ -32,6 +32,7 @@ GEMM_N = 4096           # the experts' gate_up width beside the communication (D
 DECODE_TOKENS = 128     # the decode target's tokens a rank
 DECODE_PAIRS = 10       # dispatch + combine pairs a captured graph holds
 SLEEP_CYCLES = 20_000_000  # ~10 ms at 2 GHz: the host's time to enqueue a batch, and more
+# NVLink multicast stays off in every process a multi-rank run starts.
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                 "NVSHMEM_DISABLE_NVLS": "1"}
 
@@ -50,7 +51,7 @@ def ep_suite(*, tokens: int = 4096, hidden: int = 7168, topk: int = 8, experts: 
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
         return _measure(rank, dist.get_world_size(), params)
-    if torch.cuda.device_count() < world and not _mps_running():
+    if torch.cuda.device_count() < world and not mps_running():
         raise ValueError(f"world={world} ranks on {torch.cuda.device_count()} GPU(s) need MPS "
                          f"(their kernels wait for each other); start nvidia-cuda-mps-control "
                          f"or run under torchrun with a GPU a rank")
@@ -72,7 +73,9 @@ def ep_suite(*, tokens: int = 4096, hidden: int = 7168, topk: int = 8, experts: 
     return reports[0]
 
 
-def _mps_running() -> bool:
+def mps_running() -> bool:
+    """Whether an MPS control daemon serves this process's pipe directory (two ranks on one
+    GPU need it: their kernels wait for each other, so they must be resident together)."""
     pipe = os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps")
     return os.path.exists(os.path.join(pipe, "control"))
 
