@@ -51,3 +51,29 @@ def _guarded(k: KernelBuilder, pred, emit) -> None:
         return
     with k.guard(pred):
         emit()
+
+
+def lane_words_load(k: KernelBuilder, src: Reg, nwords: int, lane: Reg, *, load: dict,
+                    name: str, offset: int = 0):
+    """Lane j loads the 32-bit words j, j + 32, ... of the ``nwords`` at ``src + offset``
+    (``src`` the same in every lane), every load issued before any is used. Returns
+    ``(words, in_row)``: a b32 register and a predicate a trip of 32 words."""
+    trips = -(-nwords // 32)
+    words, in_row = k.regs("b32", trips, name), k.regs("pred", trips, name + "_in_row")
+    at = k.reg("u64", name + "_src")
+    k.mad(at, lane, 4, src, mode="wide")
+    for trip in range(trips):
+        k.setp("lt", in_row[trip], lane, nwords - 32 * trip)
+        with k.guard(in_row[trip]):
+            k.ld(words[trip], addr(at, offset + 32 * 4 * trip), **load)
+    return words, in_row
+
+
+def lane_words_store(k: KernelBuilder, dst: Reg, words, in_row, lane: Reg, *, store: dict,
+                     name: str, offset: int = 0) -> None:
+    """Store what ``lane_words_load`` loaded at ``dst + offset``, word j by lane j."""
+    at = k.reg("u64", name + "_dst")
+    k.mad(at, lane, 4, dst, mode="wide")
+    for trip, (word, valid) in enumerate(zip(words, in_row)):
+        with k.guard(valid):
+            k.st(addr(at, offset + 32 * 4 * trip), word, **store)

@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 from ...arch import Arch
-from ...patterns.copy import warp_copy
+from ...patterns.copy import lane_words_load, lane_words_store, warp_copy
 from ...ptx import KernelBuilder, LaunchShape, addr, sreg
 from . import common
 from .plan import BATCH, MAX_TOPK, SCALE_GROUP, DispatchSlot, signature
@@ -294,11 +294,8 @@ def _load_scales(k, cfg, p, t, token, dst):
             k.ld(scales[trip], addr(src), **common.INPUT_LOAD)
 
     def store():
-        for trip in range(trips):
-            k.add(group, t.lane, 32 * trip)
-            k.mad(src, group, 4, dst, mode="wide")
-            with k.guard(in_row[trip]):
-                k.st(addr(src, slot.scales), scales[trip])
+        lane_words_store(k, dst, scales, in_row, t.lane, store={}, name="scale",
+                         offset=slot.scales)
     return store
 
 
@@ -435,19 +432,13 @@ def _receive_scales(k, cfg, p, t, src, row):
     """Lane j loads scales j, j + 32, ... of the entry at ``src``; returns the emitter of
     their stores into recv_scales[row]."""
     slot = cfg.slot
-    trips = -(-slot.scale_groups // 32)
     group, element, at = k.reg("u32", "scale_group"), k.reg("u32", "scale_element"), k.reg(
         "u64", "scale_at")
-    scales, in_row = k.regs("b32", trips, "scale"), k.regs("pred", trips, "scale_in_row")
-    for trip in range(trips):
-        k.add(group, t.lane, 32 * trip)
-        k.setp("lt", in_row[trip], group, slot.scale_groups)
-        k.mad(at, group, 4, src, mode="wide")
-        with k.guard(in_row[trip]):
-            k.ld(scales[trip], addr(at, slot.scales), **common.PAYLOAD_LOAD)
+    scales, in_row = lane_words_load(k, src, slot.scale_groups, t.lane,
+                                     load=common.PAYLOAD_LOAD, name="scale", offset=slot.scales)
 
     def store():
-        for trip in range(trips):
+        for trip in range(len(scales)):
             k.add(group, t.lane, 32 * trip)
             k.mad(element, row, slot.scale_groups, group)
             k.ld_param(at, p.recv_scales)

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 from ...arch import Arch
-from ...patterns.copy import warp_copy
+from ...patterns.copy import lane_words_load, lane_words_store, warp_copy
 from ...ptx import KernelBuilder, LaunchShape, addr, sreg
 from ..ep_intranode import common as intranode
 from . import common
@@ -235,26 +235,18 @@ def _send_token(k, cfg, t, s, token, slot, position) -> None:
     src, dst = k.reg("u64", "x_row"), k.reg("u64", "slot_at")
     k.mad(src, token, cfg.hidden, s.x, mode="wide")
     k.mad(dst, slot, plan.slot_bytes, s.slots, mode="wide")
-    trips = -(-plan.scale_groups // 32)
-    scales, in_row = k.regs("f32", trips, "scale"), k.regs("pred", trips, "scale_in_row")
-    group, at = k.reg("u32", "scale_group"), k.reg("u64", "scale_at")
+    scale_row = k.reg("u64", "scale_row")
+    k.mul(scale_row, token, 4 * plan.scale_groups, mode="wide")
+    k.add(scale_row, scale_row, s.x_scales)
     with k.stage("scales: one f32 a lane, loaded"):
-        for trip in range(trips):
-            k.add(group, t.lane, 32 * trip)
-            k.setp("lt", in_row[trip], group, plan.scale_groups)
-            k.mad(group, token, plan.scale_groups, group)  # the scale's index in x_scales
-            k.mad(at, group, 4, s.x_scales, mode="wide")
-            with k.guard(in_row[trip]):
-                k.ld(scales[trip], addr(at), **intranode.INPUT_LOAD)
+        scales, in_row = lane_words_load(k, scale_row, plan.scale_groups, t.lane,
+                                         load=intranode.INPUT_LOAD, name="scale")
     with k.stage("row: the e4m3 bytes, 16 a lane at a time"):
         warp_copy(k, dst, src, cfg.hidden, t.lane, load=intranode.INPUT_LOAD,
                   store=intranode.STORE, unroll=common.COPY_UNROLL)
     with k.stage("scales: stored"):
-        for trip in range(trips):
-            k.add(group, t.lane, 32 * trip)
-            k.mad(at, group, 4, dst, mode="wide")
-            with k.guard(in_row[trip]):
-                k.st(addr(at, plan.slot_scales), scales[trip], **intranode.STORE)
+        lane_words_store(k, dst, scales, in_row, t.lane, store=intranode.STORE, name="scale",
+                         offset=plan.slot_scales)
     with k.if_(t.lane0, "not_lane0"):
         k.st(addr(dst, plan.slot_source), token, **intranode.STORE)
         k.st(addr(dst, plan.slot_source + 4), position, **intranode.STORE)
@@ -326,17 +318,12 @@ def _receive_row(k, cfg, p, t, source: int, i, first) -> None:
     k.add(src, src, plan.dispatch_slots)
     k.add(row, first, i)
     k.mad(row, local, rows, row)  # among all experts' rows
-    trips = -(-plan.scale_groups // 32)
-    scales, in_row = k.regs("b32", trips, "scale"), k.regs("pred", trips, "group_in_row")
     group, at = k.reg("u32", "group"), k.reg("u64", "scale_at")
     token, position = k.reg("u32", "token"), k.reg("u32", "position")
     with k.stage("load: the scales (lane g: group g), the (token, k position) pair"):
-        for trip in range(trips):
-            k.add(group, t.lane, 32 * trip)
-            k.setp("lt", in_row[trip], group, plan.scale_groups)
-            k.mad(at, group, 4, src, mode="wide")
-            with k.guard(in_row[trip]):
-                k.ld(scales[trip], addr(at, plan.slot_scales), **intranode.PAYLOAD_LOAD)
+        scales, in_row = lane_words_load(k, src, plan.scale_groups, t.lane,
+                                         load=intranode.PAYLOAD_LOAD, name="scale",
+                                         offset=plan.slot_scales)
         with k.guard(t.lane0):
             k.ld(token, addr(src, plan.slot_source), **intranode.PAYLOAD_LOAD)
             k.ld(position, addr(src, plan.slot_source + 4), **intranode.PAYLOAD_LOAD)
@@ -351,7 +338,7 @@ def _receive_row(k, cfg, p, t, source: int, i, first) -> None:
             "u32", "scale_group_stride")
         k.ld_param(expert_stride, p.scale_expert_stride)
         k.ld_param(group_stride, p.scale_group_stride)
-        for trip in range(trips):
+        for trip in range(len(scales)):
             k.add(group, t.lane, 32 * trip)
             k.add(element, first, i)
             k.mad(element, group, group_stride, element)
