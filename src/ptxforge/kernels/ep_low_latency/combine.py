@@ -41,10 +41,9 @@ from types import SimpleNamespace
 from ...arch import Arch
 from ...patterns import fp8
 from ...patterns.copy import VECTOR_BYTES, warp_copy
-from ...ptx import KernelBuilder, LaunchShape, addr
+from ...ptx import KernelBuilder, addr
 from ..ep_intranode import common as intranode
 from . import common
-from .plan import check_problem
 
 # CTAs a local expert's rows are sent by: an expert receives up to R x max_tokens rows,
 # and its slowest sender sets the kernel's time.
@@ -65,16 +64,12 @@ class CombineConfig(common.LowLatencyConfig):
 
 def choose_config(arch: Arch, ranks: int, max_tokens: int, hidden: int, experts: int,
                   topk: int, *, phase: str = "both") -> CombineConfig:
-    check_problem(ranks, max_tokens, hidden, experts, topk)
-    common.check_phase(phase)
-    arch.require("griddepcontrol", "the low-latency combine (programmatic dependent launch)")
+    common.check(arch, ranks, max_tokens, hidden, experts, topk, phase, "combine")
     return CombineConfig(ranks, max_tokens, hidden, experts, topk, phase, arch.target)
 
 
 def generate(cfg: CombineConfig) -> KernelBuilder:
-    k = KernelBuilder(cfg.name, target=cfg.target, max_threads=cfg.threads,
-                      min_blocks_per_sm=common.MIN_CTAS_PER_SM)
-    k.launch = LaunchShape(block=cfg.threads, cooperative=cfg.phase == "both")
+    k = common.kernel(cfg)
     p = SimpleNamespace()
     if cfg.sends:
         p.x = k.param("x", "u64")                    # bf16 [L, R * max_tokens, H], contiguous

@@ -13,9 +13,10 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import ClassVar
 
-from ...ptx import KernelBuilder, sreg
+from ...arch import Arch
+from ...ptx import KernelBuilder, LaunchShape, sreg
 from ..ep_intranode import common as intranode
-from .plan import LowLatencyPlan
+from .plan import LowLatencyPlan, check_problem
 
 PHASES = ("send", "receive", "both")
 WARPS = 4  # a CTA's warps: enough rows in flight per expert or token, many CTAs an SM
@@ -63,6 +64,27 @@ class LowLatencyConfig:
     @property
     def threads(self) -> int:
         return 32 * WARPS
+
+
+def check(arch: Arch, ranks: int, max_tokens: int, hidden: int, experts: int, topk: int,
+          phase: str, kernel: str, needs: tuple = ()) -> None:
+    """A variant's sizes and phase, and what the device must have: ``needs``' (feature,
+    why) pairs, then programmatic launch (``kernel`` names the kernel in the errors)."""
+    check_problem(ranks, max_tokens, hidden, experts, topk)
+    check_phase(phase)
+    for feature, why in needs:
+        arch.require(feature, why)
+    arch.require("griddepcontrol", f"the low-latency {kernel} (programmatic dependent launch)")
+
+
+def kernel(cfg: LowLatencyConfig) -> KernelBuilder:
+    """The variant's builder: CTAs of ``WARPS`` warps, MIN_CTAS_PER_SM of them an SM; a
+    launch of both halves is cooperative (its receivers wait for senders that must be
+    resident)."""
+    k = KernelBuilder(cfg.name, target=cfg.target, max_threads=cfg.threads,
+                      min_blocks_per_sm=MIN_CTAS_PER_SM)
+    k.launch = LaunchShape(block=cfg.threads, cooperative=cfg.phase == "both")
+    return k
 
 
 def roles(k: KernelBuilder, cfg: LowLatencyConfig, t: SimpleNamespace, send, receive) -> None:

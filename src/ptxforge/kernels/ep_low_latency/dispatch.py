@@ -46,10 +46,10 @@ from types import SimpleNamespace
 
 from ...arch import Arch
 from ...patterns.copy import lane_words_load, lane_words_store, warp_copy
-from ...ptx import KernelBuilder, LaunchShape, addr, sreg
+from ...ptx import KernelBuilder, addr, sreg
 from ..ep_intranode import common as intranode
 from . import common
-from .plan import COUNT_BITS, SEQUENCE_MAX, check_problem
+from .plan import COUNT_BITS, SEQUENCE_MAX
 
 BATCH = 32                 # tokens a warp scans at once, one a lane
 
@@ -66,17 +66,13 @@ class DispatchConfig(common.LowLatencyConfig):
 
 def choose_config(arch: Arch, ranks: int, max_tokens: int, hidden: int, experts: int,
                   topk: int, *, phase: str = "both") -> DispatchConfig:
-    check_problem(ranks, max_tokens, hidden, experts, topk)
-    common.check_phase(phase)
-    arch.require("fp8", "the low-latency dispatch (FP8 rows)")
-    arch.require("griddepcontrol", "the low-latency dispatch (programmatic dependent launch)")
+    common.check(arch, ranks, max_tokens, hidden, experts, topk, phase, "dispatch",
+                 needs=(("fp8", "the low-latency dispatch (FP8 rows)"),))
     return DispatchConfig(ranks, max_tokens, hidden, experts, topk, phase, arch.target)
 
 
 def generate(cfg: DispatchConfig) -> KernelBuilder:
-    k = KernelBuilder(cfg.name, target=cfg.target, max_threads=cfg.threads,
-                      min_blocks_per_sm=common.MIN_CTAS_PER_SM)
-    k.launch = LaunchShape(block=cfg.threads, cooperative=cfg.phase == "both")
+    k = common.kernel(cfg)
     p = _Params(k, cfg)
     t = common.prologue(k, p, cfg.experts if cfg.phase == "both" else None)
     common.roles(k, cfg, t, lambda: _send(k, cfg, p, t), lambda: _receive(k, cfg, p, t))
