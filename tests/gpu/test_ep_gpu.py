@@ -286,22 +286,28 @@ def scenario_errors(rank: int, world: int) -> None:
     buffer.destroy()
 
 
-def scenario_peer_never_launches(rank: int, world: int) -> None:
-    """Rank 1 stops taking part after the first dispatch; rank 0's next dispatch waits for
-    its tokens until the device timeout, traps, and the host names the wait."""
+def _dispatched_together(rank: int, world: int, seed: int):
+    """A buffer with a 2 s time limit, and a first dispatch of 16 tokens a rank that every
+    rank completes: ``(buffer, x, handle)``."""
     buffer = Buffer(dist.group.WORLD, buffer_size(world, 256, TOPK, config=Config(4, 64)),
                     num_sms=4, timeout_s=2.0)
     dev = torch.device("cuda", torch.cuda.current_device())
     x = torch.randn(16, 256, device=dev).bfloat16()
-    idx = _routing(rank, 16, "random", 11).to(dev)
+    idx = _routing(rank, 16, "random", seed).to(dev)
     per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(idx, EXPERTS)
     _, _, _, _, handle, _ = buffer.dispatch(
         x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-        num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=torch.ones(16, TOPK,
-                                                                              device=dev),
-        config=Config(4, 64))
+        num_tokens_per_expert=per_expert, topk_idx=idx,
+        topk_weights=torch.ones(16, TOPK, device=dev), config=Config(4, 64))
     torch.cuda.synchronize()
     dist.barrier()
+    return buffer, x, handle
+
+
+def scenario_peer_never_launches(rank: int, world: int) -> None:
+    """Rank 1 stops taking part after the first dispatch; rank 0's next dispatch waits for
+    its tokens until the device timeout, traps, and the host names the wait."""
+    buffer, x, handle = _dispatched_together(rank, world, 11)
     rank_0_times_out(rank, buffer, lambda: buffer.dispatch(x, handle=handle, config=Config(4, 64)),
                      r"dispatch kernel waited more than 2.0 s .* tokens from rank 1")
 
@@ -310,36 +316,20 @@ def scenario_peer_dies(rank: int, world: int) -> None:
     """Rank 1 exits after the first dispatch; rank 0's next dispatch waits for it until the
     device timeout, traps, and the host names the wait: an error within a minute, not a
     hang."""
-    buffer = Buffer(dist.group.WORLD, buffer_size(world, 256, TOPK, config=Config(4, 64)),
-                    num_sms=4, timeout_s=2.0)
-    dev = torch.device("cuda", torch.cuda.current_device())
-    x = torch.randn(16, 256, device=dev).bfloat16()
-    idx = _routing(rank, 16, "random", 13).to(dev)
-    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(idx, EXPERTS)
-    _, _, _, _, handle, _ = buffer.dispatch(
-        x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-        num_tokens_per_expert=per_expert, topk_idx=idx,
-        topk_weights=torch.ones(16, TOPK, device=dev), config=Config(4, 64))
-    torch.cuda.synchronize()
-    dist.barrier()
+    buffer, x, handle = _dispatched_together(rank, world, 13)
     if rank == 1:
         _report_and_exit(rank)
     time.sleep(3)  # rank 1 is gone; its buffer's mapping here outlives it
-    start = time.monotonic()
-    with pytest.raises(RuntimeError):
-        buffer.dispatch(x, handle=handle, config=Config(4, 64))
-        torch.cuda.synchronize()
-    assert time.monotonic() - start < 60
-    with pytest.raises(EPTimeoutError, match=r"dispatch kernel waited more than 2.0 s .* "
-                                             r"rank 1"):
-        buffer.check_timeout()
-    _report_and_exit(rank)
+    rank_0_times_out(rank, buffer, lambda: buffer.dispatch(x, handle=handle, config=Config(4, 64)),
+                     r"dispatch kernel waited more than 2.0 s .* rank 1", peer_waits=False)
 
 
-def rank_0_times_out(rank: int, buffer: Buffer, launch, message: str) -> None:
-    """Rank 0 launches a kernel that waits for rank 1, which stays alive in a barrier and
-    launches nothing: the kernel traps within a minute and the host names the wait
-    (``message``, a regex); then rank 0 reports and leaves (its context is dead)."""
+def rank_0_times_out(rank: int, buffer: Buffer, launch, message: str, *,
+                     peer_waits: bool = True) -> None:
+    """Rank 0 launches a kernel that waits for rank 1, which launches nothing: it stays
+    alive in a barrier (``peer_waits``) or is gone. The kernel traps within a minute and
+    the host names the wait (``message``, a regex); then rank 0 reports and leaves (its
+    context is dead)."""
     if rank == 0:
         start = time.monotonic()
         with pytest.raises(RuntimeError):
@@ -348,7 +338,8 @@ def rank_0_times_out(rank: int, buffer: Buffer, launch, message: str) -> None:
         assert time.monotonic() - start < 60
         with pytest.raises(EPTimeoutError, match=message):
             buffer.check_timeout()
-    dist.barrier()
+    if peer_waits:
+        dist.barrier()
     if rank == 0:
         _report_and_exit(rank)
 
