@@ -17,7 +17,7 @@ import torch
 from ptxforge import jit
 from ptxforge.kernels import sm90_gemm as gemm
 from ptxforge.kernels.sm90_gemm import config as gemm_config, promotion
-from ptxforge.ops import _common, gemm as gemm_ops
+from ptxforge.ops import common, gemm as gemm_ops
 from ptxforge.ops.layout import ceil_div, get_tma_aligned_size
 from ptxforge.ptx import KernelBuilder
 from ptxforge.testing.bench import Timer, copy_of, gemm_bytes
@@ -45,7 +45,7 @@ VARIANTS = {
                             (promotion.Promotion, "fold", nothing),
                             (KernelBuilder, "wgmma_mma_async", nothing)),
 }
-arch = _common.device_arch(0)
+arch = common.device_arch(0)
 timer = Timer()
 
 
@@ -67,7 +67,7 @@ def call(cfg, variant, m, n, k, a, sa, b, sb, d):
     if cfg.scaled:
         args["tmap_sa"] = (sa.data_ptr(), (m, ceil_div(k, 128)), (4 * get_tma_aligned_size(m, 4),))
         args["sb"], args["sb_row_stride"] = sb.data_ptr(), sb.stride(0)
-    stream = _common.current_stream(0)
+    stream = common.current_stream(0)
     return lambda: launch((grid, 1, 1), stream, **args)
 
 

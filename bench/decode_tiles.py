@@ -11,7 +11,7 @@ import torch
 
 from ptxforge import ops
 from ptxforge.kernels import sm90_gemm as gemm
-from ptxforge.ops import _common
+from ptxforge.ops import common
 from ptxforge.testing.bench import Timer, copy_of, gemm_bytes
 from ptxforge.testing.checks import fp8_gemm_operands
 
@@ -20,7 +20,7 @@ SHAPES = ((2112, 7168), (4096, 7168), (7168, 16384), (7168, 2048))
 # warps, CTAs an SM)
 VARIANTS = ((0, 1, 2, 1), (None, 1, 1, 1), (None, 1, 4, 1), (None, 2, 2, 1), (None, 2, 4, 1),
             (None, 1, 2, 2))
-arch = _common.device_arch(0)
+arch = common.device_arch(0)
 timer = Timer()
 print("dtype    M       N x K     | chosen                 %copy | " +
       " | ".join(f"r{'=' if r is None else r} bn x{w} w{p} c{c}" for r, w, p, c in VARIANTS))

@@ -15,7 +15,7 @@ import torch
 
 from ptxforge.ep import low_latency
 from ptxforge.ep.ipc import HostRecord
-from ptxforge.ops._common import device_arch
+from ptxforge.ops.common import device_arch
 
 TOKENS, HIDDEN, EXPERTS, TOPK, RANKS = 128, 7168, 256, 8, 2
 

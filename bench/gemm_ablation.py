@@ -19,7 +19,7 @@ from ptxforge import ops
 from ptxforge.testing.bench import Timer
 from ptxforge.testing.checks import calc_diff, fp8_gemm_operands
 from ptxforge.kernels import sm90_gemm as gemm
-from ptxforge.ops import _common
+from ptxforge.ops import common
 from ptxforge.ops import gemm as gemm_ops
 from ptxforge.ptx import KernelBuilder
 
@@ -51,7 +51,7 @@ def feed_only():
 VARIANTS = {"full": contextlib.nullcontext, "no_promote": no_promote, "no_mma": no_mma,
             "feed_only": feed_only}
 
-arch = _common.device_arch(0)
+arch = common.device_arch(0)
 timer = Timer()
 m, n, k = (int(x) for x in sys.argv[1:4])
 configs = [tuple(int(x) for x in sys.argv[i:i + 3]) for i in range(4, len(sys.argv), 3)]

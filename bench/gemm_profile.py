@@ -10,7 +10,7 @@ import torch
 
 from ptxforge import ops
 from ptxforge.kernels import sm90_gemm as gemm
-from ptxforge.ops import _common
+from ptxforge.ops import common
 
 m, n, k = (int(x) for x in sys.argv[1:4])
 dtype = sys.argv[4] if len(sys.argv) > 4 else "e4m3"
@@ -18,7 +18,7 @@ cfg = None
 if len(sys.argv) > 5:
     tile, _, ctas = sys.argv[5].partition("c")
     block_m, block_n = (int(x) for x in tile.split("x"))
-    cfg = gemm.make_config(_common.device_arch(0), n, k, block_m, block_n, int(ctas or 1),
+    cfg = gemm.make_config(common.device_arch(0), n, k, block_m, block_n, int(ctas or 1),
                            dtype=dtype)
 a, b = torch.randn(m, k, device="cuda").to(torch.bfloat16), torch.randn(n, k, device="cuda").to(torch.bfloat16)
 d = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)

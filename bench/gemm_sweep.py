@@ -22,9 +22,9 @@ from ptxforge.testing.bench import (GEMM_SHAPES, GROUPED_MASKED, Timer, _bf16_pa
                             masked_operands)
 from ptxforge.testing.checks import calc_diff, fp8_gemm_operands
 from ptxforge.kernels import sm90_gemm as gemm
-from ptxforge.ops import _common
+from ptxforge.ops import common
 
-arch = _common.device_arch(0)
+arch = common.device_arch(0)
 sms = arch.sm_count
 timer = Timer()
 

@@ -12,7 +12,7 @@ import time
 import torch
 
 import ptxforge
-from ptxforge.ops import _common, rowwise
+from ptxforge.ops import common, rowwise
 
 from host_ab import calls, host_us as host_only  # noqa: E402 (a script beside this one)
 
@@ -23,13 +23,13 @@ ptxforge.rms_norm(x, w)
 _, _, launcher = rowwise._kernel(0, 1024, True, False, None)
 args = {"x": x.data_ptr(), "x_row_stride": x.stride(0), "rows": 4, "weight": w.data_ptr(),
         "eps": 1e-6, "y": y.data_ptr()}
-stream = _common.current_stream(0)
+stream = common.current_stream(0)
 device = x.device
 
 steps = {
     "x.data_ptr()": lambda: x.data_ptr(),
-    "current_stream(0)": lambda: _common.current_stream(0),
-    "inspect(x) (the checks of one tensor)": lambda: _common.inspect("x", x, torch.bfloat16, 2),
+    "current_stream(0)": lambda: common.current_stream(0),
+    "inspect(x) (the checks of one tensor)": lambda: common.inspect("x", x, torch.bfloat16, 2),
     "torch.empty((4,1024), device=x.device)": lambda: torch.empty((4, 1024), dtype=torch.bfloat16, device=x.device),
     "torch.empty((4,1024), device=device)": lambda: torch.empty((4, 1024), dtype=torch.bfloat16, device=device),
     "x.new_empty((4,1024))": lambda: x.new_empty((4, 1024)),

@@ -18,7 +18,7 @@ import torch
 
 import ptxforge
 from ptxforge.kernels import sm90_gemm as gemm
-from ptxforge.ops import _common, moe
+from ptxforge.ops import common, moe
 from ptxforge.testing.bench import Timer, copy_of, format_table
 
 sys.path.insert(0, "bench")
@@ -41,7 +41,7 @@ d1 = torch.empty(*lead, 2 * inner, dtype=torch.bfloat16, device="cuda")
 y = torch.empty(*lead, hidden, dtype=torch.bfloat16, device="cuda")
 active, used = int((r.counts > 0).sum()), (0 if decode else int(r.rows_used))
 expected = moe.expected_rows(tokens, top_k, experts)
-arch = _common.device_arch(0)
+arch = common.device_arch(0)
 timer = Timer()
 
 

@@ -14,7 +14,7 @@ import torch
 
 import ptxforge
 from ptxforge.kernels import sm90_gemm as gemm
-from ptxforge.ops import _common, moe
+from ptxforge.ops import common, moe
 
 sys.path.insert(0, "bench")
 from moe_kernels import problem  # noqa: E402
@@ -33,7 +33,7 @@ y = torch.empty(*lead, hidden, dtype=torch.bfloat16, device="cuda")
 print("rows used", int(r.rows_used), "of", lead[0], "pairs", 4096 * 8)
 lhs, b, d, n, k = (a, gate_up, d1, 2 * inner, hidden) if which == "gate_up" else \
     (h, down, y, hidden, inner)
-arch = _common.device_arch(0)
+arch = common.device_arch(0)
 cfg = gemm.choose_config(arch, lead[0], n, k, groups=experts)
 cfg = (gemm.make_config(arch, n, k, cfg.block_m, cfg.block_n, 1, 2, cfg.part_buffers,
                         groups=experts, share_b=True, raster=raster or 1) if share_b

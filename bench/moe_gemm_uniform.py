@@ -14,14 +14,14 @@ import torch
 
 import ptxforge
 from ptxforge.kernels import sm90_gemm as gemm
-from ptxforge.ops import _common
+from ptxforge.ops import common
 from ptxforge.testing.bench import Timer, format_table
 
 sys.path.insert(0, "bench")
 from moe_kernels import SIZES, problem  # noqa: E402
 
 hidden, inner, experts, _ = SIZES["deepseek-v3"]
-arch = _common.device_arch(0)
+arch = common.device_arch(0)
 timer = Timer()
 _, _, _, gate_up, down = problem("deepseek-v3", 1)   # the op's weights, as moe_kernels draws them
 

@@ -7,7 +7,7 @@ import torch
 from ptxforge import jit
 from ptxforge.testing.bench import Timer, copy_bandwidth_gbs
 from ptxforge.kernels import bf16_row_rmsnorm_fp8quant as row_kernel
-from ptxforge.ops import _common
+from ptxforge.ops import common
 from ptxforge.ops.layout import empty_mn_major_scales
 
 M, K = 16384, 7168
@@ -20,8 +20,8 @@ y = torch.empty_like(x)
 q = torch.empty((M, K), dtype=torch.float8_e4m3fn, device="cuda")
 layouts = {"mn_major": empty_mn_major_scales(M, K // 128, "cuda"),
            "row_major": torch.empty((M, K // 128), dtype=torch.float32, device="cuda")}
-stream = _common.current_stream(0)
-arch = _common.device_arch(0)
+stream = common.current_stream(0)
+arch = common.device_arch(0)
 print(f"copy {copy:.0f} GB/s")
 for variant in row_kernel.GROUPS_PER_CTA:
     normalize, quantize, swiglu = variant

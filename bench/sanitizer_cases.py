@@ -19,9 +19,9 @@ import ptxforge
 from ptxforge.testing.bench import masked_operands
 from ptxforge.testing.checks import fp8_gemm_operands
 from ptxforge.kernels import sm90_gemm as gemm
-from ptxforge.ops import _common
+from ptxforge.ops import common
 
-arch = _common.device_arch(0)
+arch = common.device_arch(0)
 
 x = torch.randn(333, 7168, device="cuda").bfloat16()
 weight = torch.randn(7168, device="cuda").bfloat16()

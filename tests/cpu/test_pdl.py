@@ -143,7 +143,7 @@ def launchers(monkeypatch, tmp_path):
     from importlib import import_module
 
     from ptxforge import jit
-    from ptxforge.ops import _common, block_quant, gemm as gemm_ops, routing, rowwise
+    from ptxforge.ops import common, block_quant, gemm as gemm_ops, routing, rowwise
 
     combine = import_module("ptxforge.ops.moe_combine")  # the package's moe_combine is the function
 
@@ -152,7 +152,7 @@ def launchers(monkeypatch, tmp_path):
     for module in (gemm_ops, rowwise, block_quant, combine, routing):
         monkeypatch.setattr(module, "device_arch", lambda device_index: arch.get("sm_90a"))
     caches = (gemm_ops._launcher, gemm_ops._plan, rowwise._kernel, block_quant._launcher,
-              _common.default_pdl, combine._kernel, routing._launcher)
+              common.default_pdl, combine._kernel, routing._launcher)
     for cache in caches:
         cache.cache_clear()
     yield {"gemm": lambda pdl: gemm_ops._plan(0, 8, 4096, 7168, 132, False, 0, False, 0,

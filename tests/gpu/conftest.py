@@ -6,6 +6,6 @@ def gpu_arch():
     """The description of the GPU the tests run on, for make_config (a forced tile)."""
     import torch
 
-    from ptxforge.ops import _common
+    from ptxforge.ops import common
 
-    return _common.device_arch(torch.cuda.current_device())
+    return common.device_arch(torch.cuda.current_device())

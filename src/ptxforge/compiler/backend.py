@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from ..ops import _common
+from ..ops import common
 from . import graphs, moe, passes, precompile
 from .passes import Replacement
 
@@ -41,7 +41,7 @@ INDUCTOR_DEFAULTS = {"realize_reads_threshold": 0}
 def _device_arch(device):
     """The description of ``device``, or the reason there is none (a string)."""
     try:
-        return _common.device_arch(device.index or 0)
+        return common.device_arch(device.index or 0)
     except (RuntimeError, ValueError) as error:   # no driver, or a GPU not described
         return str(error)
 

@@ -39,7 +39,7 @@ from ..kernels.ep_intranode import common as kernel_common
 from ..kernels.ep_intranode import dispatch as dispatch_kernel
 from ..kernels.ep_intranode import layout as layout_kernel
 from ..kernels.ep_intranode.plan import MAX_RANKS, BufferPlan, DispatchSlot, channel_bounds
-from ..ops._common import device_arch
+from ..ops.common import device_arch
 from . import checks, low_latency
 from .ipc import HostRecord, PeerMemory
 from .layout import Message, ReceiveLayout, check_agreement, receive_layout

@@ -13,7 +13,7 @@ from ..kernels.ep_intranode import combine as combine_kernel
 from ..kernels.ep_intranode import dispatch as dispatch_kernel
 from ..kernels.ep_intranode import layout as layout_kernel
 from ..kernels.ep_intranode.plan import SCALE_GROUP
-from ..ops._common import inspect, pair, require_cuda, require_shape
+from ..ops.common import inspect, pair, require_cuda, require_shape
 
 
 class DispatchInputs(NamedTuple):

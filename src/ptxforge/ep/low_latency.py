@@ -44,7 +44,7 @@ from ..arch import Arch
 from ..kernels.ep_low_latency import combine as combine_kernel
 from ..kernels.ep_low_latency import dispatch as dispatch_kernel
 from ..kernels.ep_low_latency.plan import MAX_TOPK, LowLatencyPlan, check_problem
-from ..ops._common import inspect, require_shape
+from ..ops.common import inspect, require_shape
 from ..ops.layout import get_tma_aligned_size
 from .checks import check_device
 

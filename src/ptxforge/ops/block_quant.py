@@ -8,7 +8,7 @@ import torch
 
 from .. import jit
 from ..kernels import bf16_block_quant_fp8 as block_kernel
-from ._common import (current_stream, device_arch, inspect, inspect_quantized_out, pair,
+from .common import (current_stream, device_arch, inspect, inspect_quantized_out, pair,
                       programmatic, require_cuda, require_pdl, row_span)
 from .layout import ceil_div
 

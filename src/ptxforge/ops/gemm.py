@@ -12,7 +12,7 @@ import torch
 from .. import jit
 from ..arch import tma_alignment
 from ..kernels import sm90_gemm as gemm_kernel
-from ._common import (current_stream, device_arch, inspect, pair, programmatic,
+from .common import (current_stream, device_arch, inspect, pair, programmatic,
                       require_contiguous_rows, require_cuda, require_disjoint, require_pdl,
                       require_shape, row_span, strided_span)
 from .layout import (ceil_div, get_mn_major_tma_aligned_tensor, get_tma_aligned_size,

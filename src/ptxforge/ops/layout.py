@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..arch import tma_alignment
-from ._common import inspect
+from .common import inspect
 
 
 def ceil_div(a: int, b: int) -> int:

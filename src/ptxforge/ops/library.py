@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from . import block_quant, gemm, moe, routing, rowwise
-from ._common import require_shape
+from .common import require_shape
 # By name from the module: the package's attribute moe_combine is the function.
 from .moe_combine import combined_output, moe_combine
 

@@ -30,7 +30,7 @@ import torch
 from .. import jit
 from ..kernels import bf16_row_rmsnorm_fp8quant as row_kernel
 from ..kernels import f32_moe_scale_gather as gather_kernel
-from ._common import (current_stream, device_arch, inspect, pair, programmatic, require_cuda,
+from .common import (current_stream, device_arch, inspect, pair, programmatic, require_cuda,
                       require_disjoint, require_pdl, require_shape, strided_span)
 from .gemm import m_grouped_fp8_gemm_nt_contiguous, m_grouped_fp8_gemm_nt_masked
 from .layout import ceil_div, empty_mn_major_scales

@@ -13,7 +13,7 @@ import torch
 
 from .. import jit
 from ..kernels import bf16_moe_combine as combine_kernel
-from ._common import (current_stream, device_arch, inspect, programmatic,
+from .common import (current_stream, device_arch, inspect, programmatic,
                       require_contiguous_rows, require_cuda, require_disjoint, require_pdl,
                       require_shape, row_span)
 

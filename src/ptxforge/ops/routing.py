@@ -15,7 +15,7 @@ import torch
 
 from .. import jit
 from ..kernels import i64_moe_routing_layout as routing_kernel
-from ._common import (current_stream, device_arch, inspect, programmatic,
+from .common import (current_stream, device_arch, inspect, programmatic,
                       require_contiguous_rows, require_cuda, require_pdl)
 from .gemm import get_mk_alignment_for_contiguous_layout
 

@@ -14,7 +14,7 @@ import torch
 
 from .. import jit
 from ..kernels import bf16_row_rmsnorm_fp8quant as row_kernel
-from ._common import (current_stream, device_arch, inspect, inspect_quantized_out, pair,
+from .common import (current_stream, device_arch, inspect, inspect_quantized_out, pair,
                       programmatic, require_contiguous_rows, require_cuda, require_disjoint,
                       require_pdl, require_shape, row_span)
 from .layout import empty_mn_major_scales
