@@ -162,7 +162,7 @@ def cmd_precompile(args) -> int:
 
         case, graphs = _model_plan(args, a)
         makers = precompile.builders(report.kernels(graphs), a,
-                                     precompile.every_token_count(args.tokens))
+                                     precompile.every_token_count(a, args.tokens))
         start = time.perf_counter()
         compiled = jit.precompile(makers, workers=args.workers)
         print(f"{case.name}: {len(compiled)} kernels for 1-{args.tokens} tokens in "

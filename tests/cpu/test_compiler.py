@@ -13,6 +13,7 @@ torch = pytest.importorskip("torch")
 from ptxforge import arch, cli, compiler  # noqa: E402
 from ptxforge.compiler import passes, precompile  # noqa: E402
 from ptxforge.kernels import sm90_gemm as gemm_kernel  # noqa: E402
+from ptxforge.kernels.gemm import GemmProblem  # noqa: E402
 from ptxforge.kernels.sm90_gemm.tile_model import token_counts  # noqa: E402
 from ptxforge.testing import models  # noqa: E402
 from ptxforge.testing.models import Ffn  # noqa: E402
@@ -104,7 +105,7 @@ def test_a_device_without_the_gemm_or_a_description_keeps_every_linear():
             (item,) = compiler.rewrite(gm, inputs, arch_of=arch_of)
         assert item.operator is None
         reasons.append(item.reason)
-    assert reasons[0].startswith("the GEMM needs wgmma, which sm_80")
+    assert reasons[0] == "ptxforge has no GEMM for sm_80 (A100 80GB); its GEMM runs on sm_90a"
     assert reasons[1] == "no such GPU"
 
 
@@ -203,10 +204,11 @@ def test_the_plan_lists_each_kernel_and_its_configs_by_token_count():
     ((gm, plan),) = trace_on_meta(model, ids, use_cache=False)
     kernels = [k for ks in precompile.kernels_of(gm.graph).values() for k in ks]
     gemms = [k for k in kernels if isinstance(k, precompile.Gemm)]
-    assert [(g.n, g.k, g.residual) for g in gemms] == [(512, 256, False), (256, 256, True),
-                                                      (1024, 256, False), (256, 512, True)]
+    assert [g.problem for g in gemms] == [
+        GemmProblem(512, 256), GemmProblem(256, 256, epilogue=("residual",)),
+        GemmProblem(1024, 256), GemmProblem(256, 512, epilogue=("residual",))]
     sm90 = arch.get("sm_90a")
-    every = precompile.every_token_count(16384)
+    every = precompile.every_token_count(sm90, 16384)
     configs = gemms[0].configs(sm90, every)
     assert len(set(configs)) == len(configs) >= 2
     assert len(precompile.builders(kernels, sm90, every)) == (
@@ -217,10 +219,11 @@ def test_token_counts_stand_for_every_m_the_tile_model_sees():
     sm90 = arch.get("sm_90a")
     counts = token_counts(4096)
     for n, k in ((4096, 7168), (7168, 2048), (6144, 4096)):
-        chosen = {m: gemm_kernel.choose_config(sm90, m, n, k) for m in counts}
+        chosen = {m: gemm_kernel.choose_config(sm90, GemmProblem(n, k), m) for m in counts}
         for m in range(1, 4097):
             representative = max(c for c in counts if c <= m)
-            assert gemm_kernel.choose_config(sm90, m, n, k) == chosen[representative], (n, k, m)
+            chose = gemm_kernel.choose_config(sm90, GemmProblem(n, k), m)
+            assert chose == chosen[representative], (n, k, m)
 
 
 def test_moe_gemm_configs_cover_every_token_count():
@@ -228,9 +231,9 @@ def test_moe_gemm_configs_cover_every_token_count():
     tokens, the clusters sharing B at ~4128 for DeepSeek-V3): precompiling for every count
     up to a limit still builds each tile some count gets."""
     sm90 = arch.get("sm_90a")
-    every = precompile.every_token_count(8192)
+    every = precompile.every_token_count(sm90, 8192)
     for experts, top_k, n, k in ((256, 8, 4096, 7168), (256, 8, 7168, 2048), (8, 2, 28672, 4096)):
-        moe_gemm = precompile.MoeGemm(n, k, "e4m3", experts=experts, top_k=top_k)
+        moe_gemm = precompile.MoeGemm(n, k, experts, top_k)
         wanted = {moe_gemm.config(sm90, m) for m in range(1, 8193)}
         assert set(moe_gemm.configs(sm90, every)) == wanted, (experts, n, k)
 
@@ -334,8 +337,9 @@ def test_precompile_assembles_what_a_model_needs(capsys, tmp_path, monkeypatch):
     count = int(out.split(": ", 1)[1].split(" kernels")[0])
     # the two row kernels, and each GEMM's configs for the counts that stand for 1..64
     sm90 = arch.get("sm_90a")
-    every = precompile.every_token_count(64)
-    gemms = [precompile.Gemm(4096, 7168, "e4m3"), precompile.Gemm(7168, 2048, "e4m3", residual=True)]
+    every = precompile.every_token_count(sm90, 64)
+    gemms = [precompile.Gemm(GemmProblem(4096, 7168)),
+             precompile.Gemm(GemmProblem(7168, 2048, epilogue=("residual",)))]
     assert count == 2 + sum(len(g.configs(sm90, every)) for g in gemms)
 
 

@@ -282,53 +282,54 @@ def test_tma_aligned_size_rejects_an_element_size_not_dividing_16():
 
 
 SM90 = arch.get("sm_90a")
+ROW = row_kernel.VARIANTS
 
 
 @pytest.mark.parametrize("hidden", [12, 4100, 0, -8])
 def test_row_kernel_hidden_must_be_a_positive_multiple_of_8(hidden):
     with pytest.raises(ValueError, match=f"multiple of 8, got {hidden}"):
-        row_kernel.choose_config(SM90, hidden, normalize=True, quantize=False)
+        row_kernel.choose_config(SM90, ROW["rms_norm"], hidden)
 
 
 def test_swiglu_row_kernel_names_gate_in_its_size_error():
     with pytest.raises(ValueError, match=r"hidden size \(gate.shape\[-1\]\) must be a positive "
                                          "multiple of 8, got 1004"):
-        row_kernel.choose_config(SM90, 1004, normalize=False, quantize=True, swiglu=True)
+        row_kernel.choose_config(SM90, ROW["silu_mul_quantize_fp8"], 1004)
 
 
-@pytest.mark.parametrize("normalize, quantize, swiglu", [
-    (False, False, False), (False, False, True), (True, False, True), (True, True, True)])
-def test_row_kernel_refuses_switches_that_name_no_variant(normalize, quantize, swiglu):
+@pytest.mark.parametrize("switches", [
+    dict(normalize=False, quantize=False), dict(normalize=True, swiglu=True),
+    dict(normalize=True, row_map="scatter")])
+def test_row_kernel_refuses_switches_that_name_no_variant(switches):
+    made_up = ROW["quantize_fp8_per_token"]._replace(op="made_up", **switches)
     with pytest.raises(ValueError) as info:
-        row_kernel.choose_config(SM90, 1024, normalize=normalize, quantize=quantize, swiglu=swiglu)
-    assert str(info.value).startswith(f"the row kernel has no variant normalize={normalize}, "
-                                      f"quantize={quantize}, swiglu={swiglu}; its variants")
-    assert "(False, True, True)" in str(info.value)
+        row_kernel.choose_config(SM90, made_up, 1024)
+    assert str(info.value).startswith("the row kernel has no variant RowVariant(op='made_up'")
+    assert str(info.value).endswith("its variants: " + ", ".join(ROW))
 
 
 @pytest.mark.parametrize("normalize", [False, True])
 def test_row_kernel_hidden_too_large(normalize):
     largest = ((SM90.max_threads_per_block // 2) * row_kernel.MAX_VECTORS_PER_THREAD[normalize]
                * row_kernel.VECTOR)
-    assert row_kernel.choose_config(SM90, largest, normalize=normalize, quantize=True).hidden == largest
+    variant = ROW["rms_norm_quantize_fp8" if normalize else "quantize_fp8_per_token"]
+    assert row_kernel.choose_config(SM90, variant, largest).hidden == largest
     with pytest.raises(ValueError, match=f"at most {largest}, got {largest + 8}"):
-        row_kernel.choose_config(SM90, largest + 8, normalize=normalize, quantize=True)
+        row_kernel.choose_config(SM90, variant, largest + 8)
     if not normalize:  # SwiGLU keeps as many vectors a thread as the quantization
-        assert row_kernel.choose_config(SM90, largest, normalize=False, quantize=True,
-                                        swiglu=True).hidden == largest
+        swiglu = ROW["silu_mul_quantize_fp8"]
+        assert row_kernel.choose_config(SM90, swiglu, largest).hidden == largest
         with pytest.raises(ValueError, match=f"at most {largest}, got {largest + 8}"):
-            row_kernel.choose_config(SM90, largest + 8, normalize=False, quantize=True,
-                                     swiglu=True)
+            row_kernel.choose_config(SM90, swiglu, largest + 8)
 
 
 AMPERE = arch.get("sm_80")
 
 
-@pytest.mark.parametrize("normalize, swiglu", [(False, False), (True, False), (False, True)],
-                         ids=["quantize", "rmsnorm-quantize", "swiglu-quantize"])
-def test_fp8_row_kernels_need_fp8(normalize, swiglu):
+@pytest.mark.parametrize("variant", [v for v in ROW if ROW[v].quantize])
+def test_fp8_row_kernels_need_fp8(variant):
     with pytest.raises(ValueError, match="fp8") as info:
-        row_kernel.choose_config(AMPERE, 4096, normalize=normalize, quantize=True, swiglu=swiglu)
+        row_kernel.choose_config(AMPERE, ROW[variant], 4096)
     assert "sm_80" in str(info.value)
 
 
@@ -340,7 +341,7 @@ def test_fp8_block_kernel_needs_fp8():
 
 def test_row_kernels_need_the_copy_engine_pipeline():
     with pytest.raises(ValueError, match="copy-engine pipeline needs mbarrier_tx") as info:
-        row_kernel.choose_config(AMPERE, 4096, normalize=True, quantize=False)
+        row_kernel.choose_config(AMPERE, ROW["rms_norm"], 4096)
     assert "sm_80" in str(info.value)
 
 

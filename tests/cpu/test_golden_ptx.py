@@ -19,6 +19,7 @@ from pathlib import Path
 
 from ptxforge import arch, kernels
 from ptxforge.kernels import sm90_gemm as gemm
+from ptxforge.kernels.gemm import GemmProblem
 
 GOLDEN = Path(__file__).with_name("golden_ptx.json")
 _DECLARATION = re.compile(r"^\.reg \.(\w+) %(\w+?)(?:<(\d+)>)?;$")
@@ -54,27 +55,30 @@ def normalized(ptx: str) -> str:
 # producer warps, both part-buffer counts, multicast, bf16 grouped and straddling tiles with
 # more scale-row splits than get a promotion of their own (block_n 40, 56, 72), the bias and
 # the residual (alone, with the bias, and in a tile covering 8 rows).
+def _gemm(n, k, dtype="e4m3", layout="dense", groups=0, epilogue=(), **tile):
+    return GemmProblem(n, k, dtype, layout, groups, epilogue), tile
+
+
 GEMM_MAKE_CONFIG = (
-    dict(n=7168, k=2048, block_m=128, block_n=128, accumulate=True),
-    dict(n=4096, k=7168, block_m=64, block_n=128, accumulate=True, multicast=2),
-    dict(n=4096, k=7168, block_m=128, block_n=256, dtype="bf16", accumulate=True),
-    dict(n=2112, k=7168, block_m=64, block_n=96, producers=1),
-    dict(n=2112, k=7168, block_m=128, block_n=96, producers=4, part_buffers=1),
-    dict(n=7168, k=2048, block_m=128, block_n=128, part_buffers=2, multicast=2),
-    dict(n=4096, k=7168, block_m=128, block_n=128, groups=4, dtype="bf16"),
-    dict(n=4096, k=7168, block_m=64, block_n=128, groups=4, masked=True, dtype="bf16",
-         multicast=2),
-    dict(n=7168, k=2048, block_m=64, block_n=40),
-    dict(n=7168, k=2048, block_m=64, block_n=56, groups=2),
-    dict(n=7168, k=2048, block_m=128, block_n=72, groups=2, masked=True),
-    dict(n=7168, k=2048, block_m=128, block_n=128, bias=True),
-    dict(n=2112, k=7168, block_m=64, block_n=96, dtype="bf16", bias=True),
-    dict(n=7168, k=2048, block_m=128, block_n=128, residual=True),
-    dict(n=2112, k=7168, block_m=64, block_n=96, dtype="bf16", bias=True, residual=True),
-    dict(n=2112, k=7168, block_m=64, block_n=24, tile_rows=8, residual=True),
-    dict(n=4096, k=7168, block_m=128, block_n=128, multicast=2, groups=256, share_b=True,
-         raster=1),
-    dict(n=7168, k=2048, block_m=128, block_n=192, multicast=2, share_b=True),
+    _gemm(7168, 2048, epilogue=("accumulate",), block_m=128, block_n=128),
+    _gemm(4096, 7168, epilogue=("accumulate",), block_m=64, block_n=128, multicast=2),
+    _gemm(4096, 7168, "bf16", epilogue=("accumulate",), block_m=128, block_n=256),
+    _gemm(2112, 7168, block_m=64, block_n=96, producers=1),
+    _gemm(2112, 7168, block_m=128, block_n=96, producers=4, part_buffers=1),
+    _gemm(7168, 2048, block_m=128, block_n=128, part_buffers=2, multicast=2),
+    _gemm(4096, 7168, "bf16", "contiguous", 4, block_m=128, block_n=128),
+    _gemm(4096, 7168, "bf16", "masked", 4, block_m=64, block_n=128, multicast=2),
+    _gemm(7168, 2048, block_m=64, block_n=40),
+    _gemm(7168, 2048, layout="contiguous", groups=2, block_m=64, block_n=56),
+    _gemm(7168, 2048, layout="masked", groups=2, block_m=128, block_n=72),
+    _gemm(7168, 2048, epilogue=("bias",), block_m=128, block_n=128),
+    _gemm(2112, 7168, "bf16", epilogue=("bias",), block_m=64, block_n=96),
+    _gemm(7168, 2048, epilogue=("residual",), block_m=128, block_n=128),
+    _gemm(2112, 7168, "bf16", epilogue=("bias", "residual"), block_m=64, block_n=96),
+    _gemm(2112, 7168, epilogue=("residual",), block_m=64, block_n=24, tile_rows=8),
+    _gemm(4096, 7168, layout="contiguous", groups=256, block_m=128, block_n=128, multicast=2,
+          share_b=True, raster=1),
+    _gemm(7168, 2048, block_m=128, block_n=192, multicast=2, share_b=True),
 )
 
 
@@ -82,10 +86,10 @@ def variants() -> dict[str, str]:
     """'target/kernel/options' -> sha256 of the normalized PTX, for every registered
     variant each target supports, and the GEMM configs above."""
     hashes = {}
-    for options in GEMM_MAKE_CONFIG:
-        config = gemm.make_config(arch.get("sm_90a"), **options)
+    for problem, tile in GEMM_MAKE_CONFIG:
+        config = gemm.make_config(arch.get("sm_90a"), problem, **tile)
         ptx = normalized(gemm.generate(config).ptx())
-        key = "sm_90a/make_config/" + ",".join(f"{k}={v}" for k, v in options.items())
+        key = f"sm_90a/make_config/{problem}/" + ",".join(f"{k}={v}" for k, v in tile.items())
         hashes[key] = hashlib.sha256(ptx.encode()).hexdigest()
     for target in arch.targets():
         a = arch.get(target)

@@ -4,6 +4,10 @@ import pytest
 
 from ptxforge import arch, jit, kernels
 from ptxforge.kernels import bf16_row_rmsnorm_fp8quant as row_kernel
+from ptxforge.kernels.gemm import GemmProblem
+
+QUANTIZE = row_kernel.VARIANTS["quantize_fp8_per_token"]
+SWIGLU = row_kernel.VARIANTS["silu_mul_quantize_fp8"]
 
 
 @pytest.fixture(autouse=True)
@@ -23,9 +27,11 @@ def _variants():
 def test_variant_assembles_without_spills(a, spec, options):
     try:
         config = spec.config(a, **options)
-    except ValueError as exc:  # the only reasons a variant may not exist on a target
+    except ValueError as exc:  # the only reasons a variant may not exist on a target:
+        # a feature it lacks, or no generation of the kernel's family for it
         missing = [f for f in ("fp8", "mbarrier_tx", "wgmma", "griddepcontrol") if f in str(exc)]
-        assert missing and not a.has(missing[0]), exc
+        no_gemm = str(exc).startswith(f"ptxforge has no GEMM for {a.target}")
+        assert (missing and not a.has(missing[0])) or (no_gemm and "gemm" not in a.kernels), exc
         return
     compiled = jit.build(spec.generate(config))
     assert compiled.resources.spills == 0, compiled.log
@@ -38,7 +44,7 @@ def test_variant_assembles_without_spills(a, spec, options):
 def test_row_kernel_shape_of_the_code():
     """The quantization kernel copies its row with the copy engine, reads 16-byte vectors
     from shared memory, reduces the group amax in a half-warp and writes e4m3 pairs."""
-    cfg = row_kernel.choose_config(arch.get("sm_90a"), 7168, normalize=False, quantize=True)
+    cfg = row_kernel.choose_config(arch.get("sm_90a"), QUANTIZE, 7168)
     assert (cfg.threads_per_row, cfg.rows_per_cta, cfg.vectors_per_thread, cfg.groups) == (128, 1, 7, 1)
     ptx = row_kernel.generate(cfg).ptx()
     assert ptx.count("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes") == 1
@@ -49,18 +55,19 @@ def test_row_kernel_shape_of_the_code():
     assert "// ==== quantize" in ptx
 
 
-@pytest.mark.parametrize("normalize, quantize, hidden, threads_per_row, rows_per_cta, groups, ctas", [
-    (True, True, 8, 16, 8, 2, 4), (True, True, 576, 16, 8, 2, 4), (True, True, 2048, 64, 2, 2, 4),
-    (True, True, 7168, 128, 1, 2, 4), (True, False, 7168, 128, 1, 1, 4),
-    (True, True, 28672, 512, 1, 2, 1), (False, True, 2048, 32, 4, 1, 8),
-    (False, True, 7168, 128, 1, 1, 8), (False, True, 16384, 256, 1, 1, 4)])
-def test_row_kernel_heuristic(normalize, quantize, hidden, threads_per_row, rows_per_cta, groups,
-                              ctas):
+@pytest.mark.parametrize("variant, hidden, threads_per_row, rows_per_cta, groups, ctas", [
+    ("rms_norm_quantize_fp8", 8, 16, 8, 2, 4), ("rms_norm_quantize_fp8", 576, 16, 8, 2, 4),
+    ("rms_norm_quantize_fp8", 2048, 64, 2, 2, 4), ("rms_norm_quantize_fp8", 7168, 128, 1, 2, 4),
+    ("rms_norm", 7168, 128, 1, 1, 4), ("rms_norm_quantize_fp8", 28672, 512, 1, 2, 1),
+    ("quantize_fp8_per_token", 2048, 32, 4, 1, 8), ("quantize_fp8_per_token", 7168, 128, 1, 1, 8),
+    ("quantize_fp8_per_token", 16384, 256, 1, 1, 4)])
+def test_row_kernel_heuristic(variant, hidden, threads_per_row, rows_per_cta, groups, ctas):
     a = arch.get("sm_90a")
-    cfg = row_kernel.choose_config(a, hidden, normalize=normalize, quantize=quantize)
+    variant = row_kernel.VARIANTS[variant]
+    cfg = row_kernel.choose_config(a, variant, hidden)
     assert (cfg.threads_per_row, cfg.rows_per_cta, cfg.groups, cfg.ctas_per_sm) == (
         threads_per_row, rows_per_cta, groups, ctas)
-    assert cfg.vectors_per_thread <= row_kernel.MAX_VECTORS_PER_THREAD[normalize]
+    assert cfg.vectors_per_thread <= row_kernel.MAX_VECTORS_PER_THREAD[variant.normalize]
     assert cfg.threads_per_row * cfg.vectors_per_thread * 8 >= hidden
     # What the heuristic promises fits: the CTAs it counts on, with their shared memory.
     shared = cfg.dynamic_shared_bytes + cfg.static_shared_bytes
@@ -71,8 +78,7 @@ def test_swiglu_row_kernel_shape_of_the_code():
     """SwiGLU + quantization: two bulk copies per row (gate's, then up's, into one stage row
     of 2 x 2I bytes), gate and up vectors read from the stage, silu on the SFU and one bf16x2
     multiply per pair, then the quantizer's code."""
-    cfg = row_kernel.choose_config(arch.get("sm_90a"), 14336, normalize=False, quantize=True,
-                                   swiglu=True)
+    cfg = row_kernel.choose_config(arch.get("sm_90a"), SWIGLU, 14336)
     assert (cfg.threads_per_row, cfg.rows_per_cta, cfg.vectors_per_thread, cfg.groups) == (256, 1, 7, 1)
     assert cfg.stage_bytes == 2 * 14336 * 2
     ptx = row_kernel.generate(cfg).ptx()
@@ -103,7 +109,7 @@ def test_swiglu_row_kernel_sizes_assemble_without_spills(hidden, threads_per_row
     1000 (a partial quantization group), 776 (7 vectors with 16 threads a row, which ptxas
     fits only in 72 registers) and 32768 (the largest it takes)."""
     a = arch.get("sm_90a")
-    cfg = row_kernel.choose_config(a, hidden, normalize=False, quantize=True, swiglu=True)
+    cfg = row_kernel.choose_config(a, SWIGLU, hidden)
     assert (cfg.threads_per_row, cfg.rows_per_cta, cfg.vectors_per_thread, cfg.ctas_per_sm) == (
         threads_per_row, rows_per_cta, vectors, ctas)
     shared = cfg.dynamic_shared_bytes + cfg.static_shared_bytes
@@ -117,16 +123,16 @@ def test_gemm_uses_the_fp8_tensor_cores_and_warp_specialisation():
     from ptxforge.kernels import sm90_gemm as gemm
 
     sm90 = arch.get("sm_90a")
-    small = gemm.choose_config(sm90, 64, 2112, 7168)
+    small = gemm.choose_config(sm90, GemmProblem(2112, 7168), 64)
     # Small M: one 64-row block of tiles, narrow enough to give every SM a tile.
     assert small.block_m == 64 and small.n_tiles == sm90.sm_count
-    cfg = gemm.choose_config(sm90, 4096, 7168, 2048)
+    cfg = gemm.choose_config(sm90, GemmProblem(7168, 2048), 4096)
     assert (cfg.block_m, cfg.k_blocks) == (128, 16)
     for c in (small, cfg):  # setmaxnreg only redistributes the CTA's launch allocation
         at_launch = min(255, 65536 // (c.ctas_per_sm * c.threads)) // 8 * 8
         assert 128 * 40 + 128 * c.math_warpgroups * c.math_registers <= at_launch * c.threads
         assert c.dynamic_shared_bytes <= sm90.max_shared_memory_per_block
-    cfg = gemm.make_config(sm90, 7168, 2048, 128, 128)
+    cfg = gemm.make_config(sm90, GemmProblem(7168, 2048), 128, 128)
     assert cfg.stages == 5
     ptx = gemm.generate(cfg).ptx()
     assert ptx.count("wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3") == 4
@@ -154,7 +160,7 @@ def test_gemm_tile_widths_cover_at_most_two_scale_rows():
 def test_gemm_tile_shapes_assemble_without_spills(block_m, block_n):
     from ptxforge.kernels import sm90_gemm as gemm
 
-    cfg = gemm.make_config(arch.get("sm_90a"), 2112, 7168, block_m, block_n)
+    cfg = gemm.make_config(arch.get("sm_90a"), GemmProblem(2112, 7168), block_m, block_n)
     ptx = gemm.generate(cfg).ptx()
     assert f"m64n{block_n}k32.f32.e4m3.e4m3" in ptx
     # One TMA store per box of the widest of 64/32/16/8 columns dividing block_n.
@@ -175,7 +181,8 @@ def test_gemm_tile_shapes_assemble_without_spills(block_m, block_n):
 def test_gemm_accumulating_epilogue_adds_f32_boxes(block_m, block_n):
     from ptxforge.kernels import sm90_gemm as gemm
 
-    cfg = gemm.make_config(arch.get("sm_90a"), 2112, 7168, block_m, block_n, accumulate=True)
+    cfg = gemm.make_config(arch.get("sm_90a"), GemmProblem(2112, 7168, epilogue=("accumulate",)),
+                           block_m, block_n)
     ptx = gemm.generate(cfg).ptx()
     # f32 boxes of 128-, 64- or 32-byte rows, each added into D by a TMA reduction.
     assert cfg.d_box_cols * 4 in (128, 64, 32) and block_n % cfg.d_box_cols == 0
@@ -191,8 +198,8 @@ def test_gemm_accumulating_epilogue_adds_f32_boxes(block_m, block_n):
 def test_gemm_bias_epilogue_reads_one_pair_per_column_group(block_m, block_n, dtype):
     from ptxforge.kernels import sm90_gemm as gemm
 
-    cfg = gemm.make_config(arch.get("sm_90a"), 2112, 7168, block_m, block_n, dtype=dtype,
-                           bias=True)
+    cfg = gemm.make_config(arch.get("sm_90a"), GemmProblem(2112, 7168, dtype, epilogue=("bias",)),
+                           block_m, block_n)
     assert cfg.epilogue.__name__ == "BiasBf16Store" and cfg.name.endswith("_bias")
     ptx = gemm.generate(cfg).ptx()
     assert ".param .u64 bias" in ptx
@@ -201,12 +208,15 @@ def test_gemm_bias_epilogue_reads_one_pair_per_column_group(block_m, block_n, dt
     assert ptx.count("add.f32") == block_n // 2
     compiled = jit.build(gemm.generate(cfg))
     assert compiled.resources.spills == 0 and compiled.resources.stack_frame == 0
-    plain = gemm.make_config(arch.get("sm_90a"), 2112, 7168, block_m, block_n, dtype=dtype)
+    plain = gemm.make_config(arch.get("sm_90a"), GemmProblem(2112, 7168, dtype), block_m, block_n)
     assert "bias" not in gemm.generate(plain).ptx()
-    for wrong in ({"accumulate": True}, {"groups": 4}):
-        with pytest.raises(ValueError, match="bias and residual are added to a dense GEMM's "
-                                             "bf16 D only, got bias=True, residual=False"):
-            gemm.make_config(arch.get("sm_90a"), 2112, 7168, 128, 128, bias=True, **wrong)
+    # Registered for the dense layout alone, and not with an f32 D.
+    for wrong in (GemmProblem(2112, 7168, epilogue=("accumulate", "bias")),
+                  GemmProblem(2112, 7168, "e4m3", "contiguous", 4, ("bias",))):
+        with pytest.raises(ValueError, match=f"no GEMM epilogue computes "
+                                             f"{' [+] '.join(wrong.epilogue)} on the "
+                                             f"{wrong.layout} layout; there are: "):
+            gemm.make_config(arch.get("sm_90a"), wrong, 128, 128)
 
 
 @pytest.mark.parametrize("block_m, block_n, dtype, tile_rows", [
@@ -221,8 +231,8 @@ def test_gemm_residual_epilogue_reads_a_pair_per_row_and_column_group(block_m, b
     the bias: two f32 adds per pair and addend."""
     from ptxforge.kernels import sm90_gemm as gemm
 
-    cfg = gemm.make_config(arch.get("sm_90a"), 2112, 7168, block_m, block_n, dtype=dtype,
-                           bias=bias, residual=True, tile_rows=tile_rows)
+    problem = GemmProblem(2112, 7168, dtype, epilogue=("bias",) * bias + ("residual",))
+    cfg = gemm.make_config(arch.get("sm_90a"), problem, block_m, block_n, tile_rows=tile_rows)
     assert cfg.epilogue.__name__ == ("BiasResidualBf16Store" if bias else "ResidualBf16Store")
     assert "_residual" in cfg.name and ("_bias" in cfg.name) == bias
     ptx = gemm.generate(cfg).ptx()
@@ -245,10 +255,12 @@ def test_gemm_residual_epilogue_reads_a_pair_per_row_and_column_group(block_m, b
     compiled = jit.build(gemm.generate(cfg))
     assert compiled.resources.spills == 0 and compiled.resources.stack_frame == 0
     assert "warning" not in compiled.log.lower()
-    for wrong in ({"accumulate": True}, {"groups": 4}):
-        with pytest.raises(ValueError, match="bias and residual are added to a dense GEMM's "
-                                             "bf16 D only, got bias=False, residual=True"):
-            gemm.make_config(arch.get("sm_90a"), 2112, 7168, 128, 128, residual=True, **wrong)
+    for wrong in (GemmProblem(2112, 7168, epilogue=("accumulate", "residual")),
+                  GemmProblem(2112, 7168, "e4m3", "masked", 4, ("residual",))):
+        with pytest.raises(ValueError, match=f"no GEMM epilogue computes "
+                                             f"{' [+] '.join(wrong.epilogue)} on the "
+                                             f"{wrong.layout} layout"):
+            gemm.make_config(arch.get("sm_90a"), wrong, 128, 128)
 
 
 def _residual_heuristic_configs():
@@ -261,7 +273,8 @@ def _residual_heuristic_configs():
         for m in (1, 16, 32, 64, 300, 4096):
             for n, k in kernels.GEMM_SHAPES:
                 for bias in (False, True):
-                    cfg = gemm.choose_config(sm90, m, n, k, dtype=dtype, bias=bias, residual=True)
+                    terms = ("bias",) * bias + ("residual",)
+                    cfg = gemm.choose_config(sm90, GemmProblem(n, k, dtype, epilogue=terms), m)
                     chosen.setdefault(cfg, f"{dtype}-m{m}-n{n}-k{k}" + ("-bias" if bias else ""))
     return [pytest.param(cfg, id=name) for cfg, name in chosen.items()]
 
@@ -270,7 +283,7 @@ def _residual_heuristic_configs():
 def test_every_residual_config_the_heuristic_picks_assembles_without_spills(cfg):
     from ptxforge.kernels import sm90_gemm as gemm
 
-    assert cfg.residual
+    assert "residual" in cfg.problem.epilogue
     compiled = jit.build(gemm.generate(cfg))
     assert compiled.resources.spills == 0, compiled.log
     assert compiled.resources.stack_frame == 0, compiled.log
@@ -288,25 +301,27 @@ def test_few_tokens_get_tiles_covering_their_rows():
 
     sm90 = arch.get("sm_90a", "H200")
     for m, rows in ((1, 8), (8, 8), (9, 16), (16, 16), (32, 32)):
-        cfg = gemm.choose_config(sm90, m, 2112, 7168)
-        plain = gemm.make_config(sm90, 2112, 7168, 64, cfg.block_n)
+        cfg = gemm.choose_config(sm90, GemmProblem(2112, 7168), m)
+        plain = gemm.make_config(sm90, GemmProblem(2112, 7168), 64, cfg.block_n)
         flight = lambda c: c.stages * c.b_stage_bytes * c.ctas_per_sm
         assert cfg.tile_rows == rows and cfg.ctas_per_sm == 2 and flight(cfg) > flight(plain)
         assert cfg.name.endswith(f"_r{rows}")
         assert jit.build(gemm.generate(cfg)).resources.spills == 0
-    assert gemm.choose_config(sm90, 33, 2112, 7168).tile_rows == 0
-    assert gemm.choose_config(sm90, 8, 24576, 1536).tile_rows == 0
+    assert gemm.choose_config(sm90, GemmProblem(2112, 7168), 33).tile_rows == 0
+    assert gemm.choose_config(sm90, GemmProblem(24576, 1536), 8).tile_rows == 0
     # The masked layout counts a group's rows: 8 groups of 8 tokens get 8-row tiles, of 32
     # tokens 32-row tiles (a tile covers one group's rows: the model counts 8 groups' tiles,
     # not 256 rows' worth of 128-row tiles as it once did, which measured 69% of the copy
     # against 96% for 32 x 32 tokens at 4096 x 7168 on an H200).
     for tokens in (8, 32):
-        masked = gemm.choose_config(sm90, 8 * tokens, 4096, 7168, groups=8, masked=True)
+        masked = gemm.choose_config(sm90, GemmProblem(4096, 7168, "e4m3", "masked", 8), 8 * tokens)
         assert masked.block_m == 64 and masked.tile_rows == tokens
         assert jit.build(gemm.generate(masked)).resources.spills == 0
-    assert gemm.choose_config(sm90, 4 * 256, 4096, 7168, groups=4, masked=True).block_m == 128
+    masked = GemmProblem(4096, 7168, "e4m3", "masked", 4)
+    assert gemm.choose_config(sm90, masked, 4 * 256).block_m == 128
     with pytest.raises(ValueError, match="tile_rows must be 8, 16 or 32"):
-        gemm.make_config(sm90, 2112, 7168, 64, 16, tile_rows=8, groups=2)  # contiguous
+        gemm.make_config(sm90, GemmProblem(2112, 7168, "e4m3", "contiguous", 2), 64, 16,
+                         tile_rows=8)
 
 
 def test_gemm_admits_only_tiles_ptxas_assembles():
@@ -316,12 +331,12 @@ def test_gemm_admits_only_tiles_ptxas_assembles():
     from ptxforge.kernels import sm90_gemm as gemm
 
     sm90 = arch.get("sm_90a")
-    widest = gemm.make_config(sm90, 7168, 2048, 64, 200, 2, dtype="bf16")
+    widest = gemm.make_config(sm90, GemmProblem(7168, 2048, "bf16"), 64, 200, 2)
     assert jit.build(gemm.generate(widest)).resources.spills == 0
     with pytest.raises(ValueError, match="208-wide wgmma does not assemble in the 128 registers"):
-        gemm.make_config(sm90, 7168, 2048, 64, 208, 2, dtype="bf16")
-    assert gemm.make_config(sm90, 7168, 2048, 64, 144).part_buffers == 2
-    cfg = gemm.make_config(sm90, 7168, 2048, 64, 144, bias=True)
+        gemm.make_config(sm90, GemmProblem(7168, 2048, "bf16"), 64, 208, 2)
+    assert gemm.make_config(sm90, GemmProblem(7168, 2048), 64, 144).part_buffers == 2
+    cfg = gemm.make_config(sm90, GemmProblem(7168, 2048, epilogue=("bias",)), 64, 144)
     assert cfg.part_buffers == 1 and jit.build(gemm.generate(cfg)).resources.spills == 0
 
 
@@ -329,8 +344,8 @@ def test_gemm_admits_only_tiles_ptxas_assembles():
 def test_grouped_gemm_reads_each_tile_group_and_zeroes_foreign_rows(block_m, block_n, multicast):
     from ptxforge.kernels import sm90_gemm as gemm
 
-    cfg = gemm.make_config(arch.get("sm_90a"), 4096, 7168, block_m, block_n,
-                           multicast=multicast, groups=8)
+    problem = GemmProblem(4096, 7168, "e4m3", "contiguous", 8)
+    cfg = gemm.make_config(arch.get("sm_90a"), problem, block_m, block_n, multicast=multicast)
     ptx = gemm.generate(cfg).ptx()
     assert ".param .u64 m_indices" in ptx and ".param .u32 m_rows" in ptx
     # The tile's group is clamped into [0, 8) before it picks B rows and B-scale rows.
@@ -339,16 +354,17 @@ def test_grouped_gemm_reads_each_tile_group_and_zeroes_foreign_rows(block_m, blo
     assert ptx.count("selp.b32") == block_n // 8 * 2
     compiled = jit.build(gemm.generate(cfg))
     assert compiled.resources.spills == 0
-    with pytest.raises(ValueError, match="groups"):
-        gemm.make_config(arch.get("sm_90a"), 4096, 7168, 128, 128, groups=8, accumulate=True)
+    with pytest.raises(ValueError, match="no GEMM epilogue computes accumulate on the "
+                                         "contiguous layout"):
+        gemm.make_config(arch.get("sm_90a"), problem._replace(epilogue=("accumulate",)), 128, 128)
 
 
 @pytest.mark.parametrize("block_m, block_n, multicast", [(128, 128, 2), (64, 24, 1)])
 def test_masked_grouped_gemm_walks_valid_tiles_with_3d_maps(block_m, block_n, multicast):
     from ptxforge.kernels import sm90_gemm as gemm
 
-    cfg = gemm.make_config(arch.get("sm_90a"), 4096, 7168, block_m, block_n,
-                           multicast=multicast, groups=4, masked=True)
+    problem = GemmProblem(4096, 7168, "e4m3", "masked", 4)
+    cfg = gemm.make_config(arch.get("sm_90a"), problem, block_m, block_n, multicast=multicast)
     ptx = gemm.generate(cfg).ptx()
     assert ".param .u64 masked_m" in ptx and "m_indices" not in ptx
     # A and sa load per group (3-D maps), D stores per group; B is one [G*N, K] matrix.
@@ -363,7 +379,7 @@ def test_masked_grouped_gemm_walks_valid_tiles_with_3d_maps(block_m, block_n, mu
 def test_bf16_gemm_is_the_same_kernel_without_scales(block_m, block_n):
     from ptxforge.kernels import sm90_gemm as gemm
 
-    cfg = gemm.make_config(arch.get("sm_90a"), 7168, 2048, block_m, block_n, dtype="bf16")
+    cfg = gemm.make_config(arch.get("sm_90a"), GemmProblem(7168, 2048, "bf16"), block_m, block_n)
     assert cfg.k_blocks == 2048 // 64 and cfg.part_buffers == 1 and cfg.sa_stage_bytes == 0
     ptx = gemm.generate(cfg).ptx()
     assert ptx.count(f"wgmma.mma_async.sync.aligned.m64n{block_n}k16.f32.bf16.bf16") == 8
@@ -377,8 +393,8 @@ def test_bf16_gemm_is_the_same_kernel_without_scales(block_m, block_n):
 def test_grouped_bf16_gemm_assembles(masked):
     from ptxforge.kernels import sm90_gemm as gemm
 
-    cfg = gemm.make_config(arch.get("sm_90a"), 4096, 7168, 128, 128, groups=8, masked=masked,
-                           dtype="bf16")
+    problem = GemmProblem(4096, 7168, "bf16", "masked" if masked else "contiguous", 8)
+    cfg = gemm.make_config(arch.get("sm_90a"), problem, 128, 128)
     ptx = gemm.generate(cfg).ptx()
     assert "tmap_sa" not in ptx and ("masked_m" in ptx) == masked
     assert jit.build(gemm.generate(cfg)).resources.spills == 0
@@ -391,20 +407,20 @@ def test_gemm_tiles_wider_than_the_registers_are_refused():
     # leave too few for the rest. 192 columns fit one part buffer, not two.
     sm90 = arch.get("sm_90a")
     with pytest.raises(ValueError, match="registers"):
-        gemm.make_config(sm90, 2112, 7168, 128, 256)
+        gemm.make_config(sm90, GemmProblem(2112, 7168), 128, 256)
     with pytest.raises(ValueError, match="registers"):
-        gemm.make_config(sm90, 2112, 7168, 128, 192, part_buffers=2)
-    cfg = gemm.make_config(sm90, 2112, 7168, 128, 192)
+        gemm.make_config(sm90, GemmProblem(2112, 7168), 128, 192, part_buffers=2)
+    cfg = gemm.make_config(sm90, GemmProblem(2112, 7168), 128, 192)
     assert cfg.part_buffers == 1 and jit.build(gemm.generate(cfg)).resources.spills == 0
     # Two part buffers on 128-row tiles come with multicast (A from L2 falls behind without).
-    assert gemm.make_config(sm90, 7168, 7168, 128, 128).part_buffers == 1
-    assert gemm.make_config(sm90, 7168, 7168, 128, 128, multicast=2).part_buffers == 2
+    assert gemm.make_config(sm90, GemmProblem(7168, 7168), 128, 128).part_buffers == 1
+    assert gemm.make_config(sm90, GemmProblem(7168, 7168), 128, 128, multicast=2).part_buffers == 2
 
 @pytest.mark.parametrize("producers", [1, 2, 4])
 def test_gemm_producer_warps_take_turns_over_the_k_blocks(producers):
     from ptxforge.kernels import sm90_gemm as gemm
 
-    cfg = gemm.make_config(arch.get("sm_90a"), 2112, 7168, 64, 16, producers=producers)
+    cfg = gemm.make_config(arch.get("sm_90a"), GemmProblem(2112, 7168), 64, 16, producers=producers)
     ptx = gemm.generate(cfg).ptx()
     # Lane 0 of warps 0 .. producers - 1: tid has no bits outside 32 * (producers - 1).
     assert f"and.b32 %p_leader_bits, %t, {~(32 * (producers - 1)) & 0xFFFFFFFF};" in ptx
@@ -423,24 +439,25 @@ def test_gemm_large_m_takes_128_row_tiles(dtype):
 
     sm90 = arch.get("sm_90a", "H200")
     for n, k in ((2112, 7168), (24576, 1536), (32768, 512), (7168, 16384), (4096, 7168)):
-        assert gemm.choose_config(sm90, 4096, n, k, dtype=dtype).block_m == 128
+        assert gemm.choose_config(sm90, GemmProblem(n, k, dtype), 4096).block_m == 128
 
 
 def test_gemm_producer_counts_are_checked():
     from ptxforge.kernels import sm90_gemm as gemm
 
     with pytest.raises(ValueError, match="producers must be 1, 2 or 4 warps, got 3"):
-        gemm.make_config(arch.get("sm_90a"), 2112, 7168, 64, 16, producers=3)
+        gemm.make_config(arch.get("sm_90a"), GemmProblem(2112, 7168), 64, 16, producers=3)
 
 
 def test_gemm_multicast_shares_a_across_a_cluster_pair():
     from ptxforge.kernels import sm90_gemm as gemm
 
     sm90 = arch.get("sm_90a")
-    assert gemm.choose_config(sm90, 128, 7168, 16384).multicast == 1  # too few tiles to pair
+    # Too few tiles to pair.
+    assert gemm.choose_config(sm90, GemmProblem(7168, 16384), 128).multicast == 1
     with pytest.raises(ValueError, match="multicast 2 needs"):
-        gemm.make_config(sm90, 2112, 7168, 128, 128, multicast=2)  # 17 tiles along N
-    cfg = gemm.make_config(sm90, 7168, 2048, 128, 128, multicast=2)
+        gemm.make_config(sm90, GemmProblem(2112, 7168), 128, 128, multicast=2)  # 17 tiles along N
+    cfg = gemm.make_config(sm90, GemmProblem(7168, 2048), 128, 128, multicast=2)
     ptx = gemm.generate(cfg).ptx()
     assert ptx.count(".multicast::cluster") == 1 and cfg.a_box_rows == 64
     assert "mapa.shared::cluster.u32" in ptx
@@ -459,9 +476,9 @@ def test_gemm_clusters_along_m_share_b(groups):
     from ptxforge.kernels import sm90_gemm as gemm
 
     sm90 = arch.get("sm_90a")
-    cfg = gemm.make_config(sm90, 4096, 7168, 128, 128, multicast=2, groups=groups,
-                           share_b=True, raster=1)
-    plain = gemm.make_config(sm90, 4096, 7168, 128, 128, groups=groups)
+    problem = GemmProblem(4096, 7168, "e4m3", "contiguous" if groups else "dense", groups)
+    cfg = gemm.make_config(sm90, problem, 128, 128, multicast=2, share_b=True, raster=1)
+    plain = gemm.make_config(sm90, problem, 128, 128)
     assert cfg.name.endswith("_ras1_shb") and cfg.b_box_rows == 64 and cfg.a_box_rows == 128
     assert cfg.tx_bytes == plain.tx_bytes and cfg.launch.cluster == 2
     ptx = gemm.generate(cfg).ptx()
@@ -472,10 +489,10 @@ def test_gemm_clusters_along_m_share_b(groups):
     assert "not.pred" in ptx                            # a repeated tile stores nothing
     assert jit.build(gemm.generate(cfg)).resources.spills == 0
     with pytest.raises(ValueError, match="share_b needs multicast 2"):
-        gemm.make_config(sm90, 4096, 7168, 128, 128, groups=groups, share_b=True)
+        gemm.make_config(sm90, problem, 128, 128, share_b=True)
     with pytest.raises(ValueError, match="share_b needs"):
-        gemm.make_config(sm90, 4096, 7168, 128, 128, multicast=2, groups=8, masked=True,
-                         share_b=True)
+        gemm.make_config(sm90, GemmProblem(4096, 7168, "e4m3", "masked", 8), 128, 128,
+                         multicast=2, share_b=True)
 
 
 def test_small_groups_get_clusters_sharing_b():
@@ -485,10 +502,11 @@ def test_small_groups_get_clusters_sharing_b():
     from ptxforge.kernels import sm90_gemm as gemm
 
     sm90 = arch.get("sm_90a")
-    small = gemm.choose_config(sm90, 4096 * 8 + 256 * 127, 4096, 7168, groups=256)
+    small = gemm.choose_config(sm90, GemmProblem(4096, 7168, "e4m3", "contiguous", 256),
+                               4096 * 8 + 256 * 127)
     assert small.share_b and small.raster == 1 and small.multicast == 2
-    large = gemm.choose_config(sm90, 4 * 8192, 4096, 7168, groups=4)
-    dense = gemm.choose_config(sm90, 4 * 8192, 4096, 7168)
+    large = gemm.choose_config(sm90, GemmProblem(4096, 7168, "e4m3", "contiguous", 4), 4 * 8192)
+    dense = gemm.choose_config(sm90, GemmProblem(4096, 7168), 4 * 8192)
     assert not large.share_b and large.multicast == 2 and not dense.share_b
 
 
@@ -500,7 +518,7 @@ def test_gemm_b_scales_come_with_each_stage(block_n, dtype):
     sb from shared memory only. bf16 has no scales: one arrival."""
     from ptxforge.kernels import sm90_gemm as gemm
 
-    cfg = gemm.make_config(arch.get("sm_90a"), 2112, 7168, 64, block_n, dtype=dtype)
+    cfg = gemm.make_config(arch.get("sm_90a"), GemmProblem(2112, 7168, dtype), 64, block_n)
     ptx = gemm.generate(cfg).ptx()
     rows = 1 + cfg.straddles
     assert ptx.count("cp.async.ca.shared.global") == (rows if cfg.scaled else 0)

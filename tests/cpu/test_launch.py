@@ -7,6 +7,7 @@ import pytest
 
 from ptxforge import arch, jit, kernels
 from ptxforge.kernels import sm90_gemm as gemm
+from ptxforge.kernels.gemm import GemmProblem
 from ptxforge.ptx import KernelBuilder, LaunchShape, TensorMap, addr
 from ptxforge.runtime.launch import Launcher, launch_attributes
 
@@ -86,7 +87,8 @@ def _gemm_configs():
         spec = kernels.get(name)
         for options in spec.variants:
             yield pytest.param(spec.config(a, **options), id=f"{name}-{options}")
-    yield pytest.param(gemm.make_config(a, 1000, 640, 128, 160, accumulate=True), id="accumulate")
+    yield pytest.param(gemm.make_config(a, GemmProblem(1000, 640, epilogue=("accumulate",)), 128,
+                                        160), id="accumulate")
 
 
 @pytest.mark.parametrize("cfg", list(_gemm_configs()))

@@ -535,18 +535,18 @@ def test_mn_major_layout_works_on_the_cpu(shape):
 
 # --------------------------------------------------------------------------- config= (a forced tile)
 def forced(case: str, **changes):
-    """A GEMM tile for the case's problem (N = K = 128), with ``changes`` to make_config's
-    arguments."""
+    """A GEMM tile for the case's problem (N = K = 128), with ``changes`` to the problem's
+    fields."""
     from ptxforge import arch
     from ptxforge.kernels import sm90_gemm as gemm
+    from ptxforge.kernels.gemm import GemmProblem
 
-    options = {"n": N, "k": K, "block_m": 64, "block_n": 16, "groups": 0, "masked": False,
-               "dtype": "bf16" if "bf16" in case else "e4m3", "accumulate": "c=" in case,
-               "bias": "bias=" in case, "residual": "residual=" in case}
-    if "grouped" in case:
-        options.update(groups=G, masked="masked" in case)
-    options.update(changes)
-    return gemm.make_config(arch.get("sm_90a"), **options)
+    terms = tuple(term for term, argument in (("accumulate", "c="), ("bias", "bias="),
+                                              ("residual", "residual=")) if argument in case)
+    layout = ("masked" if "masked" in case else "contiguous") if "grouped" in case else "dense"
+    problem = GemmProblem(N, K, "bf16" if "bf16" in case else "e4m3", layout,
+                          G if "grouped" in case else 0, terms)
+    return gemm.make_config(arch.get("sm_90a"), problem._replace(**changes), 64, 16)
 
 
 GEMM_CASES = [case for case in CASES if "gemm" in case]
@@ -571,13 +571,14 @@ def test_a_config_for_another_problem_is_refused_before_the_device(case):
 
 @pytest.mark.parametrize("case, changes, given, needed", [
     ("fp8_gemm_nt", {"dtype": "bf16"}, "dtype='bf16'", "dtype='e4m3'"),
-    ("fp8_gemm_nt(c=)", {"accumulate": False}, "accumulate=False", "accumulate=True"),
+    ("fp8_gemm_nt(c=)", {"epilogue": ()}, "epilogue=()", "epilogue=('accumulate',)"),
     ("m_grouped_fp8_gemm_nt_contiguous", {"groups": 4}, "groups=4", "groups=2"),
-    ("m_grouped_bf16_gemm_nt_masked", {"masked": False}, "masked=False", "masked=True"),
+    ("m_grouped_bf16_gemm_nt_masked", {"layout": "contiguous"}, "layout='contiguous'",
+     "layout='masked'"),
     ("bf16_gemm_nt", {"k": 256, "dtype": "e4m3"}, "k=256, dtype='e4m3'", "k=128, dtype='bf16'"),
-    ("fp8_gemm_nt(bias=)", {"bias": False}, "bias=False", "bias=True"),
-    ("fp8_gemm_nt(residual=)", {"residual": False}, "residual=False", "residual=True"),
-    ("bf16_gemm_nt", {"residual": True}, "residual=True", "residual=False"),
+    ("fp8_gemm_nt(bias=)", {"epilogue": ()}, "epilogue=()", "epilogue=('bias',)"),
+    ("fp8_gemm_nt(residual=)", {"epilogue": ()}, "epilogue=()", "epilogue=('residual',)"),
+    ("bf16_gemm_nt", {"epilogue": ("residual",)}, "epilogue=('residual',)", "epilogue=()"),
 ])
 def test_a_config_names_every_field_that_does_not_fit(case, changes, given, needed):
     args = arguments(case)
@@ -590,7 +591,7 @@ def test_a_config_names_every_field_that_does_not_fit(case, changes, given, need
 def test_a_config_must_be_a_gemm_config():
     args = arguments("fp8_gemm_nt")
     args["config"] = {"block_m": 64}
-    with pytest.raises(TypeError, match="^config must be a GemmConfig .*, got dict$"):
+    with pytest.raises(TypeError, match="^config must be a GEMM config .*, got dict$"):
         call("fp8_gemm_nt", args)
 
 

@@ -13,6 +13,7 @@ import pytest
 
 from ptxforge import arch, kernels
 from ptxforge.kernels import sm90_gemm as gemm
+from ptxforge.kernels.gemm import GemmProblem
 
 from test_golden_ptx import GEMM_MAKE_CONFIG
 
@@ -93,9 +94,10 @@ def sm90_variants():
     for spec in kernels.REGISTRY.values():
         for options in spec.variants:
             yield pytest.param(spec.builder(a, **options), id=f"{spec.name}-{options}")
-    for options in GEMM_MAKE_CONFIG:
-        yield pytest.param(gemm.generate(gemm.make_config(a, **options)),
-                           id="make_config-" + ",".join(f"{k}={v}" for k, v in options.items()))
+    for problem, tile in GEMM_MAKE_CONFIG:
+        yield pytest.param(gemm.generate(gemm.make_config(a, problem, **tile)),
+                           id=f"make_config-{problem}-" + ",".join(f"{k}={v}"
+                                                                   for k, v in tile.items()))
 
 
 @pytest.mark.parametrize("kernel", list(sm90_variants()))
@@ -107,8 +109,8 @@ def test_no_gemm_prefetches_weights_before_waiting():
     """A first version prefetched the first tile's B boxes into L2 before the wait; on
     every launch (PDL or not) that cost the memory-bound GEMMs 3-14% (H200, M = 64-128,
     docs/performance.md), so the GEMMs issue no prefetch at all."""
-    for options in GEMM_MAKE_CONFIG:
-        ptx = gemm.generate(gemm.make_config(arch.get("sm_90a"), **options)).ptx()
+    for problem, tile in GEMM_MAKE_CONFIG:
+        ptx = gemm.generate(gemm.make_config(arch.get("sm_90a"), problem, **tile)).ptx()
         assert "cp.async.bulk.prefetch" not in ptx
 
 
@@ -155,20 +157,18 @@ def launchers(monkeypatch, tmp_path):
               common.default_pdl, combine._kernel, routing._launcher)
     for cache in caches:
         cache.cache_clear()
-    yield {"gemm": lambda pdl: gemm_ops._plan(0, 8, 4096, 7168, 132, False, 0, False, 0,
-                                              "e4m3", False, False, None, pdl)[0],
-           "masked gemm": lambda pdl: gemm_ops._plan(0, 16, 7168, 2048, 132, False, 4, True,
-                                                     8, "e4m3", False, False, None, pdl)[0],
-           "rms_norm": lambda pdl: rowwise._kernel(0, 7168, True, False, False, pdl)[2],
-           "quantize_fp8_per_token": lambda pdl: rowwise._kernel(0, 7168, False, True, False,
-                                                                 pdl)[2],
-           "silu_mul_quantize_fp8": lambda pdl: rowwise._kernel(0, 18432, False, True, True,
-                                                                pdl)[2],
+    dense, masked = GemmProblem(4096, 7168), GemmProblem(7168, 2048, "e4m3", "masked", 4)
+    row = lambda variant, hidden, pdl, fanout=1: rowwise._kernel(
+        0, rowwise.VARIANTS[variant], hidden, pdl, fanout)[2]
+    yield {"gemm": lambda pdl: gemm_ops._plan(0, dense, 8, 8, 132, None, pdl)[0],
+           "masked gemm": lambda pdl: gemm_ops._plan(0, masked, 16, 32, 132, None, pdl)[0],
+           "rms_norm": lambda pdl: row("rms_norm", 7168, pdl),
+           "quantize_fp8_per_token": lambda pdl: row("quantize_fp8_per_token", 7168, pdl),
+           "silu_mul_quantize_fp8": lambda pdl: row("silu_mul_quantize_fp8", 18432, pdl),
            "quantize_fp8_per_block": lambda pdl: block_quant._launcher(0, pdl),
-           "moe_permute_quantize_fp8": lambda pdl: rowwise._kernel(
-               0, 7168, False, True, False, pdl, "scatter")[2],
-           "moe_silu_mul_quantize_fp8": lambda pdl: rowwise._kernel(
-               0, 2048, False, True, True, pdl, "indexed")[2],
+           "moe_permute_quantize_fp8": lambda pdl: row("moe_permute_quantize_fp8", 7168, pdl),
+           "moe_silu_mul_quantize_fp8": lambda pdl: row("moe_silu_mul_quantize_fp8", 2048,
+                                                        pdl),
            "moe_combine": lambda pdl: combine._kernel(0, 7168, 8, "f32", pdl)[1],
            "moe_routing_layout": lambda pdl: routing._launcher(0, 256, "contiguous", pdl),
            "moe_routing_layout(masked)": lambda pdl: routing._launcher(0, 8, "masked", pdl)}

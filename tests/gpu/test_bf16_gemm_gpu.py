@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import ptxforge
+from ptxforge.kernels.gemm import GemmProblem
 from ptxforge.testing.checks import calc_diff, relative_error
 
 pytestmark = pytest.mark.gpu
@@ -47,8 +48,8 @@ def test_every_tile_width(gpu_arch):
             (128, 160, 1, 1, 2), (128, 128, 2, 1, 2), (64, 16, 1, 1, 4), (64, 24, 1, 1, 1),
             (64, 32, 1, 2, 2), (128, 192, 1, 1, 4), (128, 176, 1, 1, 2), (128, 240, 1, 1, 2)]:
         try:
-            cfg = gemm.make_config(gpu_arch, 1000, 640, block_m, block_n, ctas,
-                                   multicast, dtype="bf16", producers=warps)
+            cfg = gemm.make_config(gpu_arch, GemmProblem(1000, 640, "bf16"), block_m, block_n,
+                                   ctas, multicast, producers=warps)
         except ValueError:
             continue
         d = torch.full((200, 1000), float("nan"), device="cuda", dtype=torch.bfloat16)

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import ptxforge
+from ptxforge.kernels.gemm import GemmProblem
 from ptxforge.testing.checks import calc_diff, fp8_gemm_operands, relative_error
 
 pytestmark = pytest.mark.gpu
@@ -129,8 +130,8 @@ def test_every_tile_shape(gpu_arch):
     shapes += [(64, 32, 1, 2, 2), (64, 128, 1, 2, 4), (128, 128, 2, 1, 4)]
     for block_m, block_n, multicast, ctas, warps in shapes:
         try:
-            cfg = gemm.make_config(arch, 1000, 640, block_m, block_n, ctas, multicast,
-                                   producers=warps)
+            cfg = gemm.make_config(arch, GemmProblem(1000, 640), block_m, block_n, ctas,
+                                   multicast, producers=warps)
         except ValueError:
             continue  # does not fit the registers, or an odd tile count for multicast
         for m in (1, 200, 700):
@@ -151,8 +152,8 @@ def test_clusters_sharing_b(gpu_arch):
     for block_n in (64, 128, 144, 160):
         for parts in (1, 2):
             try:
-                cfg = gemm.make_config(gpu_arch, 1000, 640, 128, block_n, 1, 2, parts,
-                                       share_b=True)
+                cfg = gemm.make_config(gpu_arch, GemmProblem(1000, 640), 128, block_n, 1, 2,
+                                       parts, share_b=True)
             except ValueError:
                 continue  # does not fit the registers
             for m in (1, 200, 300, 700, 900):
@@ -205,7 +206,8 @@ def test_accumulates_with_every_store_box(gpu_arch):
 
     failures = []
     for block_m, block_n in [(64, 16), (64, 24), (64, 32), (128, 56), (128, 128), (128, 160)]:
-        cfg = gemm.make_config(gpu_arch, 1000, 640, block_m, block_n, accumulate=True)
+        cfg = gemm.make_config(gpu_arch, GemmProblem(1000, 640, epilogue=("accumulate",)),
+                               block_m, block_n)
         a, b, ref = fp8_gemm_operands(200, 1000, 640)
         c = torch.randn(200, 1000, device="cuda", dtype=torch.float32)
         d = torch.full_like(c, float("nan"))
@@ -268,7 +270,8 @@ def test_adds_the_bias_with_every_tile_width(gpu_arch):
 
     failures = []
     for block_m, block_n in [(64, 16), (64, 24), (128, 56), (128, 128), (64, 160), (128, 160)]:
-        cfg = gemm.make_config(gpu_arch, 1000, 640, block_m, block_n, bias=True)
+        cfg = gemm.make_config(gpu_arch, GemmProblem(1000, 640, epilogue=("bias",)), block_m,
+                               block_n)
         a, b, ref = fp8_gemm_operands(200, 1000, 640)
         bias = torch.randn(1000, device="cuda", dtype=torch.bfloat16)
         d = torch.full((200, 1000), float("nan"), device="cuda", dtype=torch.bfloat16)
@@ -312,14 +315,15 @@ def test_few_token_tiles(gpu_arch):
     for tile_rows in (8, 16, 32):
         for m in (1, tile_rows - 1, tile_rows, tile_rows + 1, 3 * tile_rows + 5):
             a, b, ref = fp8_gemm_operands(m, 1000, 640)
-            cfg = gemm.make_config(gpu_arch, 1000, 640, 64, 24, tile_rows=tile_rows)
+            cfg = gemm.make_config(gpu_arch, GemmProblem(1000, 640), 64, 24, tile_rows=tile_rows)
             d = torch.full((m, 1000), float("nan"), device="cuda", dtype=torch.bfloat16)
             ptxforge.fp8_gemm_nt(a, b, d, config=cfg)
             if torch.isnan(d).any() or not relative_error(d, ref) <= 2e-3:
                 failures.append(("e4m3", tile_rows, m, relative_error(d, ref)))
             x = torch.randn(m, 640, device="cuda", dtype=torch.bfloat16)
             w = torch.randn(1000, 640, device="cuda", dtype=torch.bfloat16)
-            cfg = gemm.make_config(gpu_arch, 1000, 640, 64, 32, dtype="bf16", tile_rows=tile_rows)
+            cfg = gemm.make_config(gpu_arch, GemmProblem(1000, 640, "bf16"), 64, 32,
+                                   tile_rows=tile_rows)
             d = torch.full((m, 1000), float("nan"), device="cuda", dtype=torch.bfloat16)
             ptxforge.bf16_gemm_nt(x, w, d, config=cfg)
             expected = x.double() @ w.double().T

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import ptxforge
+from ptxforge.kernels.gemm import GemmProblem
 from ptxforge.testing.bench import grouped_operands
 from ptxforge.testing.checks import calc_diff, relative_error
 
@@ -102,9 +103,9 @@ def test_clusters_sharing_b(gpu_arch):
             sizes = [rng.choice([0, 1, 100, 128, 129, 250, 256, 300])
                      for _ in range(rng.randint(1, 6))] + [rng.choice([1, 129])]
             a, b, m_indices, ref = grouped_operands(sizes, n, k)
-            shared = gemm.make_config(gpu_arch, n, k, 128, block_n, 1, 2, 1,
-                                      groups=len(sizes), share_b=True)
-            plain = gemm.make_config(gpu_arch, n, k, 128, block_n, 1, 1, 1, groups=len(sizes))
+            problem = GemmProblem(n, k, "e4m3", "contiguous", len(sizes))
+            shared = gemm.make_config(gpu_arch, problem, 128, block_n, 1, 2, 1, share_b=True)
+            plain = gemm.make_config(gpu_arch, problem, 128, block_n, 1, 1, 1)
             outputs = []
             for cfg in (shared, plain):
                 d = torch.full((a[0].shape[0], n), float("nan"), device="cuda",
@@ -115,7 +116,8 @@ def test_clusters_sharing_b(gpu_arch):
             assert torch.equal(outputs[0], outputs[1]), (sizes, n, k)
     a, b, m_indices, ref = grouped_operands([300, 0, 213, 128], 512, 256)
     m_indices[5], m_indices[300] = 7, -9
-    cfg = gemm.make_config(gpu_arch, 512, 256, 128, 128, 1, 2, groups=4, share_b=True)
+    cfg = gemm.make_config(gpu_arch, GemmProblem(512, 256, "e4m3", "contiguous", 4), 128, 128,
+                           1, 2, share_b=True)
     for used in (0, 128, 384, 640):
         d = torch.full((a[0].shape[0], 512), float("nan"), device="cuda", dtype=torch.bfloat16)
         rows_used = torch.tensor([used], dtype=torch.int32, device="cuda")
@@ -189,14 +191,15 @@ def test_masked_few_token_tiles(gpu_arch, tile_rows):
 
     counts = [1, tile_rows - 1, tile_rows, tile_rows + 1, 0, 3 * tile_rows + 2]
     a, b, masked_m, ref = masked_operands(counts, 4 * tile_rows, 1000, 640)
-    cfg = gemm.make_config(gpu_arch, 1000, 640, 64, 24, groups=len(counts), masked=True,
-                           tile_rows=tile_rows)
+    cfg = gemm.make_config(gpu_arch, GemmProblem(1000, 640, "e4m3", "masked", len(counts)), 64,
+                           24, tile_rows=tile_rows)
     d = torch.full((len(counts), 4 * tile_rows, 1000), float("nan"), device="cuda",
                    dtype=torch.bfloat16)
     ptxforge.m_grouped_fp8_gemm_nt_masked(a, b, d, masked_m, tile_rows, config=cfg)
     torch.cuda.synchronize()
     check_masked(d, ref, counts)
-    assert gemm.choose_config(gpu_arch, 8 * 8, 4096, 7168, groups=8, masked=True).tile_rows == 8
+    masked = GemmProblem(4096, 7168, "e4m3", "masked", 8)
+    assert gemm.choose_config(gpu_arch, masked, 8 * 8).tile_rows == 8
 
 
 def test_masked_graph_replays_new_counts():

@@ -8,6 +8,7 @@ import torch
 
 import ptxforge
 from ptxforge import kernels
+from ptxforge.kernels.gemm import GemmProblem
 from ptxforge.testing.checks import (bf16_gemm_operands, calc_diff, fp8_gemm_operands,
                                      relative_error)
 
@@ -120,17 +121,17 @@ def test_every_tile_class_adds_the_residual(gpu_arch):
              (128, 160, {}), (64, 32, {"ctas_per_sm": 2})]
     for dtype, (_, _, config_dtype) in GEMMS.items():
         for block_m, block_n, options in tiles:
-            cfg = gemm.make_config(gpu_arch, n, k, block_m, block_n, dtype=config_dtype,
-                                   residual=True, **options)
+            problem = GemmProblem(n, k, config_dtype, epilogue=("residual",))
+            cfg = gemm.make_config(gpu_arch, problem, block_m, block_n, **options)
             for m in (1, 200, 700):
                 failures += _forced(dtype, cfg, m, n, k)
         for tile_rows in (8, 16, 32):
-            cfg = gemm.make_config(gpu_arch, n, k, 64, 24, tile_rows=tile_rows,
-                                   dtype=config_dtype, residual=True)
+            problem = GemmProblem(n, k, config_dtype, epilogue=("residual",))
+            cfg = gemm.make_config(gpu_arch, problem, 64, 24, tile_rows=tile_rows)
             for m in (1, tile_rows - 1, tile_rows, tile_rows + 1, 3 * tile_rows + 5):
                 failures += _forced(dtype, cfg, m, n, k)
-    cfg = gemm.make_config(gpu_arch, 1024, 512, 128, 128, multicast=2, residual=True,
-                           bias=True)
+    cfg = gemm.make_config(gpu_arch, GemmProblem(1024, 512, epilogue=("bias", "residual")), 128,
+                           128, multicast=2)
     failures += _forced("fp8", cfg, 1000, 1024, 512, bias=True)
     assert not failures, failures
 

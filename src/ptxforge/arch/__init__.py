@@ -58,6 +58,9 @@ class Arch:
     device: Device = field(hash=False)
     tma_alignment: int | None = None  # bytes; None on a target without TMA
     throughput: dict = field(hash=False, default_factory=dict)  # per SM per clock: cost models
+    # family -> the kernel generation this target runs (kernels.gemm_generation); a family
+    # missing here has no kernel on the target
+    kernels: dict = field(hash=False, default_factory=dict)
 
     @property
     def sm_count(self) -> int:

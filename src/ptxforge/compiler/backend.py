@@ -112,7 +112,7 @@ def assemble(gm: torch.fx.GraphModule, up_to: int | None = None) -> int:
     if isinstance(arch, str):
         return 0
     rows = {passes.traced_size(math.prod(v.shape[:-1])) for v in values}
-    tokens = sorted(rows | set(precompile.every_token_count(up_to) if up_to else ()))
+    tokens = sorted(rows | set(precompile.every_token_count(arch, up_to) if up_to else ()))
     kernels = [kernel for found in nodes.values() for kernel in found]
     return len(jit.precompile(precompile.builders(kernels, arch, tokens),
                               progress=up_to is not None))

@@ -179,7 +179,7 @@ def _why_not_taken(g: Graph, found: Experts, fp8: bool, arch_of) -> str | None:
     kernels = precompile.moe_kernels(experts, hidden, two_inner // 2,
                                      g.value(found.index).shape[-1], g.value(found.weights).dtype)
     try:   # every kernel the op launches (the GEMMs' sizes first), for one token and many
-        for kernel in sorted(kernels, key=lambda kernel: not isinstance(kernel, precompile.Gemm)):
+        for kernel in sorted(kernels, key=lambda kernel: not isinstance(kernel, precompile.GemmKernel)):
             for tokens in (1, 1 << 14):   # (both layouts)
                 kernel.config(arch, tokens)
     except ValueError as error:

@@ -32,9 +32,9 @@ from dataclasses import dataclass
 import torch
 
 from .. import ops  # noqa: F401  registers torch.ops.ptxforge
+from .. import kernels
 from ..kernels import bf16_row_rmsnorm_fp8quant as row_kernel
-from ..kernels import sm90_gemm as gemm_kernel
-from .precompile import ROW_VARIANTS
+from ..kernels.gemm import GemmProblem
 
 _F = torch.nn.functional
 PTXFORGE = torch.ops.ptxforge
@@ -183,7 +183,7 @@ def why_not_gemm(weight: torch.Tensor, arch_of) -> str | None:
     if why is not None:
         return why
     try:
-        gemm_kernel.require_problem(arch, *weight.shape)
+        kernels.gemm_generation(arch).require_problem(arch, GemmProblem(*weight.shape))
     except ValueError as error:
         return str(error)
     return None
@@ -420,7 +420,7 @@ def _row_kernel_takes(variant: str, hidden: int, arch_of, device) -> str | None:
     if isinstance(arch, str):
         return arch
     try:
-        row_kernel.choose_config(arch, hidden, **ROW_VARIANTS[variant])
+        row_kernel.choose_config(arch, row_kernel.VARIANTS[variant], hidden)
     except ValueError as error:
         return str(error)
     return None

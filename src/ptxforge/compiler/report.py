@@ -77,7 +77,7 @@ def report_tables(case, graphs: list[GraphPlan], arch, token_counts=(1, 64, 2048
     total = sum(len(item.node.split(", ")) for item in linears)
     summary = f"{taken} of {total} Linears on ptxforge GEMMs"
     gemms = [k for g in graphs for found in g.kernels.values() for k in found
-             if isinstance(k, precompile.Gemm)]
+             if isinstance(k, precompile.GemmKernel)]
     if gemms:
         weights = sum(gemm.weight_bytes for gemm in gemms)
         summary += (f"; their weights: {weights / 1e6:.0f} MB a call, at least "
@@ -85,9 +85,10 @@ def report_tables(case, graphs: list[GraphPlan], arch, token_counts=(1, 64, 2048
                     f"{arch.device.name}'s nominal {arch.device.memory_bandwidth_gbs:.0f} GB/s")
     rows = []
     for kernel in kernels(graphs):
-        names = [kernel.config(arch, m).name for m in token_counts]
-        if isinstance(kernel, precompile.Gemm):   # the tile, after the problem's sizes
-            names = [name.split(f"_k{kernel.k}_", 1)[-1] for name in names]
+        configs = [kernel.config(arch, m) for m in token_counts]
+        names = [cfg.name for cfg in configs]
+        if isinstance(kernel, precompile.GemmKernel):   # the tile, after the problem's sizes
+            names = [cfg.name.split(f"_k{cfg.k}_", 1)[-1] for cfg in configs]
         tiles = [name if i == 0 or name != names[i - 1] else "same"
                  for i, name in enumerate(names)]
         rows.append([str(kernel), *tiles])

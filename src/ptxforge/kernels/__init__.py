@@ -1,8 +1,13 @@
-"""Kernel generators, one per file, and the registry the CLI and tests walk.
+"""Kernel generators, one per file, the GEMM generation of each target, and the registry
+the CLI and tests walk.
 
 Each registry entry turns (arch, keyword options) into a config through the kernel's
 own heuristic, and a config into a ``KernelBuilder`` through its generator. Each is the
 kernel of a public op, named in that op's row of ``ptxforge.public.PUBLIC``.
+
+The GEMM has generations (``sm90_gemm``: wgmma and TMA); a target's architecture
+description names the one it runs (``[kernels] gemm``), and ``gemm_generation(arch)``
+finds it: the ops, precompiling and the compile backend ask it, never a module by name.
 """
 
 from __future__ import annotations
@@ -10,8 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from .. import arch as _arch
 from . import (bf16_block_quant_fp8, bf16_moe_combine, bf16_row_rmsnorm_fp8quant,
                f32_moe_scale_gather, i64_moe_routing_layout, sm90_gemm)
+from .gemm import GemmProblem
 from .ep_intranode import combine as ep_combine
 from .ep_intranode import dispatch as ep_dispatch
 from .ep_intranode import layout as ep_layout
@@ -60,20 +67,47 @@ class KernelSpec:
         return self.generate(self.config(arch, **options))
 
 
-def _row(normalize: bool, quantize: bool, swiglu: bool = False, row_map: str = "dense"):
+# The GEMM generation each target's description names ([kernels] gemm).
+GEMM_GENERATIONS = {"sm90_gemm": sm90_gemm}
+
+
+def gemm_generation(arch):
+    """The GEMM generation ``arch`` runs: a module with ``choose_config(arch, problem, m,
+    sms)``, ``generate(cfg)``, ``require_problem(arch, problem)``, ``token_counts(limit)``
+    and ``GemmConfig``."""
+    name = arch.kernels.get("gemm")
+    if name is None:
+        runs = ", ".join(target for target in _arch.targets()
+                         if "gemm" in _arch.get(target).kernels)
+        raise ValueError(f"ptxforge has no GEMM for {arch.target} ({arch.device.name}); its "
+                         f"GEMM runs on {runs}")
+    return GEMM_GENERATIONS[name]
+
+
+def gemm_config(arch, problem: GemmProblem, m: int, sms: int | None = None):
+    """The config ``problem`` runs with for ``m`` rows (the masked layout: all groups'
+    expected rows) on ``sms`` SMs: the one tile choice, which launches and precompiling
+    both make."""
+    return gemm_generation(arch).choose_config(arch, problem, m, sms)
+
+
+def _row_spec(variant) -> "KernelSpec":
+    """The registry entry of a row-kernel variant: its options and precompiled sizes follow
+    from what it reads (a hidden size, SwiGLU's intermediate size, the scatter's top-k)."""
+    if variant.row_map == "scatter":
+        options = {"hidden": 7168, "topk": 8}
+        sizes = tuple({"hidden": h, "topk": k} for h in HIDDEN_SIZES for k in (8, 2))
+    elif variant.swiglu:   # hidden: the intermediate size I of gate and up [M, I]
+        options = {"hidden": 2048 if variant.row_map == "indexed" else 18432}
+        sizes = tuple({"hidden": i} for i in INTERMEDIATE_SIZES)
+    else:
+        options, sizes = {"hidden": 7168}, tuple({"hidden": h} for h in HIDDEN_SIZES)
+
     def configure(arch, hidden: int, topk: int = 1):
-        return bf16_row_rmsnorm_fp8quant.choose_config(arch, hidden, normalize=normalize,
-                                                       quantize=quantize, swiglu=swiglu,
-                                                       row_map=row_map, fanout=topk)
-    return configure
+        return bf16_row_rmsnorm_fp8quant.choose_config(arch, variant, hidden, fanout=topk)
+    return KernelSpec(variant.op, configure, bf16_row_rmsnorm_fp8quant.generate, options,
+                      sizes, variant.doc)
 
-
-_ROW_OPTIONS = {"hidden": 7168}
-
-
-_ROW_VARIANTS = tuple({"hidden": h} for h in HIDDEN_SIZES)
-_SWIGLU_OPTIONS = {"hidden": 18432}  # hidden: the intermediate size I of gate and up [M, I]
-_SWIGLU_VARIANTS = tuple({"hidden": i} for i in INTERMEDIATE_SIZES)
 # (N, K) of DeepGEMM's dense benchmark table.
 GEMM_SHAPES = ((2112, 7168), (24576, 1536), (32768, 512), (7168, 16384), (4096, 7168), (7168, 2048))
 # DeepGEMM's MoE rows: (groups, rows per group, N, K).
@@ -83,15 +117,18 @@ MASKED_SHAPES = ((1, 1024, 4096, 7168), (1, 1024, 7168, 2048), (2, 512, 4096, 71
                  (2, 512, 7168, 2048), (4, 256, 4096, 7168), (4, 256, 7168, 2048))
 
 
-def _gemm(dtype: str = "e4m3", masked: bool = False):
+def _gemm(dtype: str = "e4m3", layout: str = "dense"):
     """The GEMM's configure: dense (m), contiguous (groups, m: all rows) or masked (groups,
     expected_m: rows a group)."""
     def configure(arch, n, k, m=0, groups=0, expected_m=0):
-        if masked:
+        if layout == "masked":
             m = groups * expected_m
-        return sm90_gemm.choose_config(arch, m, n, k, groups=groups, masked=masked,
-                                                dtype=dtype)
+        return gemm_config(arch, GemmProblem(n, k, dtype, layout, groups), m)
     return configure
+
+
+def _generate_gemm(cfg):
+    return gemm_generation(_arch.get(cfg.target)).generate(cfg)
 
 
 _DENSE_OPTIONS = {"m": 4096, "n": 7168, "k": 2048}
@@ -172,32 +209,24 @@ _EP_LL_VARIANTS = tuple({**_EP_LL_OPTIONS, "ranks": r, "phase": phase} for r in 
 
 REGISTRY = {
     spec.name: spec for spec in (
-        KernelSpec("rms_norm", _row(True, False), bf16_row_rmsnorm_fp8quant.generate,
-                   _ROW_OPTIONS, _ROW_VARIANTS, "RMSNorm, bf16 in/out"),
-        KernelSpec("quantize_fp8_per_token", _row(False, True), bf16_row_rmsnorm_fp8quant.generate,
-                   _ROW_OPTIONS, _ROW_VARIANTS, "bf16 -> e4m3 + 1x128 scales"),
-        KernelSpec("rms_norm_quantize_fp8", _row(True, True), bf16_row_rmsnorm_fp8quant.generate,
-                   _ROW_OPTIONS, _ROW_VARIANTS, "fused RMSNorm + 1x128 FP8 quantization"),
-        KernelSpec("silu_mul_quantize_fp8", _row(False, True, swiglu=True),
-                   bf16_row_rmsnorm_fp8quant.generate, _SWIGLU_OPTIONS, _SWIGLU_VARIANTS,
-                   "fused SwiGLU silu(gate) * up + 1x128 FP8 quantization (hidden: I)"),
+        *map(_row_spec, bf16_row_rmsnorm_fp8quant.VARIANTS.values()),
         KernelSpec("quantize_fp8_per_block", bf16_block_quant_fp8.choose_config,
                    bf16_block_quant_fp8.generate, {}, ({},), "bf16 -> e4m3 + 128x128 scales"),
-        KernelSpec("fp8_gemm_nt", _gemm(), sm90_gemm.generate, _DENSE_OPTIONS,
+        KernelSpec("fp8_gemm_nt", _gemm(), _generate_gemm, _DENSE_OPTIONS,
                    _DENSE_VARIANTS, "FP8 GEMM, 1x128 x 128x128 scaling"),
-        KernelSpec("bf16_gemm_nt", _gemm("bf16"), sm90_gemm.generate, _DENSE_OPTIONS,
+        KernelSpec("bf16_gemm_nt", _gemm("bf16"), _generate_gemm, _DENSE_OPTIONS,
                    _DENSE_VARIANTS, "BF16 GEMM"),
-        KernelSpec("m_grouped_fp8_gemm_nt_contiguous", _gemm(), sm90_gemm.generate,
-                   _CONTIGUOUS_OPTIONS, _CONTIGUOUS_VARIANTS,
+        KernelSpec("m_grouped_fp8_gemm_nt_contiguous", _gemm(layout="contiguous"),
+                   _generate_gemm, _CONTIGUOUS_OPTIONS, _CONTIGUOUS_VARIANTS,
                    "MoE FP8 GEMM, contiguous layout (m: all groups' rows)"),
-        KernelSpec("m_grouped_fp8_gemm_nt_masked", _gemm(masked=True), sm90_gemm.generate,
+        KernelSpec("m_grouped_fp8_gemm_nt_masked", _gemm(layout="masked"), _generate_gemm,
                    _MASKED_OPTIONS, _MASKED_VARIANTS,
                    "MoE FP8 GEMM, masked layout (expected_m: rows a group)"),
-        KernelSpec("m_grouped_bf16_gemm_nt_contiguous", _gemm("bf16"), sm90_gemm.generate,
-                   _CONTIGUOUS_OPTIONS, _CONTIGUOUS_VARIANTS,
+        KernelSpec("m_grouped_bf16_gemm_nt_contiguous", _gemm("bf16", "contiguous"),
+                   _generate_gemm, _CONTIGUOUS_OPTIONS, _CONTIGUOUS_VARIANTS,
                    "MoE BF16 GEMM, contiguous layout (m: all groups' rows)"),
-        KernelSpec("m_grouped_bf16_gemm_nt_masked", _gemm("bf16", masked=True),
-                   sm90_gemm.generate, _MASKED_OPTIONS, _MASKED_VARIANTS,
+        KernelSpec("m_grouped_bf16_gemm_nt_masked", _gemm("bf16", "masked"),
+                   _generate_gemm, _MASKED_OPTIONS, _MASKED_VARIANTS,
                    "MoE BF16 GEMM, masked layout (expected_m: rows a group)"),
         KernelSpec("moe_combine", _combine, bf16_moe_combine.generate, _COMBINE_OPTIONS,
                    _COMBINE_VARIANTS, "MoE combine: each token's weighted sum of its experts' "
@@ -206,17 +235,10 @@ REGISTRY = {
                    i64_moe_routing_layout.generate, _ROUTING_OPTIONS, _ROUTING_VARIANTS,
                    "MoE routing: each (token, expert) pair's row in the grouped GEMMs' input "
                    "(layout: contiguous or masked)"),
-        KernelSpec("moe_permute_quantize_fp8", _row(False, True, row_map="scatter"),
-                   bf16_row_rmsnorm_fp8quant.generate, {"hidden": 7168, "topk": 8},
-                   tuple({"hidden": h, "topk": k} for h in HIDDEN_SIZES for k in (8, 2)),
-                   "MoE: each token's row into its experts' rows, 1x128 FP8 quantization"),
         KernelSpec("moe_permute_scales", f32_moe_scale_gather.choose_config,
                    f32_moe_scale_gather.generate, {"hidden": 7168, "topk": 8},
                    tuple({"hidden": h, "topk": k} for h in HIDDEN_SIZES for k in (8, 2)),
                    "MoE: the grouped rows' 1x128 scales, MN-major, after the permutation"),
-        KernelSpec("moe_silu_mul_quantize_fp8", _row(False, True, swiglu=True, row_map="indexed"),
-                   bf16_row_rmsnorm_fp8quant.generate, {"hidden": 2048}, _SWIGLU_VARIANTS,
-                   "MoE: SwiGLU + 1x128 FP8 quantization of the grouped rows holding a pair"),
         KernelSpec("ep_dispatch_layout", ep_layout.choose_config, ep_layout.generate,
                    {"experts": 256, "ranks": 8, "topk": 8}, _EP_LAYOUT_VARIANTS,
                    "EP: tokens per rank and expert, token-in-rank mask (ptxforge.ep)"),

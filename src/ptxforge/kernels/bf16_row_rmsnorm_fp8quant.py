@@ -1,14 +1,22 @@
 """Row kernels over bf16 activations [M, K]: RMSNorm, per-token-group FP8 quantization, RMSNorm
-or SwiGLU fused with the quantization.
+or SwiGLU fused with the quantization, and the MoE's permutations of the quantization.
 
-One generator, four variants chosen by three switches:
+One generator, six variants (``VARIANTS``, one ``RowVariant`` value each: the ops, the
+registry, precompiling and the compile backend all take them from there):
 
-    normalize quantize swiglu  kernel                   writes
-    yes       no       no      rms_norm                 y  bf16 [M, K]
-    no        yes      no      quantize_fp8_per_token   q  e4m3 [M, K] + scales f32 (M x ceil(K/128))
-    yes       yes      no      rms_norm_quantize_fp8    q + scales of rms_norm(x) rounded to bf16
-    no        yes      yes     silu_mul_quantize_fp8    q + scales of h = silu(gate) * up, rounded
-                                                        as eager PyTorch rounds it
+    variant (the op)           normalize quantize swiglu row map  writes
+    rms_norm                   yes       no       no     dense    y  bf16 [M, K]
+    quantize_fp8_per_token     no        yes      no     dense    q  e4m3 [M, K] + scales f32
+                                                                  (M x ceil(K/128))
+    rms_norm_quantize_fp8      yes       yes      no     dense    q + scales of rms_norm(x)
+                                                                  rounded to bf16
+    silu_mul_quantize_fp8      no        yes      yes    dense    q + scales of h = silu(gate)
+                                                                  * up, rounded as eager
+                                                                  PyTorch rounds it
+    moe_permute_quantize_fp8   no        yes      no     scatter  a token's q into each of its
+                                                                  experts' rows
+    moe_silu_mul_quantize_fp8  no        yes      yes    indexed  SwiGLU + q of the grouped
+                                                                  rows holding a pair
 
 Inputs. A row is x's row, or with ``swiglu`` two rows: gate's and up's (an FFN's gate
 and up projections, [M, K] each with K its intermediate size), each with its own pointer
@@ -76,6 +84,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
+from typing import NamedTuple
 
 from ..arch import Arch
 from ..patterns import activation, fp8, reduce
@@ -86,19 +95,50 @@ GROUP = 128                 # quantization group along K
 VECTOR = 8                  # bf16 per 16-byte vector
 MIN_CTA_THREADS = 128
 MAX_CTAS_PER_SM = 8
-# Row groups per CTA, keyed by the variant (normalize, quantize, swiglu): measured, see the
-# docstring, except SwiGLU's, not yet measured (bench/row_experiments.py): one, as for the
-# quantization, whose stage it doubles.
-GROUPS_PER_CTA = {(True, False, False): 1, (False, True, False): 1, (True, True, False): 2,
-                  (False, True, True): 1}
-NAMES = {(True, False, False): "rmsnorm", (False, True, False): "quant_fp8_per_token",
-         (True, True, False): "rmsnorm_quant_fp8_per_token",
-         (False, True, True): "silu_mul_quant_fp8_per_token"}
 # The input rows a stage row holds, keyed by `swiglu`; each is a kernel parameter with its
 # row stride (<name>, <name>_row_stride).
 INPUTS = {False: ("x",), True: ("gate", "up")}
 # Which rows the work rows read and write (see the docstring).
 ROW_MAPS = ("dense", "scatter", "indexed")
+
+
+class RowVariant(NamedTuple):
+    """What a row kernel computes (the docstring's table): the op it serves, the three
+    switches and the row map, the PTX name's stem, and the row groups a CTA takes, measured
+    (see the docstring; SwiGLU's not yet measured by bench/row_experiments.py: one, as for
+    the quantization, whose stage it doubles). A named tuple: the ops' kernel caches are
+    keyed on it at every call."""
+
+    op: str
+    normalize: bool
+    quantize: bool
+    swiglu: bool
+    row_map: str
+    stem: str               # of the kernel's name: bf16_<stem>_k<hidden>
+    groups_per_cta: int
+    doc: str
+
+    @property
+    def inputs(self) -> tuple:
+        return INPUTS[self.swiglu]
+
+
+VARIANTS = {variant.op: variant for variant in (
+    RowVariant("rms_norm", True, False, False, "dense", "rmsnorm", 1, "RMSNorm, bf16 in/out"),
+    RowVariant("quantize_fp8_per_token", False, True, False, "dense", "quant_fp8_per_token", 1,
+               "bf16 -> e4m3 + 1x128 scales"),
+    RowVariant("rms_norm_quantize_fp8", True, True, False, "dense",
+               "rmsnorm_quant_fp8_per_token", 2, "fused RMSNorm + 1x128 FP8 quantization"),
+    RowVariant("silu_mul_quantize_fp8", False, True, True, "dense",
+               "silu_mul_quant_fp8_per_token", 1,
+               "fused SwiGLU silu(gate) * up + 1x128 FP8 quantization (hidden: I)"),
+    RowVariant("moe_permute_quantize_fp8", False, True, False, "scatter",
+               "quant_fp8_per_token_scatter", 1,
+               "MoE: each token's row into its experts' rows, 1x128 FP8 quantization"),
+    RowVariant("moe_silu_mul_quantize_fp8", False, True, True, "indexed",
+               "silu_mul_quant_fp8_per_token_indexed", 1,
+               "MoE: SwiGLU + 1x128 FP8 quantization of the grouped rows holding a pair"),
+)}
 MAX_FANOUT = 16   # a scatter's rows per input row, each index in a register
 # The scatter keeps the quantized row (two words a slot) and its fanout row indices live
 # across its stores: 64 registers spill from fanout 2 at K = 7168 (ptxas 13.0); 96 hold
@@ -117,27 +157,26 @@ SWIGLU_16_THREADS_7_VECTORS_REGISTERS = 72
 
 @dataclass(frozen=True)
 class RowKernelConfig:
+    variant: RowVariant
     hidden: int
-    normalize: bool
-    quantize: bool
-    swiglu: bool
     threads_per_row: int
     rows_per_cta: int
     groups: int       # row groups per CTA, each in its own shared-memory stage
     ctas_per_sm: int  # resident CTAs the registers and shared memory allow (ptxas's cap)
     target: str
-    row_map: str = "dense"
     fanout: int = 1   # scatter: the rows each input row is stored to (a MoE's top-k)
+
+    # The variant's switches, as the generator reads them.
+    normalize = property(lambda self: self.variant.normalize)
+    quantize = property(lambda self: self.variant.quantize)
+    swiglu = property(lambda self: self.variant.swiglu)
+    row_map = property(lambda self: self.variant.row_map)
+    inputs = property(lambda self: self.variant.inputs)
 
     @property
     def name(self) -> str:
-        mapped = {"dense": "", "scatter": f"_scatter{self.fanout}"}.get(self.row_map,
-                                                                        f"_{self.row_map}")
-        return f"bf16_{NAMES[(self.normalize, self.quantize, self.swiglu)]}{mapped}_k{self.hidden}"
-
-    @property
-    def inputs(self) -> tuple:
-        return INPUTS[self.swiglu]
+        fanout = str(self.fanout) if self.row_map == "scatter" else ""
+        return f"bf16_{self.variant.stem}{fanout}_k{self.hidden}"
 
     @property
     def threads(self) -> int:
@@ -191,28 +230,25 @@ class RowKernelConfig:
         return 0
 
 
-def choose_config(arch: Arch, hidden: int, *, normalize: bool, quantize: bool,
-                  swiglu: bool = False, groups: int | None = None,
-                  row_map: str = "dense", fanout: int = 1) -> RowKernelConfig:
+def choose_config(arch: Arch, variant: RowVariant, hidden: int, *, groups: int | None = None,
+                  fanout: int = 1) -> RowKernelConfig:
     """The fewest threads per row (a power of two, at least a half-warp) that keep each
     thread at <= 7-8 vectors; rows packed so a CTA has at least 128 threads; ``groups``
-    row groups per CTA (the measured default per variant); then as many resident CTAs an
-    SM as threads, registers and shared memory allow."""
-    variant = (normalize, quantize, swiglu)
-    if variant not in GROUPS_PER_CTA:
-        raise ValueError(f"the row kernel has no variant normalize={normalize}, "
-                         f"quantize={quantize}, swiglu={swiglu}; its variants (normalize, "
-                         f"quantize, swiglu): {', '.join(map(str, GROUPS_PER_CTA))}")
-    if row_map not in ROW_MAPS or (row_map != "dense" and (normalize or not quantize)):
-        raise ValueError(f"row_map must be one of {ROW_MAPS} ('dense' only with RMSNorm or "
-                         f"without quantization), got {row_map!r}")
+    row groups per CTA (the variant's measured default); then as many resident CTAs an
+    SM as threads, registers and shared memory allow. ``fanout``: the scatter's rows per
+    input row."""
+    if variant not in VARIANTS.values():
+        raise ValueError(f"the row kernel has no variant {variant!r}; its variants: "
+                         f"{', '.join(VARIANTS)}")
+    normalize, quantize, swiglu, row_map = (variant.normalize, variant.quantize,
+                                            variant.swiglu, variant.row_map)
     if row_map == "scatter" and hidden % 16:
         raise ValueError(f"hidden size (x.shape[1]) must be a multiple of 16 for the scatter's "
                          f"bulk stores, got {hidden}")
     if not 1 <= fanout <= MAX_FANOUT or (fanout > 1 and row_map != "scatter"):
         raise ValueError(f"experts per token (topk) must be from 1 to {MAX_FANOUT}, and above "
                          f"1 only for the scatter row map, got {fanout}")
-    groups = groups or GROUPS_PER_CTA[variant]
+    groups = groups or variant.groups_per_cta
     if hidden <= 0 or hidden % VECTOR:
         raise ValueError(f"hidden size ({INPUTS[swiglu][0]}.shape[-1]) must be a positive "
                          f"multiple of {VECTOR}, got {hidden}")
@@ -231,8 +267,8 @@ def choose_config(arch: Arch, hidden: int, *, normalize: bool, quantize: bool,
         raise ValueError(f"hidden size must be at most {limit}, got {hidden}")
     rows_per_cta = max(1, MIN_CTA_THREADS // threads_per_row)
     threads = threads_per_row * rows_per_cta
-    cfg = RowKernelConfig(hidden, normalize, quantize, swiglu, threads_per_row, rows_per_cta,
-                          groups, 1, arch.target, row_map, fanout)
+    cfg = RowKernelConfig(variant, hidden, threads_per_row, rows_per_cta, groups, 1,
+                          arch.target, fanout)
     shared = cfg.dynamic_shared_bytes + cfg.static_shared_bytes
     ctas = min(MAX_CTAS_PER_SM, arch.resident_ctas(threads, cfg.registers, shared))
     if ctas < 1:

@@ -80,7 +80,7 @@ from types import SimpleNamespace
 from ..arch import Arch
 from ..patterns import reduce
 from ..ptx import KernelBuilder, LaunchShape, addr, sreg
-from .sm90_gemm import CONTIGUOUS_ALIGNMENT
+from .gemm import CONTIGUOUS_ALIGNMENT
 
 WARPS = 32
 THREADS = 32 * WARPS

@@ -1,7 +1,13 @@
 """The GEMMs on torch tensors: DeepGEMM's ``fp8_gemm_nt`` (fine-grained FP8 scaling) and
-``bf16_gemm_nt``, with ``c`` or a fused ``bias`` and ``residual``, the MoE grouped forms
-(contiguous and masked layouts) of both, the SM budget (``set_num_sms``, a call's
-``num_sms=``) and a call's programmatic dependent launch (``pdl=``)."""
+``bf16_gemm_nt``, with ``c`` or a fused ``bias``, ``residual`` or ``alpha``, the MoE grouped
+forms (contiguous and masked layouts) of both, the SM budget (``set_num_sms``, a call's
+``num_sms=``) and a call's programmatic dependent launch (``pdl=``).
+
+Each op checks its arguments, builds the call's ``GemmProblem`` (kernels/gemm.py: N, K,
+dtype, layout, epilogue terms) and hands it to ``_launch``: the problem, M and the SM
+budget key the cached plan (the tile from ``kernels.gemm_config``, the same lookup
+precompiling makes; the launcher; the grid), and the launch binds the tensor maps, the
+layout's and the epilogue's arguments by the kernel's parameter names."""
 
 from __future__ import annotations
 
@@ -9,9 +15,9 @@ import functools
 
 import torch
 
-from .. import jit
+from .. import jit, kernels
 from ..arch import tma_alignment
-from ..kernels import sm90_gemm as gemm_kernel
+from ..kernels.gemm import BLOCK_K, CONTIGUOUS_ALIGNMENT, GemmProblem
 from .common import (current_stream, device_arch, inspect, pair, programmatic,
                       require_contiguous_rows, require_cuda, require_disjoint, require_pdl,
                       require_shape, row_span, strided_span)
@@ -45,56 +51,60 @@ def _checked_sms(device_index: int, num_sms) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _launcher(device_index: int, cfg, programmatic: bool):
-    """(launcher, clusters that fit on the device at once, or None without clusters);
-    ``programmatic``: a launcher with programmatic dependent launch (PDL)."""
-    compiled = jit.build(gemm_kernel.generate(cfg))
+    """(launcher, clusters that fit on the device at once or None without clusters, the
+    kernel's parameter names); ``programmatic``: a launcher with programmatic dependent
+    launch (PDL)."""
+    generation = kernels.gemm_generation(device_arch(device_index))
+    compiled = jit.build(generation.generate(cfg))
     launcher = compiled.launcher(device_index, programmatic=programmatic)
+    names = frozenset(param.name for param in compiled.params)
     if cfg.multicast == 1:
-        return launcher, None
-    return launcher, compiled.load(device_index).max_active_clusters(compiled.launch)
+        return launcher, None, names
+    return launcher, compiled.load(device_index).max_active_clusters(compiled.launch), names
 
 
-def _check_config(config, n: int, k: int, accumulate: bool, groups: int, masked: bool,
-                  dtype: str, bias: bool = False, residual: bool = False) -> None:
+def _check_config(config, problem: GemmProblem) -> None:
     """A ``config=`` given to a GEMM op must be one for this problem (its target is checked
     against the device when the call is planned)."""
-    if not isinstance(config, gemm_kernel.GemmConfig):
-        raise TypeError(f"config must be a GemmConfig (kernels.sm90_gemm.make_config), "
-                        f"got {type(config).__name__}")
-    wanted = {"n": n, "k": k, "accumulate": accumulate, "groups": groups, "masked": masked,
-              "dtype": dtype, "bias": bias, "residual": residual}
-    wrong = [key for key, value in wanted.items() if getattr(config, key) != value]
-    if wrong:
-        has = ", ".join(f"{key}={getattr(config, key)!r}" for key in wrong)
-        needs = ", ".join(f"{key}={wanted[key]!r}" for key in wrong)
+    if not isinstance(getattr(config, "problem", None), GemmProblem):
+        raise TypeError(f"config must be a GEMM config (kernels.gemm_config, or the "
+                        f"generation's make_config), got {type(config).__name__}")
+    if config.problem != problem:
+        wrong = [field for field in GemmProblem._fields
+                 if getattr(config.problem, field) != getattr(problem, field)]
+        has = ", ".join(f"{key}={getattr(config.problem, key)!r}" for key in wrong)
+        needs = ", ".join(f"{key}={getattr(problem, key)!r}" for key in wrong)
         raise ValueError(f"config does not fit the call: it has {has}, the call needs {needs}")
 
 
 @functools.lru_cache(maxsize=4096)
-def _plan(device_index: int, m: int, n: int, k: int, sms: int, accumulate: bool,
-          groups: int, masked: bool, expected_m: int, dtype: str, bias: bool, residual: bool,
-          config, pdl: bool | None):
-    """(launcher, grid, m_tiles): all a launch needs besides the tensors, worked
-    out once per problem so a call pays one cache lookup. The tile is ``config`` where the
-    caller forced one, else the model's choice for M rows (M is a run-time argument of the
-    kernel, but the best tile depends on it). The masked layout has ``groups`` matrices of
-    ``m`` rows (M_max) and picks its tile for ``expected_m`` rows a group. ``pdl``: the
-    call's, None for the process default."""
+def _plan(device_index: int, problem: GemmProblem, m: int, tile_m: int, sms: int, config,
+          pdl: bool | None):
+    """(launcher, grid, the kernel's row-count arguments): all a launch needs besides the
+    tensors, worked out once per problem so a call pays one cache lookup. The tile is
+    ``config`` where the caller forced one, else ``kernels.gemm_config``'s for ``tile_m``
+    rows (M is a run-time argument of the kernel, but the best tile depends on it; the
+    masked layout has ``groups`` matrices of ``m`` rows, M_max, and picks its tile for
+    ``tile_m``, all groups' expected rows). ``pdl``: the call's, None for the process
+    default."""
+    arch = device_arch(device_index)
     if config is None:
-        config = gemm_kernel.choose_config(device_arch(device_index),
-                                           groups * expected_m if masked else m, n, k, sms,
-                                           accumulate, groups, masked, dtype, bias, residual)
-    elif config.target != device_arch(device_index).target:
+        config = kernels.gemm_config(arch, problem, tile_m, sms)
+    elif config.target != arch.target:
         raise ValueError(f"config is for {config.target}, but cuda:{device_index} is "
-                         f"{device_arch(device_index).target}")
-    launcher, resident_clusters = _launcher(device_index, config, programmatic(pdl))
+                         f"{arch.target}")
+    launcher, resident_clusters, names = _launcher(device_index, config, programmatic(pdl))
     m_tiles = ceil_div(m, config.rows)
-    tiles = m_tiles * config.n_tiles * (groups if masked else 1)
+    tiles = m_tiles * config.n_tiles * (problem.groups if problem.masked else 1)
     # Persistent: no more CTAs (whole clusters) than run at once; at least one cluster.
     clusters = max(min(tiles, sms * config.ctas_per_sm) // config.multicast, 1)
     if resident_clusters is not None:
         clusters = min(clusters, resident_clusters)
-    return launcher, clusters * config.multicast, m_tiles
+    # M as the kernel takes it: in tiles (the masked kernel counts its own on the GPU), and
+    # in rows where a layout or an epilogue reads no row past it.
+    rows = {name: value for name, value in (("m_tiles", m_tiles), ("m_rows", m))
+            if name in names}
+    return launcher, clusters * config.multicast, rows
 
 
 def _scaled_a(a):
@@ -106,7 +116,7 @@ def _scaled_a(a):
     (m, k), a_strides, a_ptr, device = inspect("a[0]", A, torch.float8_e4m3fn, 2)
     sa_shape, sa_strides, sa_ptr, _ = inspect("a[1]", sa, torch.float32, 2, align=4,
                                               device=device, rows=False)
-    require_shape("a[1]", sa_shape, (m, ceil_div(k, gemm_kernel.BLOCK_K)))
+    require_shape("a[1]", sa_shape, (m, ceil_div(k, BLOCK_K)))
     spans = (row_span(a_ptr, m, a_strides[0], k, 1),
              strided_span(sa_ptr, sa_shape, sa_strides, 4))
     mn_major = is_mn_major_tma_aligned(sa_shape, sa_strides, sa_ptr)
@@ -119,9 +129,8 @@ def _sa_pointer(sa, sa_ptr: int | None) -> int:
     return get_mn_major_tma_aligned_tensor(sa).data_ptr() if sa_ptr is None else sa_ptr
 
 
-def _launch(device: int, m: int, n: int, k: int, a, b, d, *, scales=None, accumulate=False,
-            bias=None, residual=None, groups: int = 0, masked=None, num_sms=None, config=None,
-            pdl=None, **layout) -> None:
+def _launch(device: int, problem: GemmProblem, m: int, a, b, d, *, scales=None,
+            expected_m: int = 0, num_sms=None, config=None, pdl=None, **arguments) -> None:
     """Plan (cached) and launch; the tensor maps go to the launcher as views (address,
     shape, byte strides), which it encodes with the kernel's own TensorMap specs.
 
@@ -129,23 +138,22 @@ def _launch(device: int, m: int, n: int, k: int, a, b, d, *, scales=None, accumu
     layout with their group stride after it (and ``m`` is M_max); ``b``: (pointer, row
     stride, rows) of B as one [rows, K] matrix (N, or groups x N rows). ``scales``: e4m3
     operands' (sa pointer, sa's column stride, sa's group stride or None, sb pointer, sb's
-    row stride), all in elements; None: bf16 operands. ``bias``: the bf16 [N] bias's
-    pointer, or None. ``residual``: the bf16 [M, N] residual's (pointer, row stride in
-    elements), or None. ``masked``: expected_m, the masked layout's tile hint. ``pdl``: the
-    call's, checked. ``layout``: the grouped layouts' own parameters (m_indices or
-    masked_m) by name."""
-    dtype, element_bytes = ("e4m3", 1) if scales else ("bf16", 2)
+    row stride), all in elements. ``expected_m``: the masked layout's rows a group, its
+    tile hint. ``pdl``: the call's, checked. ``arguments``: the layout's (m_indices,
+    rows_used or masked_m) and the epilogue's (bias; residual and its row stride; alpha)
+    by the kernel's parameter names."""
+    n, k, masked = problem.n, problem.k, problem.masked
+    element_bytes = 1 if problem.scaled else 2
     sms = get_num_sms(device) if num_sms is None else _checked_sms(device, num_sms)
-    launcher, grid, m_tiles = _plan(device, m, n, k, sms, accumulate, groups,
-                                    masked is not None, masked or 0, dtype, bias is not None,
-                                    residual is not None, config, pdl)
-    d_bytes = 4 if accumulate else 2
+    tile_m = problem.groups * expected_m if masked else m
+    launcher, grid, rows = _plan(device, problem, m, tile_m, sms, config, pdl)
+    d_bytes = 4 if problem.accumulate else 2
     # The masked layout's group is a third dimension of A, D and sa.
-    group = (groups,) if masked else ()
+    group = (problem.groups,) if masked else ()
     # Byte strides spelled out: a tuple from a generator costs 0.3 us on every call.
     a_strides = (element_bytes * a[1],) + ((element_bytes * a[2],) if masked else ())
     d_strides = (d_bytes * d[1],) + ((d_bytes * d[2],) if masked else ())
-    arguments = {
+    maps = {
         "tmap_a": (a[0], (k, m) + group, a_strides),
         "tmap_b": (b[0], (k, b[2]), (element_bytes * b[1],)),
         "tmap_d": (d[0], (n, m) + group, d_strides),
@@ -154,18 +162,23 @@ def _launch(device: int, m: int, n: int, k: int, a, b, d, *, scales=None, accumu
         sa_ptr, sa_column, sa_group, sb_ptr, sb_row = scales
         # sa is MN-major: a column of M scales per 128 of K (its stride unused by a
         # one-column sa, but it must be valid).
-        arguments["tmap_sa"] = (sa_ptr, (m, ceil_div(k, gemm_kernel.BLOCK_K)) + group,
-                                (4 * sa_column,) + ((4 * sa_group,) if masked else ()))
-        arguments["sb"], arguments["sb_row_stride"] = sb_ptr, sb_row
-    if bias is not None:
-        arguments["bias"] = bias
-    if residual is not None:
-        arguments["residual"], arguments["residual_row_stride"] = residual
-    if layout or residual is not None:  # the kernel reads no row past M (M_max)
-        arguments["m_rows"] = m
-    if not masked:  # the masked kernel counts its tiles on the GPU
-        arguments["m_tiles"] = m_tiles
-    launcher((grid, 1, 1), current_stream(device), **arguments, **layout)
+        maps["tmap_sa"] = (sa_ptr, (m, ceil_div(k, BLOCK_K)) + group,
+                           (4 * sa_column,) + ((4 * sa_group,) if masked else ()))
+        maps["sb"], maps["sb_row_stride"] = sb_ptr, sb_row
+    launcher((grid, 1, 1), current_stream(device), **maps, **rows, **arguments)
+
+
+def _epilogue(c, bias_ptr, residual_rows) -> tuple[tuple[str, ...], dict]:
+    """A dense GEMM call's epilogue: its terms (in kernels/gemm.py's TERMS order) and
+    their kernel arguments by parameter name."""
+    terms, arguments = ("accumulate",) if c is not None else (), {}
+    if bias_ptr is not None:
+        terms += ("bias",)
+        arguments["bias"] = bias_ptr
+    if residual_rows is not None:
+        terms += ("residual",)
+        arguments["residual"], arguments["residual_row_stride"] = residual_rows
+    return terms, arguments
 
 
 def fp8_gemm_nt(a, b, d: torch.Tensor, c: torch.Tensor | None = None, *,
@@ -190,7 +203,8 @@ def fp8_gemm_nt(a, b, d: torch.Tensor, c: torch.Tensor | None = None, *,
 
     num_sms: SMs the persistent CTAs may use (by default ``get_num_sms()``), so that
     another kernel can run beside this one on the rest. config: a tile to use instead of
-    the model's choice (``kernels.sm90_gemm.make_config``), checked against the call.
+    the model's choice (``kernels.gemm_config`` or the generation's ``make_config``),
+    checked against the call.
     pdl: launch with programmatic dependent launch (PDL): the kernel may start while the
     kernel before it on the stream finishes, its launch and set-up overlapping that
     kernel's end; it waits for that kernel before it reads
@@ -206,7 +220,7 @@ def fp8_gemm_nt(a, b, d: torch.Tensor, c: torch.Tensor | None = None, *,
     if kb_ != k:
         raise ValueError(f"a[0] and b[0] must share K, got a[0] {tuple(a[0].shape)} and b[0] "
                          f"{tuple(B.shape)}")
-    k_groups = ceil_div(k, gemm_kernel.BLOCK_K)  # one scale per 128 of K
+    k_groups = ceil_div(k, BLOCK_K)  # one scale per 128 of K
     sb_shape, sb_strides, sb_ptr, _ = inspect("b[1]", sb, torch.float32, 2, align=4,
                                               device=device)
     require_shape("b[1]", sb_shape, (ceil_div(n, 128), k_groups))
@@ -214,11 +228,11 @@ def fp8_gemm_nt(a, b, d: torch.Tensor, c: torch.Tensor | None = None, *,
                                    row_span(b_ptr, n, b_strides[0], k, 1),
                                    row_span(sb_ptr, sb_shape[0], sb_strides[0], k_groups, 4))
     d_span = (d_ptr, d.itemsize * m * n)
-    bias_ptr = _bias(bias, c, n, device, d_span)
-    residual_rows = _residual(residual, c, m, n, device, d_ptr, d_row, d_span)
+    terms, epilogue = _epilogue(c, _bias(bias, c, n, device, d_span),
+                                _residual(residual, c, m, n, device, d_ptr, d_row, d_span))
+    problem = GemmProblem(n, k, "e4m3", "dense", 0, terms)
     if config is not None:
-        _check_config(config, n, k, c is not None, 0, False, "e4m3", bias is not None,
-                      residual is not None)
+        _check_config(config, problem)
     if pdl is not None:
         require_pdl(pdl)
     require_cuda("a[0]", a[0], device)
@@ -226,11 +240,10 @@ def fp8_gemm_nt(a, b, d: torch.Tensor, c: torch.Tensor | None = None, *,
         d.copy_(c)
     if m == 0:
         return
-    _launch(device, m, n, k, (a_ptr, a_row), (b_ptr, b_strides[0], n), (d_ptr, d_row),
+    _launch(device, problem, m, (a_ptr, a_row), (b_ptr, b_strides[0], n), (d_ptr, d_row),
             scales=(_sa_pointer(sa, sa_ptr), get_tma_aligned_size(m, 4), None, sb_ptr,
                     sb_strides[0]),
-            accumulate=c is not None, bias=bias_ptr, residual=residual_rows, num_sms=num_sms,
-            config=config, pdl=pdl)
+            num_sms=num_sms, config=config, pdl=pdl, **epilogue)
 
 
 def bf16_gemm_nt(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor,
@@ -252,11 +265,11 @@ def bf16_gemm_nt(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor,
     d_ptr, d_row, copy_c = _output(d, c, m, n, device, row_span(a_ptr, m, a_strides[0], k, 2),
                                    row_span(b_ptr, n, b_strides[0], k, 2))
     d_span = (d_ptr, d.itemsize * m * n)
-    bias_ptr = _bias(bias, c, n, device, d_span)
-    residual_rows = _residual(residual, c, m, n, device, d_ptr, d_row, d_span)
+    terms, epilogue = _epilogue(c, _bias(bias, c, n, device, d_span),
+                                _residual(residual, c, m, n, device, d_ptr, d_row, d_span))
+    problem = GemmProblem(n, k, "bf16", "dense", 0, terms)
     if config is not None:
-        _check_config(config, n, k, c is not None, 0, False, "bf16", bias is not None,
-                      residual is not None)
+        _check_config(config, problem)
     if pdl is not None:
         require_pdl(pdl)
     require_cuda("a", a, device)
@@ -264,9 +277,8 @@ def bf16_gemm_nt(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor,
         d.copy_(c)
     if m == 0:
         return
-    _launch(device, m, n, k, (a_ptr, a_strides[0]), (b_ptr, b_strides[0], n), (d_ptr, d_row),
-            accumulate=c is not None, bias=bias_ptr, residual=residual_rows, num_sms=num_sms,
-            config=config, pdl=pdl)
+    _launch(device, problem, m, (a_ptr, a_strides[0]), (b_ptr, b_strides[0], n),
+            (d_ptr, d_row), num_sms=num_sms, config=config, pdl=pdl, **epilogue)
 
 
 def _bias(bias, c, n: int, device: int, d_span) -> int | None:
@@ -329,7 +341,7 @@ def _output(d, c, m: int, n: int, device: int, *input_spans) -> tuple[int, int, 
 def get_mk_alignment_for_contiguous_layout() -> int:
     """The row alignment of each group's segment in the contiguous layout: the tallest tile,
     so that no tile spans two groups."""
-    return gemm_kernel.CONTIGUOUS_ALIGNMENT
+    return CONTIGUOUS_ALIGNMENT
 
 
 def _grouped_b(a_shape, b, k: int, device: int, *, scaled: bool = True):
@@ -353,7 +365,7 @@ def _grouped_b(a_shape, b, k: int, device: int, *, scaled: bool = True):
     b_span = row_span(b_ptr, num_groups * n, b_strides[1], k, B.itemsize)
     if not scaled:
         return num_groups, n, b_strides[1], b_ptr, None, None, (b_span,)
-    scale_rows, k_groups = ceil_div(n, 128), ceil_div(k, gemm_kernel.BLOCK_K)
+    scale_rows, k_groups = ceil_div(n, 128), ceil_div(k, BLOCK_K)
     sb_shape, sb_strides, sb_ptr, _ = inspect("b[1]", sb, torch.float32, 3, align=4,
                                               device=device)
     require_shape("b[1]", sb_shape, (num_groups, scale_rows, k_groups))
@@ -384,9 +396,9 @@ def _contiguous(a_name: str, A, device: int, m: int, k: int, a_row, a_ptr, a_spa
     require_contiguous_rows("d", d_shape, d_strides)
     require_disjoint("d", (d_ptr, 2 * m * n), (mi_ptr, 4 * m), (rows_used_ptr, 4), *a_spans,
                      *b_spans)
+    problem = GemmProblem(n, k, "bf16" if sa is None else "e4m3", "contiguous", num_groups)
     if options.get("config") is not None:
-        _check_config(options["config"], n, k, False, num_groups, False,
-                      "bf16" if sa is None else "e4m3")
+        _check_config(options["config"], problem)
     if options.get("pdl") is not None:
         require_pdl(options["pdl"])
     require_cuda(a_name, A, device)
@@ -394,9 +406,8 @@ def _contiguous(a_name: str, A, device: int, m: int, k: int, a_row, a_ptr, a_spa
         return
     scales = None if sa is None else (_sa_pointer(sa, sa_ptr), get_tma_aligned_size(m, 4), None,
                                       sb_ptr, sb_row)
-    _launch(device, m, n, k, (a_ptr, a_row), (b_ptr, b_row, num_groups * n),
-            (d_ptr, d_strides[0]), scales=scales, groups=num_groups, m_indices=mi_ptr,
-            rows_used=rows_used_ptr,
+    _launch(device, problem, m, (a_ptr, a_row), (b_ptr, b_row, num_groups * n),
+            (d_ptr, d_strides[0]), scales=scales, m_indices=mi_ptr, rows_used=rows_used_ptr,
             **options)
 
 
@@ -464,7 +475,7 @@ def m_grouped_fp8_gemm_nt_masked(a, b, d: torch.Tensor, masked_m: torch.Tensor,
     (num_groups, m_max, k), a_strides, a_ptr, device = inspect("a[0]", A, torch.float8_e4m3fn, 3)
     sa_shape, sa_strides, sa_ptr, _ = inspect("a[1]", sa, torch.float32, 3, align=4,
                                               device=device, rows=False)
-    require_shape("a[1]", sa_shape, (num_groups, m_max, ceil_div(k, gemm_kernel.BLOCK_K)))
+    require_shape("a[1]", sa_shape, (num_groups, m_max, ceil_div(k, BLOCK_K)))
     _masked("a[0]", A, a_strides, a_ptr, device, (sa, sa_shape, sa_strides, sa_ptr),
             _grouped_b(A.shape, b, k, device), d, masked_m, expected_m,
             num_sms=num_sms, config=config, pdl=pdl)
@@ -511,9 +522,9 @@ def _masked(a_name: str, A, a_strides, a_ptr, device: int, scaled_a, grouped_b, 
         sa, sa_shape, sa_strides, sa_ptr = scaled_a
         spans.append(strided_span(sa_ptr, sa_shape, sa_strides, 4))
     require_disjoint("d", strided_span(d_ptr, d_shape, d_strides, 2), *spans)
+    problem = GemmProblem(n, k, "bf16" if scaled_a is None else "e4m3", "masked", num_groups)
     if options.get("config") is not None:
-        _check_config(options["config"], n, k, False, num_groups, True,
-                      "bf16" if scaled_a is None else "e4m3")
+        _check_config(options["config"], problem)
     if options.get("pdl") is not None:
         require_pdl(options["pdl"])
     require_cuda(a_name, A, device)
@@ -528,6 +539,6 @@ def _masked(a_name: str, A, a_strides, a_ptr, device: int, scaled_a, grouped_b, 
             sa = get_mn_major_tma_aligned_tensor(sa)
             sa_ptr, sa_strides = sa.data_ptr(), sa.stride()
         scales = (sa_ptr, sa_strides[2], sa_strides[0], sb_ptr, sb_row)
-    _launch(device, m_max, n, k, (a_ptr, a_strides[1], a_strides[0]),
+    _launch(device, problem, m_max, (a_ptr, a_strides[1], a_strides[0]),
             (b_ptr, b_row, num_groups * n), (d_ptr, d_strides[1], d_strides[0]), scales=scales,
-            groups=num_groups, masked=min(expected_m, m_max), masked_m=mm_ptr, **options)
+            expected_m=min(expected_m, m_max), masked_m=mm_ptr, **options)

@@ -30,13 +30,13 @@ import torch
 from .. import jit
 from ..kernels import bf16_row_rmsnorm_fp8quant as row_kernel
 from ..kernels import f32_moe_scale_gather as gather_kernel
+from . import rowwise
 from .common import (current_stream, device_arch, inspect, pair, programmatic, require_cuda,
                       require_disjoint, require_pdl, require_shape, strided_span)
 from .gemm import m_grouped_fp8_gemm_nt_contiguous, m_grouped_fp8_gemm_nt_masked
 from .layout import ceil_div, empty_mn_major_scales
 from .moe_combine import moe_combine
 from .routing import max_contiguous_rows, moe_routing_layout
-from .rowwise import _launcher
 
 LAYOUTS = ("masked", "contiguous")
 
@@ -157,7 +157,8 @@ def moe_permute_quantize_fp8(x: torch.Tensor, rows: torch.Tensor, shape, *, out=
     sources = torch.empty(arguments["index_rows"], dtype=torch.int32, device=x.device)
     # A CTA per token (or a few): its row read and quantized once, stored k times; its
     # scales once, token-major.
-    launcher, grid = _launcher(tokens, hidden, device, False, True, False, pdl, "scatter", k)
+    launcher, grid = rowwise.launcher(rowwise.VARIANTS["moe_permute_quantize_fp8"], tokens,
+                                      hidden, device, pdl, k)
     launcher(grid, current_stream(device), x=x_ptr, x_row_stride=x_strides[0], rows=tokens,
              index=rows_ptr, index_rows=arguments["index_rows"], q=arguments["q"],
              scales=token_scales.data_ptr(), scale_row_stride=groups, scale_group_stride=1,
@@ -213,7 +214,8 @@ def moe_silu_mul_quantize_fp8(d: torch.Tensor, rows: torch.Tensor, *, out=None,
     out, arguments = _checked_out(out, tuple(shape[:-1]), inner, pdl, ("d", d, device),
                                   (d_ptr, 2 * d.numel()), rows_span)
     if pairs:
-        launcher, grid = _launcher(pairs, inner, device, False, True, True, pdl, "indexed")
+        launcher, grid = rowwise.launcher(rowwise.VARIANTS["moe_silu_mul_quantize_fp8"], pairs,
+                                          inner, device, pdl)
         launcher(grid, current_stream(device), gate=d_ptr, gate_row_stride=shape[-1],
                  up=d_ptr + 2 * inner, up_row_stride=shape[-1], rows=pairs, index=rows_ptr,
                  **arguments)

@@ -2,8 +2,9 @@
 quantization, on torch tensors.
 
 All four run the one row-kernel generator (``kernels/bf16_row_rmsnorm_fp8quant.py``),
-specialised on the hidden size K (SwiGLU's intermediate size); M, pointers, strides and
-eps are run-time arguments.
+each its variant (``VARIANTS``, as the MoE ops run its other two), specialised on the
+hidden size K (SwiGLU's intermediate size); M, pointers, strides and eps are run-time
+arguments.
 """
 
 from __future__ import annotations
@@ -23,26 +24,25 @@ SCALE_LAYOUTS = ("mn_major", "row_major")
 ROW_RANKS = (1, 2, 3, 4, 5, 6, 7, 8)
 
 
+VARIANTS = row_kernel.VARIANTS
+
+
 @functools.lru_cache(maxsize=None)
-def _kernel(device_index: int, hidden: int, normalize: bool, quantize: bool, swiglu: bool,
-            pdl: bool | None, row_map: str = "dense", fanout: int = 1):
+def _kernel(device_index: int, variant, hidden: int, pdl: bool | None, fanout: int):
     """(rows per CTA, row groups per CTA, launcher) for one device and variant; ``pdl``:
     the call's (None: the process default)."""
-    cfg = row_kernel.choose_config(device_arch(device_index), hidden, normalize=normalize,
-                                   quantize=quantize, swiglu=swiglu, row_map=row_map,
-                                   fanout=fanout)
+    cfg = row_kernel.choose_config(device_arch(device_index), variant, hidden, fanout=fanout)
     launcher = jit.build(row_kernel.generate(cfg)).launcher(device_index,
                                                             programmatic=programmatic(pdl))
     return cfg.rows_per_cta, cfg.groups, launcher
 
 
-def _launcher(rows: int, hidden: int, device: int, normalize: bool, quantize: bool,
-              swiglu: bool, pdl, row_map: str = "dense", fanout: int = 1):
-    """(launcher, grid): one CTA per rows_per_cta x groups rows. The ops call the launcher
-    with their arguments by name themselves: one keyword call, no dict passed along."""
-    rows_per_cta, groups, launcher = _kernel(device, hidden, normalize, quantize, swiglu, pdl,
-                                             row_map, fanout)
-    return launcher, (-(-rows // (rows_per_cta * groups)), 1, 1)
+def launcher(variant, rows: int, hidden: int, device: int, pdl, fanout: int = 1):
+    """(launcher, grid) of a row-kernel ``variant`` (a ``VARIANTS`` value) for ``rows``
+    rows: one CTA per rows_per_cta x groups rows. The ops call the launcher with their
+    arguments by name themselves: one keyword call, no dict passed along."""
+    rows_per_cta, groups, launch = _kernel(device, variant, hidden, pdl, fanout)
+    return launch, (-(-rows // (rows_per_cta * groups)), 1, 1)
 
 
 def _as_rows(name: str, x: torch.Tensor):
@@ -112,9 +112,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
         out = normalized_output(x)
         out_ptr = out.data_ptr()
     if m:
-        launcher, grid = _launcher(m, k, device, True, False, False, pdl)
-        launcher(grid, current_stream(device), x=x_ptr, x_row_stride=row_stride, rows=m,
-                 weight=w_ptr, eps=float(eps), y=out_ptr)
+        launch, grid = launcher(VARIANTS["rms_norm"], m, k, device, pdl)
+        launch(grid, current_stream(device), x=x_ptr, x_row_stride=row_stride, rows=m,
+               weight=w_ptr, eps=float(eps), y=out_ptr)
     return out
 
 
@@ -134,10 +134,10 @@ def quantize_fp8_per_token(x: torch.Tensor, scale_layout: str = "mn_major", *, o
     q, scales, q_ptr, s_ptr, s_strides = _checked_outputs(
         "x", x, shape, device, scale_layout, out, pdl, (x_ptr, m, row_stride))
     if m:
-        launcher, grid = _launcher(m, k, device, False, True, False, pdl)
-        launcher(grid, current_stream(device), x=x_ptr, x_row_stride=row_stride, rows=m,
-                 q=q_ptr, scales=s_ptr, scale_row_stride=s_strides[0],
-                 scale_group_stride=s_strides[1])
+        launch, grid = launcher(VARIANTS["quantize_fp8_per_token"], m, k, device, pdl)
+        launch(grid, current_stream(device), x=x_ptr, x_row_stride=row_stride, rows=m,
+               q=q_ptr, scales=s_ptr, scale_row_stride=s_strides[0],
+               scale_group_stride=s_strides[1])
     return q, scales
 
 
@@ -152,10 +152,10 @@ def rms_norm_quantize_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e
     q, scales, q_ptr, s_ptr, s_strides = _checked_outputs(
         "x", x, shape, device, scale_layout, out, pdl, (x_ptr, m, row_stride), (w_ptr, 1, k))
     if m:
-        launcher, grid = _launcher(m, k, device, True, True, False, pdl)
-        launcher(grid, current_stream(device), x=x_ptr, x_row_stride=row_stride, rows=m,
-                 weight=w_ptr, eps=float(eps), q=q_ptr, scales=s_ptr,
-                 scale_row_stride=s_strides[0], scale_group_stride=s_strides[1])
+        launch, grid = launcher(VARIANTS["rms_norm_quantize_fp8"], m, k, device, pdl)
+        launch(grid, current_stream(device), x=x_ptr, x_row_stride=row_stride, rows=m,
+               weight=w_ptr, eps=float(eps), q=q_ptr, scales=s_ptr,
+               scale_row_stride=s_strides[0], scale_group_stride=s_strides[1])
     return q, scales
 
 
@@ -182,10 +182,10 @@ def silu_mul_quantize_fp8(gate: torch.Tensor, up: torch.Tensor, scale_layout: st
         "gate", gate, shape, device, scale_layout, out, pdl, (g_ptr, m, g_strides[0]),
         (u_ptr, m, u_strides[0]))
     if m:
-        launcher, grid = _launcher(m, k, device, False, True, True, pdl)
-        launcher(grid, current_stream(device), gate=g_ptr, gate_row_stride=g_strides[0],
-                 up=u_ptr, up_row_stride=u_strides[0], rows=m, q=q_ptr, scales=s_ptr,
-                 scale_row_stride=s_strides[0], scale_group_stride=s_strides[1])
+        launch, grid = launcher(VARIANTS["silu_mul_quantize_fp8"], m, k, device, pdl)
+        launch(grid, current_stream(device), gate=g_ptr, gate_row_stride=g_strides[0],
+               up=u_ptr, up_row_stride=u_strides[0], rows=m, q=q_ptr, scales=s_ptr,
+               scale_row_stride=s_strides[0], scale_group_stride=s_strides[1])
     return q, scales
 
 

@@ -50,21 +50,26 @@ quantizer writes; sb (a few KB) is read by the math threads from global memory.
 Compile-time: N, K, the tile, stages, the layout and the epilogue. Run-time: M (one kernel
 serves every M), the tensors' addresses and strides (in the tensor maps).
 
-Layouts (GemmConfig): dense; ``groups`` (MoE: B holds that many matrices; each tile of A
-takes its group from m_indices, contiguous layout) and ``masked`` (A and D [groups,
-M_max, ...] through 3-D tensor maps, each group's valid rows in masked_m on the GPU).
-Epilogues: bf16 store, f32 reduce-add into D (``accumulate``: d = c + a.b^T), the
-contiguous layout's zeroing of other groups' rows, ``bias`` and ``residual`` (alone or
-together).
+What is computed comes in one value, the problem (``kernels/gemm.py``): N, K, the dtype,
+the layout (dense; MoE contiguous: B holds ``groups`` matrices and each tile of A takes
+its group from m_indices; MoE masked: A and D [groups, M_max, ...] through 3-D tensor
+maps, each group's valid rows in masked_m on the GPU) and the epilogue's terms, each
+computed by the epilogue class registered for them (epilogue.py: bf16 store, f32
+reduce-add into D, the contiguous layout's zeroing of other groups' rows, bias, residual,
+scale).
+
+This package is a GEMM generation: what ``kernels.gemm_generation(arch)`` returns for a
+target whose description names it, with ``choose_config(arch, problem, m, sms)``,
+``generate(cfg)``, ``require_problem(arch, problem)``, ``token_counts(limit)`` and
+``GemmConfig``.
 """
 
-from .config import (BLOCK_K, CONTIGUOUS_ALIGNMENT, GemmConfig, block_n_candidates,
-                     make_config, require_problem)
-from .epilogue import Epilogue
+from .config import GemmConfig, block_n_candidates, make_config, require_problem
+from .epilogue import Epilogue, epilogue_for
 from .kernel import generate
 from .promotion import MAX_PROMOTION_VARIANTS
-from .tile_model import choose_config, estimate_clocks
+from .tile_model import choose_config, estimate_clocks, token_counts
 
-__all__ = ["BLOCK_K", "CONTIGUOUS_ALIGNMENT", "Epilogue", "GemmConfig", "MAX_PROMOTION_VARIANTS",
-           "block_n_candidates", "choose_config", "estimate_clocks", "generate", "make_config",
-           "require_problem"]
+__all__ = ["Epilogue", "GemmConfig", "MAX_PROMOTION_VARIANTS", "block_n_candidates",
+           "choose_config", "epilogue_for", "estimate_clocks", "generate", "make_config",
+           "require_problem", "token_counts"]

@@ -1,7 +1,8 @@
-"""The GEMM's config: the tile, the stage count, the registers, the layout (dense, MoE
-contiguous or masked), the operand dtype and the epilogue, with the one shared-memory plan
-that the heuristic's capacity check, the generator's offsets and the launch all read, and
-the tensor maps the kernel takes (their boxes also give the stages' expect-tx bytes).
+"""The GEMM's config: the problem (``kernels/gemm.py``: N, K, dtype, layout, epilogue
+terms) and how this generation computes it: the tile, the stage count, the registers, with
+the one shared-memory plan that the heuristic's capacity check, the generator's offsets and
+the launch all read, and the tensor maps the kernel takes (their boxes also give the
+stages' expect-tx bytes).
 """
 
 from __future__ import annotations
@@ -13,22 +14,18 @@ from dataclasses import dataclass
 from ...arch import Arch
 from ...patterns.pipeline import BARRIER_BYTES
 from ...ptx import LaunchShape, TensorMap
+from ..gemm import BLOCK_K, GemmProblem
 from .epilogue import Epilogue, epilogue_for
 
-BLOCK_K = 128            # one scale group of A and B per K block (e4m3)
 ROW_BYTES = 128          # a stage row of A or B: K = 128 e4m3 or 64 bf16 (one swizzle row)
 PRODUCER_REGISTERS = 40
 SWIZZLE_ATOM = 1024      # 8 rows x 128 bytes: the 128-byte swizzle repeats every 1024 bytes
 TMA_SHARED_ALIGNMENT = 128  # a tensor copy's shared-memory address (the PTX ISA's rule)
-# Rows of each group's segment in the contiguous layout: the tallest tile (block_m), so that
-# no tile spans two groups.
-CONTIGUOUS_ALIGNMENT = 128
 
 
 @dataclass(frozen=True)
 class GemmConfig:
-    n: int
-    k: int
+    problem: GemmProblem   # what is computed: N, K, dtype, layout, epilogue terms
     block_m: int           # 64 or 128: one math warpgroup per 64 rows
     block_n: int           # a multiple of 8 (wgmma's n step), see block_n_candidates
     stages: int
@@ -37,20 +34,11 @@ class GemmConfig:
     target: str
     multicast: int = 1     # CTAs of a cluster sharing each A tile (neighbours along N)
     part_buffers: int = 1  # 2: a K block's wgmma runs while the one before it promotes
-    accumulate: bool = False  # D is f32 and the tile is added into it (d = c + a.b^T)
-    groups: int = 0        # > 0: MoE, B holds `groups` matrices; contiguous layout: each row
-                           # of A names its group in m_indices (ContiguousTiles)
-    masked: bool = False   # MoE, masked layout: A and D [groups, M_max, ...], the valid rows
-                           # of each group in masked_m (read on the GPU)
-    dtype: str = "e4m3"    # of A and B: e4m3 with DeepGEMM's scales, or bf16 (no scales)
     producers: int = 2     # producer warps, taking turns over the K blocks (see the producer)
-    bias: bool = False     # a bf16 [N] bias added to every row of D before it is rounded
     tile_rows: int = 0     # 8, 16 or 32: rows of A and D a 64-row tile covers (few tokens);
                            # 0: block_m. The wgmma still computes 64 rows: those past
                            # tile_rows read what follows in shared memory (A) or their
                            # stage's last scales (sa), and are never stored.
-    residual: bool = False  # a bf16 [M, N] residual (D itself or not) added to D before it
-                            # is rounded, after the bias
     raster: int = 16        # block rows a raster group walks (scheduler.py), dense/contiguous
     share_b: bool = False   # with multicast: the cluster's CTAs are neighbours along M and
                             # share each B tile where their rows' groups agree (a dense B
@@ -59,25 +47,34 @@ class GemmConfig:
     def __post_init__(self):
         # The contiguous layout's segments and the multicast split assume whole tiles.
         if self.tile_rows and (self.block_m != 64 or self.multicast > 1
-                               or (self.groups and not self.masked)):
+                               or self.problem.layout == "contiguous"):
             raise ValueError(f"tile_rows needs block_m 64, no multicast and a dense or masked "
                              f"layout, got block_m={self.block_m}, multicast={self.multicast}, "
-                             f"groups={self.groups}, masked={self.masked}")
+                             f"layout={self.problem.layout}")
         # Halves of B land 1024-byte aligned (the swizzle atom): block_n a multiple of 16.
         if self.share_b and (self.multicast != 2 or self.masked or self.block_n % 16):
             raise ValueError(f"share_b needs multicast 2, a dense or contiguous layout and "
                              f"block_n a multiple of 16, got multicast={self.multicast}, "
-                             f"masked={self.masked}, block_n={self.block_n}")
+                             f"layout={self.problem.layout}, block_n={self.block_n}")
+
+    # The problem's sizes and kind, as the kernel body reads them.
+    n = property(lambda self: self.problem.n)
+    k = property(lambda self: self.problem.k)
+    dtype = property(lambda self: self.problem.dtype)
+    groups = property(lambda self: self.problem.groups)
+    masked = property(lambda self: self.problem.masked)
+    scaled = property(lambda self: self.problem.scaled)
 
     @property
     def name(self) -> str:
         kind = "fp8_gemm_1d2d" if self.scaled else "bf16_gemm"
+        terms = self.problem.epilogue
         return (f"sm90_{kind}_n{self.n}_k{self.k}_bm{self.block_m}_bn{self.block_n}"
                 f"_s{self.stages}_c{self.ctas_per_sm}_mc{self.multicast}_p{self.part_buffers}"
-                + ("_acc" if self.accumulate else "")
+                + ("_acc" if "accumulate" in terms else "")
                 + (f"_g{self.groups}" if self.groups else "") + ("m" if self.masked else "")
                 + (f"_w{self.producers}" if self.producers > 1 else "")
-                + ("_bias" if self.bias else "") + ("_residual" if self.residual else "")
+                + "".join(f"_{term}" for term in terms if term != "accumulate")
                 + (f"_r{self.tile_rows}" if self.tile_rows else "")
                 + (f"_ras{self.raster}" if self.raster != 16 else "")
                 + ("_shb" if self.share_b else ""))
@@ -94,11 +91,6 @@ class GemmConfig:
     @property
     def threads(self) -> int:
         return 128 * (1 + self.math_warpgroups)
-
-    @property
-    def scaled(self) -> bool:
-        """e4m3 operands with 1x128 / 128x128 scales, promoted per K block."""
-        return self.dtype == "e4m3"
 
     @property
     def k_per_block(self) -> int:
@@ -130,7 +122,7 @@ class GemmConfig:
     @property
     def epilogue(self) -> type[Epilogue]:
         """What the math warpgroups do with a finished tile: see epilogue.py."""
-        return epilogue_for(self)
+        return epilogue_for(self.problem)
 
     @property
     def d_element_bytes(self) -> int:
@@ -272,75 +264,62 @@ def block_n_candidates(arch: Arch, max_block_n: int = 256, scaled: bool = True) 
                  if not scaled or bn <= BLOCK_K + math.gcd(bn, BLOCK_K))
 
 
-def require_problem(arch: Arch, n: int, k: int) -> None:
+def require_problem(arch: Arch, problem: GemmProblem) -> None:
+    """Raise a ValueError naming what this generation cannot compute of ``problem`` on
+    ``arch``: the target's features, N and K's alignment, the epilogue's terms."""
+    problem.require_valid()
     arch.require("wgmma", "the GEMM")
     arch.require("tma", "the GEMM")
     # TMA needs every row to start aligned: D's bf16 rows of N, A's e4m3 rows of K.
-    row = arch.tma_alignment
+    row, n, k = arch.tma_alignment, problem.n, problem.k
     if n <= 0 or n % (row // 2) or k <= 0 or k % row:
         raise ValueError(f"the GEMM needs N a positive multiple of {row // 2} and K of {row} "
                          f"({row}-byte rows), got N={n}, K={k}")
+    epilogue_for(problem)
 
 
 @functools.lru_cache(maxsize=None)   # the tile model asks for each tile at every M
-def make_config(arch: Arch, n: int, k: int, block_m: int, block_n: int,
-                ctas_per_sm: int = 1, multicast: int = 1,
-                part_buffers: int | None = None, accumulate: bool = False,
-                groups: int = 0, masked: bool = False, dtype: str = "e4m3",
-                producers: int = 2, bias: bool = False, tile_rows: int = 0,
-                residual: bool = False, raster: int = 16,
+def make_config(arch: Arch, problem: GemmProblem, block_m: int, block_n: int,
+                ctas_per_sm: int = 1, multicast: int = 1, part_buffers: int | None = None,
+                producers: int = 2, tile_rows: int = 0, raster: int = 16,
                 share_b: bool = False) -> GemmConfig:
-    """A config for one tile shape: as many stages as the CTA's share of shared memory
-    holds, and the math registers that residency leaves. ``multicast`` 2: clusters of two
-    CTAs on neighbouring tiles of one block row, each loading half of the shared A tile;
-    with ``share_b`` on neighbouring block rows of one column, each loading half of B
-    (where their rows' groups agree). ``raster``: block rows a raster group walks.
-    ``part_buffers``: 1 or 2 registers sets a K block's wgmma accumulates into (2 overlap
-    a K block's promotion with the next one's wgmma); by default 2 where they fit.
-    ``accumulate``: D is f32 and each tile is added into it by a TMA reduction (the f32 D
-    tile takes shared memory from the stages). ``groups`` > 0: MoE, B holding that many
-    [N, K] matrices, in the contiguous layout or with ``masked`` the masked one (neither
-    with ``accumulate``). ``dtype`` "bf16": bf16 A and B, no scales, K blocks of 64.
-    ``producers``: warps issuing the loads (1, 2 or 4), each every producers-th K block.
-    ``bias``: a bf16 [N] bias added to D's rows; ``residual``: a bf16 [M, N] matrix added
-    to D (both dense, bf16 D only). ``tile_rows`` 8, 16 or 32: a 64-row tile that covers
-    only that many rows of A and D (dense or masked, no multicast): a few tokens' stages
-    hold less of A, so more of them, more weight bytes, fit."""
-    require_problem(arch, n, k)
-    widths = block_n_candidates(arch, scaled=dtype == "e4m3")
+    """A config for one tile shape of ``problem``: as many stages as the CTA's share of
+    shared memory holds, and the math registers that residency leaves. ``multicast`` 2:
+    clusters of two CTAs on neighbouring tiles of one block row, each loading half of the
+    shared A tile; with ``share_b`` on neighbouring block rows of one column, each loading
+    half of B (where their rows' groups agree). ``raster``: block rows a raster group
+    walks. ``part_buffers``: 1 or 2 registers sets a K block's wgmma accumulates into (2
+    overlap a K block's promotion with the next one's wgmma); by default 2 where they fit.
+    An ``accumulate`` problem's f32 D tile takes shared memory from the stages. bf16
+    operands: no scales, K blocks of 64. ``producers``: warps issuing the loads (1, 2 or
+    4), each every producers-th K block. ``tile_rows`` 8, 16 or 32: a 64-row tile that
+    covers only that many rows of A and D (dense or masked, no multicast): a few tokens'
+    stages hold less of A, so more of them, more weight bytes, fit."""
+    require_problem(arch, problem)
+    dtype, layout = problem.dtype, problem.layout
+    widths = block_n_candidates(arch, scaled=problem.scaled)
     if block_m not in (64, 128) or block_n not in widths:
         raise ValueError(f"no {dtype} GEMM tile {block_m} x {block_n}: block_m is 64 or 128, "
                          f"block_n one of {widths}")
-    if multicast not in (1, 2) or (not share_b and -(-n // block_n) % multicast):
+    n_tiles = -(-problem.n // block_n)
+    if multicast not in (1, 2) or (not share_b and n_tiles % multicast):
         raise ValueError(f"multicast {multicast} needs 1 or 2 and a tile count along N "
-                         f"({-(-n // block_n)}) it divides")
+                         f"({n_tiles}) it divides")
     if multicast > 1:
         arch.require("clusters", "the GEMM's TMA multicast")
     if producers not in (1, 2, 4):
         raise ValueError(f"producers must be 1, 2 or 4 warps, got {producers}")
-    if dtype not in ("e4m3", "bf16"):
-        raise ValueError(f"dtype must be e4m3 or bf16, got {dtype!r}")
-    if groups < 0 or (groups and accumulate) or (masked and not groups):
-        raise ValueError(f"groups must be >= 0 (0: not grouped), is not combined with "
-                         f"accumulate, and masked needs groups; got groups={groups}, "
-                         f"accumulate={accumulate}, masked={masked}")
     if tile_rows and (tile_rows not in (8, 16, 32) or block_m != 64 or multicast > 1
-                      or (groups and not masked)):
+                      or layout == "contiguous"):
         raise ValueError(f"tile_rows must be 8, 16 or 32, with block_m 64, no multicast and a "
                          f"dense or masked layout; got tile_rows={tile_rows}, block_m={block_m}, "
-                         f"multicast={multicast}, groups={groups}, masked={masked}")
-    if (bias or residual) and (accumulate or groups):
-        raise ValueError(f"bias and residual are added to a dense GEMM's bf16 D only, got "
-                         f"bias={bias}, residual={residual}, accumulate={accumulate}, "
-                         f"groups={groups}")
+                         f"multicast={multicast}, layout={layout}")
     math_wgs = block_m // 64
     budget = min(arch.shared_memory_per_sm // ctas_per_sm - arch.shared_memory_reserved_per_block,
                  arch.max_shared_memory_per_block)
     # The shared-memory plan (the config's offsets) decides the stages: as many as fit.
-    plan = lambda stages: GemmConfig(n, k, block_m, block_n, stages, ctas_per_sm, 0, arch.target,
-                                     multicast, accumulate=accumulate, groups=groups,
-                                     masked=masked, dtype=dtype, bias=bias,
-                                     tile_rows=tile_rows, residual=residual)
+    plan = lambda stages: GemmConfig(problem, block_m, block_n, stages, ctas_per_sm, 0,
+                                     arch.target, multicast, tile_rows=tile_rows)
     stages = max((s for s in range(1, MAX_STAGES[dtype] + 1)
                   if plan(s).dynamic_shared_bytes <= budget), default=0)
     if stages < max(2, producers):
@@ -355,8 +334,8 @@ def make_config(arch: Arch, n: int, k: int, block_m: int, block_n: int,
     math_registers = (at_launch * threads - 128 * PRODUCER_REGISTERS) // (128 * math_wgs) // 8 * 8
     math_registers = min(math_registers, 256)
     # acc and each part buffer (e4m3 only: bf16 accumulates in acc) hold block_n / 2 registers.
-    scaled = dtype == "e4m3"
-    besides = MATH_REGISTERS_BESIDES_ACCUMULATORS + plan(stages).epilogue.registers
+    scaled = problem.scaled
+    besides = MATH_REGISTERS_BESIDES_ACCUMULATORS + epilogue_for(problem).registers
     fits = lambda buffers: block_n // 2 * (1 + buffers * scaled) + besides <= math_registers
     if part_buffers is None:
         # Two part buffers speed up the math of a 128-row tile so much that, measured, A
@@ -372,6 +351,5 @@ def make_config(arch: Arch, n: int, k: int, block_m: int, block_n: int,
     if block_n // 2 + WGMMA_REGISTERS_BESIDES_ACCUMULATORS > at_launch:
         raise ValueError(f"the GEMM's {block_n}-wide wgmma does not assemble in the {at_launch} "
                          f"registers a thread has at launch at {ctas_per_sm} CTA(s) an SM")
-    return GemmConfig(n, k, block_m, block_n, stages, ctas_per_sm, math_registers, arch.target,
-                      multicast, part_buffers, accumulate, groups, masked, dtype, producers, bias,
-                      tile_rows, residual, raster, share_b)
+    return GemmConfig(problem, block_m, block_n, stages, ctas_per_sm, math_registers,
+                      arch.target, multicast, part_buffers, producers, tile_rows, raster, share_b)

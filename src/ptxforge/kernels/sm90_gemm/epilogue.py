@@ -11,15 +11,25 @@ A thread holds column pairs: in each 8-column group, the pair at columns 2 * (la
 of rows row_in_wg and row_in_wg + 8 (accumulators 4 * group + 2 * half, + 1). A variant
 overrides what is written for a pair (``write``), what it needs per tile (``start_tile``,
 before the K loop; or, wrapping ``store``, after it) and per column group
-(``start_group``), and its element type:
+(``start_group``), the kernel parameters it reads (``declare_params``), and its element
+type.
 
-    Bf16Store              bf16 D = the accumulators, rounded
-    F32ReduceAdd           f32 D += the accumulators (TMA reduce-add: d = c + a.b^T)
-    GroupRowsBf16Store     bf16 store; rows whose m_indices name another group are zeros
-    BiasBf16Store          bf16 D = the accumulators + bias[column]
-    ResidualBf16Store      bf16 D = the accumulators + residual[row, column] (D itself or
-                           another matrix)
-    BiasResidualBf16Store  bf16 D = the accumulators + bias[column] + residual[row, column]
+A variant registers itself for the problem's epilogue terms it computes (``terms``,
+kernels/gemm.py) on the layouts it serves (``layouts``); ``epilogue_for`` looks the
+problem up, so a new epilogue is one class here:
+
+    class               terms                layouts          D =
+    Bf16Store           -                    dense, masked    the accumulators, rounded
+    GroupRowsBf16Store  -                    contiguous       the same; rows whose m_indices
+                                                              name another group are zeros
+    F32ReduceAdd        accumulate           dense            D + the accumulators (f32,
+                                                              TMA reduce-add: d = c + a.b^T)
+    BiasBf16Store       bias                 dense            the accumulators + bias[column]
+    ResidualBf16Store   residual             dense            the accumulators +
+                                                              residual[row, column] (D itself
+                                                              or another matrix)
+    BiasResidualBf16Store  bias, residual    dense            the accumulators + bias[column]
+                                                              + residual[row, column]
 
 The bias and residual variants add in f32 before the one rounding to bf16; they share
 AddendBf16Store's column guard and compose by cooperative inheritance (each ``write`` adds
@@ -31,11 +41,46 @@ from __future__ import annotations
 from ...ptx import addr
 
 
+# (terms, layout) -> the epilogue computing them: filled as the classes below are defined.
+_REGISTERED: dict[tuple[tuple[str, ...], str], type["Epilogue"]] = {}
+
+
+def epilogue_for(problem) -> type["Epilogue"]:
+    """The epilogue registered for the problem's terms and layout; a ValueError naming
+    what exists where none is."""
+    found = _REGISTERED.get((problem.epilogue, problem.layout))
+    if found is None:
+        layouts = {}
+        for terms, layout in _REGISTERED:
+            layouts.setdefault(terms, []).append(layout)
+        known = "; ".join(f"{' + '.join(terms) or 'a plain store'} ({', '.join(where)})"
+                          for terms, where in layouts.items())
+        asked = " + ".join(problem.epilogue) or "a plain store"
+        raise ValueError(f"no GEMM epilogue computes {asked} on the {problem.layout} layout; "
+                         f"there are: {known}")
+    return found
+
+
 class Epilogue:
     element = "bfloat16"   # D's dtype (torch's name, as the tensor map takes it)
     element_bytes = 2
     reduce = False         # add into D (TMA reduce-add) instead of storing
     registers = 0          # what it keeps in a math thread through the K loop (make_config)
+    # The problem's epilogue terms this class computes, in kernels/gemm.py's TERMS order,
+    # and the layouts it serves. A class that sets ``terms`` itself is registered for them;
+    # one that does not (a base of others) is not.
+    terms: tuple[str, ...] = ()
+    layouts: tuple[str, ...] = ("dense",)
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "terms" not in cls.__dict__:
+            return
+        for layout in cls.layouts:
+            taken = _REGISTERED.setdefault((cls.terms, layout), cls)
+            if taken is not cls:
+                raise TypeError(f"{cls.__name__} and {taken.__name__} both compute "
+                                f"{cls.terms} on the {layout} layout")
 
     @classmethod
     def declare_params(cls, k, params) -> None:
@@ -147,6 +192,8 @@ class Epilogue:
 
 
 class Bf16Store(Epilogue):
+    terms, layouts = (), ("dense", "masked")
+
     def write(self, where, pair, half: int) -> None:
         k = self.k
         k.cvt(self.packed, pair[1], pair[0], dtype="bf16x2", rnd="rn")
@@ -154,6 +201,7 @@ class Bf16Store(Epilogue):
 
 
 class F32ReduceAdd(Epilogue):
+    terms = ("accumulate",)
     element, element_bytes, reduce = "float32", 4, True
 
     def write(self, where, pair, half: int) -> None:
@@ -164,6 +212,8 @@ class GroupRowsBf16Store(Bf16Store):
     """MoE, contiguous layout: a tile reads the B of its first row's group; each of the
     thread's two rows that lies outside M or whose m_indices names another group (padding,
     a segment not aligned to the tile) is written as zeros."""
+
+    terms, layouts = (), ("contiguous",)
 
     def __init__(self, k, cfg, params, thread, base):
         super().__init__(k, cfg, params, thread, base)
@@ -202,7 +252,9 @@ class AddendBf16Store(Bf16Store):
     """What the bf16 stores that add bf16 values from global memory to the accumulators
     (the bias, the residual) share: the guard of each 8-column group against N (a multiple
     of 8, so a group lies wholly inside or outside D: none of its columns is read past N),
-    worked out once per group however many addends read it."""
+    worked out once per group however many addends read it. Dense GEMMs only."""
+
+    layouts = ("dense",)
 
     def __init__(self, k, cfg, params, thread, base):
         super().__init__(k, cfg, params, thread, base)
@@ -234,6 +286,7 @@ class BiasBf16Store(AddendBf16Store):
     Each thread reads the bias pair of its columns once per 8-column group (one 4-byte
     load, from L2 after the first tile)."""
 
+    terms = ("bias",)
     registers = 8          # the bias base and pointer, columns left, the pair, its two f32
 
     @classmethod
@@ -283,6 +336,8 @@ class ResidualBf16Store(AddendBf16Store):
     element is read after the kernel has written it. It is read with an ordinary load, not
     through the read-only path (.nc), for that reason (the kernel writes D); each element
     is read once, so that path would save nothing."""
+
+    terms = ("residual",)
 
     # None through the K loop: the parameters are read, and the rows' pointers worked out,
     # after it (ptxas reads the parameters from the constant bank there). The pointers,
@@ -405,19 +460,6 @@ class BiasResidualBf16Store(BiasBf16Store, ResidualBf16Store):
     """bf16 D = (the accumulators + bias) + residual: the two above composed (each write
     adds its own and hands the sum on, the bias first), one column guard for both."""
 
+    terms = ("bias", "residual")
     registers = BiasBf16Store.registers + ResidualBf16Store.registers
 
-
-def epilogue_for(cfg) -> type[Epilogue]:
-    """The epilogue a config asks for."""
-    if cfg.accumulate:
-        return F32ReduceAdd
-    if cfg.bias and cfg.residual:
-        return BiasResidualBf16Store
-    if cfg.residual:
-        return ResidualBf16Store
-    if cfg.bias:
-        return BiasBf16Store
-    if cfg.groups and not cfg.masked:
-        return GroupRowsBf16Store
-    return Bf16Store

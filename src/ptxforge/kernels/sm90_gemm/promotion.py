@@ -16,7 +16,7 @@ straddle two 128-column rows of B scales (a block_n that does not divide 128) ta
 from __future__ import annotations
 
 from ...ptx import addr
-from .config import BLOCK_K
+from ..gemm import BLOCK_K
 
 # A straddling tile width with at most this many scale-row splits gets a promotion per split.
 MAX_PROMOTION_VARIANTS = 4

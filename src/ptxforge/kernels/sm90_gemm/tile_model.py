@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 
 from ...arch import Arch
+from ..gemm import GemmProblem
 from .config import GemmConfig, ROW_BYTES, require_problem, block_n_candidates, make_config
 
 # Fitted to `bench/gemm_sweep.py` on an H200 (docs/performance.md).
@@ -68,50 +69,42 @@ MULTICAST_MIN_M = 512  # below, the tiles of a block row are too few to pair up
 
 
 @functools.lru_cache(maxsize=None)
-def _candidates(arch: Arch, n: int, k: int, block_ms: tuple, multicasts: tuple,
-                accumulate: bool, groups: int, masked: bool, dtype: str, bias: bool,
-                residual: bool) -> tuple:
+def _candidates(arch: Arch, problem: GemmProblem, block_ms: tuple, multicasts: tuple) -> tuple:
     """(config, clocks a tile) for every tile that fits the problem, in the order the ties
     go: what does not depend on M, worked out once per problem."""
     found = []
     for block_m in block_ms:
         # Two CTAs an SM: two K-loop chains overlap (what small tiles are bound by).
         for ctas_per_sm in (1, 2) if block_m == 64 else (1,):
-            for block_n in block_n_candidates(arch, scaled=dtype == "e4m3"):
+            for block_n in block_n_candidates(arch, scaled=problem.scaled):
                 for multicast in multicasts:
                     try:
-                        cfg = make_config(arch, n, k, block_m, block_n, ctas_per_sm, multicast,
-                                          accumulate=accumulate, groups=groups, masked=masked,
-                                          dtype=dtype, bias=bias, residual=residual)
+                        cfg = make_config(arch, problem, block_m, block_n, ctas_per_sm, multicast)
                     except ValueError:
                         continue
                     found.append((cfg, tile_clocks(arch, cfg)))
     return tuple(found)
 
 
-def choose_config(arch: Arch, m: int, n: int, k: int, sms: int | None = None,
-                  accumulate: bool = False, groups: int = 0,
-                  masked: bool = False, dtype: str = "e4m3", bias: bool = False,
-                  residual: bool = False) -> GemmConfig:
-    """The config the model above finishes first on ``sms`` SMs (the device's by default);
-    ties go to no multicast (measured as often 1-3% faster as slower, and simpler), then
-    to the smaller tile. A few tokens may then get it covering only their rows
-    (``few_token_tile``)."""
-    require_problem(arch, n, k)
+def choose_config(arch: Arch, problem: GemmProblem, m: int, sms: int | None = None) -> GemmConfig:
+    """The config the model above finishes first for ``m`` rows (the masked layout: all
+    groups' expected rows) on ``sms`` SMs (the device's by default); ties go to no
+    multicast (measured as often 1-3% faster as slower, and simpler), then to the smaller
+    tile. A few tokens may then get it covering only their rows (``few_token_tile``)."""
+    require_problem(arch, problem)
     sms = sms or arch.sm_count
     # The masked layout's m is all groups' rows; a tile covers one group's.
-    group_rows, tile_groups = (m // groups, groups) if masked else (m, 1)
+    group_rows, tile_groups = (m // problem.groups, problem.groups) if problem.masked else (m, 1)
     multicasts = (1, 2) if m >= MULTICAST_MIN_M and sms % 2 == 0 else (1,)
     block_ms = (64,) if group_rows <= 64 else (64, 128)
     best = None
-    for cfg, clocks in _candidates(arch, n, k, block_ms, multicasts, accumulate, groups,
-                                   masked, dtype, bias, residual):
+    for cfg, clocks in _candidates(arch, problem, block_ms, multicasts):
         estimate = (_waves(cfg, group_rows, sms, tile_groups) * clocks, cfg.multicast,
                     cfg.ctas_per_sm)
         if best is None or estimate < best[0]:
             best = (estimate, cfg)
     if best is None:
-        raise ValueError(f"no GEMM tile fits N={n}, K={k} on {arch.target}")
+        raise ValueError(f"no GEMM tile fits {problem} on {arch.target}")
     return few_token_tile(arch, clusters_sharing_b(arch, best[1], m), group_rows)
 
 
@@ -144,12 +137,12 @@ def clusters_sharing_b(arch: Arch, cfg: GemmConfig, m: int) -> GemmConfig:
     CTAs run in lockstep. Measured on an H200 (bench/moe_gemm_configs.py): 3100-3200 us ->
     2855-2882. Larger groups lost 3% (4 x 8192 rows, 4096 x 7168: 1290 -> 1253 TFLOPS) or
     nothing measurable (Mixtral's down, ~640 rows a group)."""
-    if (not cfg.groups or cfg.masked or cfg.multicast == 1 or cfg.block_m != 128
+    if (cfg.problem.layout != "contiguous" or cfg.multicast == 1 or cfg.block_m != 128
             or m > SHARE_B_MAX_GROUP_ROWS * cfg.groups):
         return cfg
-    return make_config(arch, cfg.n, cfg.k, cfg.block_m, cfg.block_n, cfg.ctas_per_sm,
-                       cfg.multicast, cfg.part_buffers, groups=cfg.groups, dtype=cfg.dtype,
-                       producers=cfg.producers, raster=1, share_b=True)
+    return make_config(arch, cfg.problem, cfg.block_m, cfg.block_n, cfg.ctas_per_sm,
+                       cfg.multicast, cfg.part_buffers, producers=cfg.producers, raster=1,
+                       share_b=True)
 
 
 # A few tokens' GEMM streams weights: what bounds it is the weight bytes in flight per SM
@@ -169,15 +162,13 @@ def few_token_tile(arch: Arch, cfg: GemmConfig, m: int) -> GemmConfig:
     smallest of 8, 16 or 32 rows that holds them, two CTAs an SM."""
     rows = next((r for r in FEW_TOKEN_ROWS if m <= r), 0)
     flight = cfg.stages * cfg.b_stage_bytes * cfg.ctas_per_sm
-    if (not rows or cfg.block_m != 64 or cfg.multicast > 1 or (cfg.groups and not cfg.masked)
-            or flight >= FEW_TOKEN_FLIGHT_BYTES):
+    if (not rows or cfg.block_m != 64 or cfg.multicast > 1
+            or cfg.problem.layout == "contiguous" or flight >= FEW_TOKEN_FLIGHT_BYTES):
         return cfg
     for ctas_per_sm in (2, cfg.ctas_per_sm):  # two CTAs an SM where their registers fit
         try:
-            return make_config(arch, cfg.n, cfg.k, 64, cfg.block_n, ctas_per_sm,
-                               dtype=cfg.dtype, accumulate=cfg.accumulate, bias=cfg.bias,
-                               producers=cfg.producers, groups=cfg.groups, masked=cfg.masked,
-                               tile_rows=rows, residual=cfg.residual)
+            return make_config(arch, cfg.problem, 64, cfg.block_n, ctas_per_sm,
+                               producers=cfg.producers, tile_rows=rows)
         except ValueError:
             continue
     return cfg
