@@ -1,4 +1,4 @@
-"""Where the host time of a compiled model's call goes (issue 14), per model and token
+"""Where the host time of a compiled model's call goes, per model and token
 count (default: the FFN block and Llama-3-8B's 2 layers at 64 tokens):
   - wall us per call (CUDA events around 50 back-to-back calls) of Dynamo alone (a
     backend that returns a stored output: guards and frame, nothing launched; with every

@@ -1,7 +1,7 @@
 """Few-token GEMMs: the tile model's choice against variants of it (producer warps, tile
 width, rows covered), as % of a same-size device-to-device copy, in one run.
 
-    python bench/decode_variants.py
+    python bench/decode_tiles.py
 
 Bytes per GEMM: A, B, their scales and D; the limit is a torch copy moving as many bytes
 (read + write), timed the same way (profiler, L2 flushed, median).

@@ -2,8 +2,8 @@
 
 Two measures per step: 'host' = wall time per call while the GPU is kept busy by a long
 sleep kernel (so nothing waits for the GPU: pure host cost, up to the launch queue), and
-'back-to-back' = wall time per call of many calls followed by a synchronize (the issue's
-measure: host cost, or the GPU's launch throughput when that is slower).
+'back-to-back' = wall time per call of many calls followed by a synchronize (a serving
+loop's measure: host cost, or the GPU's launch throughput when that is slower).
 """
 
 import sys

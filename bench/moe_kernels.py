@@ -2,7 +2,7 @@
 quantization of the grouped rows, combine) and its two grouped GEMMs, one by one, at
 DeepSeek-V3's and Mixtral's sizes: kernel time (profiler, L2 flushed, median), the bytes
 each must move, and that against a device-to-device copy of the same bytes timed in the
-same run (issue 15: the permutation and the combine at >= 80% of it at 4096 tokens).
+same run.
 
     python bench/moe_kernels.py [deepseek-v3:4096 deepseek-v3:64 mixtral:2048 mixtral:16]
 """
