@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from ptxforge import arch, cli, compiler  # noqa: E402
-from ptxforge.compiler import passes, precompile  # noqa: E402
+from ptxforge.compiler import precompile, rewriting  # noqa: E402
 from ptxforge.kernels import sm90_gemm as gemm_kernel  # noqa: E402
 from ptxforge.kernels.sm90_gemm.tile_model import token_counts  # noqa: E402
 from ptxforge.testing import models  # noqa: E402
@@ -175,7 +175,7 @@ def test_a_llama_layer_joins_its_linears_and_fuses_norms_swiglu_and_residuals(fp
     assert [item.pattern for item in joined] == ["3 linears of one x", "2 linears of one x"] * 2
     assert sum(item.pattern == "residual add" for item in plan) == 4
     assert all(item.operator for item in plan)
-    linears = [n for n in gm.graph.nodes if passes.kind(n) == "linear"]
+    linears = [n for n in gm.graph.nodes if rewriting.kind(n) == "linear"]
     assert linears == []
 
 
@@ -195,7 +195,7 @@ def test_a_norm_read_by_more_than_linears_is_kept_beside_the_fused_kernel():
         x = torch.empty(8, 256, dtype=torch.bfloat16)
     ((gm, plan),) = trace_on_meta(model, x)
     assert [name for name, _ in ptxforge_calls(gm)] == ["rms_norm_fp8", "fp8_linear"]
-    assert [n for n in gm.graph.nodes if passes.kind(n) == "rms_norm"]   # still y's
+    assert [n for n in gm.graph.nodes if rewriting.kind(n) == "rms_norm"]   # still y's
 
 
 def test_the_plan_lists_each_kernel_and_its_configs_by_token_count():
@@ -279,10 +279,10 @@ def test_transformers_causal_mask_and_kv_repeat_go_to_sdpa_with_the_same_result(
     ((gm, plan),) = graphs
     (attention,) = [item for item in plan if item.pattern == "causal attention"]
     assert attention.operator == "SDPA is_causal=True"
-    (sdpa,) = [n for n in gm.graph.nodes if passes.kind(n) == "sdpa"]
+    (sdpa,) = [n for n in gm.graph.nodes if rewriting.kind(n) == "sdpa"]
     assert sdpa.kwargs["is_causal"] is True and "attn_mask" not in sdpa.kwargs
     assert sdpa.kwargs["enable_gqa"] is True          # keys and values not repeated
-    assert [tuple(passes.Graph.value(x).shape[1:2]) for x in sdpa.args] == [(4,), (2,), (2,)]
+    assert [tuple(rewriting.Graph.value(x).shape[1:2]) for x in sdpa.args] == [(4,), (2,), (2,)]
     with torch.no_grad():
         expected = model(ids, use_cache=False).last_hidden_state
         torch._dynamo.reset()

@@ -15,7 +15,7 @@ import torch
 
 from . import passes, precompile
 from .backend import mark_token_dims
-from .passes import Replacement
+from .rewriting import Replacement
 
 
 @dataclass
