@@ -11,7 +11,8 @@ import os
 
 import torch
 
-from .builder import DTYPES, load
+from .builder import load
+from .common import DTYPES
 
 # ONNX nodes of a match shown by name up to this many; more: the first and the last.
 SHOWN = 3
