@@ -54,9 +54,9 @@ def rewrite(gm: torch.fx.GraphModule, example_inputs, *, fp8: bool = True,
     plan = passes.rewrite(gm, example_inputs, fp8=fp8, arch_of=arch_of)
     gm.ptxforge_plan = plan
     for item in plan:
-        log.info("%s %s -> %s (%s)", item.pattern, item.node, item.operator or "Inductor",
+        log.info("%s %s -> %s (%s)", item.rewrite, item.node, item.operator or "Inductor",
                  item.reason)
-    linears = [item for item in plan if "linear" in item.pattern]
+    linears = [item for item in plan if "linear" in item.rewrite]
     reasons = {item.reason for item in linears}
     if linears and not any(item.operator for item in plan) and len(reasons) == 1:
         log.warning("ptxforge leaves every Linear to Inductor: %s", reasons.pop())

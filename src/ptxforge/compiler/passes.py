@@ -113,8 +113,8 @@ def rewrite_linears(g: Graph, *, fp8: bool, arch_of) -> tuple[list, list[Replace
         names = ", ".join(linear.node.name for linear in group)
         shapes = " + ".join(f"[{l.weight.shape[0]}, {l.weight.shape[1]}]" for l in group)
         weights = "fp8 128x128 blocks" if fp8 else "bf16"
-        pattern = "linear" if len(group) == 1 else f"{len(group)} linears of one x"
-        plan.append((position, Replacement(pattern, names, _operator_name(made[-1]),
+        rewrite = "linear" if len(group) == 1 else f"{len(group)} linears of one x"
+        plan.append((position, Replacement(rewrite, names, _operator_name(made[-1]),
                                            f"{shapes} weight, {weights}")))
     return made, [item for _, item in sorted(plan, key=lambda pair: pair[0])]
 
@@ -324,14 +324,14 @@ def _fused_quantizer(g: Graph, x, arch_of, plan):
     norm, swiglu = match_rms_norm(g, x), match_swiglu(g, x)
     if norm is None and swiglu is None:
         return None
-    pattern = "rms_norm -> fp8" if norm else "silu(gate) * up -> fp8"
+    rewrite = "rms_norm -> fp8" if norm else "silu(gate) * up -> fp8"
     variant = "rms_norm_quantize_fp8" if norm else "silu_mul_quantize_fp8"
     hidden = int(value.shape[-1])   # static: it matches a weight's
     why = _row_kernel_takes(variant, hidden, arch_of, value.device)
     if norm and (g.tensor(norm[1]) is None or g.value(norm[0]).dtype != torch.bfloat16):
         why = "x is not bf16 or the norm's weight is not a parameter"
     if why is not None:
-        plan.append(Replacement(pattern, x.name, None, why))
+        plan.append(Replacement(rewrite, x.name, None, why))
         return None
     with g.graph.inserting_after(x):
         if norm:
@@ -342,7 +342,7 @@ def _fused_quantizer(g: Graph, x, arch_of, plan):
     with g.graph.inserting_after(both):
         scales = g.call(operator.getitem, (both, 1))
         q = g.call(operator.getitem, (both, 0))
-    plan.append(Replacement(pattern, x.name, _operator_name(both),
+    plan.append(Replacement(rewrite, x.name, _operator_name(both),
                             f"hidden {hidden}, 1x128 per-token scales"))
     return q, scales
 

@@ -38,9 +38,10 @@ _KIND = {(spelling if isinstance(spelling, str) else id(spelling)): kind
 
 @dataclass(frozen=True)
 class Replacement:
-    """One pattern instance: what it was (its nodes), what runs instead (the ptxforge
-    operator, or None where it stays with Inductor) and why."""
-    pattern: str
+    """One rewrite a pass made or left undone: which (``rewrite``: "linear", "residual
+    add", "causal attention", ...), the nodes it covers, what runs instead (the ptxforge
+    operator, or None where they stay with Inductor) and why."""
+    rewrite: str
     node: str
     operator: str | None
     reason: str
