@@ -196,7 +196,7 @@ def _print_report(title, plan, summary, kernel_rows, *, nodes: str,
     from .testing.bench import format_table
 
     print(title)
-    print(format_table(["pattern", nodes, "runs on", "detail"], plan))
+    print(format_table(["rewrite", nodes, "runs on", "detail"], plan))
     print(f"\n{summary}\n\nkernels, by token count:")
     print(format_table(["kernel", *(f"M={m}" for m in counts)], kernel_rows))
 

@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from ptxforge import arch, cli, compiler  # noqa: E402
-from ptxforge.compiler import passes, precompile  # noqa: E402
+from ptxforge.compiler import precompile, rewriting  # noqa: E402
 from ptxforge.kernels import sm90_gemm as gemm_kernel  # noqa: E402
 from ptxforge.kernels.gemm import GemmProblem  # noqa: E402
 from ptxforge.kernels.sm90_gemm.tile_model import token_counts  # noqa: E402
@@ -145,7 +145,7 @@ def test_the_ffn_block_becomes_four_ptxforge_kernels():
     assert gate_up.args[0].args == (norm, 0) and gate_up.args[1].args == (norm, 1)
     assert down.args[0].args == (swiglu, 0) and down.kwargs["residual"] is x_node
     assert [n for n in gm.graph.nodes if n.op == "output"][0].args[0] == (down,)
-    assert {item.pattern for item in plan} == {"linear", "rms_norm -> fp8",
+    assert {item.rewrite for item in plan} == {"linear", "rms_norm -> fp8",
                                                "silu(gate) * up -> fp8", "residual add"}
 
 
@@ -172,11 +172,11 @@ def test_a_llama_layer_joins_its_linears_and_fuses_norms_swiglu_and_residuals(fp
     else:
         layer = ["bf16_linear"] * 4
     assert names == layer * 2
-    joined = [item for item in plan if item.pattern.endswith("linears of one x")]
-    assert [item.pattern for item in joined] == ["3 linears of one x", "2 linears of one x"] * 2
-    assert sum(item.pattern == "residual add" for item in plan) == 4
+    joined = [item for item in plan if item.rewrite.endswith("linears of one x")]
+    assert [item.rewrite for item in joined] == ["3 linears of one x", "2 linears of one x"] * 2
+    assert sum(item.rewrite == "residual add" for item in plan) == 4
     assert all(item.operator for item in plan)
-    linears = [n for n in gm.graph.nodes if passes.kind(n) == "linear"]
+    linears = [n for n in gm.graph.nodes if rewriting.kind(n) == "linear"]
     assert linears == []
 
 
@@ -196,7 +196,7 @@ def test_a_norm_read_by_more_than_linears_is_kept_beside_the_fused_kernel():
         x = torch.empty(8, 256, dtype=torch.bfloat16)
     ((gm, plan),) = trace_on_meta(model, x)
     assert [name for name, _ in ptxforge_calls(gm)] == ["rms_norm_fp8", "fp8_linear"]
-    assert [n for n in gm.graph.nodes if passes.kind(n) == "rms_norm"]   # still y's
+    assert [n for n in gm.graph.nodes if rewriting.kind(n) == "rms_norm"]   # still y's
 
 
 def test_the_plan_lists_each_kernel_and_its_configs_by_token_count():
@@ -245,6 +245,8 @@ def test_compile_report_prints_the_plan_without_a_gpu(tmp_path, capsys):
     assert cli.main(["compile-report", "--model", str(path), "--layers", "1"]) == 0
     out = capsys.readouterr().out
     assert "LlamaModel, 1 layer on sm_90a: 1 graph(s)" in out
+    header = next(line for line in out.splitlines() if line.startswith("|"))
+    assert [c.strip() for c in header.split("|")[1:-1]] == ["rewrite", "nodes", "runs on", "detail"]
     assert "7 of 7 Linears on ptxforge GEMMs; their weights: 1 MB a call" in out
     assert "silu_mul_quantize_fp8 hidden=512" in out and "e4m3 GEMM N=256 K=512 + residual" in out
 
@@ -280,12 +282,12 @@ def test_transformers_causal_mask_and_kv_repeat_go_to_sdpa_with_the_same_result(
     ids = torch.randint(0, 128, (1, 9))
     graphs = trace_on_meta(model, ids, use_cache=False)   # real CPU tensors: checked here
     ((gm, plan),) = graphs
-    (attention,) = [item for item in plan if item.pattern == "causal attention"]
+    (attention,) = [item for item in plan if item.rewrite == "causal attention"]
     assert attention.operator == "SDPA is_causal=True"
-    (sdpa,) = [n for n in gm.graph.nodes if passes.kind(n) == "sdpa"]
+    (sdpa,) = [n for n in gm.graph.nodes if rewriting.kind(n) == "sdpa"]
     assert sdpa.kwargs["is_causal"] is True and "attn_mask" not in sdpa.kwargs
     assert sdpa.kwargs["enable_gqa"] is True          # keys and values not repeated
-    assert [tuple(passes.Graph.value(x).shape[1:2]) for x in sdpa.args] == [(4,), (2,), (2,)]
+    assert [tuple(rewriting.Graph.value(x).shape[1:2]) for x in sdpa.args] == [(4,), (2,), (2,)]
     with torch.no_grad():
         expected = model(ids, use_cache=False).last_hidden_state
         torch._dynamo.reset()
@@ -299,11 +301,11 @@ def test_a_padding_mask_or_a_sliding_window_keeps_the_mask():
     ids, padding = torch.randint(0, 128, (1, 9)), torch.ones(1, 9, dtype=torch.long)
     padding[0, :2] = 0
     ((_, plan),) = trace_on_meta(model, ids, attention_mask=padding, use_cache=False)
-    (attention,) = [item for item in plan if item.pattern == "causal attention"]
+    (attention,) = [item for item in plan if item.rewrite == "causal attention"]
     assert attention.operator is None and attention.reason.startswith("the mask depends on the input")
     window = cpu_llama("MistralConfig", sliding_window=4)
     ((_, plan),) = trace_on_meta(window, torch.randint(0, 128, (1, 9)), use_cache=False)
-    (attention,) = [item for item in plan if item.pattern == "causal attention"]
+    (attention,) = [item for item in plan if item.rewrite == "causal attention"]
     assert attention.operator is None
 
 
@@ -366,7 +368,7 @@ def test_a_model_holding_fp8_weights_keeps_them_and_gets_its_fusions():
     _, linear = ptxforge_calls(gm)[1]
     assert linear.kwargs["residual"].op == "placeholder"
     assert not [name for name, _ in gm.named_buffers() if name.startswith("_ptxforge")]
-    assert [item.pattern for item in plan] == ["fp8 linear of the model", "rms_norm -> fp8",
+    assert [item.rewrite for item in plan] == ["fp8 linear of the model", "rms_norm -> fp8",
                                                "residual add"]
 
 
@@ -443,7 +445,7 @@ def moe_block(kind, experts_implementation="grouped_mm", device="meta"):
 def test_a_moe_blocks_experts_become_one_operator(kind):
     model, x = moe_block(kind)
     ((gm, plan),) = trace_on_meta(model, x)
-    (moe,) = [item for item in plan if item.pattern == "moe experts"]
+    (moe,) = [item for item in plan if item.rewrite == "moe experts"]
     assert moe.operator == "ptxforge.moe_experts_fp8" and "top-" in moe.reason
     calls = ptxforge_calls(gm)
     (experts,) = [node for name, node in calls if name == "moe_experts_fp8"]
@@ -475,14 +477,14 @@ def test_a_moe_blocks_experts_become_one_operator(kind):
         assert not any(n.op == "call_method" and n.target == "type" for n in gm.graph.nodes)
     else:   # Mixtral's router is a bf16 Linear [8, H]: kept, FP8 scores would re-route tokens
         assert names == ["moe_experts_fp8"]
-        (router,) = [item for item in plan if item.pattern == "linear"]
+        (router,) = [item for item in plan if item.rewrite == "linear"]
         assert router.operator is None and "router" in router.reason
 
 
 def test_moe_experts_left_to_inductor_say_why():
     model, x = moe_block("mixtral")
     ((_, plan),) = trace_on_meta(model, x, fp8=False)
-    (moe,) = [item for item in plan if item.pattern == "moe experts"]
+    (moe,) = [item for item in plan if item.rewrite == "moe experts"]
     assert moe.operator is None and "FP8" in moe.reason
 
 
@@ -496,7 +498,7 @@ def test_moe_sizes_the_kernels_do_not_take_are_left_with_the_reason():
         case = models.moe_block("mixtral-moe", device="meta", hidden_size=hidden,
                                 intermediate_size=inner, num_local_experts=experts)
         ((gm, plan),) = trace_on_meta(case.model, *case.inputs(8, "meta")[0])
-        (moe,) = [item for item in plan if item.pattern == "moe experts"]
+        (moe,) = [item for item in plan if item.rewrite == "moe experts"]
         assert moe.operator is None and reason in moe.reason
         assert any("grouped_mm" in str(n.target) for n in gm.graph.nodes)   # left as it was
 

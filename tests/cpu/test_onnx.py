@@ -468,7 +468,7 @@ def trace_on_meta(module, fp8):
 
 
 @pytest.mark.parametrize("fp8", [True, False])
-def test_the_passes_find_the_llamas_patterns(llama_onnx, fp8):
+def test_the_passes_find_the_llamas_rewrites(llama_onnx, fp8):
     """As test_compiler's Llama layer: per layer the norm fused with the quantization, q/k/v
     as one GEMM, o with the residual, the norm, gate/up as one GEMM, SwiGLU fused, down
     with the residual; the causal mask dropped for is_causal and k/v unrepeated."""
@@ -483,10 +483,10 @@ def test_the_passes_find_the_llamas_patterns(llama_onnx, fp8):
     else:
         layer = ["bf16_linear"] * 4
     assert names == layer * 2
-    patterns = [item.pattern for item in plan]
-    assert patterns.count("3 linears of one x") == patterns.count("2 linears of one x") == 2
-    assert patterns.count("residual add") == 4
-    assert patterns.count("causal attention") == patterns.count("grouped-query attention") == 2
+    rewrites = [item.rewrite for item in plan]
+    assert rewrites.count("3 linears of one x") == rewrites.count("2 linears of one x") == 2
+    assert rewrites.count("residual add") == 4
+    assert rewrites.count("causal attention") == rewrites.count("grouped-query attention") == 2
     assert all(item.operator for item in plan)
 
 
@@ -496,6 +496,7 @@ def test_onnx_report_names_the_onnx_nodes_of_each_kernel(llama_onnx, capsys):
     out = capsys.readouterr().out
     rows = [[c.strip() for c in line.split("|")[1:-1]] for line in out.splitlines()
             if line.startswith("|")]
+    assert rows[0] == ["rewrite", "ONNX nodes", "runs on", "detail"]
     norms = [row for row in rows if row[0] == "rms_norm -> fp8"]
     assert len(norms) == 4 and all(row[2] == "ptxforge.rms_norm_fp8" for row in norms)
     if opset == 18:   # Pow, ReduceMean, Add, Sqrt, Reciprocal, Mul, Mul

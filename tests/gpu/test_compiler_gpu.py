@@ -68,7 +68,7 @@ def test_a_small_llama_compiles_onto_ptxforge_gemms():
     with torch.no_grad():
         expected = model(ids).last_hidden_state.float()
         got = torch.compile(model, backend=backend)(ids).last_hidden_state
-    linears = [name for plan in plans for r in plan if r.operator and "linear" in r.pattern
+    linears = [name for plan in plans for r in plan if r.operator and "linear" in r.rewrite
                for name in r.node.split(", ")]
     assert len(linears) == 2 * 7          # q, k, v, o, gate, up, down in each layer
     assert calc_diff(got, expected) <= 5e-3

@@ -195,5 +195,5 @@ def test_a_transformers_moe_block_compiles_to_the_experts_op(kind):
             assert calc_diff(out, f32(x.float())) < 5e-3
             assert torch.equal(out, compiled(x))
     (plan,) = plans   # one graph for every token count
-    assert [item.operator for item in plan if item.pattern == "moe experts"] == \
+    assert [item.operator for item in plan if item.rewrite == "moe experts"] == \
         ["ptxforge.moe_experts_fp8"]

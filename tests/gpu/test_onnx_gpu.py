@@ -71,10 +71,10 @@ def test_an_exported_llama_on_ptxforge_matches_onnxruntime(llama, exported, fp8,
     (plan,) = plans   # one graph for both lengths
     linear = "ptxforge.fp8_linear" if fp8 else "ptxforge.bf16_linear"
     # per layer: q/k/v as one GEMM, o, gate/up as one, down; o and down add the residual
-    assert [item.pattern for item in plan if item.operator == linear] == \
+    assert [item.rewrite for item in plan if item.operator == linear] == \
         ["3 linears of one x", "linear", "2 linears of one x", "linear"] * 2 + ["residual add"] * 4
-    assert [item.operator for item in plan if item.pattern == "causal attention"] == \
+    assert [item.operator for item in plan if item.rewrite == "causal attention"] == \
         ["SDPA is_causal=True"] * 2
     if fp8:
-        assert [item.operator for item in plan if item.pattern.endswith("-> fp8")] == \
+        assert [item.operator for item in plan if item.rewrite.endswith("-> fp8")] == \
             ["ptxforge.rms_norm_fp8", "ptxforge.rms_norm_fp8", "ptxforge.silu_mul_fp8"] * 2

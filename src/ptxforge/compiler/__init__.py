@@ -1,10 +1,10 @@
 """The graph compiler: a ``torch.compile`` backend that puts ptxforge's kernels in place of
-the patterns it knows in a model's FX graph and hands the rest to Inductor.
+the subgraphs it knows in a model's FX graph and hands the rest to Inductor.
 
     model = ptxforge.compile(model)                       # or
     model = torch.compile(model, backend="ptxforge")      # found by name once installed
 
-docs/graph.md describes the passes, the fallback, CUDA graphs and how a pattern is added.
+docs/graph.md describes the passes, the fallback, CUDA graphs and how a rewrite is added.
 """
 
 from .backend import Replacement, backend, compile, mark_token_dims, rewrite, token_dims

@@ -23,9 +23,10 @@ import time
 
 import torch
 
+from .. import jit
 from ..ops import common
 from . import graphs, moe, passes, precompile
-from .passes import Replacement
+from .rewriting import Replacement, is_static, traced_size
 
 log = logging.getLogger("ptxforge.compiler")
 
@@ -53,9 +54,9 @@ def rewrite(gm: torch.fx.GraphModule, example_inputs, *, fp8: bool = True,
     plan = passes.rewrite(gm, example_inputs, fp8=fp8, arch_of=arch_of)
     gm.ptxforge_plan = plan
     for item in plan:
-        log.info("%s %s -> %s (%s)", item.pattern, item.node, item.operator or "Inductor",
+        log.info("%s %s -> %s (%s)", item.rewrite, item.node, item.operator or "Inductor",
                  item.reason)
-    linears = [item for item in plan if "linear" in item.pattern]
+    linears = [item for item in plan if "linear" in item.rewrite]
     reasons = {item.reason for item in linears}
     if linears and not any(item.operator for item in plan) and len(reasons) == 1:
         log.warning("ptxforge leaves every Linear to Inductor: %s", reasons.pop())
@@ -91,7 +92,7 @@ def backend(gm: torch.fx.GraphModule, example_inputs, *, fp8: bool = True,
         # Parameters keep their addresses; inputs the rewritten graph no longer reads (the
         # original weights, an eps the passes took as a constant) need no copy.
         changing = [i for i, (node, value) in enumerate(zip(placeholders, example_inputs))
-                    if node.users and not passes.is_static(node, value)]
+                    if node.users and not is_static(node, value)]
         compiled = graphs.GraphRunner(compiled, changing)
     # Outside the graphs: a replay runs no Python, the check must run before it.
     return FoldedWeights(compiled, gm.ptxforge_folded)
@@ -101,8 +102,6 @@ def assemble(gm: torch.fx.GraphModule, up_to: int | None = None) -> int:
     """Assemble, in parallel, every kernel the rewritten graph launches at the token count
     it was traced with (and at every count up to ``up_to``, with a progress bar): the first
     call then finds them built. Returns how many."""
-    from .. import jit
-
     nodes = precompile.kernels_of(gm.graph)
     if not nodes:
         return 0
@@ -111,7 +110,7 @@ def assemble(gm: torch.fx.GraphModule, up_to: int | None = None) -> int:
     arch = _device_arch(values[0].device)
     if isinstance(arch, str):
         return 0
-    rows = {passes.traced_size(math.prod(v.shape[:-1])) for v in values}
+    rows = {traced_size(math.prod(v.shape[:-1])) for v in values}
     tokens = sorted(rows | set(precompile.every_token_count(arch, up_to) if up_to else ()))
     kernels = [kernel for found in nodes.values() for kernel in found]
     return len(jit.precompile(precompile.builders(kernels, arch, tokens),

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from . import precompile
-from .passes import PTXFORGE, Graph, Replacement, ancestors, gpu_arch, kind
+from .rewriting import PTXFORGE, Graph, Replacement, ancestors, gpu_arch, kind
 
 _F = torch.nn.functional
 # The grouped GEMM as transformers calls it, by torch version and device.

@@ -21,7 +21,9 @@
 Each pass reads a node's value from its ``example_value`` (the fake tensor Dynamo traced),
 and each node it makes gets one, computed by the operator's fake, so the passes after it
 read the graph the same way. What a pass does, or why it leaves a match alone, is one
-``Replacement`` in the plan.
+``Replacement`` in the plan. The graph, ``kind`` and ``Replacement`` are ``rewriting.py``'s,
+which the MoE pass builds on too; ``rewrite`` (the end of this file) runs the passes in
+order.
 """
 
 from __future__ import annotations
@@ -31,129 +33,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import ops  # noqa: F401  registers torch.ops.ptxforge
 from .. import kernels
 from ..kernels import bf16_row_rmsnorm_fp8quant as row_kernel
 from ..kernels.gemm import GemmProblem
-
-_F = torch.nn.functional
-PTXFORGE = torch.ops.ptxforge
-
-# What the model may have written for each operation: functions and method names.
-_SPELLINGS = {
-    "linear": (torch._C._nn.linear, _F.linear),
-    "rms_norm": (torch.rms_norm, _F.rms_norm),
-    "add": (operator.add, torch.add, "add"),
-    "mul": (operator.mul, torch.mul, "mul"),
-    "silu": (_F.silu, "silu"),
-    "rsqrt": (torch.rsqrt, "rsqrt"),
-    "pow": (operator.pow, torch.pow, "pow"),
-    "mean": (torch.mean, "mean"),
-    "to": ("to", "float"),
-    "expand": ("expand",),
-    "reshape": ("reshape", "view"),
-    "item": ("item",),
-    "sdpa": (torch._C._nn.scaled_dot_product_attention, _F.scaled_dot_product_attention),
-}
-_KIND = {(spelling if isinstance(spelling, str) else id(spelling)): kind
-         for kind, spellings in _SPELLINGS.items() for spelling in spellings}
-
-
-@dataclass(frozen=True)
-class Replacement:
-    """One pattern instance: what it was (its nodes), what runs instead (the ptxforge
-    operator, or None where it stays with Inductor) and why."""
-    pattern: str
-    node: str
-    operator: str | None
-    reason: str
-
-
-def kind(node) -> str | None:
-    """The operation a node performs, by the table above (None: another one)."""
-    if not isinstance(node, torch.fx.Node):
-        return None
-    if node.op == "call_function":
-        return _KIND.get(id(node.target))
-    if node.op == "call_method":
-        return _KIND.get(node.target)
-    return None
-
-
-def traced_size(size) -> int:
-    """A size of the traced example: a symbolic one (the token count) by its value then."""
-    return size if isinstance(size, int) else int(size.node.hint)
-
-
-def is_static(node, example) -> bool:
-    """Dynamo lifts parameters and buffers to placeholders it marks static."""
-    marked = node.meta.get("tensor_dict", {}).get("_dynamo_static_input_type") is not None
-    return isinstance(example, torch.nn.Parameter) or marked
-
-
-class Graph:
-    """The graph module under rewrite: node values, the model's static tensors (its
-    parameters and buffers, by placeholder), and the making of nodes and constants."""
-
-    def __init__(self, gm: torch.fx.GraphModule, example_inputs):
-        self.gm, self.graph = gm, gm.graph
-        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        self.inputs = dict(zip(placeholders, example_inputs))
-        self.static = {n: e for n, e in self.inputs.items() if is_static(n, e)}
-        fakes = (n.meta.get("example_value") for n in gm.graph.nodes)
-        self.fake_mode = next((v.fake_mode for v in fakes if hasattr(v, "fake_mode")), None)
-        self.folded: list[torch.Tensor] = []   # parameters copied into the graph's constants
-        # Linears kept as the model wrote them, with the reason (a MoE router's: moe.py)
-        self.kept: dict[torch.fx.Node, str] = {}
-
-    @staticmethod
-    def value(node):
-        """What the node computes, as traced (a fake tensor), or the argument itself."""
-        return node.meta.get("example_value") if isinstance(node, torch.fx.Node) else node
-
-    def tensor(self, node):
-        """The real tensor behind a static placeholder, or None."""
-        return self.static.get(node)
-
-    def number(self, node):
-        """A Python number: the argument itself, or ``t.item()`` of a one-element input
-        tensor (some torch versions lift a module's float attributes, an RMSNorm's eps, to
-        such inputs), read when the graph is compiled like the weights."""
-        if isinstance(node, (int, float)):
-            return node
-        if kind(node) == "item":
-            value = self.inputs.get(node.args[0])
-            if isinstance(value, torch.Tensor) and value.numel() == 1:
-                return value.item()
-        return None
-
-    def constant(self, name: str, value: torch.Tensor) -> torch.fx.Node:
-        """A tensor the pass made, as a buffer of the module read by a get_attr node.
-        AOTAutograd asks Dynamo where every buffer came from (``_param_name_to_source``):
-        a pass's own buffers get a source of their own, a constant's."""
-        from torch._dynamo.source import ConstantSource
-
-        self.gm.register_buffer(name, value)
-        sources = getattr(self.gm, "_param_name_to_source", None)
-        if sources is not None:
-            sources[name] = ConstantSource(name)
-        node = self.graph.get_attr(name)
-        node.meta["example_value"] = self._fake(value)
-        return node
-
-    def call(self, target, args, kwargs=None) -> torch.fx.Node:
-        """A call_function node (at the graph's insertion point) with its example value."""
-        node = self.graph.call_function(target, tuple(args), kwargs or {})
-        fake = lambda a: self.value(a) if isinstance(a, torch.fx.Node) else a
-        with self.fake_mode or torch._subclasses.fake_tensor.FakeTensorMode():
-            node.meta["example_value"] = target(*map(fake, args),
-                                                **{k: fake(v) for k, v in (kwargs or {}).items()})
-        return node
-
-    def _fake(self, value: torch.Tensor):
-        if self.fake_mode is None or isinstance(value, torch._subclasses.FakeTensor):
-            return value
-        return self.fake_mode.from_tensor(value, static_shapes=True)
+from .moe import rewrite_moe_experts
+from .rewriting import PTXFORGE, Graph, Replacement, ancestors, gpu_arch, kind, traced_size
 
 
 # --- Linear ---------------------------------------------------------------------------------
@@ -165,15 +49,6 @@ class Linear:
     x: torch.fx.Node
     weight: torch.Tensor
     bias: torch.fx.Node | None
-
-
-def gpu_arch(weight: torch.Tensor, arch_of) -> tuple:
-    """(the description of the GPU ``weight`` is on, None), or (None, why the kernels cannot
-    run there: a CPU weight, a GPU without a description)."""
-    if weight.device.type not in ("cuda", "meta"):
-        return None, f"the weight is on {weight.device}"
-    arch = arch_of(weight.device)
-    return (None, arch) if isinstance(arch, str) else (arch, None)
 
 
 def why_not_gemm(weight: torch.Tensor, arch_of) -> str | None:
@@ -238,8 +113,8 @@ def rewrite_linears(g: Graph, *, fp8: bool, arch_of) -> tuple[list, list[Replace
         names = ", ".join(linear.node.name for linear in group)
         shapes = " + ".join(f"[{l.weight.shape[0]}, {l.weight.shape[1]}]" for l in group)
         weights = "fp8 128x128 blocks" if fp8 else "bf16"
-        pattern = "linear" if len(group) == 1 else f"{len(group)} linears of one x"
-        plan.append((position, Replacement(pattern, names, _operator_name(made[-1]),
+        rewrite = "linear" if len(group) == 1 else f"{len(group)} linears of one x"
+        plan.append((position, Replacement(rewrite, names, _operator_name(made[-1]),
                                            f"{shapes} weight, {weights}")))
     return made, [item for _, item in sorted(plan, key=lambda pair: pair[0])]
 
@@ -449,14 +324,14 @@ def _fused_quantizer(g: Graph, x, arch_of, plan):
     norm, swiglu = match_rms_norm(g, x), match_swiglu(g, x)
     if norm is None and swiglu is None:
         return None
-    pattern = "rms_norm -> fp8" if norm else "silu(gate) * up -> fp8"
+    rewrite = "rms_norm -> fp8" if norm else "silu(gate) * up -> fp8"
     variant = "rms_norm_quantize_fp8" if norm else "silu_mul_quantize_fp8"
     hidden = int(value.shape[-1])   # static: it matches a weight's
     why = _row_kernel_takes(variant, hidden, arch_of, value.device)
     if norm and (g.tensor(norm[1]) is None or g.value(norm[0]).dtype != torch.bfloat16):
         why = "x is not bf16 or the norm's weight is not a parameter"
     if why is not None:
-        plan.append(Replacement(pattern, x.name, None, why))
+        plan.append(Replacement(rewrite, x.name, None, why))
         return None
     with g.graph.inserting_after(x):
         if norm:
@@ -467,7 +342,7 @@ def _fused_quantizer(g: Graph, x, arch_of, plan):
     with g.graph.inserting_after(both):
         scales = g.call(operator.getitem, (both, 1))
         q = g.call(operator.getitem, (both, 0))
-    plan.append(Replacement(pattern, x.name, _operator_name(both),
+    plan.append(Replacement(rewrite, x.name, _operator_name(both),
                             f"hidden {hidden}, 1x128 per-token scales"))
     return q, scales
 
@@ -609,17 +484,6 @@ def _why_not_causal(g: Graph, sdpa, mask) -> str | None:
     return None
 
 
-def ancestors(node) -> list:
-    """The nodes ``node`` is computed from, and itself, in graph order."""
-    seen, stack = set(), [node]
-    while stack:
-        n = stack.pop()
-        if n not in seen:
-            seen.add(n)
-            stack.extend(n.all_input_nodes)
-    return [n for n in node.graph.nodes if n in seen]
-
-
 def _subgraph(nodes, size, output):
     """A function of the sequence length computing ``output`` from ``nodes`` (which read
     the one size placeholder ``size``)."""
@@ -645,8 +509,6 @@ def _kept_by_dce(node) -> bool:
 def rewrite(gm: torch.fx.GraphModule, example_inputs, *, fp8: bool, arch_of) -> list[Replacement]:
     """Every pass, in order; returns the plan. The parameters whose values the graph now
     holds a copy of (quantized or joined) are left in ``gm.ptxforge_folded``."""
-    from .moe import rewrite_moe_experts   # the MoE pass builds on this module's Graph
-
     g = Graph(gm, example_inputs)
     plan = rewrite_moe_experts(g, fp8=fp8, arch_of=arch_of)
     plan += rewrite_upcast_linears(g, arch_of)

@@ -15,7 +15,7 @@ import torch
 
 from . import passes, precompile
 from .backend import mark_token_dims
-from .passes import Replacement
+from .rewriting import Replacement
 
 
 @dataclass
@@ -70,9 +70,9 @@ def kernels(graphs: list[GraphPlan]) -> list:
 def report_tables(case, graphs: list[GraphPlan], arch, token_counts=(1, 64, 2048, 16384)):
     """(title, the plan's rows, a summary line, the kernels' rows: each GEMM's tile by token
     count, each row kernel's config) for a table printer."""
-    plan = [[item.pattern, item.node, item.operator or "Inductor", item.reason]
+    plan = [[item.rewrite, item.node, item.operator or "Inductor", item.reason]
             for g in graphs for item in g.plan]
-    linears = [item for g in graphs for item in g.plan if "linear" in item.pattern]
+    linears = [item for g in graphs for item in g.plan if "linear" in item.rewrite]
     taken = sum(len(item.node.split(", ")) for item in linears if item.operator)
     total = sum(len(item.node.split(", ")) for item in linears)
     summary = f"{taken} of {total} Linears on ptxforge GEMMs"

@@ -9,10 +9,10 @@ backend's passes take like any model.
 
 ``builder.py`` builds the graph module (``load``: initializers as parameters, shape
 arithmetic as Python ints and SymInts), ``ops.py`` holds the op table (ONNX op -> torch
-calls, the versions and attributes each lowering takes), ``patterns.py`` the subgraphs
+calls, the versions and attributes each lowering takes), ``subgraphs.py`` the subgraphs
 lowered as a whole to the calls the passes match (Linear, RMSNorm, SiLU, attention),
-``report.py`` which ONNX nodes became which kernels. docs/graph.md describes the front
-end.
+``common.py`` what those three share, ``report.py`` which ONNX nodes became which
+kernels. docs/graph.md describes the front end.
 """
 
 from .builder import load

@@ -24,50 +24,20 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
 
 import torch
 
-# ONNX element types the front end takes, as torch dtypes.
-DTYPES = {1: torch.float32, 10: torch.float16, 16: torch.bfloat16, 7: torch.int64,
-          6: torch.int32, 9: torch.bool}
+from . import ops, subgraphs
+from .common import DTYPES, Sizes, domain, node_name, opsets
+
 # Integer and bool initializers up to this many elements are constants of the graph
 # (shapes, axes, indices); larger ones are buffers.
 SMALL = 1024
 
 
-def opsets(model) -> dict:
-    """Domain -> the model's opset for it; the default domain as "" however it is spelled."""
-    return {domain(entry.domain): entry.version for entry in model.opset_import}
-
-
-def domain(name: str) -> str:
-    return "" if name in ("", "ai.onnx") else name
-
-
-def node_name(node) -> str:
-    """A node's name, or (ONNX names are optional) its first output's."""
-    return node.name or node.output[0]
-
-
-def type_name(elem_type: int) -> str:
-    import onnx
-
-    return onnx.TensorProto.DataType.Name(elem_type)
-
-
-@dataclass(frozen=True)
-class Sizes:
-    """An integer value known when the graph is built up to tensor sizes: 0-D (``scalar``)
-    or 1-D, its items Python ints or FX nodes computing ints."""
-    items: tuple
-    scalar: bool = False
-    dtype: torch.dtype = torch.int64
-
-
 class Builder:
     """The FX graph under construction, the ONNX values it holds so far and what the op
-    lowerings need of them (``ops.py`` and ``patterns.py`` call these methods)."""
+    lowerings need of them (``ops.py`` and ``subgraphs.py`` call these methods)."""
 
     def __init__(self, model, value_info, *, dtype, device, base_dir):
         self.onnx_graph = model.graph
@@ -412,8 +382,6 @@ def load(model, *, dtype: torch.dtype | None = None, device="cpu") -> torch.fx.G
     weights (a rotary embedding's inverse frequencies, hence its angles) stay float32
     until they meet a value of ``dtype``, which they are cast to. ``device``:
     where the parameters are made ("meta": shapes only, no data read, for a report)."""
-    from . import ops, patterns
-
     model, base_dir = _read_model(model)
     inferred = _with_shapes(model)
     ops.validate(model, inferred)
@@ -429,7 +397,7 @@ def load(model, *, dtype: torch.dtype | None = None, device="cpu") -> torch.fx.G
             builder.current = []
             node = builder.call("to", node, dtype, result=dtype)
         builder.values[graph_input.name] = node
-    lowered = patterns.Lowerings(builder)
+    lowered = subgraphs.Lowerings(builder)
     for node in model.graph.node:
         builder.current = [node]
         outputs = lowered.emit(node) or ops.emit(builder, node)

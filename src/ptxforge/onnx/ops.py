@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from .builder import DTYPES, Sizes, domain, node_name, opsets, type_name
+from .common import DTYPES, Sizes, domain, node_name, opsets, type_name
 
 _F = torch.nn.functional
 # The model opsets whose op versions the table takes: the versions of each op in force

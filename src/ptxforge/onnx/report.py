@@ -1,5 +1,5 @@
 """Which ONNX nodes became which kernels: the compile report (``compiler/report.py``) of
-an ONNX model loaded on the meta device (shapes, no weights read), with each pattern's
+an ONNX model loaded on the meta device (shapes, no weights read), with each rewrite's
 Dynamo nodes traced back to the ONNX nodes they were lowered from.
 
     ptxforge onnx-report model.onnx [--bf16] [--arch sm_90a]
@@ -11,7 +11,8 @@ import os
 
 import torch
 
-from .builder import DTYPES, load
+from .builder import load
+from .common import DTYPES
 
 # ONNX nodes of a match shown by name up to this many; more: the first and the last.
 SHOWN = 3
@@ -51,7 +52,7 @@ def shown(nodes: list[str]) -> str:
 
 
 def onnx_report(model, arch, *, fp8: bool = True, tokens: int = 64):
-    """(title, rows [pattern, ONNX nodes, runs on, detail], summary, kernel rows) for a
+    """(title, rows [rewrite, ONNX nodes, runs on, detail], summary, kernel rows) for a
     table printer: ``compiler.report``'s tables for the model loaded in bf16 on the meta
     device, the plan's nodes as the ONNX nodes they came from."""
     from ..compiler import report
@@ -65,7 +66,7 @@ def onnx_report(model, arch, *, fp8: bool = True, tokens: int = 64):
             nodes = onnx_nodes(case.model, graph, item.node)
             if (item.operator or "").startswith("ptxforge."):
                 lowered.update(nodes)
-            rows.append([item.pattern, shown(nodes), item.operator or "Inductor", item.reason])
+            rows.append([item.rewrite, shown(nodes), item.operator or "Inductor", item.reason])
     total = len({n for origin in case.model.onnx_origin.values() for n in origin.split(", ") if n})
     summary += (f"; {len(lowered)} of the {total} ONNX nodes computed at run time are in "
                 f"ptxforge kernels, the rest with Inductor")

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from . import ops
-from .builder import DTYPES
+from .common import DTYPES
 
 _F = torch.nn.functional
 
