@@ -11,7 +11,7 @@ import time
 import torch
 
 from ptxforge import ops
-from ptxforge.testing.bench import _torch_blockwise
+from ptxforge.bench.ops import _torch_blockwise
 from ptxforge.testing.checks import fp8_gemm_operands
 
 m, n, k = (int(x) for x in sys.argv[1:4]) if len(sys.argv) > 3 else (4096, 7168, 16384)

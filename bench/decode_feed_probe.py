@@ -20,7 +20,7 @@ from ptxforge.kernels.sm90_gemm import config as gemm_config, promotion
 from ptxforge.ops import common, gemm as gemm_ops
 from ptxforge.ops.layout import ceil_div, get_tma_aligned_size
 from ptxforge.ptx import KernelBuilder
-from ptxforge.testing.bench import Timer, copy_of, gemm_bytes
+from ptxforge.bench.ops import Timer, copy_of, gemm_bytes
 from ptxforge.testing.checks import fp8_gemm_operands
 
 

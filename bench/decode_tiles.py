@@ -12,7 +12,7 @@ import torch
 from ptxforge import ops
 from ptxforge.kernels import sm90_gemm as gemm
 from ptxforge.ops import common
-from ptxforge.testing.bench import Timer, copy_of, gemm_bytes
+from ptxforge.bench.ops import Timer, copy_of, gemm_bytes
 from ptxforge.testing.checks import fp8_gemm_operands
 
 SHAPES = ((2112, 7168), (4096, 7168), (7168, 16384), (7168, 2048))

@@ -20,7 +20,7 @@ def first_call(candidate: str, name: str, tokens: int) -> None:
     from torch._dynamo.utils import compile_times
 
     from ptxforge import compiler
-    from ptxforge.testing import models
+    from ptxforge import models
 
     torch.manual_seed(0)
     case = models.build(name)

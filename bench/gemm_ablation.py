@@ -16,7 +16,7 @@ import sys
 import torch
 
 from ptxforge import ops
-from ptxforge.testing.bench import Timer
+from ptxforge.bench.ops import Timer
 from ptxforge.testing.checks import calc_diff, fp8_gemm_operands
 from ptxforge.kernels import sm90_gemm as gemm
 from ptxforge.ops import common

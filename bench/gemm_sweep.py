@@ -17,7 +17,7 @@ import json
 import torch
 
 from ptxforge import ops
-from ptxforge.testing.bench import (GEMM_SHAPES, GROUPED_MASKED, Timer, _bf16_pair, _torch_blockwise,
+from ptxforge.bench.ops import (GEMM_SHAPES, GROUPED_MASKED, Timer, _bf16_pair, _torch_blockwise,
                             _torch_grouped, contiguous_problems, grouped_operands,
                             masked_operands)
 from ptxforge.testing.checks import calc_diff, fp8_gemm_operands

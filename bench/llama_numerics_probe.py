@@ -19,7 +19,7 @@ from ptxforge import compiler
 from ptxforge.compiler import passes
 from ptxforge.testing import reference as recipe
 from ptxforge.testing.checks import calc_diff
-from ptxforge.testing.models import in_f32, llama_8b
+from ptxforge.models import in_f32, llama_8b
 
 
 def fp8_emulated(linear, x):

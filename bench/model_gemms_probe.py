@@ -9,7 +9,8 @@ and for the residual epilogue what it costs over the plain GEMM of the same shap
 import torch
 
 from ptxforge import ops
-from ptxforge.testing.bench import Timer, format_table
+from ptxforge.bench import format_table
+from ptxforge.bench.ops import Timer
 
 # (label, M, N, K): the FFN block at 4096 tokens and Llama-3-8B's layer at 2048.
 SHAPES = [("ffn gate_up", 4096, 4096, 7168), ("ffn down", 4096, 7168, 2048),

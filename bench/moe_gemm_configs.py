@@ -17,9 +17,10 @@ import sys
 import torch
 
 import ptxforge
+from ptxforge.bench import format_table
+from ptxforge.bench.ops import Timer, copy_of
 from ptxforge.kernels import sm90_gemm as gemm
 from ptxforge.ops import common, moe
-from ptxforge.testing.bench import Timer, copy_of, format_table
 
 sys.path.insert(0, "bench")
 from moe_kernels import SIZES, problem  # noqa: E402

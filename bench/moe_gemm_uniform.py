@@ -13,9 +13,10 @@ import sys
 import torch
 
 import ptxforge
+from ptxforge.bench import format_table
+from ptxforge.bench.ops import Timer
 from ptxforge.kernels import sm90_gemm as gemm
 from ptxforge.ops import common
-from ptxforge.testing.bench import Timer, format_table
 
 sys.path.insert(0, "bench")
 from moe_kernels import SIZES, problem  # noqa: E402

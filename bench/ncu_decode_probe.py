@@ -11,7 +11,7 @@ tile), then a torch copy of the same bytes for each."""
 import torch
 
 from ptxforge import ops
-from ptxforge.testing.bench import copy_of, gemm_bytes
+from ptxforge.bench.ops import copy_of, gemm_bytes
 from ptxforge.testing.checks import fp8_gemm_operands
 
 flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")

@@ -5,7 +5,7 @@ copy measured in this run."""
 import torch
 
 from ptxforge import jit
-from ptxforge.testing.bench import Timer, copy_bandwidth_gbs
+from ptxforge.bench.ops import Timer, copy_bandwidth_gbs
 from ptxforge.kernels import bf16_row_rmsnorm_fp8quant as row_kernel
 from ptxforge.ops import common
 from ptxforge.ops.layout import empty_mn_major_scales

@@ -16,7 +16,7 @@ findings follow its own format.
 import torch
 
 import ptxforge
-from ptxforge.testing.bench import masked_operands
+from ptxforge.bench.ops import masked_operands
 from ptxforge.testing.checks import fp8_gemm_operands
 from ptxforge.kernels import sm90_gemm as gemm
 from ptxforge.ops import common

@@ -9,7 +9,7 @@ docs/performance.md).
 import torch
 
 from ptxforge import ops
-from ptxforge.testing.bench import Timer, copy_of, gemm_bytes
+from ptxforge.bench.ops import Timer, copy_of, gemm_bytes
 
 timer = Timer()
 for n, k in ((7168, 2048), (4096, 7168), (2112, 7168)):

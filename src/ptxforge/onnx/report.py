@@ -11,6 +11,7 @@ import os
 
 import torch
 
+from ..models import Case
 from .builder import DTYPES, load
 
 # ONNX nodes of a match shown by name up to this many; more: the first and the last.
@@ -18,10 +19,8 @@ SHOWN = 3
 
 
 def onnx_case(model, *, dtype=torch.bfloat16, device="meta"):
-    """The ONNX model as a ``testing.models.Case``: loaded with ``dtype`` on ``device``,
+    """The ONNX model as a ``models.Case``: loaded with ``dtype`` on ``device``,
     called on inputs whose named (dynamic) dimensions are the token count."""
-    from ..testing.models import Case
-
     module = load(model, dtype=dtype, device=device)
 
     def inputs(tokens, device):
