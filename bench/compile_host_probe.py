@@ -23,8 +23,8 @@ import torch
 
 from ptxforge import compiler
 from ptxforge.compiler import graphs
-from ptxforge.testing import models
-from ptxforge.testing.model_bench import wall_us
+from ptxforge import models
+from ptxforge.bench.model import wall_us
 
 
 def host_us(fn, calls=50):

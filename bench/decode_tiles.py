@@ -11,8 +11,9 @@ import torch
 
 from ptxforge import ops
 from ptxforge.kernels import sm90_gemm as gemm
+from ptxforge.kernels.gemm import GemmProblem
 from ptxforge.ops import common
-from ptxforge.testing.bench import Timer, copy_of, gemm_bytes
+from ptxforge.bench.ops import Timer, copy_of, gemm_bytes
 from ptxforge.testing.checks import fp8_gemm_operands
 
 SHAPES = ((2112, 7168), (4096, 7168), (7168, 16384), (7168, 2048))
@@ -37,12 +38,12 @@ for dtype in ("e4m3", "bf16"):
             d = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
             copy = copy_of(gemm_bytes([m], n, k, fp8=dtype == "e4m3"))
             copy_us = timer(copy)
-            chosen = gemm.choose_config(arch, m, n, k, dtype=dtype)
+            chosen = gemm.choose_config(arch, GemmProblem(n, k, dtype), m)
             text = f"{dtype:5} {m:4} {n:6} x {k:5} | {chosen.name.split('_', 4)[-1][-32:]:22} {100 * copy_us / timer(lambda: call(chosen)):5.0f}"
             for rows, widen, warps, ctas in VARIANTS:
                 try:
-                    cfg = gemm.make_config(arch, n, k, 64, chosen.block_n * widen, ctas,
-                                           dtype=dtype, producers=warps,
+                    cfg = gemm.make_config(arch, chosen.problem, 64, chosen.block_n * widen, ctas,
+                                           producers=warps,
                                            tile_rows=chosen.tile_rows if rows is None else rows)
                 except ValueError:
                     text += " |    -"

@@ -14,7 +14,7 @@
 # Expert parallelism (two ranks: a GPU each, or one GPU under MPS):
 #   bash bench/device_run.sh ep
 set -u -o pipefail
-export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD/src:$PWD/tests PYTHONUNBUFFERED=1
 export PTXFORGE_CACHE_DIR=/tmp/ptxforge-cache
 OUT=${OUT:-/tmp/ptxforge-out}
 mkdir -p "$OUT"

@@ -17,16 +17,22 @@ import json
 import torch
 
 from ptxforge import ops
-from ptxforge.testing.bench import (GEMM_SHAPES, GROUPED_MASKED, Timer, _bf16_pair, _torch_blockwise,
+from ptxforge.bench.ops import (GEMM_SHAPES, GROUPED_MASKED, Timer, _bf16_pair, _torch_blockwise,
                             _torch_grouped, contiguous_problems, grouped_operands,
                             masked_operands)
 from ptxforge.testing.checks import calc_diff, fp8_gemm_operands
 from ptxforge.kernels import sm90_gemm as gemm
+from ptxforge.kernels.gemm import GemmProblem
 from ptxforge.ops import common
 
 arch = common.device_arch(0)
 sms = arch.sm_count
 timer = Timer()
+
+
+def problem(n, k, dtype, groups, masked):
+    layout = ("masked" if masked else "contiguous") if groups else "dense"
+    return GemmProblem(n, k, dtype, layout, groups)
 
 
 def alternatives(m, n, k, dtype, groups=0, masked=False, producers=(1,)):
@@ -43,9 +49,8 @@ def alternatives(m, n, k, dtype, groups=0, masked=False, producers=(1,)):
         for multicast in (1, 2):
             for warps in producers:
                 try:
-                    yield gemm.make_config(arch, n, k, block_m, block_n, ctas, multicast,
-                                           groups=groups, masked=masked, dtype=dtype,
-                                           producers=warps)
+                    yield gemm.make_config(arch, problem(n, k, dtype, groups, masked), block_m,
+                                           block_n, ctas, multicast, producers=warps)
                 except ValueError:
                     pass
 
@@ -93,7 +98,7 @@ def sweep(suite, producers):
     rows = []
     for label, model_m, (m, n, k, groups, masked, dtype), call, valid, ref, peer, flops in problems(suite):
         peer_tflops = flops / timer(peer) / 1e9 if peer else None
-        choice = gemm.choose_config(arch, m, n, k, sms, False, groups, masked, dtype)
+        choice = gemm.choose_config(arch, problem(n, k, dtype, groups, masked), m, sms)
         configs = [choice] + [c for c in alternatives(m, n, k, dtype, groups, masked, producers)
                               if c != choice]
         results = {}

@@ -1,39 +1,33 @@
-"""Host time per call of each op, this tree's ptxforge against another source tree's, in one
-process: rounds rotate through the sides so that clock and load drift hit all alike, and
-the baseline is loaded twice, so that the gap between its two copies (A/A) shows what
-difference the method can resolve.
+"""Host time per call of each op, this tree's ptxforge against another source tree's. Each
+side is a process of its own, importing its tree's ptxforge from its own PYTHONPATH; this
+process steps them through the rounds, each round in a rotated order, so that clock and
+load drift hit all alike. The baseline runs in two processes, so that the gap between its
+two copies (A/A) shows what difference the method can resolve.
 
     python bench/host_ab.py BASELINE_SRC [rounds]     # BASELINE_SRC holds a ptxforge/ folder
     python bench/host_ab.py --native [rounds]         # this tree: ctypes launches (twice) vs C
 
-With --native the baseline is this tree itself launching through ctypes
-(PTXFORGE_NATIVE_LAUNCH=0), against its C launcher (runtime/native.c).
+BASELINE_SRC is the ``src`` of another checkout, e.g. ``git worktree add /tmp/base main``,
+then ``/tmp/base/src``. With --native the baseline is this tree itself launching through
+ctypes (PTXFORGE_NATIVE_LAUNCH=0), against its C launcher (runtime/native.c).
 
 Per round and op: 1000 calls while a sleep kernel keeps the GPU busy (pure host cost, as
 bench/host_breakdown.py's 'host' column); the table gives each side's minimum over rounds
 (noise only adds time) and its median.
 """
 
-import importlib.util
+import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-import ptxforge
-
-
-def load_as(name: str, package_dir: Path):
-    """Import the package in ``package_dir`` under another name (its imports are relative)."""
-    spec = importlib.util.spec_from_file_location(name, package_dir / "__init__.py",
-                                                  submodule_search_locations=[str(package_dir)])
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+THIS_TREE = Path(__file__).resolve().parents[1] / "src"   # the tree measured
+SIDE = "--side"  # argv[1] of a side's process
 
 
 def calls(p):
@@ -76,57 +70,113 @@ def host_us(fn, count: int = 1000) -> float:
     return elapsed / count * 1e6
 
 
-def warm(ops) -> None:
-    """Build, load and warm every kernel and cache of one side."""
+def launch_path() -> str:
+    """Which launch path the side's ptxforge takes: its C launcher or ctypes."""
+    try:
+        from ptxforge.runtime import native
+    except ImportError:
+        return "ctypes (the tree has no C launcher)"
+    return "native" if native.module() is not None else "ctypes"
+
+
+def side() -> None:
+    """A side's process: build, load and warm every op, say which ptxforge it runs, then
+    answer each op name read from stdin with that op's host time, one JSON line each."""
+    replies = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # what ptxforge, torch or a compiler print goes to stderr, off the replies
+    import ptxforge
+
+    ops = calls(ptxforge)
     for fn in ops.values():
         for _ in range(100):
             fn()
+    torch.cuda.synchronize()
+    replies.write(json.dumps({"ptxforge": ptxforge.__file__, "launch": launch_path(),
+                              "ops": list(ops)}) + "\n")
+    for line in sys.stdin:
+        replies.write(json.dumps(host_us(ops[line.strip()])) + "\n")
 
 
-def sides_to_compare(baseline: str) -> dict:
-    """side -> its op calls, warmed: the baseline loaded twice (A/A), then the side measured."""
+class Side:
+    """A side's process, started with ``src`` as its only PYTHONPATH and the variables of
+    ``env`` set (or, where None, unset)."""
+
+    def __init__(self, name: str, src: Path, env: dict):
+        self.name, self.src = name, src
+        environment = {**os.environ, **env, "PYTHONPATH": str(src)}
+        environment = {key: value for key, value in environment.items() if value is not None}
+        self.process = subprocess.Popen([sys.executable, __file__, SIDE], env=environment,
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        text=True, bufsize=1)
+
+    def ready(self) -> dict:
+        """The side's ptxforge, launch path and ops, once it has warmed them."""
+        hello = self._reply()
+        package = Path(hello["ptxforge"]).resolve().parent
+        if package != self.src / "ptxforge":
+            raise SystemExit(f"{self.name}: imported {package}, not {self.src / 'ptxforge'} "
+                             f"(an installed ptxforge ahead of PYTHONPATH?)")
+        return hello
+
+    def host_us(self, op: str) -> float:
+        self.process.stdin.write(op + "\n")
+        return self._reply()
+
+    def _reply(self):
+        line = self.process.stdout.readline()
+        if not line:
+            raise SystemExit(f"{self.name}: its process ended (exit code "
+                             f"{self.process.wait()}); its stderr is above")
+        return json.loads(line)
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait()
+
+
+def sides_to_compare(baseline: str) -> list[Side]:
+    """The baseline twice (A/A), then the side measured."""
     if baseline == "--native":
-        # A copy takes its launch path when it makes its first launcher: the ctypes copies
-        # are set up and warmed under PTXFORGE_NATIVE_LAUNCH=0.
-        package = Path(ptxforge.__file__).parent
-        os.environ["PTXFORGE_NATIVE_LAUNCH"] = "0"
-        copies = {"ctypes": load_as("ptxforge_ctypes", package),
-                  "ctypes again": load_as("ptxforge_ctypes_again", package)}
-        sides = {side: calls(copy) for side, copy in copies.items()}
-        for ops in sides.values():
-            warm(ops)
-        del os.environ["PTXFORGE_NATIVE_LAUNCH"]
-        sides["native"] = calls(ptxforge)
-        warm(sides["native"])
-        for side, copy in {**copies, "native": ptxforge}.items():
-            launcher = copy.ops.rowwise._kernel(0, 1024, True, False, None)[2]
-            print(f"{side}: rms_norm launches through {launcher.path}")
-        return sides
-    package = Path(baseline) / "ptxforge"
-    sides = {"baseline": calls(load_as("ptxforge_baseline", package)),
-             "baseline again": calls(load_as("ptxforge_baseline_again", package)),
-             "this tree": calls(ptxforge)}
-    for ops in sides.values():
-        warm(ops)
-    return sides
+        ctypes = {"PTXFORGE_NATIVE_LAUNCH": "0"}
+        return [Side("ctypes", THIS_TREE, ctypes), Side("ctypes again", THIS_TREE, ctypes),
+                Side("native", THIS_TREE, {"PTXFORGE_NATIVE_LAUNCH": None})]
+    src = Path(baseline).resolve()
+    if not (src / "ptxforge" / "__init__.py").is_file():
+        raise SystemExit(f"BASELINE_SRC must hold a ptxforge/ package, got {baseline!r}")
+    return [Side("baseline", src, {}), Side("baseline again", src, {}),
+            Side("this tree", THIS_TREE, {})]
 
 
 def main() -> None:
+    if len(sys.argv) < 2:
+        raise SystemExit(__doc__)
+    if sys.argv[1] == SIDE:
+        return side()
     rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 21
     sides = sides_to_compare(sys.argv[1])
-    torch.cuda.synchronize()
-    times = {side: {op: [] for op in ops} for side, ops in sides.items()}
-    names = list(sides)
-    for r in range(rounds):
-        order = names[r % len(names):] + names[:r % len(names)]
-        for op in sides[names[0]]:
-            for side in order:
-                times[side][op].append(host_us(sides[side][op]))
+    try:
+        ops = None
+        for s in sides:
+            hello = s.ready()
+            print(f"{s.name}: {hello['ptxforge']}, launches through {hello['launch']}")
+            if ops is not None and hello["ops"] != ops:
+                raise SystemExit(f"{s.name} measures {hello['ops']}, the first side {ops}")
+            ops = hello["ops"]
+        times = {s.name: {op: [] for op in ops} for s in sides}
+        for r in range(rounds):
+            order = sides[r % len(sides):] + sides[:r % len(sides)]
+            for op in ops:
+                for s in order:
+                    times[s.name][op].append(s.host_us(op))
+    finally:
+        for s in sides:
+            s.close()
+    names = [s.name for s in sides]
     print(f"host us per call, min / median of {rounds} rounds of 1000 calls (GPU kept busy)")
-    print(f"{'op':<40} " + " ".join(f"{side:>15}" for side in names)
+    print(f"{'op':<40} " + " ".join(f"{name:>15}" for name in names)
           + f" {'A/A (min)':>10} {'change (min)':>13}")
-    for op in sides[names[0]]:
-        cells = [(min(times[side][op]), statistics.median(times[side][op])) for side in names]
+    for op in ops:
+        cells = [(min(times[name][op]), statistics.median(times[name][op])) for name in names]
         print(f"{op:<40} " + " ".join(f"{lo:7.2f} /{mid:6.2f}" for lo, mid in cells)
               + f" {cells[1][0] - cells[0][0]:+10.2f} {cells[2][0] - cells[0][0]:+13.2f}")
 

@@ -20,7 +20,8 @@ x = torch.randn((4, 1024), device="cuda").to(torch.bfloat16)
 w = torch.randn((1024,), device="cuda").to(torch.bfloat16)
 y = torch.empty_like(x)
 ptxforge.rms_norm(x, w)
-_, _, launcher = rowwise._kernel(0, 1024, True, False, None)
+RMS_NORM = rowwise.VARIANTS["rms_norm"]
+_, _, launcher = rowwise._kernel(0, RMS_NORM, 1024, None, 1)
 args = {"x": x.data_ptr(), "x_row_stride": x.stride(0), "rows": 4, "weight": w.data_ptr(),
         "eps": 1e-6, "y": y.data_ptr()}
 stream = common.current_stream(0)
@@ -35,7 +36,7 @@ steps = {
     "x.new_empty((4,1024))": lambda: x.new_empty((4, 1024)),
     "torch.empty_like(x)": lambda: torch.empty_like(x),
     "torch.empty_strided f32": lambda: torch.empty_strided((4, 8), (1, 4), dtype=torch.float32, device=device),
-    "rowwise._kernel lookup": lambda: rowwise._kernel(0, 1024, True, False, None),
+    "rowwise._kernel lookup": lambda: rowwise._kernel(0, RMS_NORM, 1024, None, 1),
     "launcher() alone [launches]": lambda: launcher((1, 1, 1), stream, **args),
     **{f"ptxforge.{op} [launches]": fn for op, fn in calls(ptxforge).items()},
     "torch F.rms_norm [launches]": lambda: torch.nn.functional.rms_norm(x, (1024,), w, 1e-6),

@@ -14,8 +14,8 @@ import sys
 import torch
 
 from ptxforge import compiler
-from ptxforge.testing import models
-from ptxforge.testing.model_bench import wall_us
+from ptxforge import models
+from ptxforge.bench.model import wall_us
 
 
 def profile(name: str, tokens: int, options: dict) -> None:

@@ -17,9 +17,11 @@ import sys
 import torch
 
 import ptxforge
+from ptxforge.bench import format_table
+from ptxforge.bench.ops import Timer, copy_of
 from ptxforge.kernels import sm90_gemm as gemm
+from ptxforge.kernels.gemm import GemmProblem
 from ptxforge.ops import common, moe
-from ptxforge.testing.bench import Timer, copy_of, format_table
 
 sys.path.insert(0, "bench")
 from moe_kernels import SIZES, problem  # noqa: E402
@@ -64,24 +66,24 @@ def configs(n, k) -> dict:
             for tile_rows, ctas in ((8, 2), (8, 1), (0, 1)):
                 try:
                     found[f"64x{block_n} rows {tile_rows or 64} ctas {ctas}"] = (gemm.make_config(
-                        arch, n, k, 64, block_n, ctas, groups=experts, masked=True,
+                        arch, GemmProblem(n, k, "e4m3", "masked", experts), 64, block_n, ctas,
                         tile_rows=tile_rows), None)
                 except ValueError:
                     pass
         return found
-    chosen = gemm.choose_config(arch, lead[0], n, k, groups=experts)
+    grouped = GemmProblem(n, k, "e4m3", "contiguous", experts)
+    chosen = gemm.choose_config(arch, grouped, lead[0])
     if chosen.share_b:
         found["heuristic's tile sharing A, raster 16"] = (gemm.make_config(
-            arch, n, k, 128, chosen.block_n, 1, 2, chosen.part_buffers, groups=experts),
-            r.m_indices)
+            arch, grouped, 128, chosen.block_n, 1, 2, chosen.part_buffers), r.m_indices)
     paired = paired_order(r.counts.tolist(), lead[0])
     for block_n, parts in ((128, 2), (192, 1)):
         for raster in (1, 16):
             for order, m_indices in (("expert", r.m_indices), ("paired", paired)):
                 try:
                     found[f"128x{block_n} p{parts} share_b raster {raster}, {order} order"] = (
-                        gemm.make_config(arch, n, k, 128, block_n, 1, 2, parts, groups=experts,
-                                         raster=raster, share_b=True), m_indices)
+                        gemm.make_config(arch, grouped, 128, block_n, 1, 2, parts, raster=raster,
+                                         share_b=True), m_indices)
                 except ValueError:
                     pass
     return found

@@ -12,8 +12,9 @@ import sys
 import torch
 
 import ptxforge
+from ptxforge.bench import format_table
+from ptxforge.bench.ops import Timer, copy_of
 from ptxforge.ops import moe
-from ptxforge.testing.bench import Timer, copy_of, format_table
 
 SIZES = {"deepseek-v3": (7168, 2048, 256, 8), "mixtral": (4096, 14336, 8, 2)}
 

@@ -5,7 +5,7 @@ copy measured in this run."""
 import torch
 
 from ptxforge import jit
-from ptxforge.testing.bench import Timer, copy_bandwidth_gbs
+from ptxforge.bench.ops import Timer, copy_bandwidth_gbs
 from ptxforge.kernels import bf16_row_rmsnorm_fp8quant as row_kernel
 from ptxforge.ops import common
 from ptxforge.ops.layout import empty_mn_major_scales
@@ -23,11 +23,12 @@ layouts = {"mn_major": empty_mn_major_scales(M, K // 128, "cuda"),
 stream = common.current_stream(0)
 arch = common.device_arch(0)
 print(f"copy {copy:.0f} GB/s")
-for variant in row_kernel.GROUPS_PER_CTA:
-    normalize, quantize, swiglu = variant
+for variant in row_kernel.VARIANTS.values():
+    if variant.row_map != "dense":
+        continue
+    normalize, quantize, swiglu = variant.normalize, variant.quantize, variant.swiglu
     for groups in (1, 2, 3):
-        cfg = row_kernel.choose_config(arch, K, normalize=normalize, quantize=quantize,
-                                       swiglu=swiglu, groups=groups)
+        cfg = row_kernel.choose_config(arch, variant, K, groups=groups)
         compiled = jit.build(row_kernel.generate(cfg))
         launcher = compiled.launcher(0)
         if swiglu:
@@ -44,7 +45,7 @@ for variant in row_kernel.GROUPS_PER_CTA:
                      "scale_group_stride": s.stride(1)} if quantize else {"y": y.data_ptr()})
             ms = timer(lambda: launcher((grid, 1, 1), stream, **head, **tail))
             gbs = nbytes / ms / 1e6
-            chosen = "  <- default" if groups == row_kernel.GROUPS_PER_CTA[variant] else ""
+            chosen = "  <- default" if groups == variant.groups_per_cta else ""
             print(f"norm={normalize:d} quant={quantize:d} swiglu={swiglu:d} groups/CTA={groups} "
                   f"ctas/SM={cfg.ctas_per_sm} "
                   f"regs={compiled.resources.registers:3d} scales={layout:9} {ms * 1e3:6.1f} us "

@@ -16,9 +16,10 @@ findings follow its own format.
 import torch
 
 import ptxforge
-from ptxforge.testing.bench import masked_operands
+from ptxforge.bench.ops import masked_operands
 from ptxforge.testing.checks import fp8_gemm_operands
 from ptxforge.kernels import sm90_gemm as gemm
+from ptxforge.kernels.gemm import GemmProblem
 from ptxforge.ops import common
 
 arch = common.device_arch(0)
@@ -44,19 +45,20 @@ m, n, k = 200, 1000, 640
 a, b, _ = fp8_gemm_operands(m, n, k)
 d = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
 for block_m, block_n, ctas, warps in ((64, 16, 1, 4), (64, 32, 2, 2), (128, 128, 1, 1)):
-    cfg = gemm.make_config(arch, n, k, block_m, block_n, ctas, producers=warps)
+    cfg = gemm.make_config(arch, GemmProblem(n, k), block_m, block_n, ctas, producers=warps)
     forced(cfg, lambda cfg: ptxforge.fp8_gemm_nt(a, b, d, config=cfg))
-cfg = gemm.make_config(arch, n, k, 128, 40, multicast=1, accumulate=True)
+cfg = gemm.make_config(arch, GemmProblem(n, k, epilogue=("accumulate",)), 128, 40, multicast=1)
 c = torch.randn(m, n, device="cuda")
 forced(cfg, lambda cfg: ptxforge.fp8_gemm_nt(a, b, c, c=c, config=cfg))
 bias = torch.randn(n, device="cuda").bfloat16()
 for block_m, block_n in ((64, 24), (128, 160)):
-    cfg = gemm.make_config(arch, n, k, block_m, block_n, bias=True)
+    cfg = gemm.make_config(arch, GemmProblem(n, k, epilogue=("bias",)), block_m, block_n)
     forced(cfg, lambda cfg: ptxforge.fp8_gemm_nt(a, b, d, bias=bias, config=cfg))
 residual = torch.randn(m, n, device="cuda").bfloat16()
 for block_m, block_n, rows, tokens in ((64, 24, 0, m), (128, 160, 0, m), (64, 24, 8, 5)):
     # the residual's reads: none past M, N or the tile's rows; d itself, in place
-    cfg = gemm.make_config(arch, n, k, block_m, block_n, bias=True, residual=True, tile_rows=rows)
+    cfg = gemm.make_config(arch, GemmProblem(n, k, epilogue=("bias", "residual")), block_m,
+                           block_n, tile_rows=rows)
     forced(cfg, lambda cfg: ptxforge.fp8_gemm_nt(a, b, d, bias=bias, residual=residual,
                                                  config=cfg))
     few_a, few_b, _ = fp8_gemm_operands(tokens, n, k)
@@ -66,14 +68,14 @@ for block_m, block_n, rows, tokens in ((64, 24, 0, m), (128, 160, 0, m), (64, 24
 for rows, tokens in ((8, 5), (32, 20)):  # few-token tiles: rows past them read, never stored
     few_a, few_b, _ = fp8_gemm_operands(tokens, n, k)
     few_d = torch.empty(tokens, n, device="cuda", dtype=torch.bfloat16)
-    cfg = gemm.make_config(arch, n, k, 64, 24, tile_rows=rows)
+    cfg = gemm.make_config(arch, GemmProblem(n, k), 64, 24, tile_rows=rows)
     forced(cfg, lambda cfg: ptxforge.fp8_gemm_nt(few_a, few_b, few_d, config=cfg))
 big_a, big_b, _ = fp8_gemm_operands(1024, 1024, 512)
 big_d = torch.empty(1024, 1024, device="cuda", dtype=torch.bfloat16)
-cfg = gemm.make_config(arch, 1024, 512, 128, 128, multicast=2)
+cfg = gemm.make_config(arch, GemmProblem(1024, 512), 128, 128, multicast=2)
 forced(cfg, lambda cfg: ptxforge.fp8_gemm_nt(big_a, big_b, big_d, config=cfg))
 a16, b16 = torch.randn(m, k, device="cuda").bfloat16(), torch.randn(n, k, device="cuda").bfloat16()
-cfg = gemm.make_config(arch, n, k, 64, 24, 2, dtype="bf16", producers=4)
+cfg = gemm.make_config(arch, GemmProblem(n, k, "bf16"), 64, 24, 2, producers=4)
 forced(cfg, lambda cfg: ptxforge.bf16_gemm_nt(a16, b16, d, config=cfg))
 
 groups, rows = 3, 512
@@ -97,7 +99,7 @@ ptxforge.m_grouped_fp8_gemm_nt_masked(a3, b3, d3, masked_m, 128)
 ptxforge.m_grouped_bf16_gemm_nt_masked(torch.randn(groups, m_max, k, device="cuda").bfloat16(),
                                        torch.randn(groups, n, k, device="cuda").bfloat16(),
                                        d3, masked_m, 128)
-cfg = gemm.make_config(arch, n, k, 64, 24, groups=groups, masked=True, tile_rows=8)
+cfg = gemm.make_config(arch, GemmProblem(n, k, "e4m3", "masked", groups), 64, 24, tile_rows=8)
 forced(cfg, lambda cfg: ptxforge.m_grouped_fp8_gemm_nt_masked(a3, b3, d3, masked_m, 8,
                                                               config=cfg))
 torch.cuda.synchronize()

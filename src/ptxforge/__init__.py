@@ -9,7 +9,8 @@
 The layers, in the order a call passes through them: ``ops`` (validate, pick a config,
 launch) -> ``kernels`` (one generator per kernel) -> ``ptx`` (the builder) -> ``jit``
 (assemble, cache) -> ``runtime`` (load, launch by name), with hardware numbers from
-``arch``; ``testing`` holds the reference recipes, checks and benchmarks.
+``arch``; ``testing`` holds the reference recipes and checks, ``bench`` the benchmark
+suites, ``models`` the example models the reports and benchmarks build.
 """
 
 from .public import PTXFORGE_NAMES

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import functools
 import json
 import os
 import re
@@ -50,7 +49,7 @@ def _options(pairs: list[str]) -> dict:
 
 
 def _resource_rows(compiled_kernels) -> str:
-    from .testing.bench import format_table
+    from .bench import format_table
 
     rows = [[c.name, c.target, c.resources.registers, c.resources.spills,
              c.resources.stack_frame, c.resources.static_shared, f"{c.seconds * 1e3:.0f}", c.source]
@@ -146,7 +145,7 @@ def _model_plan(args, a):
     import torch
 
     from .compiler import report
-    from .testing import models
+    from . import models
 
     with torch.device("meta"):
         case = models.build(args.model, args.layers)
@@ -193,7 +192,7 @@ def cmd_onnx_report(args) -> int:
 def _print_report(title, plan, summary, kernel_rows, *, nodes: str,
                   counts=(1, 64, 2048, 16384)) -> None:
     """A compile report's tables (``compiler.report.report_tables``, at ``counts``)."""
-    from .testing.bench import format_table
+    from .bench import format_table
 
     print(title)
     print(format_table(["rewrite", nodes, "runs on", "detail"], plan))
@@ -205,7 +204,7 @@ def cmd_bench(args) -> int:
     if not _gpu_available():
         print("ptxforge bench: needs a CUDA GPU; none was found", file=sys.stderr)
         return 2
-    from .testing import bench
+    from .bench import ops as bench
 
     if args.suite == "memory":
         result = bench.memory_suite(args.m, args.k)
@@ -213,46 +212,44 @@ def cmd_bench(args) -> int:
         text = bench.memory_table(result)
         text += "\n\nhost time per call (1000 back-to-back calls):\n" + "\n".join(
             f"  {name:<44} {us:6.1f} us" for name, us in result["host_overhead_us"].items())
-        plot = _plot_memory
+        plot = bench.memory_plot
     elif args.suite == "bf16-gemm":
         result = bench.bf16_gemm_suite()
         text = bench.bf16_gemm_table(result)
-        plot = functools.partial(_plot_gemm, peer="cublas_tflops", peer_label="cuBLAS (a @ b.t())",
-                                 what="BF16 GEMM")
+        plot = bench.bf16_gemm_plot
     elif args.suite == "grouped-gemm":
         result = bench.grouped_gemm_suite()
-        text, plot = bench.grouped_gemm_table(result), _plot_grouped
+        text, plot = bench.grouped_gemm_table(result), bench.grouped_gemm_plot
     elif args.suite == "decode":
         result = bench.decode_suite()
-        text, plot = bench.decode_table(result), _plot_decode
+        text, plot = bench.decode_table(result), bench.decode_plot
     elif args.suite == "chain":
         result = bench.chain_suite()
         text, plot = bench.chain_table(result), None
     elif args.suite == "onnx":
-        from .testing import onnx_bench
+        from .bench import onnx as onnx_bench
 
         opsets = tuple(int(opset) for opset in args.opsets.split(","))
         result = onnx_bench.onnx_suite(opsets, args.layers)
         text, plot = onnx_bench.onnx_table(result), None
     elif args.suite == "ep":
-        from .testing import ep_bench
+        from .bench import ep as ep_bench
 
         result = ep_bench.ep_suite(tokens=args.tokens, hidden=args.k, sms=_ints(args.sms),
                                    slots=_ints(args.slots))
         if result is None:  # a rank other than 0 under torchrun: rank 0 reports
             return 0
         text = ep_bench.ep_table(result)
-        plot = _plot_ep
+        plot = ep_bench.ep_plot
     elif args.suite == "model":
-        from .testing import model_bench
+        from .bench import model as model_bench
 
         result = model_bench.model_suite(args.models.split(","), args.layers)
-        text, plot = model_bench.model_table(result), _plot_models
+        text, plot = model_bench.model_table(result), model_bench.model_plot
     else:
         result = bench.gemm_suite()
         text = bench.gemm_table(result)
-        plot = functools.partial(_plot_gemm, peer="blockwise_tflops", peer_label="cuBLAS blockwise",
-                                 what="FP8 GEMM")
+        plot = bench.gemm_plot
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
@@ -266,129 +263,6 @@ def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(part) for part in text.split(","))
 
 
-def _pyplot():
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("(matplotlib is not installed: no plot)")
-        return None
-    return plt
-
-
-def _plot_ep(result: dict, path: str) -> None:
-    from .testing import ep_bench
-
-    plt = _pyplot()
-    if plt is not None:
-        ep_bench.plot_ep(result, path, plt)
-
-
-def _plot_gemm(result: dict, path: str, *, peer: str, peer_label: str, what: str) -> None:
-    """Roofline-style: TFLOPS against arithmetic intensity, ours beside the peer's."""
-    plt = _pyplot()
-    if plt is None:
-        return
-    rows = result["rows"]
-    intensity = [2 * r["m"] * r["n"] * r["k"] / (r["m"] * r["k"] + r["n"] * r["k"] + 2 * r["m"] * r["n"])
-                 for r in rows]
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    ax.scatter(intensity, [r["tflops"] for r in rows], label="ptxforge", marker="o")
-    ax.scatter(intensity, [r[peer] for r in rows], label=peer_label, marker="x")
-    ax.set_xscale("log")
-    ax.set_xlabel("FLOP per byte (A + B read, D written once)")
-    ax.set_ylabel("TFLOPS")
-    ax.set_title(f"{result['gpu']}: {what} on DeepGEMM's shape table")
-    ax.legend(loc="upper left")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
-def _plot_grouped(result: dict, path: str) -> None:
-    """A bar per MoE row: ours, and torch._scaled_grouped_mm where it runs."""
-    plt = _pyplot()
-    if plt is None:
-        return
-    rows = result["rows"]
-    names = [f"{r['layout']} {r['groups']}x{r['m_per_group']} N{r['n']} K{r['k']}" for r in rows]
-    fig, ax = plt.subplots(figsize=(8, 4))
-    ax.barh(names, [r["tflops"] for r in rows], label="ptxforge")
-    ax.barh(names, [r["torch_tflops"] or 0 for r in rows], height=0.35,
-            label="torch._scaled_grouped_mm (row-wise)")
-    ax.invert_yaxis()
-    ax.set_xlabel("TFLOPS over the valid rows")
-    ax.set_title(f"{result['gpu']}: MoE grouped FP8 GEMM")
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
-def _plot_decode(result: dict, path: str) -> None:
-    """% of the same-size copy's speed against M: a panel per family, a line per shape."""
-    plt = _pyplot()
-    if plt is None:
-        return
-    lines = collections.defaultdict(lambda: collections.defaultdict(list))
-    for r in result["rows"]:
-        lines[r["family"]][(r["groups"], r["n"], r["k"])].append((r["m"], 100 * r["of_copy"]))
-    fig, axes = plt.subplots(1, len(lines), figsize=(5 * len(lines), 4.5), sharey=True,
-                             squeeze=False)
-    for ax, (family, shapes) in zip(axes[0], lines.items()):
-        for (groups, n, k), points in shapes.items():
-            ax.plot(*zip(*points), marker="o",
-                    label=f"{n}x{k}" if groups == 1 else f"{groups} groups, {n}x{k}")
-        ax.set_xscale("log", base=2)
-        tokens = sorted({m for points in shapes.values() for m, _ in points})
-        ax.set_xticks(tokens, [str(m) for m in tokens])
-        ax.set_xlabel("M (tokens; per group when masked)")
-        ax.set_title(family)
-        ax.legend(fontsize=7, loc="lower right")
-    axes[0][0].set_ylabel("% of a same-size copy's speed")
-    fig.suptitle(f"{result['gpu']}: decode GEMMs against the memory limit")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
-def _plot_models(result: dict, path: str) -> None:
-    """Wall time per call, a group of bars (one per candidate) per model and token count."""
-    plt = _pyplot()
-    if plt is None:
-        return
-    cases = list(dict.fromkeys((r["model"], r["tokens"]) for r in result["rows"]))
-    candidates = list(dict.fromkeys(r["candidate"] for r in result["rows"]))
-    times = {(r["model"], r["tokens"], r["candidate"]): r["wall_us"] for r in result["rows"]}
-    fig, axes = plt.subplots(1, len(cases), figsize=(3.2 * len(cases), 4.5), squeeze=False)
-    for ax, (model, tokens) in zip(axes[0], cases):
-        values = [times.get((model, tokens, c), 0) for c in candidates]
-        ax.bar(range(len(candidates)), values,
-               color=["0.6" if not c.startswith("ptxforge") else "tab:orange" for c in candidates])
-        ax.set_xticks(range(len(candidates)), candidates, rotation=60, ha="right", fontsize=7)
-        ax.set_title(f"{model}\n{tokens} tokens", fontsize=8)
-    axes[0][0].set_ylabel("us per call (wall, host included)")
-    fig.suptitle(f"{result['gpu']}: models, ptxforge backend beside eager and Inductor")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
-def _plot_memory(result: dict, path: str) -> None:
-    plt = _pyplot()
-    if plt is None:
-        return
-    names = [r["kernel"] for r in result["rows"]]
-    fig, ax = plt.subplots(figsize=(8, 3.5))
-    ax.barh(names, [r["gbs"] for r in result["rows"]], label="ptxforge")
-    ax.barh(names, [r["bytes"] / r["torch_ms"] / 1e6 for r in result["rows"]], height=0.35,
-            label="torch")
-    ax.axvline(result["copy_gbs"], color="k", linestyle="--", label="copy ceiling")
-    ax.set_xlabel("GB/s (bytes read + written)")
-    ax.set_title(f"{result['gpu']}: memory-bound kernels")
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
 def cmd_demo(args) -> int:
     if not _gpu_available():
         a = _target_arch(args.arch)
@@ -399,7 +273,8 @@ def cmd_demo(args) -> int:
               f"{a.target} ({assembled} assembled, {len(compiled) - assembled} loaded from the "
               f"cache); nothing was run.")
         return 1 if any(c.resources.spills for c in compiled) else 0
-    from .testing import bench, checks
+    from .bench import ops as bench
+    from .testing import checks
 
     results = checks.run_all(big=True)
     print(bench.format_table(["check", "shape", "metric", "value", "limit", ""],

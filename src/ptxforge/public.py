@@ -73,7 +73,5 @@ def load(names) -> dict:
     """name -> the function, for each of ``names``, imported from its ops module (which
     imports torch)."""
     modules = {entry.name: entry.module for entry in PUBLIC}
-    # Relative to this package: a copy loaded under another name (bench/host_ab.py) gets
-    # its own ops, not ptxforge's.
-    return {name: getattr(import_module(f".ops.{modules[name]}", __package__), name)
+    return {name: getattr(import_module(f"ptxforge.ops.{modules[name]}"), name)
             for name in names}

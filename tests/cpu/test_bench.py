@@ -1,19 +1,25 @@
 """The benchmark suites' GPU-free parts: the decode suite's rows, byte counts, summary and
-table, and ``ptxforge bench decode`` from the command line with the suite's result given."""
+table, ``ptxforge bench decode`` from the command line with the suite's result given, and
+each suite's plot, drawn beside its suite and called by the command line."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+from pathlib import Path
+from unittest import mock
 
+import numpy
 import pytest
 import torch
 
 from ptxforge import cli
-from ptxforge.testing import bench
+from ptxforge.bench import ep as ep_bench
+from ptxforge.bench import model as model_bench
+from ptxforge.bench import ops as bench
 
 
-def test_decode_rows_are_the_issues_table():
+def test_decode_rows_are_deepgemms_weights_at_decode_sizes():
     problems = list(bench.decode_problems())
     deepgemm_nk = {(2112, 7168), (24576, 1536), (32768, 512), (7168, 16384), (4096, 7168),
                    (7168, 2048)}
@@ -160,7 +166,7 @@ def test_bench_chain_writes_json(monkeypatch, tmp_path, capsys):
 
 
 def _ep_ranks():
-    """Two ranks' reports as ``ep_bench._measure`` gathers them (rank 1 the slower)."""
+    """Two ranks' reports as ``ep._measure`` gathers them (rank 1 the slower)."""
     sweep = lambda d, c: [dict(sms=8, slots=64, dispatch_us=d, combine_us=c),
                           dict(sms=20, slots=64, dispatch_us=d / 2, combine_us=c / 2),
                           dict(sms=24, slots=64, dispatch_us=d / 4, combine_us=c / 4)]
@@ -174,11 +180,12 @@ def _ep_ranks():
                  peers={}, overlap=overlap, recv=4100, decode=decode(12.0, 24.0))]
 
 
-def test_ep_summary_takes_the_slowest_rank_and_picks_within_the_budget():
-    from ptxforge.testing import ep_bench
+EP_PARAMS = dict(tokens=4096, hidden=7168, topk=8, experts=256, sms=[8, 20, 24], slots=[64],
+                 calls=8, repeats=5)
 
-    params = dict(tokens=4096, hidden=7168, topk=8, experts=256, sms=[8, 20, 24], slots=[64],
-                  calls=8, repeats=5)
+
+def test_ep_summary_takes_the_slowest_rank_and_picks_within_the_budget():
+    params = EP_PARAMS
     result = ep_bench._summary(_ep_ranks(), params, 2, True, "NVIDIA H200")
     first, second = result["sweep"][:2]
     assert (first["dispatch_us"], first["combine_us"]) == (220.0, 400.0)
@@ -199,10 +206,73 @@ def test_ep_summary_takes_the_slowest_rank_and_picks_within_the_budget():
 
 
 def test_bench_ep_needs_mps_for_two_ranks_on_one_gpu(monkeypatch):
-    from ptxforge.testing import ep_bench
-
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(ep_bench, "mps_running", lambda: False)
     monkeypatch.delenv("RANK", raising=False)
     with pytest.raises(ValueError, match="world=2 ranks on 1 GPU\\(s\\) need MPS"):
         ep_bench.ep_suite()
+
+
+class FakePyplot:
+    """matplotlib.pyplot as the plots use it (matplotlib is no test dependency): subplots
+    whose axes take any call, and a figure whose savefig writes the file."""
+
+    def subplots(self, nrows=1, ncols=1, *, squeeze=True, **options):
+        figure = mock.MagicMock()
+        figure.savefig.side_effect = lambda path, **options: Path(path).write_bytes(b"png")
+        axes = numpy.empty((nrows, ncols), dtype=object)
+        for index in numpy.ndindex(axes.shape):
+            axes[index] = mock.MagicMock()
+        if squeeze:
+            axes = axes.squeeze()
+            axes = axes.item() if axes.ndim == 0 else axes
+        return figure, axes
+
+
+GPU = "NVIDIA H200"
+PLOTTED = {   # suite -> (its module, suite, table and plot functions, a result to draw)
+    "memory": (bench, "memory_suite", "memory_table", "memory_plot", {
+        "suite": "memory", "gpu": GPU, "copy_gbs": 4000.0,
+        "rows": [{"kernel": "rms_norm", "bytes": 470e6, "gbs": 3100.0, "torch_ms": 0.3}]}),
+    "fp8-gemm": (bench, "gemm_suite", "gemm_table", "gemm_plot", {
+        "suite": "fp8-gemm", "gpu": GPU,
+        "rows": [{"m": 64, "n": 2112, "k": 7168, "tflops": 100.0, "blockwise_tflops": 80.0}]}),
+    "bf16-gemm": (bench, "bf16_gemm_suite", "bf16_gemm_table", "bf16_gemm_plot", {
+        "suite": "bf16-gemm", "gpu": GPU,
+        "rows": [{"m": 64, "n": 2112, "k": 7168, "tflops": 100.0, "cublas_tflops": 90.0}]}),
+    "grouped-gemm": (bench, "grouped_gemm_suite", "grouped_gemm_table", "grouped_gemm_plot", {
+        "suite": "grouped-gemm", "gpu": GPU,
+        "rows": [{"layout": "contiguous", "groups": 4, "m_per_group": 8192, "n": 4096,
+                  "k": 7168, "tflops": 600.0, "torch_tflops": 500.0},
+                 {"layout": "masked", "groups": 2, "m_per_group": 64, "n": 4096, "k": 7168,
+                  "tflops": 100.0, "torch_tflops": None}]}),
+    "decode": (bench, "decode_suite", "decode_table", "decode_plot", RESULT),
+    "model": (model_bench, "model_suite", "model_table", "model_plot", {
+        "suite": "model", "gpu": GPU,
+        "rows": [{"model": "FFN 7168/2048", "tokens": tokens, "candidate": candidate,
+                  "wall_us": 10.0} for tokens in (64, 4096) for candidate in model_bench.CANDIDATES]}),
+    "ep": (ep_bench, "ep_suite", "ep_table", "ep_plot",
+           ep_bench._summary(_ep_ranks(), EP_PARAMS, 2, True, GPU)),
+}
+
+
+@pytest.mark.parametrize("suite", PLOTTED)
+def test_each_suite_s_plot_draws_its_result(suite, monkeypatch, tmp_path):
+    module, _, _, plot, result = PLOTTED[suite]
+    monkeypatch.setattr(module, "pyplot", FakePyplot)
+    getattr(module, plot)(result, str(tmp_path / "plot.png"))
+    assert (tmp_path / "plot.png").read_bytes() == b"png"
+
+
+@pytest.mark.parametrize("suite", PLOTTED)
+def test_bench_plot_draws_the_suite_s_result_with_its_plot(suite, monkeypatch, tmp_path):
+    module, run, table, plot, result = PLOTTED[suite]
+    drawn = []
+    monkeypatch.setattr(cli, "_gpu_available", lambda: True)
+    monkeypatch.setattr(bench, "host_overhead", lambda: {})
+    monkeypatch.setattr(module, run, lambda *args, **options: result)
+    monkeypatch.setattr(module, table, lambda result: "the table")
+    monkeypatch.setattr(module, plot, lambda result, path: drawn.append((result, path)))
+    path = str(tmp_path / "plot.png")
+    assert cli.main(["bench", suite, "--plot", path]) == 0
+    assert drawn == [(result, path)]

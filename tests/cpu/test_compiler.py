@@ -15,8 +15,8 @@ from ptxforge.compiler import precompile, rewriting  # noqa: E402
 from ptxforge.kernels import sm90_gemm as gemm_kernel  # noqa: E402
 from ptxforge.kernels.gemm import GemmProblem  # noqa: E402
 from ptxforge.kernels.sm90_gemm.tile_model import token_counts  # noqa: E402
-from ptxforge.testing import models  # noqa: E402
-from ptxforge.testing.models import Ffn  # noqa: E402
+from ptxforge import models  # noqa: E402
+from ptxforge.models import Ffn  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 
 

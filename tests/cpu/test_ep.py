@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 
 from ptxforge.ep import buffer_size, checks  # noqa: E402
 from ptxforge.ep.layout import Message, check_agreement, receive_layout  # noqa: E402
-from ptxforge.testing import ep as reference  # noqa: E402
+from support import ep_reference as reference  # noqa: E402
 
 SM90 = arch.get("sm_90a")
 

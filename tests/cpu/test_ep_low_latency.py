@@ -1,6 +1,6 @@
 """The low-latency EP kernels on the CPU: the buffer plan, the host's argument checks,
 ptxas acceptance with no spills, the protocol in the PTX, and the kernels' PTX run over
-2 and 3 simulated ranks (ptxforge.testing.ptxsim) against the torch references bitwise:
+2 and 3 simulated ranks (tests/support/ptxsim.py) against the torch references bitwise:
 dispatch (rows, scales, counts, source info), combine, calls in a row on a buffer never
 cleared (the sequence numbers), the halves launched apart, and a rank that never
 launches (the watchdog's record and trap)."""
@@ -22,9 +22,9 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("numpy")
 
 from ptxforge.ep import low_latency  # noqa: E402
-from ptxforge.testing import ep as reference  # noqa: E402
-from ptxforge.testing.ptxsim import Memory, Simulator, Trap  # noqa: E402
 from ptxforge.testing.reference import quantize_fp8_per_token  # noqa: E402
+from support import ep_reference as reference  # noqa: E402
+from support.ptxsim import Memory, Simulator, Trap  # noqa: E402
 
 from test_ep import assembles_cleanly  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""The EP kernels' PTX run on the CPU (ptxforge.testing.ptxsim), several simulated ranks
+"""The EP kernels' PTX run on the CPU (tests/support/ptxsim.py), several simulated ranks
 over one memory as CUDA IPC maps it: layout, dispatch and combine against the torch
 references bitwise, calls that reuse the counters (rings wrapping across launches), a
 rank that never launches (the watchdog's record and trap), ranks whose sizes disagree
@@ -23,9 +23,9 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("numpy")
 
 from ptxforge.ep.layout import Message, receive_layout  # noqa: E402
-from ptxforge.testing import ep as reference  # noqa: E402
-from ptxforge.testing.ptxsim import Kernel, Memory, Simulator, Trap  # noqa: E402
 from ptxforge.testing.reference import quantize_fp8_per_token  # noqa: E402
+from support import ep_reference as reference  # noqa: E402
+from support.ptxsim import Kernel, Memory, Simulator, Trap  # noqa: E402
 
 SM90 = arch.get("sm_90a")
 TIMEOUT = 100_000  # scheduler passes (the simulator's ns)

@@ -13,15 +13,6 @@ from pathlib import Path
 
 ROOT = Path(find_spec("ptxforge").origin).parent
 
-# Private imports that code being restructured still makes, as (importer, what it imports).
-# Each is to be removed with the change that promotes the name; the test fails once one no
-# longer occurs, so that this list only shrinks.
-KNOWN_EXCEPTIONS = {
-    ("ptxforge.testing.ep_bench", "ptxforge.testing.bench._group_weights"),
-    ("ptxforge.testing.ep_bench", "ptxforge.testing.bench._padded_rows"),
-}
-
-
 def modules(root: Path = ROOT) -> dict[str, Path]:
     """Dotted module name -> file, for every module and package of the tree at ``root``."""
     found = {}
@@ -116,8 +107,7 @@ def test_no_private_module_or_name_is_imported_from_elsewhere():
     known = modules()
     wrong = set().union(*(private_imports(name, imports(name, path, known))
                           for name, path in known.items()))
-    assert wrong - KNOWN_EXCEPTIONS == set()
-    assert KNOWN_EXCEPTIONS - wrong == set(), "fixed: remove these from KNOWN_EXCEPTIONS"
+    assert wrong == set()
 
 
 def test_the_reader_finds_circles_and_private_imports(tmp_path):

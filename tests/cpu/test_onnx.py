@@ -19,7 +19,7 @@ from onnx.reference import ReferenceEvaluator  # noqa: E402
 
 import ptxforge.onnx as ptxforge_onnx  # noqa: E402
 from ptxforge import cli  # noqa: E402
-from ptxforge.testing import models  # noqa: E402
+from ptxforge import models  # noqa: E402
 from ptxforge.testing.checks import calc_diff  # noqa: E402
 
 _ELEM = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.int64): TensorProto.INT64,

@@ -89,7 +89,13 @@ LAYERS = {"ptx": {"arch", "ptx"}, "patterns": {"arch", "ptx", "patterns"},
                   "ops"},
           "compiler": {"arch", "settings", "runtime", "jit", "ptx", "patterns", "kernels",
                        "public", "ops", "compiler"},
-          "ep": {"arch", "settings", "runtime", "jit", "ptx", "patterns", "kernels", "ops", "ep"}}
+          "ep": {"arch", "settings", "runtime", "jit", "ptx", "patterns", "kernels", "ops", "ep"},
+          "onnx": {"arch", "settings", "runtime", "jit", "ptx", "patterns", "kernels", "public",
+                   "ops", "compiler", "models", "onnx"},
+          "testing": {"arch", "settings", "runtime", "jit", "ptx", "patterns", "kernels",
+                      "public", "ops", "testing"},
+          "bench": {"arch", "settings", "runtime", "jit", "ptx", "patterns", "kernels", "public",
+                    "ops", "compiler", "models", "onnx", "ep", "testing", "bench"}}
 
 
 def test_imports_run_one_way():
@@ -110,3 +116,41 @@ def test_imports_run_one_way():
                     if name not in allowed:
                         wrong.append(f"{path.relative_to(root)} imports {name}")
     assert not wrong, wrong
+
+
+def _imported_modules(path: Path, root: Path) -> set[str]:
+    """The modules a file of the package imports, by their full names (``from a import b``:
+    both ``a`` and ``a.b``, as b may be a module)."""
+    import ast
+
+    package = ("ptxforge",) + path.relative_to(root).parent.parts
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(package[:len(package) - node.level + 1]) if node.level else ""
+            module = ".".join(filter(None, [base, node.module]))
+            found.add(module)
+            found.update(f"{module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def test_the_package_ships_no_test_only_module():
+    """What the tests alone use lives in tests/support: each module of ptxforge.testing is
+    imported by the product outside it (the CLI's demo, the benchmark suites), and no
+    module of the package imports the tests' helpers."""
+    root = Path(ptxforge.__file__).parent
+    imports = {path: _imported_modules(path, root) for path in root.rglob("*.py")}
+    unused = []
+    for module in (root / "testing").glob("*.py"):
+        name = f"ptxforge.testing.{module.stem}"
+        if module.stem != "__init__" and not any(
+                name in found for path, found in imports.items()
+                if (root / "testing") not in path.parents):
+            unused.append(name)
+    assert not unused, f"imported by the tests alone: {unused}"
+    from_tests = sorted(f"{path.relative_to(root)} imports {name}"
+                        for path, found in imports.items() for name in found
+                        if name.split(".")[0] in ("support", "tests"))
+    assert not from_tests, from_tests

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from ptxforge import compiler
+from ptxforge.models import Ffn, in_f32
 from ptxforge.testing.checks import calc_diff
-from ptxforge.testing.models import Ffn, PlanRecorder, in_f32
+from support.plans import PlanRecorder
 
 pytestmark = pytest.mark.gpu
 

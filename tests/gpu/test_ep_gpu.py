@@ -1,8 +1,8 @@
 """ptxforge.ep across processes: get_dispatch_layout, dispatch and combine (with and without
-top-k weights) against the
-torch references (ptxforge.testing.ep) built from every rank's inputs, gathered over the
-group; bitwise where the recipe is exact, the same bits run to run; errors that every
-rank raises instead of hanging; a peer that never launches ends in the device timeout.
+top-k weights) against the torch references (tests/support/ep_reference.py) built from
+every rank's inputs, gathered over the group; bitwise where the recipe is exact, the same
+bits run to run; errors that every rank raises instead of hanging; a peer that never
+launches ends in the device timeout.
 
 Two processes (``gloo`` rendezvous: NCCL refuses two ranks on one GPU): on cuda:0 and
 cuda:1 when two GPUs are visible; both on cuda:0 when one is, under MPS (the ranks'
@@ -13,7 +13,7 @@ TIMEOUT_S (``PTXFORGE_EP_TEST_TIMEOUT_S``) with the ranks that did not finish. U
 torchrun on a multi-GPU machine:
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
-        PYTHONPATH=src torchrun --nproc-per-node 2 tests/gpu/test_ep_gpu.py
+        PYTHONPATH=src:tests torchrun --nproc-per-node 2 tests/gpu/test_ep_gpu.py
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from ptxforge.bench.ep import NO_MULTICAST, mps_running
 from ptxforge.ep import Buffer, Config, EPTimeoutError, buffer_size
-from ptxforge.testing import ep as reference
-from ptxforge.testing.ep_bench import NO_MULTICAST, mps_running
 from ptxforge.testing.reference import quantize_fp8_per_token
+from support import ep_reference as reference
 
 pytestmark = pytest.mark.gpu
 

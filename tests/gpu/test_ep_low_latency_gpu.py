@@ -1,8 +1,8 @@
 """ptxforge.ep's decode path (``Buffer.low_latency_dispatch`` / ``low_latency_combine``)
-across processes: against the torch references (ptxforge.testing.ep) built from every
-rank's inputs, bitwise; rounds in a row on a buffer never cleared, with and without the
-receive hook; the same calls captured in a CUDA graph and replayed on new inputs; a peer
-that never launches ends in the device timeout, named on the host. The harness (spawned
+across processes: against the torch references (tests/support/ep_reference.py) built
+from every rank's inputs, bitwise; rounds in a row on a buffer never cleared, with and
+without the receive hook; the same calls captured in a CUDA graph and replayed on new
+inputs; a peer that never launches ends in the device timeout, named on the host. The harness (spawned
 processes, gathers, bitwise checks, MPS on one GPU) is test_ep_gpu.py's.
 """
 
@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ptxforge.ep import Buffer
-from ptxforge.testing import ep as reference
+from support import ep_reference as reference
 
 from test_ep_gpu import _assert_bitwise, _gather, rank_0_times_out, run_two_ranks
 

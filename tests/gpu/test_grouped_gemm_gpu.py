@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import ptxforge
+from ptxforge.bench.ops import grouped_operands
 from ptxforge.kernels.gemm import GemmProblem
-from ptxforge.testing.bench import grouped_operands
 from ptxforge.testing.checks import calc_diff, relative_error
 
 pytestmark = pytest.mark.gpu
@@ -171,7 +171,7 @@ def check_masked(d, ref, counts):
                                                  ([1024, 700], 1024, 4096, 7168),
                                                  ([-3, 5000, 64], 200, 512, 256)])  # clamped
 def test_masked_matches_fp64_reference(counts, m_max, n, k):
-    from ptxforge.testing.bench import masked_operands
+    from ptxforge.bench.ops import masked_operands
 
     a, b, masked_m, ref = masked_operands(counts, m_max, n, k)
     d = run_masked(a, b, masked_m, max(1, max(counts) // 2))
@@ -187,7 +187,7 @@ def test_masked_few_token_tiles(gpu_arch, tile_rows):
     edges (and a group with none), against fp64; the model's choice for 8 tokens a group
     is such a tile."""
     from ptxforge.kernels import sm90_gemm as gemm
-    from ptxforge.testing.bench import masked_operands
+    from ptxforge.bench.ops import masked_operands
 
     counts = [1, tile_rows - 1, tile_rows, tile_rows + 1, 0, 3 * tile_rows + 2]
     a, b, masked_m, ref = masked_operands(counts, 4 * tile_rows, 1000, 640)
@@ -205,7 +205,7 @@ def test_masked_few_token_tiles(gpu_arch, tile_rows):
 def test_masked_graph_replays_new_counts():
     """Captured once; masked_m changes on the GPU between replays: each replay's valid rows
     are those of a call over every row."""
-    from ptxforge.testing.bench import masked_operands
+    from ptxforge.bench.ops import masked_operands
 
     a, b, masked_m, _ = masked_operands([64, 64, 64], 256, 512, 512)
     full = torch.empty(3, 256, 512, device="cuda", dtype=torch.bfloat16)
@@ -228,7 +228,7 @@ def test_masked_graph_replays_new_counts():
 
 
 def test_masked_rejects_bad_arguments():
-    from ptxforge.testing.bench import masked_operands
+    from ptxforge.bench.ops import masked_operands
 
     a, b, masked_m, _ = masked_operands([64, 64], 128, 256, 256)
     d = torch.empty(2, 128, 256, device="cuda", dtype=torch.bfloat16)

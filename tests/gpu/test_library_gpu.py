@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import ptxforge
-from ptxforge.testing.bench import grouped_operands, masked_operands
+from ptxforge.bench.ops import grouped_operands, masked_operands
 from ptxforge.testing.checks import fp8_gemm_operands
 
 pytestmark = pytest.mark.gpu

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import ptxforge
-from ptxforge import compiler
+from ptxforge import compiler, models
 from ptxforge.ops import moe
-from ptxforge.testing import models
 from ptxforge.testing.checks import calc_diff
+from support.plans import PlanRecorder
 
 pytestmark = pytest.mark.gpu
 
@@ -183,7 +183,7 @@ def test_a_transformers_moe_block_compiles_to_the_experts_op(kind):
              "mixtral": dict(hidden_size=1024, intermediate_size=1024)}[kind]
     model = models.moe_block(kind.replace("_", "-") + "-moe", device="cuda", **sizes).model
     f32 = models.in_f32(model)
-    backend = models.PlanRecorder()
+    backend = PlanRecorder()
     plans = backend.plans
 
     compiled = torch.compile(model, backend=backend)

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 import ptxforge.onnx as ptxforge_onnx
-from ptxforge import compiler
-from ptxforge.testing import models
+from ptxforge import compiler, models
 from ptxforge.testing.checks import calc_diff
+from support.plans import PlanRecorder
 
 pytestmark = pytest.mark.gpu
 onnx = pytest.importorskip("onnx")
@@ -51,7 +51,7 @@ def exported(request, llama, tmp_path_factory):
 def test_an_exported_llama_on_ptxforge_matches_onnxruntime(llama, exported, fp8, limit, same):
     path, session = exported
     module = ptxforge_onnx.load(path, dtype=torch.bfloat16, device="cuda")
-    backend = models.PlanRecorder(fp8=fp8)
+    backend = PlanRecorder(fp8=fp8)
     plans = backend.plans
 
     torch._dynamo.reset()

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import ptxforge
-from ptxforge.testing import bench
+from ptxforge.bench import ops as bench
 
 pytestmark = pytest.mark.gpu
 

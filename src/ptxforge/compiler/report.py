@@ -45,7 +45,7 @@ def fx_sources(gm: torch.fx.GraphModule) -> dict[str, str]:
 
 
 def trace(case, arch, *, fp8: bool = True, tokens: int = 64) -> list[GraphPlan]:
-    """The passes' plan for ``case`` (a ``testing.models.Case`` built on the meta device)
+    """The passes' plan for ``case`` (a ``ptxforge.models.Case`` built on the meta device)
     on ``arch``: one GraphPlan per graph."""
     graphs = []
 

@@ -11,6 +11,7 @@ import os
 
 import torch
 
+from ..models import Case
 from .builder import load
 from .common import DTYPES
 
@@ -19,10 +20,8 @@ SHOWN = 3
 
 
 def onnx_case(model, *, dtype=torch.bfloat16, device="meta"):
-    """The ONNX model as a ``testing.models.Case``: loaded with ``dtype`` on ``device``,
+    """The ONNX model as a ``models.Case``: loaded with ``dtype`` on ``device``,
     called on inputs whose named (dynamic) dimensions are the token count."""
-    from ..testing.models import Case
-
     module = load(model, dtype=dtype, device=device)
 
     def inputs(tokens, device):

@@ -11,7 +11,8 @@ whose eager callers keep calling it directly: registering costs them nothing. Th
 implementations (shapes, dtypes and strides under FakeTensorMode) allocate with the same
 helpers as the functions, so the two cannot drift apart. Registered with ``Library`` +
 ``define`` / ``impl`` and ``register_fake``, not ``@custom_op``, whose per-call wrapper
-cost 9-22 us on these torch versions (issue 14).
+cost 9-22 us of host time a call (measured on an H200), against ~4 us for a call through
+the dispatcher.
 
 The schemas spell the functions' tuples out: ``(A, sa)`` is ``a, sa``. What the schema
 cannot carry stays with the Python functions: ``config=`` and ``out=``. The GEMMs write
@@ -32,9 +33,7 @@ from .common import require_shape
 # By name from the module: the package's attribute moe_combine is the function.
 from .moe_combine import combined_output, moe_combine
 
-# The package's own name: a copy imported under another name (bench/host_ab.py) registers
-# its operators under that name instead of colliding with ptxforge's.
-NAMESPACE = __name__.split(".")[0]
+NAMESPACE = "ptxforge"   # torch.ops.ptxforge.<name>
 
 _library = torch.library.Library(NAMESPACE, "DEF")
 

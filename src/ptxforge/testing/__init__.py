@@ -1,4 +1,5 @@
-"""What checks and measures the kernels, apart from what ships them: the torch recipes the
-kernels must match (``reference``), correctness checks against them (``checks``, which the
-GPU tests and ``ptxforge demo`` run), and the benchmark suites with their shape tables and
-operand builders (``bench``, behind ``ptxforge bench`` and the scripts in bench/)."""
+"""What the kernels are held to: the torch recipes they must match (``reference``: the
+FP8 quantizers, RMSNorm, SwiGLU, dequantization, the MoE routing layout and combine), and
+correctness checks of the shipped ops against them on a GPU (``checks``, which the GPU
+tests and ``ptxforge demo`` run, and whose operand builders and ``calc_diff`` the
+benchmark suites, ``ptxforge.bench``, use). The tests' own helpers live in tests/support."""

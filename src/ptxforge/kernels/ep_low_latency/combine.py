@@ -9,7 +9,7 @@ in f32, each product and each sum rounded to f32 (mul.rn, add.rn: no fma), over 
 whose index lies in [0, E); a pair naming an expert named before it in the token's row
 takes that earlier pair's row (the dispatch sent the token once). The order is fixed, so
 the bits are the same run to run, and they are those of the torch loop ``acc = acc +
-row.float() * w`` (``ptxforge.testing.ep.low_latency_combine``).
+row.float() * w`` (``low_latency_combine`` in tests/support/ep_reference.py).
 
 Roles (common.py: send CTAs first, then receive CTAs; ``WARPS`` warps each):
 

@@ -1,4 +1,7 @@
-"""GPU benchmarks, run side by side with their torch peers in the same process.
+"""The ops' benchmarks, run side by side with their torch peers in the same process:
+``ptxforge bench memory``, ``fp8-gemm``, ``grouped-gemm``, ``bf16-gemm``, ``decode`` and
+``chain``, each a suite, its table and, but for the chain, its plot; with the timer, copies,
+shape tables and operand builders they share, which bench/ scripts use too.
 
 Method (the project's measurement rules, and the anchors'): count the bytes each op must
 move; take the kernel time from the profiler after warm-up, with the L2 cache flushed
@@ -8,6 +11,7 @@ device-to-device copy ceiling in the same run and state every bandwidth against 
 
 from __future__ import annotations
 
+import collections
 import itertools
 import random
 import statistics
@@ -17,8 +21,9 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import kernels, ops
-from . import reference
-from .checks import bf16_gemm_operands, calc_diff, fp8_gemm_operands
+from ..testing import reference
+from ..testing.checks import bf16_gemm_operands, calc_diff, fp8_gemm_operands
+from . import format_table, pyplot
 
 
 @dataclass
@@ -159,13 +164,6 @@ def host_overhead(calls: int = 1000, repeats: int = 5) -> dict:
     return out
 
 
-def format_table(headers: list, rows: list) -> str:
-    widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) for i, h in enumerate(headers)]
-    line = lambda cells: "| " + " | ".join(str(c).rjust(w) for c, w in zip(cells, widths)) + " |"
-    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
-    return "\n".join([line(headers), sep] + [line(r) for r in rows])
-
-
 def memory_table(result: dict) -> str:
     rows = [[r["kernel"], f"{r['m']}x{r['k']}", f"{r['ms'] * 1e3:.1f}", f"{r['gbs']:.0f}",
              f"{100 * r['fraction_of_copy']:.1f}%", f"{r['torch_ms'] * 1e3:.1f}",
@@ -174,6 +172,24 @@ def memory_table(result: dict) -> str:
              f"(read + write), kernel times from the profiler, median of 30, L2 flushed")
     return title + "\n" + format_table(
         ["kernel", "shape", "us", "GB/s", "of copy", "torch us", "speedup"], rows)
+
+
+def memory_plot(result: dict, path: str) -> None:
+    """GB/s of each memory-bound kernel beside its torch peer's, under the copy ceiling."""
+    plt = pyplot()
+    if plt is None:
+        return
+    names = [r["kernel"] for r in result["rows"]]
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    ax.barh(names, [r["gbs"] for r in result["rows"]], label="ptxforge")
+    ax.barh(names, [r["bytes"] / r["torch_ms"] / 1e6 for r in result["rows"]], height=0.35,
+            label="torch")
+    ax.axvline(result["copy_gbs"], color="k", linestyle="--", label="copy ceiling")
+    ax.set_xlabel("GB/s (bytes read + written)")
+    ax.set_title(f"{result['gpu']}: memory-bound kernels")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 # DeepGEMM's dense benchmark table (M, N, K).
@@ -243,6 +259,35 @@ def gemm_table(result: dict) -> str:
         rows)
 
 
+def _gemm_plot(result: dict, path: str, *, peer: str, peer_label: str, what: str) -> None:
+    """Roofline-style: TFLOPS against arithmetic intensity, ours beside the peer's
+    (``peer``: its rows' key)."""
+    plt = pyplot()
+    if plt is None:
+        return
+    rows = result["rows"]
+    intensity = [2 * r["m"] * r["n"] * r["k"] / (r["m"] * r["k"] + r["n"] * r["k"] + 2 * r["m"] * r["n"])
+                 for r in rows]
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    ax.scatter(intensity, [r["tflops"] for r in rows], label="ptxforge", marker="o")
+    ax.scatter(intensity, [r[peer] for r in rows], label=peer_label, marker="x")
+    ax.set_xscale("log")
+    ax.set_xlabel("FLOP per byte (A + B read, D written once)")
+    ax.set_ylabel("TFLOPS")
+    ax.set_title(f"{result['gpu']}: {what} on DeepGEMM's shape table")
+    ax.legend(loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+
+
+def gemm_plot(result: dict, path: str) -> None:
+    """The FP8 GEMM suite's TFLOPS against arithmetic intensity, beside cuBLAS blockwise."""
+    _gemm_plot(result, path, peer="blockwise_tflops", peer_label="cuBLAS blockwise",
+               what="FP8 GEMM")
+
+
 # DeepGEMM's contiguous MoE rows: (groups, expected rows per group, N, K).
 GROUPED_CONTIGUOUS = list(kernels.CONTIGUOUS_SHAPES)
 # DeepGEMM's masked rows: (groups, valid rows per group, M_max, N, K); M_max is 4096 for
@@ -259,13 +304,13 @@ def contiguous_problems(seed: int = 0):
         yield groups, expected, n, k, [int(expected * rng.uniform(0.7, 1.3)) for _ in range(groups)]
 
 
-def _padded_rows(sizes) -> list[int]:
+def padded_rows(sizes) -> list[int]:
     """Each group's rows in the contiguous layout: its size rounded up to the alignment."""
     align = ops.get_mk_alignment_for_contiguous_layout()
     return [-(-size // align) * align for size in sizes]
 
 
-def _group_weights(groups: int, n: int, k: int):
+def group_weights(groups: int, n: int, k: int):
     """Each group's B [N, K] quantized per 128x128 block: the (qb, sb) pairs, and stacked
     (qb [G, N, K], sb [G, ceil(N/128), ceil(K/128)])."""
     weights = [ops.quantize_fp8_per_block(torch.randn(n, k, device="cuda").to(torch.bfloat16))
@@ -278,11 +323,11 @@ def grouped_operands(sizes, n: int, k: int):
     alignment, quantized as DeepGEMM's recipe does, and the fp64 reference (padding rows
     zero): ``(qa, sa), (qb, sb), m_indices, reference``."""
     rows = []
-    for group, (size, padded) in enumerate(zip(sizes, _padded_rows(sizes))):
+    for group, (size, padded) in enumerate(zip(sizes, padded_rows(sizes))):
         rows += [group] * size + [-1] * (padded - size)
     m_indices = torch.tensor(rows, dtype=torch.int32, device="cuda")
     qa, sa = ops.quantize_fp8_per_token(torch.randn(len(rows), k, device="cuda").to(torch.bfloat16))
-    weights, b = _group_weights(len(sizes), n, k)
+    weights, b = group_weights(len(sizes), n, k)
     a = reference.dequantize_per_token(qa, sa).double()
     ref = torch.zeros(len(rows), n, dtype=torch.float64, device="cuda")
     for group, (qb, sb) in enumerate(weights):
@@ -299,7 +344,7 @@ def masked_operands(counts, m_max: int, n: int, k: int):
     groups = len(counts)
     qa, sa = ops.quantize_fp8_per_token(
         torch.randn(groups * m_max, k, device="cuda").to(torch.bfloat16))
-    weights, b = _group_weights(groups, n, k)
+    weights, b = group_weights(groups, n, k)
     a = reference.dequantize_per_token(qa, sa).double().view(groups, m_max, k)
     ref = torch.zeros(groups, m_max, n, dtype=torch.float64, device="cuda")
     for group, ((qb, sb), count) in enumerate(zip(weights, counts)):
@@ -312,7 +357,7 @@ def masked_operands(counts, m_max: int, n: int, k: int):
 def _torch_grouped(qa, qb, sizes):
     """torch._scaled_grouped_mm on the same e4m3 operands with row-wise unit scales (the
     coarser recipe torch offers for grouped FP8), or None where it does not run."""
-    offs = torch.tensor(list(itertools.accumulate(_padded_rows(sizes))), dtype=torch.int32,
+    offs = torch.tensor(list(itertools.accumulate(padded_rows(sizes))), dtype=torch.int32,
                         device="cuda")
     scale_a = torch.ones(qa.shape[0], device="cuda")
     scale_b = torch.ones(qb.shape[0], qb.shape[1], device="cuda")
@@ -370,6 +415,25 @@ def grouped_gemm_table(result: dict) -> str:
         ["layout", "groups", "M per group", "N", "K", "TFLOPS", "torch", "calc_diff"], rows)
 
 
+def grouped_gemm_plot(result: dict, path: str) -> None:
+    """A bar per MoE row: ours, and torch._scaled_grouped_mm where it runs."""
+    plt = pyplot()
+    if plt is None:
+        return
+    rows = result["rows"]
+    names = [f"{r['layout']} {r['groups']}x{r['m_per_group']} N{r['n']} K{r['k']}" for r in rows]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.barh(names, [r["tflops"] for r in rows], label="ptxforge")
+    ax.barh(names, [r["torch_tflops"] or 0 for r in rows], height=0.35,
+            label="torch._scaled_grouped_mm (row-wise)")
+    ax.invert_yaxis()
+    ax.set_xlabel("TFLOPS over the valid rows")
+    ax.set_title(f"{result['gpu']}: MoE grouped FP8 GEMM")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def bf16_gemm_suite(shapes=None, timer: Timer | None = None) -> dict:
     """The BF16 GEMM beside torch's ``a @ b.t()`` (cuBLAS) on DeepGEMM's dense shapes."""
     timer = timer or Timer()
@@ -399,8 +463,14 @@ def bf16_gemm_table(result: dict) -> str:
                                        rows)
 
 
-# Decode-time GEMMs (issue 13): a few tokens against DeepGEMM's weights, bound by the weight
-# stream. M is the tokens; per group for the masked rows, with M_max twice that as in the
+def bf16_gemm_plot(result: dict, path: str) -> None:
+    """The BF16 GEMM suite's TFLOPS against arithmetic intensity, beside cuBLAS."""
+    _gemm_plot(result, path, peer="cublas_tflops", peer_label="cuBLAS (a @ b.t())",
+               what="BF16 GEMM")
+
+
+# Decode-time GEMMs: a few tokens against DeepGEMM's weights, bound by the weight stream.
+# M is the tokens; per group for the masked rows, with M_max twice that as in the
 # grouped suite's masked rows.
 DECODE_M = (1, 2, 4, 8, 16, 32, 64, 128)
 DECODE_MASKED = [(groups, tokens, n, k) for n, k in ((4096, 7168), (7168, 2048))
@@ -477,9 +547,9 @@ def decode_suite(timer: Timer | None = None) -> dict:
 
 
 def decode_summary(rows: list) -> list[dict]:
-    """What issue 13's targets read, per family: the least fraction of the same-size copy's
-    speed at M <= 64 and at M = 128, and the geomean and least speedup over the peer (on the
-    rows where it ran)."""
+    """Per family, what says whether decode is memory-bound: the least fraction of the
+    same-size copy's speed at M <= 64 and at M = 128, and the geomean and least speedup
+    over the peer (on the rows where it ran)."""
     summary = []
     for family in dict.fromkeys(r["family"] for r in rows):
         mine = [r for r in rows if r["family"] == family]
@@ -522,8 +592,35 @@ def decode_table(result: dict) -> str:
          "peer us", "speedup", "calc_diff"], rows) + "\n" + "\n".join(lines)
 
 
-# Issue 13's target for programmatic dependent launch: a chain of dependent FP8 GEMMs as a
-# decode step runs them, (N, K) alternating, at M tokens.
+def decode_plot(result: dict, path: str) -> None:
+    """% of the same-size copy's speed against M: a panel per family, a line per shape."""
+    plt = pyplot()
+    if plt is None:
+        return
+    lines = collections.defaultdict(lambda: collections.defaultdict(list))
+    for r in result["rows"]:
+        lines[r["family"]][(r["groups"], r["n"], r["k"])].append((r["m"], 100 * r["of_copy"]))
+    fig, axes = plt.subplots(1, len(lines), figsize=(5 * len(lines), 4.5), sharey=True,
+                             squeeze=False)
+    for ax, (family, shapes) in zip(axes[0], lines.items()):
+        for (groups, n, k), points in shapes.items():
+            ax.plot(*zip(*points), marker="o",
+                    label=f"{n}x{k}" if groups == 1 else f"{groups} groups, {n}x{k}")
+        ax.set_xscale("log", base=2)
+        tokens = sorted({m for points in shapes.values() for m, _ in points})
+        ax.set_xticks(tokens, [str(m) for m in tokens])
+        ax.set_xlabel("M (tokens; per group when masked)")
+        ax.set_title(family)
+        ax.legend(fontsize=7, loc="lower right")
+    axes[0][0].set_ylabel("% of a same-size copy's speed")
+    fig.suptitle(f"{result['gpu']}: decode GEMMs against the memory limit")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+# What programmatic dependent launch is for: a chain of dependent FP8 GEMMs as a decode step
+# runs them, (N, K) alternating, at M tokens, where each kernel's launch and set-up can
+# overlap the end of the one before it.
 CHAIN_M = 8
 CHAIN_SHAPES = ((4096, 7168), (7168, 2048), (4096, 7168), (7168, 2048))
 

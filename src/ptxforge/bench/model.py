@@ -1,5 +1,6 @@
 """``ptxforge bench model``: models compiled by the ptxforge backend beside eager PyTorch and
-Inductor, as a user runs them (issue 14's cases and method).
+Inductor, as a user runs them (``ptxforge.models``: the FFN block, Llama-3-8B's sizes, the
+MoE blocks).
 
 Per model and token count: the wall time of a call as a user sees it (CUDA events around
 50 back-to-back calls after 5 warm-up calls, host included, median of 5 rounds), for eager,
@@ -22,10 +23,9 @@ import time
 
 import torch
 
-from .. import compiler, jit
-from . import models
-from .bench import format_table
-from .checks import calc_diff
+from .. import compiler, jit, models
+from ..testing.checks import calc_diff
+from . import format_table, pyplot
 
 CASES = {"ffn": (64, 4096), "llama-8b": (64, 2048), "deepseek-v3-moe": (64, 4096),
          "mixtral-moe": (16, 2048)}
@@ -176,3 +176,24 @@ def model_table(result: dict) -> str:
               f"{s['assemble_cold_s']:.2f} / {s['assemble_warm_s']:.2f}"
               for model, s in shares.items()]
     return "\n".join(lines)
+
+
+def model_plot(result: dict, path: str) -> None:
+    """Wall time per call, a group of bars (one per candidate) per model and token count."""
+    plt = pyplot()
+    if plt is None:
+        return
+    cases = list(dict.fromkeys((r["model"], r["tokens"]) for r in result["rows"]))
+    candidates = list(dict.fromkeys(r["candidate"] for r in result["rows"]))
+    times = {(r["model"], r["tokens"], r["candidate"]): r["wall_us"] for r in result["rows"]}
+    fig, axes = plt.subplots(1, len(cases), figsize=(3.2 * len(cases), 4.5), squeeze=False)
+    for ax, (model, tokens) in zip(axes[0], cases):
+        values = [times.get((model, tokens, c), 0) for c in candidates]
+        ax.bar(range(len(candidates)), values,
+               color=["0.6" if not c.startswith("ptxforge") else "tab:orange" for c in candidates])
+        ax.set_xticks(range(len(candidates)), candidates, rotation=60, ha="right", fontsize=7)
+        ax.set_title(f"{model}\n{tokens} tokens", fontsize=8)
+    axes[0][0].set_ylabel("us per call (wall, host included)")
+    fig.suptitle(f"{result['gpu']}: models, ptxforge backend beside eager and Inductor")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

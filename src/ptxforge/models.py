@@ -1,6 +1,9 @@
-"""The models of issue 14's cases, for the compiler's tests, benches and reports: the FFN
-block, transformers' Llama with Llama-3-8B layer sizes, or any transformers config, each
-with random weights (N(0, 0.02), as the models' own init) and its example inputs."""
+"""The models that ``ptxforge compile-report``, ``precompile --model`` and ``bench model``
+name (``build``): the FFN block, transformers' Llama with Llama-3-8B layer sizes,
+DeepSeek-V3's and Mixtral's MoE blocks, or any transformers config, each a ``Case``: the
+model with random weights (N(0, 0.02), as the models' own init) and its inputs for a
+token count. ``export_onnx`` writes such a model as torch.onnx.export does, for the ONNX
+front end."""
 
 from __future__ import annotations
 
@@ -50,21 +53,6 @@ DEEPSEEK_V3_MOE = {"hidden_size": 7168, "moe_intermediate_size": 2048, "n_routed
                    "topk_group": 4, "intermediate_size": 18432}
 MIXTRAL_MOE = {"hidden_size": 4096, "intermediate_size": 14336, "num_local_experts": 8,
                "num_experts_per_tok": 2}
-
-
-class PlanRecorder:
-    """A torch.compile backend: ptxforge's with ``options`` (e.g. ``fp8=False``), keeping
-    the plan of each graph it compiles in ``plans``, for tests to assert on."""
-
-    def __init__(self, **options):
-        self.options, self.plans = options, []
-
-    def __call__(self, gm, example_inputs):
-        from .. import compiler
-
-        compiled = compiler.backend(gm, example_inputs, **self.options)
-        self.plans.append(gm.ptxforge_plan)
-        return compiled
 
 
 @dataclass

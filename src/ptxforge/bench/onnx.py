@@ -1,11 +1,12 @@
-"""``ptxforge bench onnx``: the ONNX front end's target (issue 16). Llama-3-8B's sizes,
-2 layers (``models.llama_8b``), exported in f32 by torch.onnx.export at each opset (the
-weights as external data), loaded by ``ptxforge.onnx.load`` in bf16 and compiled by the
-ptxforge backend, beside the same model compiled from PyTorch (``ptxforge.compile`` of
-the transformers model in bf16), FP8 and bf16 (``fp8=False``).
+"""``ptxforge bench onnx``: whether a model loses speed or accuracy through the ONNX front
+end. Llama-3-8B's sizes, 2 layers (``models.llama_8b``), exported in f32 by
+torch.onnx.export at each opset (the weights as external data), loaded by
+``ptxforge.onnx.load`` in bf16 and compiled by the ptxforge backend, beside the same model
+compiled from PyTorch (``ptxforge.compile`` of the transformers model in bf16), FP8 and
+bf16 (``fp8=False``).
 
-Per candidate and token count: the wall time of a call (``model_bench.wall_us``: CUDA
-events around back-to-back calls, host included, median), the first call's (compile and
+Per candidate and token count: the wall time of a call (``model.wall_us``: CUDA events
+around back-to-back calls, host included, median), the first call's (compile and
 assembly), and calc_diff against onnxruntime (CPU provider) running the exported file in
 f32 on the same token ids (the PyTorch model's against the first opset's file). Targets:
 the ONNX model within 1.1x of PyTorch's time; calc_diff <= 1e-4 in bf16, <= 5e-3 in FP8
@@ -22,11 +23,10 @@ import time
 
 import torch
 
-from .. import compiler
-from . import models
-from .bench import format_table
-from .checks import calc_diff
-from .model_bench import wall_us
+from .. import compiler, models
+from ..testing.checks import calc_diff
+from . import format_table
+from .model import wall_us
 
 TOKENS = (64, 2048)
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from ptxforge.testing.reference import quantize_fp8_per_token
+
 
 def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int):
     """(num_tokens_per_rank int32 [R], num_tokens_per_expert int32 [E], is_token_in_rank
@@ -91,8 +93,6 @@ def low_latency_dispatch(rank: int, xs: list, topk_idxs: list, num_experts: int,
     ranks in order, each in token order: ``x`` e4m3 and ``scales`` f32 (each source's
     rows quantized by ``quantize_fp8_per_token``), ``src_info`` int32 (source rank, token,
     first k position), rows past ``count`` [L] zero."""
-    from .reference import quantize_fp8_per_token
-
     ranks, hidden = len(xs), xs[0].shape[1]
     per_rank, rows = num_experts // ranks, ranks * max_tokens
     quantized = [quantize_fp8_per_token(x) if x.shape[0] else

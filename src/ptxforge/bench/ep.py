@@ -25,9 +25,12 @@ import tempfile
 
 import torch
 
+from . import format_table, pyplot
+
 DEFAULT_SMS = (8, 12, 16, 20, 24)
 DEFAULT_SLOTS = (64, 128, 256)
-SM_BUDGET = 20          # the issue's budget: the picked config uses at most this many SMs
+SM_BUDGET = 20          # SMs the communication may take beside the experts' GEMMs (DeepEP's
+                        # default): the picked config uses at most this many
 GEMM_N = 4096           # the experts' gate_up width beside the communication (DeepSeek-V3)
 DECODE_TOKENS = 128     # the decode target's tokens a rank
 DECODE_PAIRS = 10       # dispatch + combine pairs a captured graph holds
@@ -305,7 +308,7 @@ def _overlap(buffer, q, scales, idx, weights, per_rank, per_expert, in_rank, p) 
     (gate_up, N = GEMM_N) on the other SMs: each alone, then together on two streams."""
     from .. import ops
     from ..ep import Config
-    from .bench import _group_weights, _padded_rows
+    from .ops import group_weights, padded_rows
 
     config = Config(SM_BUDGET, 128)
     align = ops.get_mk_alignment_for_contiguous_layout()
@@ -314,11 +317,11 @@ def _overlap(buffer, q, scales, idx, weights, per_rank, per_expert, in_rank, p) 
         num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=weights, config=config,
         expert_alignment=align)
     rows = []
-    for group, (size, padded) in enumerate(zip(counts, _padded_rows(counts))):
+    for group, (size, padded) in enumerate(zip(counts, padded_rows(counts))):
         rows += [group] * size + [-1] * (padded - size)
     m_indices = torch.tensor(rows, dtype=torch.int32, device="cuda")
     a = ops.quantize_fp8_per_token(torch.randn(len(rows), p["hidden"], device="cuda").bfloat16())
-    _, b = _group_weights(len(counts), GEMM_N, p["hidden"])
+    _, b = group_weights(len(counts), GEMM_N, p["hidden"])
     d = torch.empty(len(rows), GEMM_N, dtype=torch.bfloat16, device="cuda")
     y = torch.randn(received[0].shape, device="cuda").bfloat16()
     device = torch.cuda.current_device()
@@ -347,8 +350,6 @@ def _overlap(buffer, q, scales, idx, weights, per_rank, per_expert, in_rank, p) 
 
 # ---------------------------------------------------------------------------- report
 def ep_table(result: dict) -> str:
-    from .bench import format_table
-
     p = result["params"]
     one_gpu = " (all on ONE GPU under MPS: no NVLink, no peers)"
     head = (f"ptxforge.ep intranode, {result['world']} ranks on {result['device']}"
@@ -393,10 +394,13 @@ def ep_table(result: dict) -> str:
     return text
 
 
-def plot_ep(result: dict, path: str, pyplot) -> None:
+def ep_plot(result: dict, path: str) -> None:
     """GB/s against SMs, a line per ring size, dispatch and combine side by side; NCCL's
     all_to_all_single of the same bytes and the P2P copy as horizontal lines."""
-    fig, axes = pyplot.subplots(1, 2, figsize=(11, 4), sharey=True)
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     peers = result["peers"]
     for ax, op in zip(axes, ("dispatch", "combine")):
         for slots in result["params"]["slots"]:
