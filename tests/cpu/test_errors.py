@@ -379,3 +379,25 @@ def test_moe_combine_weight_dtypes_and_targets():
     with pytest.raises(ValueError, match="needs griddepcontrol, which sm_80") as info:
         combine_kernel.choose_config(AMPERE, 7168, 8)
     assert str(info.value).startswith("the MoE combine kernel (programmatic dependent launch)")
+
+
+@pytest.mark.parametrize("problem, message", [
+    (dict(dtype="f16"), "dtype must be one of ('e4m3', 'bf16'), got 'f16'"),
+    (dict(layout="ragged", groups=2), "layout must be one of ('dense', 'contiguous', 'masked'), "
+                                      "got 'ragged'"),
+    (dict(layout="masked"), "groups must be 0 for the dense layout and positive for a grouped "
+                            "one, got layout='masked', groups=0"),
+    (dict(groups=4), "groups must be 0 for the dense layout and positive for a grouped one, got "
+                     "layout='dense', groups=4"),
+    (dict(epilogue=("residual", "bias")), "epilogue must list distinct terms in alphabetical "
+                                          "order, got ('residual', 'bias')"),
+    (dict(epilogue=("bias", "bias")), "epilogue must list distinct terms in alphabetical order, "
+                                      "got ('bias', 'bias')"),
+])
+def test_a_gemm_problem_built_by_hand_is_checked(problem, message):
+    from ptxforge.kernels import gemm_config
+    from ptxforge.kernels.gemm import GemmProblem
+
+    with pytest.raises(ValueError) as info:
+        gemm_config(SM90, GemmProblem(4096, 7168, **problem), 64)
+    assert str(info.value) == message

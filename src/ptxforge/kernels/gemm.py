@@ -10,15 +10,12 @@ epilogue the kernel ends in. A generation (``kernels/sm90_gemm``, found through 
 target's architecture description: ``kernels.gemm_generation``) turns a problem and M
 into a config and a config into PTX.
 
-The epilogue is a set of terms, each a fused operation the op was asked for:
-
-    accumulate  D is f32 and the product is added into it (d = c + a @ b.T)
-    bias        a bf16 [N] vector added to every row
-    residual    a bf16 [M, N] matrix added (D itself or another)
-    scale       the product times a run-time f32 scalar (d = alpha * (a @ b.T))
-
-A generation registers an epilogue for each set of terms and layout it computes; a
-problem whose set it does not have is refused when its config is made.
+The epilogue is a set of terms, each a fused operation the op was asked for, listed in
+alphabetical order: ``accumulate`` (D is f32 and the product is added into it: d = c +
+a @ b.T), ``bias`` (a bf16 [N] vector added to every row), ``residual`` (a bf16 [M, N]
+matrix added), and whatever else a generation's epilogues compute. A generation registers
+an epilogue for each set of terms and layout it computes (sm90_gemm/epilogue.py lists
+them); a problem whose set it does not have is refused when its config is made.
 
 What is not part of the problem: M (a run-time argument: one kernel serves every M; the
 tile is chosen for it), the SM budget, the tensors' addresses and strides.
@@ -35,7 +32,6 @@ CONTIGUOUS_ALIGNMENT = 128
 
 DTYPES = ("e4m3", "bf16")                    # of A and B: e4m3 with DeepGEMM's scales, or bf16
 LAYOUTS = ("dense", "contiguous", "masked")  # dense; MoE grouped: B holds `groups` matrices
-TERMS = ("accumulate", "bias", "residual", "scale")   # in the order a problem lists them
 
 
 class GemmProblem(NamedTuple):
@@ -49,7 +45,7 @@ class GemmProblem(NamedTuple):
     dtype: str = "e4m3"
     layout: str = "dense"
     groups: int = 0                 # contiguous and masked: the matrices B holds
-    epilogue: tuple[str, ...] = ()  # terms, in TERMS' order
+    epilogue: tuple[str, ...] = ()  # terms, in alphabetical order
 
     @property
     def scaled(self) -> bool:
@@ -74,10 +70,9 @@ class GemmProblem(NamedTuple):
         if (self.layout == "dense") != (self.groups == 0) or self.groups < 0:
             raise ValueError(f"groups must be 0 for the dense layout and positive for a grouped "
                              f"one, got layout={self.layout!r}, groups={self.groups}")
-        ordered = tuple(term for term in TERMS if term in self.epilogue)
-        if tuple(self.epilogue) != ordered or len(ordered) != len(self.epilogue):
-            raise ValueError(f"epilogue must list distinct terms of {TERMS} in that order, "
-                             f"got {self.epilogue!r}")
+        if tuple(self.epilogue) != tuple(sorted(set(self.epilogue))):
+            raise ValueError(f"epilogue must list distinct terms in alphabetical order, got "
+                             f"{self.epilogue!r}")
 
     @property
     def weight_bytes(self) -> int:

@@ -169,7 +169,7 @@ def _launch(device: int, problem: GemmProblem, m: int, a, b, d, *, scales=None,
 
 
 def _epilogue(c, bias_ptr, residual_rows) -> tuple[tuple[str, ...], dict]:
-    """A dense GEMM call's epilogue: its terms (in kernels/gemm.py's TERMS order) and
+    """A dense GEMM call's epilogue: its terms (in alphabetical order) and
     their kernel arguments by parameter name."""
     terms, arguments = ("accumulate",) if c is not None else (), {}
     if bias_ptr is not None:

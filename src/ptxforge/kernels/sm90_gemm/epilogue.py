@@ -66,7 +66,7 @@ class Epilogue:
     element_bytes = 2
     reduce = False         # add into D (TMA reduce-add) instead of storing
     registers = 0          # what it keeps in a math thread through the K loop (make_config)
-    # The problem's epilogue terms this class computes, in kernels/gemm.py's TERMS order,
+    # The problem's epilogue terms this class computes, in alphabetical order,
     # and the layouts it serves. A class that sets ``terms`` itself is registered for them;
     # one that does not (a base of others) is not.
     terms: tuple[str, ...] = ()
