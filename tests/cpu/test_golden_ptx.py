@@ -54,7 +54,7 @@ def normalized(ptx: str) -> str:
 # GEMM modes the registry's heuristic choices do not reach: f32 accumulation, one and four
 # producer warps, both part-buffer counts, multicast, bf16 grouped and straddling tiles with
 # more scale-row splits than get a promotion of their own (block_n 40, 56, 72), the bias and
-# the residual (alone, with the bias, and in a tile covering 8 rows).
+# the residual (alone, with the bias, and in a tile covering 8 rows), and the scale.
 def _gemm(n, k, dtype="e4m3", layout="dense", groups=0, epilogue=(), **tile):
     return GemmProblem(n, k, dtype, layout, groups, epilogue), tile
 
@@ -79,6 +79,7 @@ GEMM_MAKE_CONFIG = (
     _gemm(4096, 7168, layout="contiguous", groups=256, block_m=128, block_n=128, multicast=2,
           share_b=True, raster=1),
     _gemm(7168, 2048, block_m=128, block_n=192, multicast=2, share_b=True),
+    _gemm(2112, 7168, epilogue=("scale",), block_m=64, block_n=96),
 )
 
 

@@ -220,6 +220,55 @@ def test_gemm_bias_epilogue_reads_one_pair_per_column_group(block_m, block_n, dt
 
 
 @pytest.mark.parametrize("block_m, block_n, dtype, tile_rows", [
+    (64, 24, "e4m3", 0), (128, 128, "e4m3", 0), (128, 256, "bf16", 0), (64, 96, "e4m3", 8)])
+def test_gemm_scale_epilogue_multiplies_each_pair_by_alpha(block_m, block_n, dtype, tile_rows):
+    """alpha is an f32 parameter, read once; each accumulator pair is multiplied by it (two
+    f32 multiplies, into registers of their own: the accumulators stay a.b^T) before the
+    one rounding to bf16; dense only, alone."""
+    from ptxforge.kernels import sm90_gemm as gemm
+
+    problem = GemmProblem(2112, 7168, dtype, epilogue=("scale",))
+    cfg = gemm.make_config(arch.get("sm_90a"), problem, block_m, block_n, tile_rows=tile_rows)
+    assert cfg.epilogue.__name__ == "ScaleBf16Store" and cfg.name.endswith(
+        "_scale" + (f"_r{tile_rows}" if tile_rows else ""))
+    ptx = gemm.generate(cfg).ptx()
+    assert ".param .f32 alpha" in ptx and ptx.count("ld.param.f32 %alpha") == 1
+    assert ptx.count("mul.f32 %scaled") == block_n // 2
+    assert "mul.f32 %acc" not in ptx
+    compiled = jit.build(gemm.generate(cfg))
+    assert compiled.resources.spills == 0 and compiled.resources.stack_frame == 0
+    for wrong in (problem._replace(epilogue=("bias", "scale")),
+                  problem._replace(layout="masked", groups=4)):
+        with pytest.raises(ValueError, match=f"no GEMM epilogue computes "
+                                             f"{' [+] '.join(wrong.epilogue)} on the "
+                                             f"{wrong.layout} layout"):
+            gemm.make_config(arch.get("sm_90a"), wrong, 128, 128)
+
+
+def _scale_heuristic_configs():
+    """Every config the tile model picks with the scale for the dense registry shapes at 1,
+    16, 32, 64, 300 and 4096 rows."""
+    from ptxforge.kernels import sm90_gemm as gemm
+
+    sm90, chosen = arch.get("sm_90a"), {}
+    for dtype in ("e4m3", "bf16"):
+        for m in (1, 16, 32, 64, 300, 4096):
+            for n, k in kernels.GEMM_SHAPES:
+                cfg = gemm.choose_config(sm90, GemmProblem(n, k, dtype, epilogue=("scale",)), m)
+                chosen.setdefault(cfg, f"{dtype}-m{m}-n{n}-k{k}")
+    return [pytest.param(cfg, id=name) for cfg, name in chosen.items()]
+
+
+@pytest.mark.parametrize("cfg", _scale_heuristic_configs())
+def test_every_scale_config_the_heuristic_picks_assembles_without_spills(cfg):
+    from ptxforge.kernels import sm90_gemm as gemm
+
+    compiled = jit.build(gemm.generate(cfg))
+    assert compiled.resources.spills == 0, compiled.log
+    assert compiled.resources.stack_frame == 0, compiled.log
+
+
+@pytest.mark.parametrize("block_m, block_n, dtype, tile_rows", [
     (64, 24, "e4m3", 0), (128, 128, "e4m3", 0), (128, 256, "bf16", 0), (64, 96, "bf16", 8),
     (64, 136, "e4m3", 32)])
 @pytest.mark.parametrize("bias", [False, True])

@@ -330,3 +330,26 @@ def test_few_token_tiles(gpu_arch):
             if torch.isnan(d).any() or not relative_error(d, expected) <= 2e-3:
                 failures.append(("bf16", tile_rows, m, relative_error(d, expected)))
     assert not failures, failures
+
+
+@pytest.mark.parametrize("m, n, k", [(1, 128, 256), (200, 1000, 640), (4096, 7168, 2048)])
+def test_scales_the_product(m, n, k):
+    """d = alpha * (a @ b.T), alpha multiplied in the epilogue before the one rounding,
+    against fp64, FP8 and bf16; the kernel reads alpha at each launch (a second alpha with
+    the same kernel gives its own product)."""
+    a, b, ref = fp8_gemm_operands(m, n, k)
+    for alpha in (0.03125, -3.0):
+        d = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        ptxforge.fp8_gemm_nt(a, b, d, alpha=alpha)
+        torch.cuda.synchronize()
+        assert not torch.isnan(d).any(), "some outputs were never written"
+        assert calc_diff(d, alpha * ref) < 1e-3 and relative_error(d, alpha * ref) <= 2e-3
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    d = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    ptxforge.bf16_gemm_nt(x, w, d, alpha=0.5)
+    expected = 0.5 * (x.double() @ w.double().T)
+    assert calc_diff(d, expected) < 1e-4 and relative_error(d, expected) <= 2e-3
+    q = torch.empty_like(d)
+    torch.ops.ptxforge.bf16_gemm_nt(x, w, q, alpha=0.5)   # the operator takes it too
+    assert torch.equal(q, d)

@@ -12,6 +12,7 @@ layout's and the epilogue's arguments by the kernel's parameter names."""
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -168,7 +169,7 @@ def _launch(device: int, problem: GemmProblem, m: int, a, b, d, *, scales=None,
     launcher((grid, 1, 1), current_stream(device), **maps, **rows, **arguments)
 
 
-def _epilogue(c, bias_ptr, residual_rows) -> tuple[tuple[str, ...], dict]:
+def _epilogue(c, bias_ptr, residual_rows, alpha) -> tuple[tuple[str, ...], dict]:
     """A dense GEMM call's epilogue: its terms (in alphabetical order) and
     their kernel arguments by parameter name."""
     terms, arguments = ("accumulate",) if c is not None else (), {}
@@ -178,14 +179,34 @@ def _epilogue(c, bias_ptr, residual_rows) -> tuple[tuple[str, ...], dict]:
     if residual_rows is not None:
         terms += ("residual",)
         arguments["residual"], arguments["residual_row_stride"] = residual_rows
+    if alpha is not None:
+        terms += ("scale",)
+        arguments["alpha"] = alpha
     return terms, arguments
+
+
+def _alpha(alpha, c, bias, residual) -> float | None:
+    """Check ``alpha`` (None, or a finite real number scaling a bf16 d computed without
+    c, bias or residual) and return it as a float."""
+    if alpha is None:
+        return None
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+        raise TypeError(f"alpha must be a finite real number, got {alpha!r}")
+    if c is not None or bias is not None or residual is not None:
+        given = ", ".join(name for name, value in (("c", c), ("bias", bias),
+                                                   ("residual", residual)) if value is not None)
+        raise ValueError(f"alpha scales a bf16 d = a @ b.T alone; it cannot be combined with "
+                         f"{given}")
+    return float(alpha)
 
 
 def fp8_gemm_nt(a, b, d: torch.Tensor, c: torch.Tensor | None = None, *,
                 bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
-                num_sms: int | None = None, config=None, pdl: bool | None = None) -> None:
+                alpha: float | None = None, num_sms: int | None = None, config=None,
+                pdl: bool | None = None) -> None:
     """``d = a @ b.T`` (or ``d = c + a @ b.T``, or ``d = a @ b.T + bias + residual``, either
-    term optional) with DeepGEMM's fine-grained FP8 scaling, written into ``d``.
+    term optional, or ``d = alpha * (a @ b.T)``) with DeepGEMM's fine-grained FP8 scaling,
+    written into ``d``.
 
     a: ``(A, sa)``, A e4m3 [M, K], sa f32 [M, ceil(K/128)] (one scale per row per 128 of K).
     b: ``(B, sb)``, B e4m3 [N, K], sb f32 [ceil(N/128), ceil(K/128)] (one per 128x128 block).
@@ -200,6 +221,8 @@ def fp8_gemm_nt(a, b, d: torch.Tensor, c: torch.Tensor | None = None, *,
     with unit column stride and any row stride that keeps them 4-byte aligned. It may be
     ``d`` itself (``residual=d``: d += a @ b.T in place, rounded once); any other residual
     must not overlap d.
+    alpha: a float or None: d = alpha * (a @ b.T), multiplied in f32 before the one
+    rounding to bf16 (a per-tensor dequantization scale; not with c, bias or residual).
 
     num_sms: SMs the persistent CTAs may use (by default ``get_num_sms()``), so that
     another kernel can run beside this one on the rest. config: a tile to use instead of
@@ -229,7 +252,8 @@ def fp8_gemm_nt(a, b, d: torch.Tensor, c: torch.Tensor | None = None, *,
                                    row_span(sb_ptr, sb_shape[0], sb_strides[0], k_groups, 4))
     d_span = (d_ptr, d.itemsize * m * n)
     terms, epilogue = _epilogue(c, _bias(bias, c, n, device, d_span),
-                                _residual(residual, c, m, n, device, d_ptr, d_row, d_span))
+                                _residual(residual, c, m, n, device, d_ptr, d_row, d_span),
+                                _alpha(alpha, c, bias, residual))
     problem = GemmProblem(n, k, "e4m3", "dense", 0, terms)
     if config is not None:
         _check_config(config, problem)
@@ -248,15 +272,15 @@ def fp8_gemm_nt(a, b, d: torch.Tensor, c: torch.Tensor | None = None, *,
 
 def bf16_gemm_nt(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor,
                  c: torch.Tensor | None = None, *, bias: torch.Tensor | None = None,
-                 residual: torch.Tensor | None = None, num_sms: int | None = None,
-                 config=None, pdl: bool | None = None) -> None:
+                 residual: torch.Tensor | None = None, alpha: float | None = None,
+                 num_sms: int | None = None, config=None, pdl: bool | None = None) -> None:
     """``d = a @ b.T`` (or ``d = c + a @ b.T``, or ``d = a @ b.T + bias + residual``, either
-    term optional) in bf16 with f32 accumulation, written into ``d``: the FP8 GEMM's kernel
-    with bf16 operands and no scales.
+    term optional, or ``d = alpha * (a @ b.T)``) in bf16 with f32 accumulation, written into
+    ``d``: the FP8 GEMM's kernel with bf16 operands and no scales.
 
     a: bf16 [M, K], b: bf16 [N, K] (rows 16-byte aligned), d: bf16 [M, N], contiguous; with
     ``c``, f32 [M, N] (``c`` may be ``d``: accumulate in place; another c is copied first).
-    bias, residual, num_sms, config, pdl: as ``fp8_gemm_nt``'s.
+    bias, residual, alpha, num_sms, config, pdl: as ``fp8_gemm_nt``'s.
     """
     (m, k), a_strides, a_ptr, device = inspect("a", a, torch.bfloat16, 2)
     (n, kb_), b_strides, b_ptr, _ = inspect("b", b, torch.bfloat16, 2, device=device)
@@ -266,7 +290,8 @@ def bf16_gemm_nt(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor,
                                    row_span(b_ptr, n, b_strides[0], k, 2))
     d_span = (d_ptr, d.itemsize * m * n)
     terms, epilogue = _epilogue(c, _bias(bias, c, n, device, d_span),
-                                _residual(residual, c, m, n, device, d_ptr, d_row, d_span))
+                                _residual(residual, c, m, n, device, d_ptr, d_row, d_span),
+                                _alpha(alpha, c, bias, residual))
     problem = GemmProblem(n, k, "bf16", "dense", 0, terms)
     if config is not None:
         _check_config(config, problem)

@@ -81,13 +81,16 @@ def _quantize_fp8_per_block_fake(w, pdl=None):
     return block_quant.block_quantized_outputs(w.shape[0], w.shape[1], w.device)
 
 
-def _fp8_gemm_nt(a, sa, b, sb, d, c=None, bias=None, residual=None, num_sms=None, pdl=None):
-    gemm.fp8_gemm_nt((a, sa), (b, sb), d, c, bias=bias, residual=residual, num_sms=num_sms,
-                     pdl=pdl)
+def _fp8_gemm_nt(a, sa, b, sb, d, c=None, bias=None, residual=None, alpha=None, num_sms=None,
+                 pdl=None):
+    gemm.fp8_gemm_nt((a, sa), (b, sb), d, c, bias=bias, residual=residual, alpha=alpha,
+                     num_sms=num_sms, pdl=pdl)
 
 
-def _bf16_gemm_nt(a, b, d, c=None, bias=None, residual=None, num_sms=None, pdl=None):
-    gemm.bf16_gemm_nt(a, b, d, c, bias=bias, residual=residual, num_sms=num_sms, pdl=pdl)
+def _bf16_gemm_nt(a, b, d, c=None, bias=None, residual=None, alpha=None, num_sms=None,
+                  pdl=None):
+    gemm.bf16_gemm_nt(a, b, d, c, bias=bias, residual=residual, alpha=alpha, num_sms=num_sms,
+                      pdl=pdl)
 
 
 def _m_grouped_fp8_gemm_nt_contiguous(a, sa, b, sb, d, m_indices, rows_used=None, num_sms=None,
@@ -168,11 +171,11 @@ OPERATORS = {
     "quantize_fp8_per_block": ("(Tensor w, *, bool? pdl=None) -> (Tensor, Tensor)",
                                _quantize_fp8_per_block, _quantize_fp8_per_block_fake),
     "fp8_gemm_nt": (f"(Tensor a, Tensor sa, Tensor b, Tensor sb, Tensor(d!) d, Tensor? c=None, *,"
-                    f" Tensor? bias=None, Tensor? residual=None, {_GEMM_OPTIONS}) -> ()",
-                    _fp8_gemm_nt, _writes_d),
+                    f" Tensor? bias=None, Tensor? residual=None, float? alpha=None, "
+                    f"{_GEMM_OPTIONS}) -> ()", _fp8_gemm_nt, _writes_d),
     "bf16_gemm_nt": (f"(Tensor a, Tensor b, Tensor(d!) d, Tensor? c=None, *, "
-                     f"Tensor? bias=None, Tensor? residual=None, {_GEMM_OPTIONS}) -> ()",
-                     _bf16_gemm_nt, _writes_d),
+                     f"Tensor? bias=None, Tensor? residual=None, float? alpha=None, "
+                     f"{_GEMM_OPTIONS}) -> ()", _bf16_gemm_nt, _writes_d),
     "m_grouped_fp8_gemm_nt_contiguous": (
         f"(Tensor a, Tensor sa, Tensor b, Tensor sb, Tensor(d!) d, Tensor m_indices, *, "
         f"Tensor? rows_used=None, {_GEMM_OPTIONS}) -> ()", _m_grouped_fp8_gemm_nt_contiguous,

@@ -30,6 +30,7 @@ problem up, so a new epilogue is one class here:
                                                               or another matrix)
     BiasResidualBf16Store  bias, residual    dense            the accumulators + bias[column]
                                                               + residual[row, column]
+    ScaleBf16Store      scale                dense            alpha * the accumulators
 
 The bias and residual variants add in f32 before the one rounding to bf16; they share
 AddendBf16Store's column guard and compose by cooperative inheritance (each ``write`` adds
@@ -463,3 +464,27 @@ class BiasResidualBf16Store(BiasBf16Store, ResidualBf16Store):
     terms = ("bias", "residual")
     registers = BiasBf16Store.registers + ResidualBf16Store.registers
 
+
+class ScaleBf16Store(Bf16Store):
+    """bf16 D = alpha * the accumulators, alpha an f32 kernel parameter (set at each
+    launch): a product of operands quantized with one scale per tensor comes out
+    dequantized, in the one rounding to bf16."""
+
+    terms, layouts = ("scale",), ("dense",)
+    registers = 1          # alpha
+
+    @classmethod
+    def declare_params(cls, k, params) -> None:
+        super().declare_params(k, params)
+        params.alpha = k.param("alpha", "f32")
+
+    def __init__(self, k, cfg, params, thread, base):
+        super().__init__(k, cfg, params, thread, base)
+        self.alpha = k.reg("f32", "alpha")
+        k.ld_param(self.alpha, params.alpha)
+        self.scaled = k.regs("f32", 2, "scaled")
+
+    def write(self, where, pair, half: int) -> None:
+        for scaled, value in zip(self.scaled, pair):
+            self.k.mul(scaled, value, self.alpha)   # not into the accumulators
+        super().write(where, self.scaled, half)
