@@ -1,14 +1,18 @@
 """The ptxforge torch.compile backend on a GPU: an FFN block and a small transformers Llama
 compiled with it, their Linears on ptxforge's GEMMs (weights quantized at compile time),
 RMSNorm and SwiGLU fused with the quantization, residual adds in the GEMMs' epilogues,
-against the bf16 model computed in f32 (FP8: calc_diff <= 5e-3; bf16: <= 1e-4), with one
-graph for every token count; with mode="reduce-overhead", the same bits from CUDA graphs."""
+against the bf16 model computed in f32 (FP8: calc_diff <= 5e-3; bf16: <= 1e-4) or, for
+the Llama, against the FP8 recipe computed in torch, with one graph for every token count; with mode="reduce-overhead", the same bits from CUDA graphs."""
+
+import copy
+import functools
 
 import pytest
 import torch
 
 from ptxforge import compiler
 from ptxforge.models import Ffn, in_f32
+from ptxforge.testing import reference as recipe
 from ptxforge.testing.checks import calc_diff
 from support.plans import PlanRecorder
 
@@ -54,8 +58,37 @@ def test_the_backend_is_registered_by_name():
         assert calc_diff(torch.compile(model, backend="ptxforge")(x), reference(model, x)) <= 5e-3
 
 
+def fp8_recipe(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of the bf16 ``model`` whose Linears compute the FP8 recipe the backend
+    compiles them to, in torch: x quantized per token and 128 channels, the weight per
+    128x128 block (the reference quantizers), both dequantized and multiplied in f32, the
+    product rounded to bf16. Against it the compiled model differs only where it rounds
+    elsewhere (a residual added before the one rounding, fused norms), not by the recipe's
+    own error, which on a random Llama reaches ~8e-3 of calc_diff against f32 on some
+    seeds."""
+    emulated = copy.deepcopy(model)
+    for module in emulated.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.forward = functools.partial(_fp8_linear, module)
+    return emulated
+
+
+def _fp8_linear(linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    rows = x.reshape(-1, x.shape[-1])
+    a = recipe.dequantize_per_token(*recipe.quantize_fp8_per_token(rows))
+    w = recipe.dequantize_per_block(*recipe.quantize_fp8_per_block(linear.weight))
+    y = a @ w.T
+    if linear.bias is not None:
+        y += linear.bias.float()
+    return y.to(x.dtype).view(*x.shape[:-1], -1)
+
+
 def test_a_small_llama_compiles_onto_ptxforge_gemms():
+    """A seeded random Llama, compiled, against the FP8 recipe computed in torch
+    (``fp8_recipe``): the bound is on what the backend adds to the recipe, not on the
+    recipe's error against f32, which depends on the draw."""
     transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
     config = transformers.LlamaConfig(hidden_size=512, intermediate_size=1024,
                                       num_attention_heads=8, num_key_value_heads=4,
                                       num_hidden_layers=2, vocab_size=1000,
@@ -67,12 +100,13 @@ def test_a_small_llama_compiles_onto_ptxforge_gemms():
 
     torch._dynamo.reset()
     with torch.no_grad():
-        expected = model(ids).last_hidden_state.float()
+        expected = fp8_recipe(model)(ids).last_hidden_state.float()
         got = torch.compile(model, backend=backend)(ids).last_hidden_state
     linears = [name for plan in plans for r in plan if r.operator and "linear" in r.rewrite
                for name in r.node.split(", ")]
     assert len(linears) == 2 * 7          # q, k, v, o, gate, up, down in each layer
-    assert calc_diff(got, expected) <= 5e-3
+    print(f"calc_diff against the recipe: {calc_diff(got, expected):.3e}")
+    assert calc_diff(got, expected) <= 1e-3
 
 
 def test_reduce_overhead_replays_cuda_graphs_with_the_same_bits():
