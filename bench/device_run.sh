@@ -3,6 +3,7 @@
 # $OUT (log.txt, jit.json, the sanitizers' reports, and json + png for the memory, gemm, grouped,
 # bf16 and decode suites); short tables last.
 #   run from the repository root: bash bench/device_run.sh
+#   (HOST_AB_BASE=/other/checkout/src bash bench/device_run.sh: host time per op against it)
 # The models (the compile backend's GPU tests, `ptxforge bench model`, each kernel of a compiled
 # call, precompiling Llama's kernels cold) take a call of their own, within the device's 10
 # minutes a call:
@@ -86,7 +87,9 @@ fi
   step timeout 300 $py -m pytest tests -q -p no:cacheprovider --ignore=tests/gpu/test_onnx_gpu.py
   step $py bench/jit_timing.py "$OUT/jit.json"
   step $py bench/host_breakdown.py
-  step $py bench/host_ab.py --native 21
+  # host time per op: against the tree at $HOST_AB_BASE (another checkout's src) where set,
+  # else this tree's ctypes launches against its C launcher
+  step $py bench/host_ab.py "${HOST_AB_BASE:---native}" 21
   step bash bench/sanitize.sh
   step $py -m ptxforge.cli asm quantize_fp8_per_token hidden=7168 --sass
   step $py -m ptxforge.cli asm fp8_gemm_nt m=4096 n=7168 k=16384 --sass
