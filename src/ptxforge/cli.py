@@ -104,7 +104,10 @@ def cmd_info(args) -> int:
 
 
 def _cache_state(cache: DiskCache, problem: str | None) -> str:
-    """Entries and size, and ``problem``: why the directory cannot be written, if it cannot."""
+    """Entries and size, and ``problem``: why the directory cannot be written, if it cannot;
+    a directory that is not there and cannot be made: only why."""
+    if problem and not cache.directory.is_dir():
+        return f"cannot be used: {problem}, so kernels are not saved"
     state = f"{len(cache.entries())} entries, {cache.size_bytes() / 1e6:.1f} MB"
     if problem:
         state += f"; cannot be written: {problem}, so new kernels are not saved"

@@ -369,11 +369,23 @@ def test_info_and_cache_show_say_when_the_cache_cannot_be_used(under_a_file, tmp
     monkeypatch.setenv("PTXFORGE_CACHE_DIR", str(directory))
     why = (f"it sits under {blocker}, which is not a directory" if under_a_file
            else f"{blocker} is not a directory")
-    state = f"0 entries, 0.0 MB; cannot be written: {why}, so new kernels are not saved"
+    state = f"cannot be used: {why}, so kernels are not saved"
     assert cli.main(["info"]) == 0
     assert f"\ncache: {directory} ({state})\n" in capsys.readouterr().out
     assert cli.main(["cache", "show"]) == 2
     assert capsys.readouterr().out == f"{directory}: {state}\n"
+
+
+def test_a_cache_directory_that_cannot_be_made_is_named_with_why(monkeypatch, capsys):
+    """/proc takes no new folder, whatever its permission bits say (and root is refused
+    too): the cache is unusable, and info and cache show say so and why."""
+    monkeypatch.setenv("PTXFORGE_CACHE_DIR", "/proc/x")
+    state = ("cannot be used: cannot create a folder in /proc: No such file or directory, so "
+             "kernels are not saved")
+    assert cli.main(["info"]) == 0
+    assert f"\ncache: /proc/x ({state})\n" in capsys.readouterr().out
+    assert cli.main(["cache", "show"]) == 2
+    assert capsys.readouterr().out == f"/proc/x: {state}\n"
 
 
 def test_a_read_only_cache(tmp_path, unprivileged):
@@ -389,8 +401,9 @@ def test_a_read_only_cache(tmp_path, unprivileged):
 
     show = ptxforge("cache", "show")
     assert show.returncode == 2
-    assert show.stdout == (f"{cache.directory}: 1 entries, 0.0 MB; cannot be written: "
-                           f"{cache.directory} is read-only, so new kernels are not saved\n")
+    assert show.stdout == (f"{cache.directory}: 1 entries, 0.0 MB; cannot be written: cannot "
+                           f"create a file in {cache.directory}: Permission denied, so new "
+                           f"kernels are not saved\n")
     clear = ptxforge("cache", "clear")
     assert clear.returncode == 2 and clear.stdout == ""
     assert clear.stderr == f"ptxforge cache: cannot remove {cache.path('a' * 64)}: Permission denied\n"
