@@ -232,7 +232,7 @@ def _print_report(title, plan, summary, kernel_rows, *, nodes: str,
     """A compile report's tables (``compiler.report.report_tables``, at ``counts``)."""
     print(title)
     print(_table(["pattern", nodes, "runs on", "detail"], plan,
-                 "(no pattern matched: every node runs with Inductor)"))
+                 "(nothing matched: every node runs with Inductor)"))
     print(f"\n{summary}\n\nkernels, by token count:")
     print(_table(["kernel", *(f"M={m}" for m in counts)], kernel_rows,
                  "(none: no node runs on a ptxforge kernel)"))

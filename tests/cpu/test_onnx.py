@@ -369,6 +369,16 @@ def test_onnx_report_of_a_model_without_a_ptxforge_kernel(tmp_path, capsys):
     assert out.endswith("kernels, by token count:\n(none: no node runs on a ptxforge kernel)\n")
 
 
+def test_onnx_report_of_a_model_nothing_matches(tmp_path, capsys):
+    """a + b: nothing to rewrite, no kernel; the plan and the kernels each say so in a line."""
+    model, _ = one_node("Add", [f32(3, 4), f32(3, 4)], 18)
+    onnx.save(model, tmp_path / "add.onnx")
+    assert cli.main(["onnx-report", str(tmp_path / "add.onnx")]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("add.onnx on sm_90a: 1 graph(s)\n(nothing matched: every node runs "
+                          "with Inductor)\n\n0 of 0 Linears on ptxforge GEMMs")
+
+
 # --- external data: read from the model's folder (or base_dir) alone ----------------------------
 
 def external(array, name: str, directory, location: str):
