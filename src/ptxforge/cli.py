@@ -18,6 +18,16 @@ from . import settings
 from .jit.assemble import AssemblerUnavailable, find_cuda_tool, get_assembler
 from .jit.cache import DiskCache
 
+# The largest token count of precompile --tokens and the bench suites: precompile walks
+# the counts 1..N one by one (the tile choice stops changing within a few thousand), and
+# no suite is sized beyond it.
+MAX_TOKENS = 1 << 20
+# The most layers of a transformers model (--layers): Dynamo traces each one, seconds
+# apiece even on the meta device; the deepest public models have fewer than 130.
+MAX_LAYERS = 256
+# The models --model names; anything else is the path of a transformers config.json.
+MODELS = ("ffn", "llama-8b", "deepseek-v3-moe", "mixtral-moe")
+
 
 def _gpu_available() -> bool:
     try:
@@ -48,14 +58,20 @@ def _options(pairs: list[str]) -> dict:
     return options
 
 
-def _resource_rows(compiled_kernels) -> str:
+def _table(headers: list, rows: list, none: str) -> str:
+    """The rows as a table, or the line ``none`` when there are none: an empty report is a
+    report."""
     from .bench import format_table
 
+    return format_table(headers, rows) if rows else none
+
+
+def _resource_rows(compiled_kernels) -> str:
     rows = [[c.name, c.target, c.resources.registers, c.resources.spills,
              c.resources.stack_frame, c.resources.static_shared, f"{c.seconds * 1e3:.0f}", c.source]
             for c in compiled_kernels]
-    return format_table(["kernel", "target", "regs", "spill B", "stack B", "static smem B", "ms",
-                         "from"], rows)
+    return _table(["kernel", "target", "regs", "spill B", "stack B", "static smem B", "ms",
+                   "from"], rows, "(no kernels)")
 
 
 # --------------------------------------------------------------------------- commands
@@ -87,7 +103,10 @@ def cmd_info(args) -> int:
 
 
 def _cache_state(cache: DiskCache, problem: str | None) -> str:
-    """Entries and size, and ``problem``: why the directory cannot be written, if it cannot."""
+    """Entries and size, and ``problem``: why the directory cannot be written, if it cannot;
+    a directory that is not there and cannot be made: only why."""
+    if problem and not cache.directory.is_dir():
+        return f"cannot be used: {problem}, so kernels are not saved"
     state = f"{len(cache.entries())} entries, {cache.size_bytes() / 1e6:.1f} MB"
     if problem:
         state += f"; cannot be written: {problem}, so new kernels are not saved"
@@ -140,6 +159,22 @@ def sass_histogram(cubin: bytes) -> str:
     return "\n".join(lines)
 
 
+def _config_file(path: str) -> None:
+    """--model's config.json: a file holding a JSON object, checked here because
+    transformers takes a path it cannot find for a model on the Hugging Face Hub."""
+    try:
+        with open(path) as f:
+            config = json.load(f)
+        why = None if isinstance(config, dict) else f"it holds a JSON {type(config).__name__}"
+    except OSError as exc:
+        why = exc.strerror
+    except ValueError as exc:   # JSONDecodeError, UnicodeDecodeError
+        why = f"not JSON ({exc})"
+    if why:
+        raise ValueError(f"--model must be {', '.join(MODELS)} or a transformers config.json, "
+                         f"got {path!r}: {why}")
+
+
 def _model_plan(args, a):
     """The model named by --model, built on the meta device, and the passes' plan for it."""
     import torch
@@ -147,6 +182,8 @@ def _model_plan(args, a):
     from .compiler import report
     from . import models
 
+    if args.model not in MODELS:
+        _config_file(args.model)
     with torch.device("meta"):
         case = models.build(args.model, args.layers)
     return case, report.trace(case, a, fp8=not args.bf16)
@@ -192,12 +229,12 @@ def cmd_onnx_report(args) -> int:
 def _print_report(title, plan, summary, kernel_rows, *, nodes: str,
                   counts=(1, 64, 2048, 16384)) -> None:
     """A compile report's tables (``compiler.report.report_tables``, at ``counts``)."""
-    from .bench import format_table
-
     print(title)
-    print(format_table(["rewrite", nodes, "runs on", "detail"], plan))
+    print(_table(["rewrite", nodes, "runs on", "detail"], plan,
+                 "(nothing matched: every node runs with Inductor)"))
     print(f"\n{summary}\n\nkernels, by token count:")
-    print(format_table(["kernel", *(f"M={m}" for m in counts)], kernel_rows))
+    print(_table(["kernel", *(f"M={m}" for m in counts)], kernel_rows,
+                 "(none: no node runs on a ptxforge kernel)"))
 
 
 def cmd_bench(args) -> int:
@@ -303,8 +340,38 @@ def cmd_cache(args) -> int:
     return 0
 
 
+# Each command's integer options: (low, high), or for a comma-separated list each item's;
+# checked before any work.
+_RANGES = {
+    "precompile": {"--tokens": (1, MAX_TOKENS), "--layers": (1, MAX_LAYERS),
+                   "--workers": (1, 1024)},
+    "compile-report": {"--layers": (1, MAX_LAYERS)},
+    "bench": {"--m": (1, MAX_TOKENS), "--k": (1, kernels.OPTION_LIMITS["hidden"]),
+              "--layers": (1, MAX_LAYERS), "--tokens": (1, MAX_TOKENS),
+              "--sms": (1, 256), "--slots": (1, kernels.OPTION_LIMITS["slots"])},
+}
+
+
+def _check_ranges(args) -> None:
+    """A ValueError naming the first integer option of ``args.command`` out of its range."""
+    for option, (low, high) in _RANGES.get(args.command, {}).items():
+        value = getattr(args, option[2:])
+        if value is None:   # not given, no default: the command picks
+            continue
+        for item in value.split(",") if isinstance(value, str) else [value]:
+            if isinstance(item, str):
+                if not item.strip().isdigit():
+                    raise ValueError(f"{option} takes comma-separated integers, got {value!r}")
+                item = int(item)
+            if not low <= item <= high:
+                raise ValueError(f"{option} must be from {low} to {high}, got {item}")
+
+
 def main(argv=None) -> int:
+    from . import __version__
+
     parser = argparse.ArgumentParser(prog="ptxforge", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"ptxforge {__version__}")
     # --arch before the command or after it: the subcommands' copy keeps the main one's value
     # unless given (SUPPRESS: no default of its own).
     arch_help = ("target[:device], e.g. sm_90a or sm_90a:H200 (default: PTXFORGE_ARCH, the GPU, "
@@ -328,7 +395,8 @@ def main(argv=None) -> int:
         p.add_argument("options", nargs="*", help="key=value kernel options, e.g. hidden=4096")
         if name == "asm":
             p.add_argument("--sass", action="store_true", help="also print a SASS opcode histogram")
-    model_help = "ffn, llama-8b (Llama-3-8B layer sizes) or a transformers config.json"
+    model_help = ("ffn, llama-8b (Llama-3-8B layer sizes), deepseek-v3-moe, mixtral-moe (a MoE "
+                  "block) or a transformers config.json")
 
     def model_options(p, required):
         p.add_argument("--model", required=required, help=model_help)
@@ -371,8 +439,9 @@ def main(argv=None) -> int:
                "bench": cmd_bench, "demo": cmd_demo,
                "cache": cmd_cache}[args.command]
     try:
+        _check_ranges(args)
         return handler(args)
-    except (ValueError, TypeError, jit.AssemblyError, jit.AssemblerUnavailable, jit.SpillError,
+    except (ValueError, jit.AssemblyError, jit.AssemblerUnavailable, jit.SpillError,
             DisassemblyError) as exc:
         print(f"ptxforge {args.command}: {exc}", file=sys.stderr)
         return 2

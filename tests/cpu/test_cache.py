@@ -252,6 +252,22 @@ def test_concurrent_writers_install_one_whole_entry(tmp_path):
 UNUSABLE = ("read-only", "a regular file", "under a regular file")
 
 
+@pytest.mark.parametrize("directory, problem", [
+    ("/proc/x", "cannot create a folder in /proc: No such file or directory"),
+    ("/proc/x/y", "cannot create a folder in /proc: No such file or directory"),
+])
+def test_problem_tries_the_directory_rather_than_reading_permission_bits(directory, problem):
+    """/proc looks writable to root (os.access says so) and takes no folder at all."""
+    assert DiskCache(Path(directory)).problem() == problem
+
+
+def test_problem_leaves_nothing_behind(tmp_path):
+    existing, new = tmp_path / "cache", tmp_path / "new" / "cache"
+    existing.mkdir()
+    assert DiskCache(existing).problem() is None and DiskCache(new).problem() is None
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["cache"]
+
+
 def unusable_cache_dir(tmp_path: Path, kind: str) -> Path:
     """A cache directory that cannot be written, in one of the UNUSABLE ways."""
     if kind == "read-only":

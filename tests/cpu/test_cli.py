@@ -3,6 +3,7 @@ as on a machine without a GPU."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -143,8 +144,26 @@ def test_option_without_a_value(capsys):
 def test_an_option_value_that_is_not_a_positive_integer_is_refused(kernel, option, shown, capsys):
     assert cli.main(["asm", kernel, option]) == 2
     name = option.partition("=")[0]
-    assert capsys.readouterr().err == (f"ptxforge asm: option {name} must be a positive integer, "
-                                       f"got {shown}\n")
+    limit = kernels.OPTION_LIMITS.get(name, kernels.OPTION_LIMIT)
+    assert capsys.readouterr().err == (f"ptxforge asm: option {name} must be an integer from 1 "
+                                       f"to {limit}, got {shown}\n")
+
+
+@pytest.mark.parametrize("kernel, option, limit", [
+    ("fp8_gemm_nt", "n=1000000000000", 2**31 - 1), ("fp8_gemm_nt", "k=1000000000000", 2**31 - 1),
+    ("fp8_gemm_nt", "m=1000000000000", 2**31 - 1),
+    ("m_grouped_bf16_gemm_nt_masked", "expected_m=2147483648", 2**31 - 1),
+    ("ep_intranode_dispatch", "slots=1048576", 4096),
+    ("ep_intranode_combine", "hidden=16777216", 65536),
+])
+def test_an_option_beyond_its_bound_is_named_before_any_work(kernel, option, limit, capsys):
+    """Too large for the kernels' 32-bit sizes (or the EP rings' offsets): the option is
+    named, not the builder's instruction whose immediate overflowed, nor accepted."""
+    for command in ("ptx", "asm"):
+        assert cli.main([command, kernel, option]) == 2
+        name, _, value = option.partition("=")
+        assert capsys.readouterr() == ("", f"ptxforge {command}: option {name} must be an integer "
+                                           f"from 1 to {limit}, got {value}\n")
 
 
 @pytest.mark.parametrize("kernel, option, valid", [
@@ -157,6 +176,79 @@ def test_a_misspelled_option_lists_the_valid_ones(kernel, option, valid, capsys)
     key = option.partition("=")[0]
     assert capsys.readouterr().err == (f"ptxforge ptx: {kernel} has no option {key!r}; its "
                                        f"options: {valid}\n")
+
+
+def test_version(capsys):
+    import ptxforge
+
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out == f"ptxforge {ptxforge.__version__}\n"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["precompile", "--model", "ffn", "--tokens", "1000000000000"],
+     "--tokens must be from 1 to 1048576, got 1000000000000"),
+    (["precompile", "--model", "ffn", "--tokens", "0"], "--tokens must be from 1 to 1048576, got 0"),
+    (["precompile", "--workers", "0"], "--workers must be from 1 to 1024, got 0"),
+    (["compile-report", "--model", "llama-8b", "--layers", "0"],
+     "--layers must be from 1 to 256, got 0"),
+    (["compile-report", "--model", "llama-8b", "--layers", "-3"],
+     "--layers must be from 1 to 256, got -3"),
+    (["bench", "ep", "--sms", "8,x"], "--sms takes comma-separated integers, got '8,x'"),
+    (["bench", "ep", "--slots", "64,8192"], "--slots must be from 1 to 4096, got 8192"),
+    (["bench", "memory", "--m", "0"], "--m must be from 1 to 1048576, got 0"),
+])
+def test_a_size_option_out_of_range_is_one_line_before_any_work(argv, message, capsys):
+    """Checked before the model is built or a kernel assembled: a trillion tokens is not a
+    walk over a trillion token counts, zero layers not a partial report."""
+    assert cli.main(argv) == 2
+    assert capsys.readouterr() == ("", f"ptxforge {argv[0]}: {message}\n")
+
+
+def test_a_config_json_that_cannot_be_read_is_one_line(tmp_path, capsys):
+    (tmp_path / "bad.json").write_text('{"model_type": "llama",')
+    (tmp_path / "list.json").write_text("[1, 2]")
+    choices = "ffn, llama-8b, deepseek-v3-moe, mixtral-moe or a transformers config.json"
+    for path, why in ((tmp_path / "missing.json", "No such file or directory"),
+                      (tmp_path, "Is a directory"),
+                      (tmp_path / "bad.json", "not JSON (Expecting property name enclosed in "
+                                               "double quotes: line 1 column 24 (char 23))"),
+                      (tmp_path / "list.json", "it holds a JSON list")):
+        for command in ("compile-report", "precompile"):
+            assert cli.main([command, "--model", str(path)]) == 2
+            assert capsys.readouterr() == ("", f"ptxforge {command}: --model must be {choices}, "
+                                               f"got {str(path)!r}: {why}\n")
+
+
+def test_a_model_with_no_ptxforge_kernel_is_an_empty_report(tmp_path, capsys):
+    """A config.json of a Llama too small for any kernel (hidden size 4): the plan says why,
+    and the kernel tables say there are none."""
+    config = {"model_type": "llama", "hidden_size": 4, "intermediate_size": 4,
+              "num_attention_heads": 1, "num_key_value_heads": 1, "vocab_size": 16}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert cli.main(["compile-report", "--model", str(tmp_path / "config.json"),
+                     "--layers", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "0 of 7 Linears on ptxforge GEMMs" in out
+    assert out.endswith("kernels, by token count:\n(none: no node runs on a ptxforge kernel)\n")
+    assert cli.main(["precompile", "--model", str(tmp_path / "config.json"), "--layers", "1",
+                     "--tokens", "64"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("LlamaModel, 1 layer: 0 kernels for 1-64 tokens in ")
+    assert out.endswith("\n(no kernels)\n")
+
+
+def test_a_type_error_is_a_bug_not_a_user_error(monkeypatch):
+    """Only the errors the commands raise for bad input are one line; anything else (a
+    TypeError in ptxforge's code) is a traceback to report."""
+    def broken(args):
+        return len(3)
+
+    monkeypatch.setattr(cli, "cmd_info", broken)
+    with pytest.raises(TypeError):
+        cli.main(["info"])
 
 
 def test_arch_after_the_command(capsys):
@@ -277,11 +369,23 @@ def test_info_and_cache_show_say_when_the_cache_cannot_be_used(under_a_file, tmp
     monkeypatch.setenv("PTXFORGE_CACHE_DIR", str(directory))
     why = (f"it sits under {blocker}, which is not a directory" if under_a_file
            else f"{blocker} is not a directory")
-    state = f"0 entries, 0.0 MB; cannot be written: {why}, so new kernels are not saved"
+    state = f"cannot be used: {why}, so kernels are not saved"
     assert cli.main(["info"]) == 0
     assert f"\ncache: {directory} ({state})\n" in capsys.readouterr().out
     assert cli.main(["cache", "show"]) == 2
     assert capsys.readouterr().out == f"{directory}: {state}\n"
+
+
+def test_a_cache_directory_that_cannot_be_made_is_named_with_why(monkeypatch, capsys):
+    """/proc takes no new folder, whatever its permission bits say (and root is refused
+    too): the cache is unusable, and info and cache show say so and why."""
+    monkeypatch.setenv("PTXFORGE_CACHE_DIR", "/proc/x")
+    state = ("cannot be used: cannot create a folder in /proc: No such file or directory, so "
+             "kernels are not saved")
+    assert cli.main(["info"]) == 0
+    assert f"\ncache: /proc/x ({state})\n" in capsys.readouterr().out
+    assert cli.main(["cache", "show"]) == 2
+    assert capsys.readouterr().out == f"/proc/x: {state}\n"
 
 
 def test_a_read_only_cache(tmp_path, unprivileged):
@@ -297,8 +401,9 @@ def test_a_read_only_cache(tmp_path, unprivileged):
 
     show = ptxforge("cache", "show")
     assert show.returncode == 2
-    assert show.stdout == (f"{cache.directory}: 1 entries, 0.0 MB; cannot be written: "
-                           f"{cache.directory} is read-only, so new kernels are not saved\n")
+    assert show.stdout == (f"{cache.directory}: 1 entries, 0.0 MB; cannot be written: cannot "
+                           f"create a file in {cache.directory}: Permission denied, so new "
+                           f"kernels are not saved\n")
     clear = ptxforge("cache", "clear")
     assert clear.returncode == 2 and clear.stdout == ""
     assert clear.stderr == f"ptxforge cache: cannot remove {cache.path('a' * 64)}: Permission denied\n"

@@ -5,6 +5,7 @@ torch.onnx.export (dynamo) at opset 18 and 23, run against onnxruntime at two se
 lengths, and traced on the meta device, where the backend's passes find its Linears,
 RMSNorms, SwiGLUs, residual adds and causal attention as in the PyTorch model."""
 
+import os
 import subprocess
 import sys
 
@@ -334,6 +335,145 @@ def test_onnx_report_of_an_unsupported_model_is_one_line_on_stderr(tmp_path, cap
     err = capsys.readouterr().err
     assert err.startswith("ptxforge onnx-report: ptxforge.onnx: node 'the_node' (TopK, opset "
                           "18): the op is not supported") and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("content, why", [
+    ("random bytes", "{path} is not an ONNX model (Error parsing message"),
+    ("truncated", "{path} is not an ONNX model (Error parsing message"),
+    ("missing", "cannot read {path}: No such file or directory\n"),
+    ("a directory", "cannot read {path}: Is a directory\n"),
+])
+def test_onnx_report_of_a_file_that_is_no_model_is_one_line_on_stderr(content, why, tmp_path,
+                                                                       capsys):
+    path = tmp_path / "model.onnx"
+    if content == "random bytes":
+        path.write_bytes(np.random.default_rng(0).bytes(1000))
+    elif content == "truncated":
+        model, _ = one_node("MatMul", [f32(2, 4), Const(f32(4, 4))], 18)
+        path.write_bytes(model.SerializeToString()[:-7])
+    elif content == "a directory":
+        path.mkdir()
+    assert cli.main(["onnx-report", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1
+    assert captured.err.startswith("ptxforge onnx-report: ptxforge.onnx: " + why.format(path=path))
+
+
+def test_onnx_report_of_a_model_without_a_ptxforge_kernel(tmp_path, capsys):
+    """x [2, 4] @ w [4, 4]: a Linear too small for the GEMM, no kernel: still a report."""
+    model, _ = one_node("MatMul", [f32(2, 4), Const(f32(4, 4))], 18)
+    onnx.save(model, tmp_path / "matmul.onnx")
+    assert cli.main(["onnx-report", str(tmp_path / "matmul.onnx")]) == 0
+    out = capsys.readouterr().out
+    assert "0 of 1 Linears on ptxforge GEMMs; 0 of the 1 ONNX nodes" in out
+    assert out.endswith("kernels, by token count:\n(none: no node runs on a ptxforge kernel)\n")
+
+
+def test_onnx_report_of_a_model_nothing_matches(tmp_path, capsys):
+    """a + b: nothing to rewrite, no kernel; the plan and the kernels each say so in a line."""
+    model, _ = one_node("Add", [f32(3, 4), f32(3, 4)], 18)
+    onnx.save(model, tmp_path / "add.onnx")
+    assert cli.main(["onnx-report", str(tmp_path / "add.onnx")]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("add.onnx on sm_90a: 1 graph(s)\n(nothing matched: every node runs "
+                          "with Inductor)\n\n0 of 0 Linears on ptxforge GEMMs")
+
+
+# --- external data: read from the model's folder (or base_dir) alone ----------------------------
+
+def external(array, name: str, directory, location: str):
+    """A TensorProto of ``array`` whose data is in ``directory / location``."""
+    from onnx import external_data_helper
+
+    tensor = numpy_helper.from_array(array, name)
+    data = tensor.raw_data
+    external_data_helper.set_external_data(tensor, location, 0, len(data))
+    tensor.ClearField("raw_data")
+    tensor.data_location = TensorProto.EXTERNAL
+    (directory / location).write_bytes(data)
+    return tensor
+
+
+def constant_of_shape(directory, location="fill.bin"):
+    """ConstantOfShape([2, 3]) filled with 3.0 stored as external data in ``directory``."""
+    directory.mkdir(exist_ok=True)
+    value = external(np.array([3.0], np.float32), "fill", directory, location)
+    node = helper.make_node("ConstantOfShape", ["shape"], ["y"], name="the_node", value=value)
+    graph = helper.make_graph([node], "g", [], [helper.make_tensor_value_info("y", TensorProto.FLOAT,
+                                                                               None)],
+                              [numpy_helper.from_array(i64(2, 3), "shape")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    onnx.save(model, directory / "model.onnx")
+    return directory / "model.onnx"
+
+
+@pytest.fixture
+def elsewhere(tmp_path, monkeypatch):
+    """A current directory holding a decoy of the external data: 7.0 where 3.0 is meant."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    (cwd / "fill.bin").write_bytes(np.array([7.0], np.float32).tobytes())
+    monkeypatch.chdir(cwd)
+    return cwd
+
+
+def test_a_constant_of_shape_value_is_read_from_the_model_s_folder(tmp_path, elsewhere):
+    path = constant_of_shape(tmp_path / "model")
+    assert torch.equal(ptxforge_onnx.load(path)(), torch.full((2, 3), 3.0))
+    assert torch.equal(ptxforge_onnx.load(os.path.relpath(path))(), torch.full((2, 3), 3.0))
+
+
+def test_a_model_proto_reads_external_data_from_base_dir_alone(tmp_path, elsewhere):
+    path = constant_of_shape(tmp_path / "model")
+    proto = onnx.load(path, load_external_data=False)
+    with pytest.raises(ValueError, match="^ptxforge.onnx: tensor 'fill' has its data in an external "
+                                         "file, and the model was given as a ModelProto without "
+                                         "base_dir, the folder that file is in$"):
+        ptxforge_onnx.load(proto)
+    module = ptxforge_onnx.load(proto, base_dir=tmp_path / "model")
+    assert torch.equal(module(), torch.full((2, 3), 3.0))
+    whole = onnx.load(path)   # its external data read into the proto: no folder needed
+    assert torch.equal(ptxforge_onnx.load(whole)(), torch.full((2, 3), 3.0))
+
+
+@pytest.mark.parametrize("location, why", [
+    ("absent.bin", "is not regular file"), ("../cwd/fill.bin", "points outside the directory"),
+])
+def test_external_data_outside_the_model_s_folder_is_refused(location, why, tmp_path, elsewhere):
+    path = constant_of_shape(tmp_path / "model")
+    model = onnx.load(path, load_external_data=False)
+    attribute = model.graph.node[0].attribute[0].t
+    for entry in attribute.external_data:
+        if entry.key == "location":
+            entry.value = location
+    onnx.save(model, path)
+    with pytest.raises(ValueError, match=f"^ptxforge.onnx: tensor 'fill' has its data in an "
+                                         f"external file that cannot be read: .*{why}"):
+        ptxforge_onnx.load(path)
+
+
+def test_onnx_report_reads_no_tensor_data(tmp_path, elsewhere, capsys):
+    """The report builds the module on the meta device: the weights' file may be gone; a
+    value the graph needs when it is built (ConstantOfShape's) is not read from a file
+    either, and the report says so in one line."""
+    directory = tmp_path / "model"
+    directory.mkdir()
+    weight = external(f32(256, 512), "w", directory, "weights.bin")
+    node = helper.make_node("MatMul", ["x", "w"], ["y"], name="the_node")
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT,
+                                                                          ["tokens", 256])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT,
+                                                             ["tokens", 512])], [weight])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]),
+              directory / "linear.onnx")
+    (directory / "weights.bin").unlink()
+    assert cli.main(["onnx-report", str(directory / "linear.onnx")]) == 0
+    assert "1 of 1 Linears on ptxforge GEMMs" in capsys.readouterr().out
+    assert cli.main(["onnx-report", str(constant_of_shape(directory))]) == 2
+    assert capsys.readouterr().err == (
+        "ptxforge onnx-report: ptxforge.onnx: tensor 'fill' has its data in an external file, "
+        "which a load on the meta device does not read; the graph needs its value when it is "
+        "built\n")
 
 
 def test_import_ptxforge_does_not_import_onnx():

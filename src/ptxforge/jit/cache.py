@@ -98,15 +98,26 @@ class DiskCache:
 
     def problem(self) -> str | None:
         """Why the directory cannot take new entries, or None when it can. It need not exist
-        yet: then the nearest folder above it that exists must be writable."""
+        yet: then the nearest folder above it that exists must take a new folder. Found by
+        trying (a file made and removed in it, or a folder beside where it would go), since
+        permission bits do not tell: root ignores them, and /proc or a read-only mount
+        refuse every write whatever they say."""
         path = self.directory
         while not path.exists() and path.parent != path:
             path = path.parent
         if not path.is_dir():
             return (f"{path} is not a directory" if path == self.directory
                     else f"it sits under {path}, which is not a directory")
-        if not os.access(path, os.W_OK | os.X_OK):
-            return f"{path} is read-only"
+        try:
+            if path == self.directory:
+                fd, probe = tempfile.mkstemp(dir=path, prefix=".probe.", suffix=".tmp")
+                os.close(fd)
+                os.unlink(probe)
+            else:
+                os.rmdir(tempfile.mkdtemp(dir=path, prefix=".probe.", suffix=".tmp"))
+        except OSError as exc:
+            what = "a file" if path == self.directory else "a folder"
+            return f"cannot create {what} in {path}: {exc.strerror}"
         return None
 
     def clear(self) -> int:

@@ -32,6 +32,13 @@ HIDDEN_SIZES = (512, 576, 1536, 2048, 2112, 4096, 7168, 8192, 16384)
 INTERMEDIATE_SIZES = (1024, 2048, 4096, 11008, 14336, 18432)
 
 
+# The largest value of a kernel's integer option, checked before its configure runs (which
+# checks the kernel's own, often narrower, range): sizes reach the kernels as 32-bit
+# integers; hidden and slots multiply into the EP kernels' 32-bit ring offsets.
+OPTION_LIMITS = {"hidden": 1 << 16, "slots": 1 << 12}
+OPTION_LIMIT = 2**31 - 1
+
+
 @dataclass(frozen=True)
 class KernelSpec:
     name: str
@@ -43,9 +50,10 @@ class KernelSpec:
     doc: str
 
     def config(self, arch, **options):
-        """The config for ``options`` (positive integers, or their decimal text, as the
-        command line gives them; text where the default is text, such as a layout, which
-        the kernel's configure checks), the unnamed ones at their defaults."""
+        """The config for ``options`` (integers from 1 to their ``OPTION_LIMITS`` entry or
+        ``OPTION_LIMIT``, or their decimal text, as the command line gives them; text where
+        the default is text, such as a layout, which the kernel's configure checks), the
+        unnamed ones at their defaults."""
         values = dict(self.options)
         for key, value in options.items():
             if key not in self.options:
@@ -58,8 +66,10 @@ class KernelSpec:
                 continue
             if isinstance(value, str) and value.strip().isdigit():
                 value = int(value)
-            if type(value) is not int or value < 1:
-                raise ValueError(f"option {key} must be a positive integer, got {value!r}")
+            limit = OPTION_LIMITS.get(key, OPTION_LIMIT)
+            if type(value) is not int or not 1 <= value <= limit:
+                raise ValueError(f"option {key} must be an integer from 1 to {limit}, "
+                                 f"got {value!r}")
             values[key] = value
         return self.configure(arch, **values)
 

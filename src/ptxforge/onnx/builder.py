@@ -133,15 +133,30 @@ class Builder:
         return self._get_attr(attr, dtype)
 
     def read(self, proto, device="cpu") -> torch.Tensor:
-        """An initializer's tensor (its external data read from ``base_dir``); on the meta
-        device, only its shape and dtype."""
+        """An initializer's (or a tensor attribute's) tensor on ``device``; on the meta
+        device, only its shape and dtype. External data is read from ``base_dir`` alone, and
+        never by a module built on the meta device (the report's), which reads no tensor
+        data: a constant it needs whose data is in a file is an error."""
         dtype = DTYPES[proto.data_type]
         if torch.device(device).type == "meta":
             return torch.empty(tuple(proto.dims), dtype=dtype, device="meta")
         import numpy as np
-        from onnx import numpy_helper
+        from onnx import checker, external_data_helper, numpy_helper
 
-        array = numpy_helper.to_array(proto, self.base_dir)
+        if external_data_helper.uses_external_data(proto):
+            where = f"ptxforge.onnx: tensor {proto.name!r} has its data in an external file"
+            if torch.device(self.device).type == "meta":
+                raise ValueError(f"{where}, which a load on the meta device does not read; the "
+                                 f"graph needs its value when it is built")
+            if self.base_dir is None:
+                raise ValueError(f"{where}, and the model was given as a ModelProto without "
+                                 f"base_dir, the folder that file is in")
+            try:
+                array = numpy_helper.to_array(proto, self.base_dir)
+            except (OSError, checker.ValidationError) as exc:   # absent, outside base_dir
+                raise ValueError(f"{where} that cannot be read: {exc}") from None
+        else:
+            array = numpy_helper.to_array(proto)
         if dtype == torch.bfloat16:   # numpy has no bfloat16: its bits
             return torch.from_numpy(np.ascontiguousarray(array).view(np.uint16).copy()) \
                 .view(torch.bfloat16).reshape(tuple(proto.dims)).to(device)
@@ -339,14 +354,24 @@ def _holds_node(tree) -> bool:
 
 # --- the model ---------------------------------------------------------------------------
 
-def _read_model(model):
-    """(ModelProto without its external data read, the directory external data is in)."""
+def _read_model(model, base_dir):
+    """(ModelProto without its external data read, the directory external data is read
+    from: ``base_dir``, else a file's own folder, else None: none is read)."""
     import onnx
+    from google.protobuf.message import DecodeError
 
     if isinstance(model, onnx.ModelProto):
-        return model, ""
+        return model, base_dir
     path = os.fspath(model)
-    return onnx.load(path, load_external_data=False), os.path.dirname(os.path.abspath(path))
+    try:
+        proto = onnx.load(path, load_external_data=False)
+    except OSError as exc:
+        raise ValueError(f"ptxforge.onnx: cannot read {path}: {exc.strerror}") from None
+    except DecodeError as exc:
+        raise ValueError(f"ptxforge.onnx: {path} is not an ONNX model ({exc})") from None
+    if not proto.HasField("graph") or not proto.opset_import:
+        raise ValueError(f"ptxforge.onnx: {path} is not an ONNX model (no graph or no opset)")
+    return proto, base_dir if base_dir is not None else os.path.dirname(os.path.abspath(path))
 
 
 def _with_shapes(model):
@@ -371,10 +396,13 @@ def _with_shapes(model):
         return graph.value_info
 
 
-def load(model, *, dtype: torch.dtype | None = None, device="cpu") -> torch.fx.GraphModule:
-    """``model`` (a path to an .onnx file, its external data beside it, or a ModelProto)
-    as a ``torch.fx.GraphModule`` whose forward takes the graph's inputs in order and
-    returns its output (a tuple if several).
+def load(model, *, dtype: torch.dtype | None = None, device="cpu",
+         base_dir=None) -> torch.fx.GraphModule:
+    """``model`` (a path to an .onnx file, or a ModelProto) as a ``torch.fx.GraphModule``
+    whose forward takes the graph's inputs in order and returns its output (a tuple if
+    several). External data (weights, or any tensor of the graph) is read from
+    ``base_dir``: by default the file's own folder; a ModelProto's only where given (a
+    ModelProto that ``onnx.load`` read whole holds its data already).
 
     ``dtype`` (e.g. torch.bfloat16): the type the graph's float32 computes in: weights
     (Linears', embedding tables, norms' scales) are stored in it and float inputs cast to
@@ -382,7 +410,7 @@ def load(model, *, dtype: torch.dtype | None = None, device="cpu") -> torch.fx.G
     weights (a rotary embedding's inverse frequencies, hence its angles) stay float32
     until they meet a value of ``dtype``, which they are cast to. ``device``:
     where the parameters are made ("meta": shapes only, no data read, for a report)."""
-    model, base_dir = _read_model(model)
+    model, base_dir = _read_model(model, None if base_dir is None else os.fspath(base_dir))
     inferred = _with_shapes(model)
     ops.validate(model, inferred)
     builder = Builder(model, inferred, dtype=dtype, device=device, base_dir=base_dir)

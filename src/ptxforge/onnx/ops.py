@@ -305,12 +305,10 @@ def lower_constant(b, node):
 
 
 def lower_constant_of_shape(b, node):
-    from onnx import numpy_helper
-
     proto = b.attributes(node).get("value")
     fill, dtype = 0.0, torch.float32
     if proto is not None:
-        fill, dtype = numpy_helper.to_array(proto).reshape(-1)[0].item(), DTYPES[proto.data_type]
+        fill, dtype = b.read(proto).reshape(-1)[0].item(), DTYPES[proto.data_type]
     shape = b.ints(node, 0, "shape")
     return [b.call(torch.full, shape, fill, dtype=dtype, device=b.device_node())]
 
