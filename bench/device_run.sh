@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: test, build, sanitize, check and time everything. Full log and results under
-# $OUT (log.txt, jit.json, the sanitizers' reports, and json + png for the memory, gemm, grouped,
-# bf16 and decode suites); short tables last.
+# $OUT (log.txt, and in results.tgz jit.json, the sanitizers' reports, and json + png for the
+# memory, gemm, grouped, bf16 and decode suites); short tables last.
 #   run from the repository root: bash bench/device_run.sh
 #   (HOST_AB_BASE=/other/checkout/src bash bench/device_run.sh: host time per op against it)
 # The models (the compile backend's GPU tests, `ptxforge bench model`, each kernel of a compiled
@@ -105,8 +105,11 @@ sed -n "/### .*jit_timing/,/### .*asm/p" "$log" | grep -v "^\[" | tail -60
 sed -n '/### .*bench memory/,/### .*bench decode/p' "$log" | grep -v "[Ww]arn"
 # decode's summary lines; its table (104 rows) is in log.txt and decode.json
 sed -n '/### .*bench decode/,$p' "$log" | grep -v -e "^|" -e "^###" -e "[Ww]arn"
+# Everything but the log in one archive: the device tool brings back a few files only.
+(cd "$OUT" && tar czf results.tgz --exclude=log.txt --exclude=results.tgz -- * \
+   && find . -maxdepth 1 -type f ! -name log.txt ! -name results.tgz -delete)
 # The checks last: the device tool returns the output's tail.
 echo; echo "### checks"
-grep -E "passed|failed|error" "$log" | grep -v "^|" | tail -5
+grep -E "^[0-9]+ (passed|failed)|^(FAILED|ERROR) " "$log" | tail -12
 grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$log" | tail -3
-grep -E "FAIL|checks passed" "$log" | tail -20
+grep -E "FAIL|checks passed" "$log" | grep -v "^FAILED " | tail -20
