@@ -34,9 +34,12 @@ def code_block(text: str, language: str) -> list[str]:
 
 def test_the_quick_start_installs_a_supported_cpu_torch_first():
     """Without a GPU, torch's CPU build before anything that depends on torch (which would
-    bring the 5.5 GB CUDA build); its version within the package's own requirement."""
-    first, *commands = code_block(section("## Quick start"), "bash")
+    bring the 5.5 GB CUDA build); its version within the package's own requirement; then
+    the two commands, demo and tests."""
+    blocks = re.findall(r"```bash\n(.*?)```", section("## Quick start"), re.S)
+    (first,), commands = (block.splitlines() for block in blocks)
     assert len(commands) == 2
+    assert "ptxforge demo" in commands[0] and "pytest" in commands[1]
     pin = re.match(r'pip install "torch==(\S+)" ', first)
     assert pin and pin.group(1).endswith("+cpu"), first
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
