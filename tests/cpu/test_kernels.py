@@ -193,6 +193,18 @@ def test_gemm_accumulating_epilogue_adds_f32_boxes(block_m, block_n):
     assert compiled.resources.spills == 0
 
 
+def refuses_epilogue(*problems):
+    """Each problem's terms on its layout have no registered epilogue: its config is refused,
+    naming them and what there is."""
+    from ptxforge.kernels import sm90_gemm as gemm
+
+    for wrong in problems:
+        with pytest.raises(ValueError, match=f"no GEMM epilogue computes "
+                                             f"{' [+] '.join(wrong.epilogue)} on the "
+                                             f"{wrong.layout} layout; there are: "):
+            gemm.make_config(arch.get("sm_90a"), wrong, 128, 128)
+
+
 @pytest.mark.parametrize("block_m, block_n, dtype", [(64, 24, "e4m3"), (128, 128, "e4m3"),
                                                      (128, 256, "bf16")])
 def test_gemm_bias_epilogue_reads_one_pair_per_column_group(block_m, block_n, dtype):
@@ -211,12 +223,8 @@ def test_gemm_bias_epilogue_reads_one_pair_per_column_group(block_m, block_n, dt
     plain = gemm.make_config(arch.get("sm_90a"), GemmProblem(2112, 7168, dtype), block_m, block_n)
     assert "bias" not in gemm.generate(plain).ptx()
     # Registered for the dense layout alone, and not with an f32 D.
-    for wrong in (GemmProblem(2112, 7168, epilogue=("accumulate", "bias")),
-                  GemmProblem(2112, 7168, "e4m3", "contiguous", 4, ("bias",))):
-        with pytest.raises(ValueError, match=f"no GEMM epilogue computes "
-                                             f"{' [+] '.join(wrong.epilogue)} on the "
-                                             f"{wrong.layout} layout; there are: "):
-            gemm.make_config(arch.get("sm_90a"), wrong, 128, 128)
+    refuses_epilogue(GemmProblem(2112, 7168, epilogue=("accumulate", "bias")),
+                     GemmProblem(2112, 7168, "e4m3", "contiguous", 4, ("bias",)))
 
 
 @pytest.mark.parametrize("block_m, block_n, dtype, tile_rows", [
@@ -237,12 +245,8 @@ def test_gemm_scale_epilogue_multiplies_each_pair_by_alpha(block_m, block_n, dty
     assert "mul.f32 %acc" not in ptx
     compiled = jit.build(gemm.generate(cfg))
     assert compiled.resources.spills == 0 and compiled.resources.stack_frame == 0
-    for wrong in (problem._replace(epilogue=("bias", "scale")),
-                  problem._replace(layout="masked", groups=4)):
-        with pytest.raises(ValueError, match=f"no GEMM epilogue computes "
-                                             f"{' [+] '.join(wrong.epilogue)} on the "
-                                             f"{wrong.layout} layout"):
-            gemm.make_config(arch.get("sm_90a"), wrong, 128, 128)
+    refuses_epilogue(problem._replace(epilogue=("bias", "scale")),
+                     problem._replace(layout="masked", groups=4))
 
 
 def _scale_heuristic_configs():
@@ -304,12 +308,8 @@ def test_gemm_residual_epilogue_reads_a_pair_per_row_and_column_group(block_m, b
     compiled = jit.build(gemm.generate(cfg))
     assert compiled.resources.spills == 0 and compiled.resources.stack_frame == 0
     assert "warning" not in compiled.log.lower()
-    for wrong in (GemmProblem(2112, 7168, epilogue=("accumulate", "residual")),
-                  GemmProblem(2112, 7168, "e4m3", "masked", 4, ("residual",))):
-        with pytest.raises(ValueError, match=f"no GEMM epilogue computes "
-                                             f"{' [+] '.join(wrong.epilogue)} on the "
-                                             f"{wrong.layout} layout"):
-            gemm.make_config(arch.get("sm_90a"), wrong, 128, 128)
+    refuses_epilogue(GemmProblem(2112, 7168, epilogue=("accumulate", "residual")),
+                     GemmProblem(2112, 7168, "e4m3", "masked", 4, ("residual",)))
 
 
 def _residual_heuristic_configs():
@@ -403,9 +403,7 @@ def test_grouped_gemm_reads_each_tile_group_and_zeroes_foreign_rows(block_m, blo
     assert ptx.count("selp.b32") == block_n // 8 * 2
     compiled = jit.build(gemm.generate(cfg))
     assert compiled.resources.spills == 0
-    with pytest.raises(ValueError, match="no GEMM epilogue computes accumulate on the "
-                                         "contiguous layout"):
-        gemm.make_config(arch.get("sm_90a"), problem._replace(epilogue=("accumulate",)), 128, 128)
+    refuses_epilogue(problem._replace(epilogue=("accumulate",)))
 
 
 @pytest.mark.parametrize("block_m, block_n, multicast", [(128, 128, 2), (64, 24, 1)])
