@@ -160,8 +160,8 @@ def launchers(monkeypatch, tmp_path):
     dense, masked = GemmProblem(4096, 7168), GemmProblem(7168, 2048, "e4m3", "masked", 4)
     row = lambda variant, hidden, pdl, fanout=1: rowwise._kernel(
         0, rowwise.VARIANTS[variant], hidden, pdl, fanout)[2]
-    yield {"gemm": lambda pdl: gemm_ops._plan(0, dense, 8, 8, 132, None, pdl)[0],
-           "masked gemm": lambda pdl: gemm_ops._plan(0, masked, 16, 32, 132, None, pdl)[0],
+    yield {"gemm": lambda pdl: gemm_ops._plan(0, dense, 8, 0, 132, None, pdl)[0],
+           "masked gemm": lambda pdl: gemm_ops._plan(0, masked, 16, 8, 132, None, pdl)[0],
            "rms_norm": lambda pdl: row("rms_norm", 7168, pdl),
            "quantize_fp8_per_token": lambda pdl: row("quantize_fp8_per_token", 7168, pdl),
            "silu_mul_quantize_fp8": lambda pdl: row("silu_mul_quantize_fp8", 18432, pdl),

@@ -79,24 +79,26 @@ def _check_config(config, problem: GemmProblem) -> None:
 
 
 @functools.lru_cache(maxsize=4096)
-def _plan(device_index: int, problem: GemmProblem, m: int, tile_m: int, sms: int, config,
+def _plan(device_index: int, problem: GemmProblem, m: int, expected_m: int, sms: int, config,
           pdl: bool | None):
-    """(launcher, grid, the kernel's row-count arguments): all a launch needs besides the
-    tensors, worked out once per problem so a call pays one cache lookup. The tile is
-    ``config`` where the caller forced one, else ``kernels.gemm_config``'s for ``tile_m``
-    rows (M is a run-time argument of the kernel, but the best tile depends on it; the
-    masked layout has ``groups`` matrices of ``m`` rows, M_max, and picks its tile for
-    ``tile_m``, all groups' expected rows). ``pdl``: the call's, None for the process
-    default."""
+    """All a launch needs besides the tensors, worked out once per problem so that a call
+    pays one cache lookup: (launcher, grid, the kernel's M arguments by parameter name,
+    A's and B's element bytes, D's, the tensor maps' group axis: () or (groups,)). The
+    tile is ``config`` where the caller forced one, else ``kernels.gemm_config``'s for M
+    rows (M is a run-time argument of the kernel, but the best tile depends on it); the
+    masked layout has ``groups`` matrices of ``m`` rows (M_max) and picks its tile for
+    ``expected_m`` rows a group. ``pdl``: the call's, None for the process default."""
     arch = device_arch(device_index)
+    masked = problem.masked
     if config is None:
-        config = kernels.gemm_config(arch, problem, tile_m, sms)
+        config = kernels.gemm_config(arch, problem, problem.groups * expected_m if masked else m,
+                                     sms)
     elif config.target != arch.target:
         raise ValueError(f"config is for {config.target}, but cuda:{device_index} is "
                          f"{arch.target}")
     launcher, resident_clusters, names = _launcher(device_index, config, programmatic(pdl))
     m_tiles = ceil_div(m, config.rows)
-    tiles = m_tiles * config.n_tiles * (problem.groups if problem.masked else 1)
+    tiles = m_tiles * config.n_tiles * (problem.groups if masked else 1)
     # Persistent: no more CTAs (whole clusters) than run at once; at least one cluster.
     clusters = max(min(tiles, sms * config.ctas_per_sm) // config.multicast, 1)
     if resident_clusters is not None:
@@ -105,7 +107,8 @@ def _plan(device_index: int, problem: GemmProblem, m: int, tile_m: int, sms: int
     # in rows where a layout or an epilogue reads no row past it.
     rows = {name: value for name, value in (("m_tiles", m_tiles), ("m_rows", m))
             if name in names}
-    return launcher, clusters * config.multicast, rows
+    return (launcher, (clusters * config.multicast, 1, 1), rows, 1 if problem.scaled else 2,
+            4 if problem.accumulate else 2, (problem.groups,) if masked else ())
 
 
 def _scaled_a(a):
@@ -130,8 +133,8 @@ def _sa_pointer(sa, sa_ptr: int | None) -> int:
     return get_mn_major_tma_aligned_tensor(sa).data_ptr() if sa_ptr is None else sa_ptr
 
 
-def _launch(device: int, problem: GemmProblem, m: int, a, b, d, *, scales=None,
-            expected_m: int = 0, num_sms=None, config=None, pdl=None, **arguments) -> None:
+def _launch(device: int, problem: GemmProblem, m: int, a, b, d, arguments: dict, *,
+            scales=None, expected_m: int = 0, num_sms=None, config=None, pdl=None) -> None:
     """Plan (cached) and launch; the tensor maps go to the launcher as views (address,
     shape, byte strides), which it encodes with the kernel's own TensorMap specs.
 
@@ -142,31 +145,28 @@ def _launch(device: int, problem: GemmProblem, m: int, a, b, d, *, scales=None,
     row stride), all in elements. ``expected_m``: the masked layout's rows a group, its
     tile hint. ``pdl``: the call's, checked. ``arguments``: the layout's (m_indices,
     rows_used or masked_m) and the epilogue's (bias; residual and its row stride; alpha)
-    by the kernel's parameter names."""
-    n, k, masked = problem.n, problem.k, problem.masked
-    element_bytes = 1 if problem.scaled else 2
+    by the kernel's parameter names, a dict of the call's own, which the launch's other
+    arguments join."""
     sms = get_num_sms(device) if num_sms is None else _checked_sms(device, num_sms)
-    tile_m = problem.groups * expected_m if masked else m
-    launcher, grid, rows = _plan(device, problem, m, tile_m, sms, config, pdl)
-    d_bytes = 4 if problem.accumulate else 2
-    # The masked layout's group is a third dimension of A, D and sa.
-    group = (problem.groups,) if masked else ()
-    # Byte strides spelled out: a tuple from a generator costs 0.3 us on every call.
-    a_strides = (element_bytes * a[1],) + ((element_bytes * a[2],) if masked else ())
-    d_strides = (d_bytes * d[1],) + ((d_bytes * d[2],) if masked else ())
-    maps = {
-        "tmap_a": (a[0], (k, m) + group, a_strides),
-        "tmap_b": (b[0], (k, b[2]), (element_bytes * b[1],)),
-        "tmap_d": (d[0], (n, m) + group, d_strides),
-    }
+    launcher, grid, rows, element_bytes, d_bytes, group = _plan(device, problem, m, expected_m,
+                                                                sms, config, pdl)
+    n, k = problem.n, problem.k
+    # Byte strides spelled out: a tuple from a generator costs 0.3 us on every call. The
+    # masked layout's group is a third dimension of A, D and sa.
+    a_strides = (element_bytes * a[1],) + ((element_bytes * a[2],) if group else ())
+    d_strides = (d_bytes * d[1],) + ((d_bytes * d[2],) if group else ())
+    arguments["tmap_a"] = (a[0], (k, m) + group, a_strides)
+    arguments["tmap_b"] = (b[0], (k, b[2]), (element_bytes * b[1],))
+    arguments["tmap_d"] = (d[0], (n, m) + group, d_strides)
     if scales is not None:
         sa_ptr, sa_column, sa_group, sb_ptr, sb_row = scales
         # sa is MN-major: a column of M scales per 128 of K (its stride unused by a
         # one-column sa, but it must be valid).
-        maps["tmap_sa"] = (sa_ptr, (m, ceil_div(k, BLOCK_K)) + group,
-                           (4 * sa_column,) + ((4 * sa_group,) if masked else ()))
-        maps["sb"], maps["sb_row_stride"] = sb_ptr, sb_row
-    launcher((grid, 1, 1), current_stream(device), **maps, **rows, **arguments)
+        arguments["tmap_sa"] = (sa_ptr, (m, ceil_div(k, BLOCK_K)) + group,
+                                (4 * sa_column,) + ((4 * sa_group,) if group else ()))
+        arguments["sb"], arguments["sb_row_stride"] = sb_ptr, sb_row
+    arguments.update(rows)
+    launcher(grid, current_stream(device), **arguments)
 
 
 def _epilogue(c, bias_ptr, residual_rows, alpha) -> tuple[tuple[str, ...], dict]:
@@ -265,9 +265,9 @@ def fp8_gemm_nt(a, b, d: torch.Tensor, c: torch.Tensor | None = None, *,
     if m == 0:
         return
     _launch(device, problem, m, (a_ptr, a_row), (b_ptr, b_strides[0], n), (d_ptr, d_row),
-            scales=(_sa_pointer(sa, sa_ptr), get_tma_aligned_size(m, 4), None, sb_ptr,
-                    sb_strides[0]),
-            num_sms=num_sms, config=config, pdl=pdl, **epilogue)
+            epilogue, scales=(_sa_pointer(sa, sa_ptr), get_tma_aligned_size(m, 4), None, sb_ptr,
+                              sb_strides[0]),
+            num_sms=num_sms, config=config, pdl=pdl)
 
 
 def bf16_gemm_nt(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor,
@@ -303,7 +303,7 @@ def bf16_gemm_nt(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor,
     if m == 0:
         return
     _launch(device, problem, m, (a_ptr, a_strides[0]), (b_ptr, b_strides[0], n),
-            (d_ptr, d_row), num_sms=num_sms, config=config, pdl=pdl, **epilogue)
+            (d_ptr, d_row), epilogue, num_sms=num_sms, config=config, pdl=pdl)
 
 
 def _bias(bias, c, n: int, device: int, d_span) -> int | None:
@@ -432,8 +432,8 @@ def _contiguous(a_name: str, A, device: int, m: int, k: int, a_row, a_ptr, a_spa
     scales = None if sa is None else (_sa_pointer(sa, sa_ptr), get_tma_aligned_size(m, 4), None,
                                       sb_ptr, sb_row)
     _launch(device, problem, m, (a_ptr, a_row), (b_ptr, b_row, num_groups * n),
-            (d_ptr, d_strides[0]), scales=scales, m_indices=mi_ptr, rows_used=rows_used_ptr,
-            **options)
+            (d_ptr, d_strides[0]), {"m_indices": mi_ptr, "rows_used": rows_used_ptr},
+            scales=scales, **options)
 
 
 def m_grouped_fp8_gemm_nt_contiguous(a, b, d: torch.Tensor, m_indices: torch.Tensor, *,
@@ -565,5 +565,5 @@ def _masked(a_name: str, A, a_strides, a_ptr, device: int, scaled_a, grouped_b, 
             sa_ptr, sa_strides = sa.data_ptr(), sa.stride()
         scales = (sa_ptr, sa_strides[2], sa_strides[0], sb_ptr, sb_row)
     _launch(device, problem, m_max, (a_ptr, a_strides[1], a_strides[0]),
-            (b_ptr, b_row, num_groups * n), (d_ptr, d_strides[1], d_strides[0]), scales=scales,
-            expected_m=min(expected_m, m_max), masked_m=mm_ptr, **options)
+            (b_ptr, b_row, num_groups * n), (d_ptr, d_strides[1], d_strides[0]),
+            {"masked_m": mm_ptr}, scales=scales, expected_m=min(expected_m, m_max), **options)
