@@ -64,6 +64,11 @@ def _launcher(device_index: int, cfg, programmatic: bool):
     return launcher, compiled.load(device_index).max_active_clusters(compiled.launch), names
 
 
+# Each call's problem, made once per distinct problem: a cached lookup costs half of what
+# the named tuple's constructor does (0.07 against 0.16 us), on every call.
+_problem = functools.lru_cache(maxsize=4096)(GemmProblem)
+
+
 def _check_config(config, problem: GemmProblem) -> None:
     """A ``config=`` given to a GEMM op must be one for this problem (its target is checked
     against the device when the call is planned)."""
@@ -254,7 +259,7 @@ def fp8_gemm_nt(a, b, d: torch.Tensor, c: torch.Tensor | None = None, *,
     terms, epilogue = _epilogue(c, _bias(bias, c, n, device, d_span),
                                 _residual(residual, c, m, n, device, d_ptr, d_row, d_span),
                                 _alpha(alpha, c, bias, residual))
-    problem = GemmProblem(n, k, "e4m3", "dense", 0, terms)
+    problem = _problem(n, k, "e4m3", "dense", 0, terms)
     if config is not None:
         _check_config(config, problem)
     if pdl is not None:
@@ -292,7 +297,7 @@ def bf16_gemm_nt(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor,
     terms, epilogue = _epilogue(c, _bias(bias, c, n, device, d_span),
                                 _residual(residual, c, m, n, device, d_ptr, d_row, d_span),
                                 _alpha(alpha, c, bias, residual))
-    problem = GemmProblem(n, k, "bf16", "dense", 0, terms)
+    problem = _problem(n, k, "bf16", "dense", 0, terms)
     if config is not None:
         _check_config(config, problem)
     if pdl is not None:
@@ -421,7 +426,7 @@ def _contiguous(a_name: str, A, device: int, m: int, k: int, a_row, a_ptr, a_spa
     require_contiguous_rows("d", d_shape, d_strides)
     require_disjoint("d", (d_ptr, 2 * m * n), (mi_ptr, 4 * m), (rows_used_ptr, 4), *a_spans,
                      *b_spans)
-    problem = GemmProblem(n, k, "bf16" if sa is None else "e4m3", "contiguous", num_groups)
+    problem = _problem(n, k, "bf16" if sa is None else "e4m3", "contiguous", num_groups)
     if options.get("config") is not None:
         _check_config(options["config"], problem)
     if options.get("pdl") is not None:
@@ -547,7 +552,7 @@ def _masked(a_name: str, A, a_strides, a_ptr, device: int, scaled_a, grouped_b, 
         sa, sa_shape, sa_strides, sa_ptr = scaled_a
         spans.append(strided_span(sa_ptr, sa_shape, sa_strides, 4))
     require_disjoint("d", strided_span(d_ptr, d_shape, d_strides, 2), *spans)
-    problem = GemmProblem(n, k, "bf16" if scaled_a is None else "e4m3", "masked", num_groups)
+    problem = _problem(n, k, "bf16" if scaled_a is None else "e4m3", "masked", num_groups)
     if options.get("config") is not None:
         _check_config(options["config"], problem)
     if options.get("pdl") is not None:
