@@ -174,10 +174,17 @@ def _launch(device: int, problem: GemmProblem, m: int, a, b, d, arguments: dict,
     launcher(grid, current_stream(device), **arguments)
 
 
-def _epilogue(c, bias_ptr, residual_rows, alpha) -> tuple[tuple[str, ...], dict]:
-    """A dense GEMM call's epilogue: its terms (in alphabetical order) and
-    their kernel arguments by parameter name."""
+def _epilogue(c, bias, residual, alpha, m: int, n: int, device: int, d_ptr: int, d_row: int,
+              d_span) -> tuple[tuple[str, ...], dict]:
+    """A dense GEMM call's epilogue, its arguments checked: its terms (in alphabetical
+    order) and their kernel arguments by parameter name. A call with none of them pays one
+    function call."""
+    if bias is None and residual is None and alpha is None:
+        return ("accumulate",) if c is not None else (), {}
     terms, arguments = ("accumulate",) if c is not None else (), {}
+    bias_ptr = _bias(bias, c, n, device, d_span)
+    residual_rows = _residual(residual, c, m, n, device, d_ptr, d_row, d_span)
+    alpha = _alpha(alpha, c, bias, residual)
     if bias_ptr is not None:
         terms += ("bias",)
         arguments["bias"] = bias_ptr
@@ -256,9 +263,7 @@ def fp8_gemm_nt(a, b, d: torch.Tensor, c: torch.Tensor | None = None, *,
                                    row_span(b_ptr, n, b_strides[0], k, 1),
                                    row_span(sb_ptr, sb_shape[0], sb_strides[0], k_groups, 4))
     d_span = (d_ptr, d.itemsize * m * n)
-    terms, epilogue = _epilogue(c, _bias(bias, c, n, device, d_span),
-                                _residual(residual, c, m, n, device, d_ptr, d_row, d_span),
-                                _alpha(alpha, c, bias, residual))
+    terms, epilogue = _epilogue(c, bias, residual, alpha, m, n, device, d_ptr, d_row, d_span)
     problem = _problem(n, k, "e4m3", "dense", 0, terms)
     if config is not None:
         _check_config(config, problem)
@@ -294,9 +299,7 @@ def bf16_gemm_nt(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor,
     d_ptr, d_row, copy_c = _output(d, c, m, n, device, row_span(a_ptr, m, a_strides[0], k, 2),
                                    row_span(b_ptr, n, b_strides[0], k, 2))
     d_span = (d_ptr, d.itemsize * m * n)
-    terms, epilogue = _epilogue(c, _bias(bias, c, n, device, d_span),
-                                _residual(residual, c, m, n, device, d_ptr, d_row, d_span),
-                                _alpha(alpha, c, bias, residual))
+    terms, epilogue = _epilogue(c, bias, residual, alpha, m, n, device, d_ptr, d_row, d_span)
     problem = _problem(n, k, "bf16", "dense", 0, terms)
     if config is not None:
         _check_config(config, problem)
