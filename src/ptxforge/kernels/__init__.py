@@ -137,7 +137,8 @@ def _gemm(dtype: str = "e4m3", layout: str = "dense"):
     return configure
 
 
-def _generate_gemm(cfg):
+def generate_gemm(cfg):
+    """The PTX builder of a GEMM config, from the generation its target runs."""
     return gemm_generation(_arch.get(cfg.target)).generate(cfg)
 
 
@@ -222,21 +223,21 @@ REGISTRY = {
         *map(_row_spec, bf16_row_rmsnorm_fp8quant.VARIANTS.values()),
         KernelSpec("quantize_fp8_per_block", bf16_block_quant_fp8.choose_config,
                    bf16_block_quant_fp8.generate, {}, ({},), "bf16 -> e4m3 + 128x128 scales"),
-        KernelSpec("fp8_gemm_nt", _gemm(), _generate_gemm, _DENSE_OPTIONS,
+        KernelSpec("fp8_gemm_nt", _gemm(), generate_gemm, _DENSE_OPTIONS,
                    _DENSE_VARIANTS, "FP8 GEMM, 1x128 x 128x128 scaling"),
-        KernelSpec("bf16_gemm_nt", _gemm("bf16"), _generate_gemm, _DENSE_OPTIONS,
+        KernelSpec("bf16_gemm_nt", _gemm("bf16"), generate_gemm, _DENSE_OPTIONS,
                    _DENSE_VARIANTS, "BF16 GEMM"),
         KernelSpec("m_grouped_fp8_gemm_nt_contiguous", _gemm(layout="contiguous"),
-                   _generate_gemm, _CONTIGUOUS_OPTIONS, _CONTIGUOUS_VARIANTS,
+                   generate_gemm, _CONTIGUOUS_OPTIONS, _CONTIGUOUS_VARIANTS,
                    "MoE FP8 GEMM, contiguous layout (m: all groups' rows)"),
-        KernelSpec("m_grouped_fp8_gemm_nt_masked", _gemm(layout="masked"), _generate_gemm,
+        KernelSpec("m_grouped_fp8_gemm_nt_masked", _gemm(layout="masked"), generate_gemm,
                    _MASKED_OPTIONS, _MASKED_VARIANTS,
                    "MoE FP8 GEMM, masked layout (expected_m: rows a group)"),
         KernelSpec("m_grouped_bf16_gemm_nt_contiguous", _gemm("bf16", "contiguous"),
-                   _generate_gemm, _CONTIGUOUS_OPTIONS, _CONTIGUOUS_VARIANTS,
+                   generate_gemm, _CONTIGUOUS_OPTIONS, _CONTIGUOUS_VARIANTS,
                    "MoE BF16 GEMM, contiguous layout (m: all groups' rows)"),
         KernelSpec("m_grouped_bf16_gemm_nt_masked", _gemm("bf16", "masked"),
-                   _generate_gemm, _MASKED_OPTIONS, _MASKED_VARIANTS,
+                   generate_gemm, _MASKED_OPTIONS, _MASKED_VARIANTS,
                    "MoE BF16 GEMM, masked layout (expected_m: rows a group)"),
         KernelSpec("moe_combine", _combine, bf16_moe_combine.generate, _COMBINE_OPTIONS,
                    _COMBINE_VARIANTS, "MoE combine: each token's weighted sum of its experts' "

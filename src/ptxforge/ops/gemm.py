@@ -55,8 +55,7 @@ def _launcher(device_index: int, cfg, programmatic: bool):
     """(launcher, clusters that fit on the device at once or None without clusters, the
     kernel's parameter names); ``programmatic``: a launcher with programmatic dependent
     launch (PDL)."""
-    generation = kernels.gemm_generation(device_arch(device_index))
-    compiled = jit.build(generation.generate(cfg))
+    compiled = jit.build(kernels.generate_gemm(cfg))
     launcher = compiled.launcher(device_index, programmatic=programmatic)
     names = frozenset(param.name for param in compiled.params)
     if cfg.multicast == 1:
@@ -179,21 +178,21 @@ def _epilogue(c, bias, residual, alpha, m: int, n: int, device: int, d_ptr: int,
     """A dense GEMM call's epilogue, its arguments checked: its terms (in alphabetical
     order) and their kernel arguments by parameter name. A call with none of them pays one
     function call."""
-    if bias is None and residual is None and alpha is None:
-        return ("accumulate",) if c is not None else (), {}
     terms, arguments = ("accumulate",) if c is not None else (), {}
+    if bias is None and residual is None and alpha is None:
+        return terms, arguments
     bias_ptr = _bias(bias, c, n, device, d_span)
     residual_rows = _residual(residual, c, m, n, device, d_ptr, d_row, d_span)
-    alpha = _alpha(alpha, c, bias, residual)
+    scale = _alpha(alpha, c, bias, residual)
     if bias_ptr is not None:
         terms += ("bias",)
         arguments["bias"] = bias_ptr
     if residual_rows is not None:
         terms += ("residual",)
         arguments["residual"], arguments["residual_row_stride"] = residual_rows
-    if alpha is not None:
+    if scale is not None:
         terms += ("scale",)
-        arguments["alpha"] = alpha
+        arguments["alpha"] = scale
     return terms, arguments
 
 
