@@ -25,8 +25,6 @@ MAX_TOKENS = 1 << 20
 # The most layers of a transformers model (--layers): Dynamo traces each one, seconds
 # apiece even on the meta device; the deepest public models have fewer than 130.
 MAX_LAYERS = 256
-# The models --model names; anything else is the path of a transformers config.json.
-MODELS = ("ffn", "llama-8b", "deepseek-v3-moe", "mixtral-moe")
 
 
 def _gpu_available() -> bool:
@@ -159,9 +157,10 @@ def sass_histogram(cubin: bytes) -> str:
     return "\n".join(lines)
 
 
-def _config_file(path: str) -> None:
+def _config_file(path: str, built_in: tuple) -> None:
     """--model's config.json: a file holding a JSON object, checked here because
-    transformers takes a path it cannot find for a model on the Hugging Face Hub."""
+    transformers takes a path it cannot find for a model on the Hugging Face Hub
+    (``built_in``: the names --model takes besides a path, for the message)."""
     try:
         with open(path) as f:
             config = json.load(f)
@@ -171,7 +170,7 @@ def _config_file(path: str) -> None:
     except ValueError as exc:   # JSONDecodeError, UnicodeDecodeError
         why = f"not JSON ({exc})"
     if why:
-        raise ValueError(f"--model must be {', '.join(MODELS)} or a transformers config.json, "
+        raise ValueError(f"--model must be {', '.join(built_in)} or a transformers config.json, "
                          f"got {path!r}: {why}")
 
 
@@ -182,8 +181,8 @@ def _model_plan(args, a):
     from .compiler import report
     from . import models
 
-    if args.model not in MODELS:
-        _config_file(args.model)
+    if args.model not in models.BUILT_IN:
+        _config_file(args.model, models.BUILT_IN)
     with torch.device("meta"):
         case = models.build(args.model, args.layers)
     return case, report.trace(case, a, fp8=not args.bf16)

@@ -197,9 +197,12 @@ def export_onnx(model: torch.nn.Module, path, opset: int, *, external_data: bool
     program.save(str(path), external_data=external_data)
 
 
+# The models ``build`` knows by name; any other name is the path of a config.json.
+BUILT_IN = ("ffn", "llama-8b", "deepseek-v3-moe", "mixtral-moe")
+
+
 def build(name: str, layers: int = 2) -> Case:
-    """"ffn", "llama-8b", "deepseek-v3-moe", "mixtral-moe", or the path of a transformers
-    config.json."""
+    """One of ``BUILT_IN``, or the path of a transformers config.json."""
     if name == "ffn":
         return ffn()
     if name == "llama-8b":
@@ -208,5 +211,5 @@ def build(name: str, layers: int = 2) -> Case:
         return moe_block(name)
     if name.endswith(".json") or "/" in name:
         return transformers_model(name, layers)
-    raise ValueError(f"model must be ffn, llama-8b, deepseek-v3-moe, mixtral-moe or a "
-                     f"transformers config.json, got {name!r}")
+    raise ValueError(f"model must be {', '.join(BUILT_IN)} or a transformers config.json, "
+                     f"got {name!r}")
