@@ -132,7 +132,7 @@ def _routing_rows(rows, device: int, tokens: int | None = None) -> tuple:
     return shape[0] * shape[1], shape[1], ptr, (ptr, 4 * rows.numel())
 
 
-def moe_permute_quantize_fp8(x: torch.Tensor, rows: torch.Tensor, shape, *, out=None,
+def moe_permute_quantize_fp8(x, rows: torch.Tensor, shape, *, out=None,
                              pdl: bool | None = None):
     """Each token's row into its experts' rows of the grouped GEMM's A, quantized per token
     (1x128 groups, as ``quantize_fp8_per_token``): row ``rows[t, j]`` of the output (its
@@ -140,29 +140,52 @@ def moe_permute_quantize_fp8(x: torch.Tensor, rows: torch.Tensor, shape, *, out=
     stored k times; a second kernel writes the grouped rows' scales, column by column of
     the MN-major layout (``kernels/f32_moe_scale_gather.py`` says why).
 
-    x: bf16 [T, H], contiguous rows. rows: int32 [T, k] (``moe_routing_layout``'s); an entry
+    x: bf16 [T, H], contiguous rows; or rows quantized already, ``(q, scales)``: e4m3
+    [T, H] (rows 16-byte aligned, H a multiple of 16) and f32 [T, ceil(H/128)] (any
+    strides), such as an expert-parallel dispatch receives: then only moved, by the copy
+    engine, with their scales. rows: int32 [T, k] (``moe_routing_layout``'s); an entry
     outside [0, R) is a dropped pair, not written. shape: the grouped rows' leading shape,
     (R,) in the contiguous layout (``max_contiguous_rows``), (E, M_max) in the masked one.
     Returns ``(q, scales)``: q e4m3 [*shape, H], scales f32 [*shape, ceil(H/128)] MN-major
     (``grouped_quantized``), or ``out`` with any scale strides; rows no pair names are left
     as they were. ``pdl``: as ``rms_norm``'s."""
-    (tokens, hidden), x_strides, x_ptr, device = inspect("x", x, torch.bfloat16, 2)
+    quantized = isinstance(x, (tuple, list)) and len(x) == 2 and isinstance(x[0], torch.Tensor)
+    if quantized:
+        x, x_scales = x
+    (tokens, hidden), x_strides, x_ptr, device = inspect(
+        "x[0]" if quantized else "x", x, torch.float8_e4m3fn if quantized else torch.bfloat16, 2)
+    groups = ceil_div(hidden, row_kernel.GROUP)
+    input_spans = [(x_ptr, x.itemsize * tokens * x_strides[0])]
+    if quantized:
+        s_shape, s_strides, s_ptr, _ = inspect("x[1]", x_scales, torch.float32, 2, align=4,
+                                               device=device, rows=False)
+        require_shape("x[1]", s_shape, (tokens, groups))
+        input_spans.append(strided_span(s_ptr, s_shape, s_strides, 4))
     pairs, k, rows_ptr, rows_span = _routing_rows(rows, device, tokens)
-    out, arguments = _checked_out(out, _leading_shape(shape), hidden, pdl, ("x", x, device),
-                                  (x_ptr, 2 * tokens * x_strides[0]), rows_span)
+    out, arguments = _checked_out(out, _leading_shape(shape), hidden, pdl, (
+        "x[0]" if quantized else "x", x, device), *input_spans, rows_span)
     if not pairs:
         return out
-    groups = ceil_div(hidden, row_kernel.GROUP)
-    token_scales = torch.empty((tokens, groups), dtype=torch.float32, device=x.device)
     sources = torch.empty(arguments["index_rows"], dtype=torch.int32, device=x.device)
-    # A CTA per token (or a few): its row read and quantized once, stored k times; its
-    # scales once, token-major.
-    launcher, grid = rowwise.launcher(rowwise.VARIANTS["moe_permute_quantize_fp8"], tokens,
-                                      hidden, device, pdl, k)
-    launcher(grid, current_stream(device), x=x_ptr, x_row_stride=x_strides[0], rows=tokens,
-             index=rows_ptr, index_rows=arguments["index_rows"], q=arguments["q"],
-             scales=token_scales.data_ptr(), scale_row_stride=groups, scale_group_stride=1,
-             sources=sources.data_ptr())
+    if quantized:
+        # The scale gather reads token-major scales [T, G].
+        token_scales = x_scales.contiguous()
+        # A CTA per 8 rows: each copied in and stored k times by the copy engine.
+        launcher, grid = rowwise.launcher(rowwise.VARIANTS["moe_permute_fp8"], tokens, hidden,
+                                          device, pdl, k)
+        launcher(grid, current_stream(device), x=x_ptr, x_row_stride=x_strides[0],
+                 rows=tokens, index=rows_ptr, index_rows=arguments["index_rows"],
+                 q=arguments["q"], sources=sources.data_ptr())
+    else:
+        token_scales = torch.empty((tokens, groups), dtype=torch.float32, device=x.device)
+        # A CTA per token (or a few): its row read and quantized once, stored k times; its
+        # scales once, token-major.
+        launcher, grid = rowwise.launcher(rowwise.VARIANTS["moe_permute_quantize_fp8"], tokens,
+                                          hidden, device, pdl, k)
+        launcher(grid, current_stream(device), x=x_ptr, x_row_stride=x_strides[0],
+                 rows=tokens, index=rows_ptr, index_rows=arguments["index_rows"],
+                 q=arguments["q"], scales=token_scales.data_ptr(), scale_row_stride=groups,
+                 scale_group_stride=1, sources=sources.data_ptr())
     launcher, grid = _scale_gather(device, hidden, k, pdl, arguments["index_rows"])
     launcher(grid, current_stream(device), sources=sources.data_ptr(), rows=rows_ptr,
              pairs=pairs, token_scales=token_scales.data_ptr(),
