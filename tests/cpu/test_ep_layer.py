@@ -1,5 +1,8 @@
-"""The MoE layer across GPUs without one: the e4m3 permutation kernel's code and the
-permute op's quantized input."""
+"""The MoE layer across GPUs without one: the e4m3 permutation kernel's code, the permute
+op's quantized input, the shard helper, the decode path's capacity and the path choice,
+and every argument error of ``moe_experts_fp8(..., ep=buffer)``, each raised before
+anything asks for a CUDA device (a Buffer made without its constructor: the checks read
+its sizes alone)."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import torch
 
 import ptxforge
 from ptxforge import arch, jit, kernels
+from ptxforge.ep import Buffer, buffer_size, decode_capacity, layer, shard_experts
 from ptxforge.kernels import bf16_row_rmsnorm_fp8quant as row_kernel
 
 E4M3, F32, BF16, I32, I64 = (torch.float8_e4m3fn, torch.float32, torch.bfloat16, torch.int32,
@@ -77,3 +81,172 @@ def test_quantized_rows_are_checked_against_the_routing():
     with pytest.raises(ValueError, match=r"^rows must be a contiguous int32 \[4, k\]"):
         ptxforge.moe_permute_quantize_fp8((zeros(E4M3, 4, 256), zeros(F32, 4, 2)),
                                           zeros(I32, 5, 2), (64,))
+
+
+# --------------------------------------------------------------------------- sharding
+def test_shard_experts_slices_each_rank_s_experts():
+    gate_up = torch.arange(8 * 4 * 2, dtype=F32).view(8, 4, 2).bfloat16()
+    down = torch.arange(8 * 2 * 2, dtype=F32).view(8, 2, 2).bfloat16()
+    for rank in range(4):
+        mine_gate_up, mine_down = shard_experts(gate_up, down, rank, 4)
+        assert torch.equal(mine_gate_up, gate_up[2 * rank:2 * rank + 2])
+        assert torch.equal(mine_down, down[2 * rank:2 * rank + 2])
+        assert mine_gate_up.data_ptr() == gate_up[2 * rank].data_ptr()   # a view, no copy
+
+
+def test_shard_experts_slices_fp8_pairs_member_by_member():
+    gate_up, down = fp8_pair(16, 512, 256), fp8_pair(16, 256, 256)
+    gate_up[1][5] = 1.0
+    (q13, s13), (q2, s2) = shard_experts(gate_up, down, 1, 2)
+    assert q13.shape == (8, 512, 256) and s13.shape == (8, 4, 2)
+    assert q2.shape == (8, 256, 256) and s2.shape == (8, 2, 2)
+    assert torch.equal(s13, gate_up[1][8:]) and s13.sum() == 0 and gate_up[1][:8].sum() > 0
+
+
+@pytest.mark.parametrize("args, error, message", [
+    ((zeros(BF16, 6, 4, 2), zeros(BF16, 6, 2, 2), 0, 4), ValueError,
+     "num_ranks must divide the experts: gate_up has 6, got num_ranks=4"),
+    ((zeros(BF16, 8, 4, 2), zeros(BF16, 8, 2, 2), 2, 2), ValueError,
+     "rank must be in [0, num_ranks) with num_ranks >= 1, got rank=2, num_ranks=2"),
+    ((zeros(BF16, 8, 4, 2), zeros(BF16, 8, 2, 2), "0", 2), TypeError,
+     "rank must be an int, got str"),
+    ((zeros(BF16, 8, 4, 2), zeros(BF16, 4, 2, 2), 0, 2), ValueError,
+     "down must have gate_up's 8 experts, got 4"),
+    ((fp8_pair(8, 512, 256), (zeros(E4M3, 8, 256, 256), zeros(F32, 4, 2, 2)), 0, 2),
+     ValueError, "down must have the experts first in every member, got shapes "
+                 "[(8, 256, 256), (4, 2, 2)]"),
+    (([zeros(BF16, 8, 4, 2)] * 3, zeros(BF16, 8, 2, 2), 0, 2), TypeError,
+     "gate_up must be a tensor [E, ...] or a pair (q, s) of them, got list"),
+])
+def test_shard_experts_errors_name_the_argument(args, error, message):
+    with pytest.raises(error) as info:
+        shard_experts(*args)
+    assert str(info.value) == message
+
+
+# --------------------------------------------------------------------------- the path
+HIDDEN, EXPERTS, TOPK = 256, 8, 2
+
+
+def fake_buffer(ranks: int = 2, *, normal: bool = True, decode_tokens: int = 0,
+                nvl_bytes: int | None = None) -> Buffer:
+    """A Buffer as its constructor leaves it, without the memory: the layer's checks read
+    its sizes alone."""
+    buffer = Buffer.__new__(Buffer)
+    buffer.group_size, buffer.rank, buffer.device_index = ranks, 0, 0
+    size = buffer_size(ranks, HIDDEN, TOPK, fp8=True)
+    buffer.num_nvl_bytes = (size if nvl_bytes is None else nvl_bytes) if normal else 0
+    buffer.num_rdma_bytes, buffer.low_latency_group = 0, None
+    if decode_tokens:
+        buffer.num_rdma_bytes = Buffer.get_low_latency_rdma_size_hint(decode_tokens, HIDDEN,
+                                                                      ranks, EXPERTS)
+        buffer.low_latency_group = object()
+    return buffer
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 128, 256])
+def test_decode_capacity_gives_back_the_hint_s_tokens(tokens):
+    assert decode_capacity(fake_buffer(decode_tokens=tokens), HIDDEN, EXPERTS) == tokens
+
+
+def test_decode_capacity_is_what_the_buffer_holds():
+    buffer = fake_buffer(decode_tokens=64)
+    buffer.num_rdma_bytes -= 1
+    assert decode_capacity(buffer, HIDDEN, EXPERTS) == 63
+    assert decode_capacity(buffer, HIDDEN // 2, EXPERTS) > 64      # narrower rows: more
+    assert decode_capacity(buffer, 200, EXPERTS) == 0              # not 1x128 groups
+    assert decode_capacity(fake_buffer(), HIDDEN, EXPERTS) == 0    # no low-latency buffer
+
+
+@pytest.mark.parametrize("normal, decode_tokens, tokens, layout, path", [
+    (True, 64, 64, None, "masked"),
+    (True, 64, 65, None, "contiguous"),
+    (False, 64, 0, None, "masked"),
+    (True, 0, 1, None, "contiguous"),
+    (True, 64, 3, "contiguous", "contiguous"),
+    (True, 64, 64, "masked", "masked"),
+])
+def test_the_decode_path_takes_what_the_low_latency_buffer_holds(normal, decode_tokens, tokens,
+                                                                 layout, path):
+    buffer = fake_buffer(normal=normal, decode_tokens=decode_tokens)
+    assert layer.choose_path(buffer, tokens, HIDDEN, EXPERTS, layout) == path
+
+
+@pytest.mark.parametrize("normal, decode_tokens, tokens, layout, message", [
+    (False, 64, 65, None, "ep has no normal-mode buffer (num_nvl_bytes=0) and its low-latency "
+                          "buffer takes at most 64 tokens a rank of 256-wide rows and 8 experts, "
+                          "got x with 65"),
+    (True, 64, 65, "masked", "x must have at most 64 tokens for layout='masked' (ep's "
+                             "low-latency buffer holds that many a rank), got 65"),
+    (True, 0, 1, "masked", "layout='masked' runs ep's decode path, and ep has no low-latency "
+                           "room for 256-wide rows and 8 experts (make the Buffer with "
+                           "low_latency_mode and get_low_latency_rdma_size_hint's bytes)"),
+    (False, 64, 1, "contiguous", "layout='contiguous' runs ep's normal path, and ep has no "
+                                 "normal-mode buffer (num_nvl_bytes=0): make the Buffer with "
+                                 "num_nvl_bytes=ptxforge.ep.buffer_size(...)"),
+])
+def test_a_path_the_buffer_cannot_run_is_refused(normal, decode_tokens, tokens, layout, message):
+    buffer = fake_buffer(normal=normal, decode_tokens=decode_tokens)
+    with pytest.raises(ValueError) as info:
+        layer.choose_path(buffer, tokens, HIDDEN, EXPERTS, layout)
+    assert str(info.value) == message
+
+
+def test_received_rows_list_the_held_rows_in_order_then_none():
+    rows = layer.received_rows(torch.tensor([3, 1, 0, 4], dtype=I32), 4, 10)
+    assert rows.dtype == I32 and rows.shape == (10, 1) and rows.is_contiguous()
+    assert rows.flatten().tolist() == [0, 1, 2, 4, 12, 13, 14, 15, -1, -1]
+
+
+# --------------------------------------------------------------------------- the op's errors
+def layer_arguments(tokens: int = 4, top_k: int = TOPK):
+    """A rank's call with 2 ranks: 4 of the 8 experts here."""
+    return {"x": zeros(BF16, tokens, HIDDEN), "topk_idx": zeros(I64, tokens, top_k),
+            "topk_weights": zeros(F32, tokens, top_k),
+            "gate_up": fp8_pair(EXPERTS // 2, 512, HIDDEN),
+            "down": fp8_pair(EXPERTS // 2, HIDDEN, 256)}
+
+
+@pytest.mark.parametrize("layout", [None, "masked", "contiguous"])
+def test_every_check_comes_before_the_device(layout):
+    buffer = fake_buffer(decode_tokens=64)
+    with pytest.raises(ValueError, match=r"^x must be on a CUDA device, got cpu$"):
+        ptxforge.moe_experts_fp8(**layer_arguments(), layout=layout, ep=buffer)
+
+
+@pytest.mark.parametrize("ep, message", [
+    (42, "ep must be a ptxforge.ep.Buffer (or None), got int"),
+    ("buffer", "ep must be a ptxforge.ep.Buffer (or None), got str"),
+])
+def test_a_bad_ep_names_the_argument(ep, message):
+    with pytest.raises(TypeError) as info:
+        ptxforge.moe_experts_fp8(**layer_arguments(), ep=ep)
+    assert str(info.value) == message
+
+
+@pytest.mark.parametrize("change, buffer, error, message", [
+    ({"topk_weights": zeros(torch.float64, 4, TOPK)}, {}, TypeError,
+     "topk_weights must have dtype torch.float32 or torch.bfloat16, got torch.float64"),
+    ({"topk_idx": zeros(I64, 5, TOPK)}, {}, ValueError,
+     "topk_idx must have a row per token of x (4), got shape (5, 2)"),
+    ({"down": fp8_pair(EXPERTS, HIDDEN, 256)}, {}, ValueError,
+     "down[0] must be [E, H, I] = (4, 256, 256) (gate_up's E and I, x's H), got shape "
+     "(8, 256, 256)"),
+    ({}, {"nvl_bytes": 1 << 20}, ValueError,
+     f"ep's num_nvl_bytes ({1 << 20}) must hold an FP8 dispatch of 256-wide rows with top-2 "
+     f"over 2 ranks: {buffer_size(2, HIDDEN, TOPK, fp8=True)} (ptxforge.ep.buffer_size)"),
+    ({"topk_idx": zeros(I64, 4, 17), "topk_weights": zeros(F32, 4, 17)},
+     {"decode_tokens": 64}, ValueError, "topk_idx must have 1 to 16 columns, got 17"),
+])
+def test_the_layer_checks_its_arguments(change, buffer, error, message):
+    with pytest.raises(error) as info:
+        ptxforge.moe_experts_fp8(**{**layer_arguments(), **change}, ep=fake_buffer(**buffer))
+    assert str(info.value) == message
+
+
+def test_the_normal_path_takes_1x128_rows():
+    args = layer_arguments()
+    args["x"] = zeros(BF16, 4, 192)
+    args["gate_up"], args["down"] = fp8_pair(4, 512, 192), fp8_pair(4, 192, 256)
+    with pytest.raises(ValueError, match="must be a positive multiple of 128 for e4m3 rows, got 192"):
+        ptxforge.moe_experts_fp8(**args, ep=fake_buffer())

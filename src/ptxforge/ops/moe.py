@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -245,8 +246,32 @@ def moe_silu_mul_quantize_fp8(d: torch.Tensor, rows: torch.Tensor, *, out=None,
     return out
 
 
+class ExpertsSizes(NamedTuple):
+    """A MoE experts call's sizes, from its arguments' shapes (``experts_sizes``)."""
+
+    tokens: int
+    hidden: int
+    top_k: int
+    experts: int        # in gate_up and down: a rank's own with ``ep``
+    two_inner: int
+    device: int         # x's device index, -1 off CUDA
+
+
+# The expert-parallel layers by the type of ``ep`` they take. ``ptxforge.ep`` registers its
+# Buffer's when it is imported (as it is before anyone holds a Buffer): the ops import nothing
+# of ``ep``, whose kernels' host side imports the ops.
+_EXPERT_PARALLEL: dict = {}
+
+
+def register_expert_parallel(ep_type: type, layer) -> None:
+    """``moe_experts_fp8(..., ep=e)`` with ``e`` an ``ep_type`` runs ``layer(e, x, topk_idx,
+    topk_weights, gate_up, down, layout=layout, sizes=ExpertsSizes)``, after the checks
+    of the arguments' shapes."""
+    _EXPERT_PARALLEL[ep_type] = layer
+
+
 def moe_experts_fp8(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                    gate_up, down, *, layout: str | None = None) -> torch.Tensor:
+                    gate_up, down, *, layout: str | None = None, ep=None) -> torch.Tensor:
     """A MoE layer's experts with SwiGLU, as transformers' experts modules compute them:
     ``out[t] = sum_j topk_weights[t, j] * down[e](silu(gate[e](x[t])) * up[e](x[t]))`` with
     e = topk_idx[t, j], in FP8 (DeepGEMM's recipe: activations 1x128, weights 128x128).
@@ -256,30 +281,59 @@ def moe_experts_fp8(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch
     then up's) and f32 [E, 2I/128, H/128] (``quantize_fp8_per_block`` of the bf16 weights
     viewed [E*2I, H]). down: ``(q, s)``, e4m3 [E, H, I] and f32 [E, H/128, I/128].
     layout: 'masked' or 'contiguous' (None: ``choose_layout``). Returns bf16 [T, H]. Nothing
-    is read back to the host."""
+    is read back to the host.
+
+    ``ep``: a ``ptxforge.ep.Buffer`` over R ranks, every rank calling with its own tokens:
+    the layer across GPUs (``ptxforge/ep/layer.py``). topk_idx then holds global experts
+    in [0, R * E) and gate_up, down this rank's E of them (rank r: [r * E, (r + 1) * E),
+    ``ptxforge.ep.shard_experts``); layout picks the path: 'masked' the decode path
+    (low-latency dispatch, no host synchronisation, capturable in a CUDA graph),
+    'contiguous' the normal path (a host synchronisation in the dispatch), None the decode
+    path where the buffer's low-latency room holds T tokens, else the normal one. Every
+    rank must take the same path."""
     if layout is not None and layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS} or None, got {layout!r}")
-    tokens, hidden, top_k, experts, two_inner = _experts_sizes(x, topk_idx, topk_weights,
-                                                               gate_up, down)
+    layer = None if ep is None else _expert_parallel_layer(ep)
+    sizes = experts_sizes(x, topk_idx, topk_weights, gate_up, down)
+    if layer is not None:
+        return layer(ep, x, topk_idx, topk_weights, gate_up, down, layout=layout, sizes=sizes)
+    require_cuda("x", x, sizes.device)
     # A router's top-k may come as views (a gather's, a slice's): the kernels read rows.
     topk_idx, topk_weights = topk_idx.contiguous(), topk_weights.contiguous()
-    layout = layout or choose_layout(tokens, top_k, experts)
+    layout = layout or choose_layout(sizes.tokens, sizes.top_k, sizes.experts)
+    return grouped_experts(x, topk_idx, topk_weights, gate_up, down, layout, sizes)
+
+
+def _expert_parallel_layer(ep):
+    for ep_type, layer in _EXPERT_PARALLEL.items():
+        if isinstance(ep, ep_type):
+            return layer
+    raise TypeError(f"ep must be a ptxforge.ep.Buffer (or None), got {type(ep).__name__}")
+
+
+def grouped_experts(x, topk_idx: torch.Tensor, topk_weights: torch.Tensor, gate_up, down,
+                    layout: str, sizes: ExpertsSizes) -> torch.Tensor:
+    """``moe_experts_fp8``'s kernels after its checks, in ``layout``: x bf16 [T, H], or its
+    rows quantized already (``(q, scales)``, as ``moe_permute_quantize_fp8`` takes them:
+    an expert-parallel dispatch's received rows); topk_idx, topk_weights contiguous."""
+    tokens, hidden, top_k, experts, two_inner, _ = sizes
+    device = topk_idx.device
     lead = grouped_rows(layout, tokens, top_k, experts)
     routing = moe_routing_layout(topk_idx, experts, layout=layout,
                                  rows_per_expert=lead[1] if layout == "masked" else None)
     expected = expected_rows(tokens, top_k, experts)
     a = moe_permute_quantize_fp8(x, routing.rows, lead)
-    gate_up_out = torch.empty((*lead, two_inner), dtype=torch.bfloat16, device=x.device)
+    gate_up_out = torch.empty((*lead, two_inner), dtype=torch.bfloat16, device=device)
     _grouped_gemm(layout, a, gate_up, gate_up_out, routing, expected)
     h = moe_silu_mul_quantize_fp8(gate_up_out, routing.rows)
-    y = torch.empty((*lead, hidden), dtype=torch.bfloat16, device=x.device)
+    y = torch.empty((*lead, hidden), dtype=torch.bfloat16, device=device)
     _grouped_gemm(layout, h, down, y, routing, expected)
     return moe_combine(y.view(-1, hidden), routing.rows, topk_weights)
 
 
-def _experts_sizes(x, topk_idx, topk_weights, gate_up, down) -> tuple:
+def experts_sizes(x, topk_idx, topk_weights, gate_up, down) -> ExpertsSizes:
     """The experts' arguments' shapes, checked against each other (the kernels check each
-    tensor again): (T, H, k, E, 2I)."""
+    tensor again); the device is checked by the caller."""
     (tokens, hidden), _, _, device = inspect("x", x, torch.bfloat16, 2)
     (idx_tokens, top_k), _, _, _ = inspect("topk_idx", topk_idx, torch.int64, 2, rows=False)
     if idx_tokens != tokens:
@@ -298,8 +352,7 @@ def _experts_sizes(x, topk_idx, topk_weights, gate_up, down) -> tuple:
     if (down_experts, down_n, down_k) != (experts, hidden, two_inner // 2):
         raise ValueError(f"down[0] must be [E, H, I] = {(experts, hidden, two_inner // 2)} "
                          f"(gate_up's E and I, x's H), got shape {tuple(w2.shape)}")
-    require_cuda("x", x, device)
-    return tokens, hidden, top_k, experts, two_inner
+    return ExpertsSizes(tokens, hidden, top_k, experts, two_inner, device)
 
 
 def _grouped_gemm(layout: str, a, b, d, routing, expected: int) -> None:
