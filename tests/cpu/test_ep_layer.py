@@ -250,3 +250,69 @@ def test_the_normal_path_takes_1x128_rows():
     args["gate_up"], args["down"] = fp8_pair(4, 512, 192), fp8_pair(4, 192, 256)
     with pytest.raises(ValueError, match="must be a positive multiple of 128 for e4m3 rows, got 192"):
         ptxforge.moe_experts_fp8(**args, ep=fake_buffer())
+
+
+# --------------------------------------------------------------------------- the benchmark's peers
+def _routed(tokens: int = 6, hidden: int = 32, top_k: int = 2, experts: int = 8):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, hidden, generator=g).bfloat16()
+    idx = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
+    return x, idx, torch.rand(tokens, top_k, generator=g)
+
+
+def test_the_peers_pack_each_token_with_its_local_top_k_per_rank():
+    from ptxforge.bench import ep_layer as bench
+
+    x, idx, weights = _routed()
+    rows, ranks, tokens = bench._packed_pairs([x], idx, weights, 4, 2)
+    assert rows.dtype == torch.uint8 and rows.shape[1] % 16 == 0
+    assert ranks.tolist() == sorted(ranks.tolist())
+    rx, r_idx, r_weights = bench._unpacked(rows, [64, 16, 8], [BF16, I64, F32])
+    assert torch.equal(rx, x[tokens])
+    for n, (rank, token) in enumerate(zip(ranks.tolist(), tokens.tolist())):
+        mine = idx[token] // 4 == rank
+        assert torch.equal(r_idx[n], torch.where(mine, idx[token] - 4 * rank, -1))
+        assert torch.equal(r_weights[n], torch.where(mine, weights[token], 0.0))
+
+
+def test_the_grouped_mm_peer_computes_the_experts():
+    from ptxforge.bench import ep_layer as bench
+
+    x, idx, weights = _routed()
+    rows, ranks, _ = bench._packed_pairs([x], idx, weights, 4, 2)
+    rx, r_idx, r_weights = (t[ranks == 1] for t in bench._unpacked(rows, [64, 16, 8],
+                                                                   [BF16, I64, F32]))
+    g = torch.Generator().manual_seed(1)
+    gate_up = (torch.randn(4, 32, 32, generator=g) * 0.1).bfloat16()
+    down = (torch.randn(4, 32, 16, generator=g) * 0.1).bfloat16()
+    try:
+        y = bench._grouped_mm_experts(rx, r_idx, r_weights, gate_up, down)
+    except (NotImplementedError, RuntimeError) as error:   # grouped_mm without a CPU kernel
+        pytest.skip(f"torch's grouped_mm on the CPU: {error}")
+    expected = torch.zeros(rx.shape, dtype=torch.float64)
+    for n in range(rx.shape[0]):
+        for j in range(2):
+            e = int(r_idx[n, j])
+            if e >= 0:
+                h = rx[n].double() @ gate_up[e].double().t()
+                h = torch.nn.functional.silu(h[:16]) * h[16:]
+                expected[n] += (h @ down[e].double().t()) * float(r_weights[n, j])
+    torch.testing.assert_close(y.double(), expected, rtol=2 ** -6, atol=2e-3)
+
+
+def test_the_layer_table_reads_its_result():
+    from ptxforge.bench.ep_layer import layer_table
+
+    params = dict(tokens=[4096, 128], hidden=7168, inner=2048, experts=256, topk=8, calls=4,
+                  repeats=5)
+    rows = [dict(tokens=4096, path="contiguous", ours_us=5000.0, ours_tflops=554.0,
+                 nccl_us=6000.0, nccl_tflops=462.0, grouped_mm_us=9000.0,
+                 grouped_mm_tflops=308.0),
+            dict(tokens=128, path="masked", ours_us=1500.0, ours_tflops=57.7, nccl_us=2500.0,
+                 nccl_tflops=34.6, grouped_mm_us=4000.0, grouped_mm_tflops=21.6,
+                 weights_read_us=1400.0, ours_over_read=1500 / 1400)]
+    text = layer_table(dict(params=params, world=2, distinct_gpus=True, device="H200",
+                            copy_gbs=8000.0, fp8_weights_bytes=5.6e9, rows=rows))
+    assert "| 4096 | contiguous | 5000 (554) |" in re.sub(" +", " ", text)
+    assert "1.20x" in text and "1.80x" in text
+    assert "128 tokens a rank: ours 1500 us = 1.07 x the time to read them once (1400 us)" in text
