@@ -45,6 +45,7 @@ PUBLIC = (
     PublicName("moe_routing_layout", "routing", kernels=("moe_routing_layout",)),
     PublicName("max_contiguous_rows", "routing"),
     PublicName("moe_permute_quantize_fp8", "moe", kernels=("moe_permute_quantize_fp8",
+                                                                   "moe_permute_fp8",
                                                                    "moe_permute_scales")),
     PublicName("moe_silu_mul_quantize_fp8", "moe", kernels=("moe_silu_mul_quantize_fp8",)),
     PublicName("moe_combine", "moe_combine", kernels=("moe_combine",)),

@@ -1,7 +1,8 @@
 """Row kernels over bf16 activations [M, K]: RMSNorm, per-token-group FP8 quantization, RMSNorm
-or SwiGLU fused with the quantization, and the MoE's permutations of the quantization.
+or SwiGLU fused with the quantization, and the MoE's permutations of the quantization; and
+the MoE's permutation of rows already in e4m3.
 
-One generator, six variants (``VARIANTS``, one ``RowVariant`` value each: the ops, the
+One generator, seven variants (``VARIANTS``, one ``RowVariant`` value each: the ops, the
 registry, precompiling and the compile backend all take them from there):
 
     variant (the op)           normalize quantize swiglu row map  writes
@@ -17,6 +18,9 @@ registry, precompiling and the compile backend all take them from there):
                                                                   experts' rows
     moe_silu_mul_quantize_fp8  no        yes      yes    indexed  SwiGLU + q of the grouped
                                                                   rows holding a pair
+    moe_permute_fp8            no        no       no     scatter  an e4m3 row (already
+                                                                  quantized) into each of
+                                                                  its experts' rows
 
 Inputs. A row is x's row, or with ``swiglu`` two rows: gate's and up's (an FFN's gate
 and up projections, [M, K] each with K its intermediate size), each with its own pointer
@@ -67,6 +71,14 @@ walks M work rows; ``row_map`` says which rows they read and write:
     indexed  row index[i] in and out: only the rows of a grouped layout that hold a pair
              (moe_silu_mul_quantize_fp8 between the grouped GEMMs)
 
+e4m3 input (moe_permute_fp8: an expert-parallel dispatch's received rows, quantized on
+their source rank). Its rows are K bytes and no thread reads them: the copy engine
+brings each row into its stage and stores it from there to each of its fanout rows (the
+scatter's bulk stores), the row's first thread issuing them and writing sources as
+above. Its scales travel apart: the op hands them to the MoE scale gather as the
+token-major scales. Threads are only issuers here, so a row gets the fewest (a
+half-warp) and a CTA eight rows: more bytes in flight an SM than one row a CTA.
+
 index is int32 on the GPU (``moe_routing_layout`` writes it); an entry outside
 [0, index_rows) is a dropped pair: nothing is written for it (indexed: row 0 is copied
 into the stage, so the stage's byte count stays whole, and left there). The indexed
@@ -74,7 +86,8 @@ map's scales: row r's group g scale is at (r / rows_per_batch) * scale_batch_str
 (r % rows_per_batch) * scale_row_stride + g * scale_group_stride (the masked layout's
 [E, M_max, G] MN-major scales have M_max rows a batch; the contiguous layout's one batch).
 
-Compile-time: K (fixed-size register arrays and stage size), the variant and row map.
+Compile-time: K (fixed-size register arrays and stage size), the variant, row map and
+input dtype.
 Run-time: M, the inputs' pointers and row strides, eps, and the scale strides (so one
 kernel writes either the plain [M, G] layout or the MN-major TMA-aligned layout the FP8
 GEMM reads).
@@ -100,6 +113,9 @@ MAX_CTAS_PER_SM = 8
 INPUTS = {False: ("x",), True: ("gate", "up")}
 # Which rows the work rows read and write (see the docstring).
 ROW_MAPS = ("dense", "scatter", "indexed")
+# The input rows' element types and their bytes: bf16 activations, or e4m3 rows a scatter
+# only moves.
+INPUT_BYTES = {"bf16": 2, "e4m3": 1}
 
 
 class RowVariant(NamedTuple):
@@ -114,9 +130,10 @@ class RowVariant(NamedTuple):
     quantize: bool
     swiglu: bool
     row_map: str
-    stem: str               # of the kernel's name: bf16_<stem>_k<hidden>
+    stem: str               # of the kernel's name: <dtype>_<stem>_k<hidden>
     groups_per_cta: int
     doc: str
+    dtype: str = "bf16"     # the input rows' (INPUT_BYTES)
 
     @property
     def inputs(self) -> tuple:
@@ -138,7 +155,11 @@ VARIANTS = {variant.op: variant for variant in (
     RowVariant("moe_silu_mul_quantize_fp8", False, True, True, "indexed",
                "silu_mul_quant_fp8_per_token_indexed", 1,
                "MoE: SwiGLU + 1x128 FP8 quantization of the grouped rows holding a pair"),
+    RowVariant("moe_permute_fp8", False, False, False, "scatter", "permute", 1,
+               "MoE: each e4m3 row (quantized already) into its experts' rows", "e4m3"),
 )}
+# e4m3 rows are moved by the copy engine alone: a half-warp a row issues its copies.
+MOVE_THREADS_PER_ROW = 16
 MAX_FANOUT = 16   # a scatter's rows per input row, each index in a register
 # The scatter keeps the quantized row (two words a slot) and its fanout row indices live
 # across its stores: 64 registers spill from fanout 2 at K = 7168 (ptxas 13.0); 96 hold
@@ -176,7 +197,7 @@ class RowKernelConfig:
     @property
     def name(self) -> str:
         fanout = str(self.fanout) if self.row_map == "scatter" else ""
-        return f"bf16_{self.variant.stem}{fanout}_k{self.hidden}"
+        return f"{self.variant.dtype}_{self.variant.stem}{fanout}_k{self.hidden}"
 
     @property
     def threads(self) -> int:
@@ -204,9 +225,14 @@ class RowKernelConfig:
         return max(1, self.threads_per_row // 32)
 
     @property
+    def moves_only(self) -> bool:
+        """e4m3 input: rows are copied, never read by the threads."""
+        return self.variant.dtype == "e4m3"
+
+    @property
     def row_bytes(self) -> int:
         """One input's row."""
-        return self.hidden * 2
+        return self.hidden * INPUT_BYTES[self.variant.dtype]
 
     @property
     def stage_row_bytes(self) -> int:
@@ -260,6 +286,8 @@ def choose_config(arch: Arch, variant: RowVariant, hidden: int, *, groups: int |
     threads_per_row = 16
     while -(-vectors // threads_per_row) > max_vectors:
         threads_per_row *= 2
+    if variant.dtype == "e4m3":   # no thread reads the row
+        threads_per_row = MOVE_THREADS_PER_ROW
     # A 1024-thread CTA gets at most 64 registers per thread: too few for x and w.
     max_threads_per_row = arch.max_threads_per_block // 2
     if threads_per_row > max_threads_per_row:
@@ -323,21 +351,34 @@ def generate(cfg: RowKernelConfig) -> KernelBuilder:
                 if cfg.row_map == "indexed":
                     row = _mapped_row(k, p, row, row_ok)
                 targets = _scatter_rows(k, cfg, p, row, row_ok) if cfg.row_map == "scatter" else None
-                valid = _vector_predicates(k, cfg, t, row_ok)
-                stages.wait(addr(base, stages.barrier_offset(s)), 0)
-                x = _load_row(k, cfg, t, base, s, row_ok, valid)
-                if cfg.normalize:
-                    x = _normalize(k, cfg, p, t, x, weight, partials)
-                if cfg.quantize:
-                    stage_row = None
-                    if targets is not None:   # the row's place in its stage, for the bulk stores
-                        stage_row = k.reg("u32", "stage_row")
-                        k.mad(stage_row, t.row_in_cta, cfg.stage_row_bytes, base, mode="lo")
-                        k.add(stage_row, stage_row, stages.stage_offset(s))
-                    _quantize_and_store(k, cfg, p, t, row, x, valid, targets, stage_row)
+                if cfg.moves_only:
+                    _move_row(k, cfg, p, t, stages, s, row, row_ok, targets)
                 else:
-                    _store_bf16(k, cfg, p, t, row, x, valid)
+                    _compute_row(k, cfg, p, t, stages, s, row, row_ok, targets, weight, partials)
     return k
+
+
+def _compute_row(k, cfg, p, t, stages, s, row, row_ok, targets, weight, partials):
+    """bf16 input: the row read from stage ``s``, normalized and/or quantized, stored."""
+    valid = _vector_predicates(k, cfg, t, row_ok)
+    stages.wait(addr(stages.base, stages.barrier_offset(s)), 0)
+    x = _load_row(k, cfg, t, stages.base, s, row_ok, valid)
+    if cfg.normalize:
+        x = _normalize(k, cfg, p, t, x, weight, partials)
+    if cfg.quantize:
+        stage_row = _stage_row(k, cfg, t, stages, s) if targets is not None else None
+        _quantize_and_store(k, cfg, p, t, row, x, valid, targets, stage_row)
+    else:
+        _store_bf16(k, cfg, p, t, row, x, valid)
+
+
+def _stage_row(k, cfg, t, stages, s):
+    """The thread's row's place in stage ``s`` (a shared address): a scatter's bulk stores
+    read the e4m3 row from there."""
+    stage_row = k.reg("u32", "stage_row")
+    k.mad(stage_row, t.row_in_cta, cfg.stage_row_bytes, stages.base, mode="lo")
+    k.add(stage_row, stage_row, stages.stage_offset(s))
+    return stage_row
 
 
 class _Params:
@@ -357,6 +398,8 @@ class _Params:
             self.scales = k.param("scales", "u64")
             self.scale_row_stride = k.param("scale_row_stride", "u32")      # elements
             self.scale_group_stride = k.param("scale_group_stride", "u32")  # elements
+        elif cfg.moves_only:
+            self.q = k.param("q", "u64")
         else:
             self.y = k.param("y", "u64")
         if cfg.row_map != "dense":
@@ -377,7 +420,8 @@ def _issue_copies(k, cfg, p, stages, first, total) -> None:
         ptr, stride = k.reg("u64", f"{name}_ptr"), k.reg("u32", f"{name}_stride_bytes")
         k.ld_param(ptr, ptr_param)
         k.ld_param(stride, stride_param)
-        k.shl(stride, stride, 1)
+        if INPUT_BYTES[cfg.variant.dtype] == 2:
+            k.shl(stride, stride, 1)
         inputs.append((ptr, stride))
     group, first_row, rows_here = (k.reg("u32", n) for n in ("copy_group", "copy_row", "copy_rows"))
     nbytes = k.reg("u32", "copy_bytes")
@@ -627,6 +671,22 @@ def _quantize_and_store(k, cfg, p, t, row, x, valid, targets, stage_row):
         k.fence_proxy_async()
         k.bar_sync(0)
     _store_quantized(k, cfg, p, t, row, q, scales, valid, values=False)
+    _scatter_stores(k, cfg, p, t, row, valid[0], targets, stage_row)
+
+
+def _move_row(k, cfg, p, t, stages, s, row, row_ok, targets):
+    """e4m3 input: the row, in stage ``s`` as the copy engine left it, stored to each of
+    its targets. No thread has written the stage (copy engine in, copy engine out), so no
+    proxy fence comes between."""
+    stages.wait(addr(stages.base, stages.barrier_offset(s)), 0)
+    _scatter_stores(k, cfg, p, t, row, row_ok, targets, _stage_row(k, cfg, t, stages, s))
+
+
+def _scatter_stores(k, cfg, p, t, row, row_exists, targets, stage_row):
+    """The row at ``stage_row`` (K e4m3 bytes) to each of ``targets`` by bulk stores, issued
+    by the row's first thread (``row_exists``: of a row that exists), who also stores each
+    pair's index at sources[target]; then every thread waits until the stores have read
+    the stage."""
     bound, written = k.reg("u32", "index_rows"), k.pred("pair_written")
     first, issuer = k.pred("row_first_thread"), k.pred("bulk_issuer")
     q_base, dst = k.reg("u64", "q_base"), k.reg("u64", "q_dst")
@@ -636,7 +696,7 @@ def _quantize_and_store(k, cfg, p, t, row, x, valid, targets, stage_row):
     k.ld_param(q_base, p.q)
     k.ld_param(sources, p.sources)
     k.setp("eq", first, t.col, 0)
-    k.and_pred(first, first, valid[0])   # of a row that exists
+    k.and_pred(first, first, row_exists)
     for j, target in enumerate(targets):
         with k.stage(f"scatter: pair {j}'s row, a bulk store, and the pair at sources[row]"):
             k.setp("lt", written, target, bound, type="u32")

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -132,7 +133,7 @@ def _routing_rows(rows, device: int, tokens: int | None = None) -> tuple:
     return shape[0] * shape[1], shape[1], ptr, (ptr, 4 * rows.numel())
 
 
-def moe_permute_quantize_fp8(x: torch.Tensor, rows: torch.Tensor, shape, *, out=None,
+def moe_permute_quantize_fp8(x, rows: torch.Tensor, shape, *, out=None,
                              pdl: bool | None = None):
     """Each token's row into its experts' rows of the grouped GEMM's A, quantized per token
     (1x128 groups, as ``quantize_fp8_per_token``): row ``rows[t, j]`` of the output (its
@@ -140,29 +141,52 @@ def moe_permute_quantize_fp8(x: torch.Tensor, rows: torch.Tensor, shape, *, out=
     stored k times; a second kernel writes the grouped rows' scales, column by column of
     the MN-major layout (``kernels/f32_moe_scale_gather.py`` says why).
 
-    x: bf16 [T, H], contiguous rows. rows: int32 [T, k] (``moe_routing_layout``'s); an entry
+    x: bf16 [T, H], contiguous rows; or rows quantized already, ``(q, scales)``: e4m3
+    [T, H] (rows 16-byte aligned, H a multiple of 16) and f32 [T, ceil(H/128)] (any
+    strides), such as an expert-parallel dispatch receives: then only moved, by the copy
+    engine, with their scales. rows: int32 [T, k] (``moe_routing_layout``'s); an entry
     outside [0, R) is a dropped pair, not written. shape: the grouped rows' leading shape,
     (R,) in the contiguous layout (``max_contiguous_rows``), (E, M_max) in the masked one.
     Returns ``(q, scales)``: q e4m3 [*shape, H], scales f32 [*shape, ceil(H/128)] MN-major
     (``grouped_quantized``), or ``out`` with any scale strides; rows no pair names are left
     as they were. ``pdl``: as ``rms_norm``'s."""
-    (tokens, hidden), x_strides, x_ptr, device = inspect("x", x, torch.bfloat16, 2)
+    quantized = isinstance(x, (tuple, list)) and len(x) == 2 and isinstance(x[0], torch.Tensor)
+    if quantized:
+        x, x_scales = x
+    (tokens, hidden), x_strides, x_ptr, device = inspect(
+        "x[0]" if quantized else "x", x, torch.float8_e4m3fn if quantized else torch.bfloat16, 2)
+    groups = ceil_div(hidden, row_kernel.GROUP)
+    input_spans = [(x_ptr, x.itemsize * tokens * x_strides[0])]
+    if quantized:
+        s_shape, s_strides, s_ptr, _ = inspect("x[1]", x_scales, torch.float32, 2, align=4,
+                                               device=device, rows=False)
+        require_shape("x[1]", s_shape, (tokens, groups))
+        input_spans.append(strided_span(s_ptr, s_shape, s_strides, 4))
     pairs, k, rows_ptr, rows_span = _routing_rows(rows, device, tokens)
-    out, arguments = _checked_out(out, _leading_shape(shape), hidden, pdl, ("x", x, device),
-                                  (x_ptr, 2 * tokens * x_strides[0]), rows_span)
+    out, arguments = _checked_out(out, _leading_shape(shape), hidden, pdl, (
+        "x[0]" if quantized else "x", x, device), *input_spans, rows_span)
     if not pairs:
         return out
-    groups = ceil_div(hidden, row_kernel.GROUP)
-    token_scales = torch.empty((tokens, groups), dtype=torch.float32, device=x.device)
     sources = torch.empty(arguments["index_rows"], dtype=torch.int32, device=x.device)
-    # A CTA per token (or a few): its row read and quantized once, stored k times; its
-    # scales once, token-major.
-    launcher, grid = rowwise.launcher(rowwise.VARIANTS["moe_permute_quantize_fp8"], tokens,
-                                      hidden, device, pdl, k)
-    launcher(grid, current_stream(device), x=x_ptr, x_row_stride=x_strides[0], rows=tokens,
-             index=rows_ptr, index_rows=arguments["index_rows"], q=arguments["q"],
-             scales=token_scales.data_ptr(), scale_row_stride=groups, scale_group_stride=1,
-             sources=sources.data_ptr())
+    if quantized:
+        # The scale gather reads token-major scales [T, G].
+        token_scales = x_scales.contiguous()
+        # A CTA per 8 rows: each copied in and stored k times by the copy engine.
+        launcher, grid = rowwise.launcher(rowwise.VARIANTS["moe_permute_fp8"], tokens, hidden,
+                                          device, pdl, k)
+        launcher(grid, current_stream(device), x=x_ptr, x_row_stride=x_strides[0],
+                 rows=tokens, index=rows_ptr, index_rows=arguments["index_rows"],
+                 q=arguments["q"], sources=sources.data_ptr())
+    else:
+        token_scales = torch.empty((tokens, groups), dtype=torch.float32, device=x.device)
+        # A CTA per token (or a few): its row read and quantized once, stored k times; its
+        # scales once, token-major.
+        launcher, grid = rowwise.launcher(rowwise.VARIANTS["moe_permute_quantize_fp8"], tokens,
+                                          hidden, device, pdl, k)
+        launcher(grid, current_stream(device), x=x_ptr, x_row_stride=x_strides[0],
+                 rows=tokens, index=rows_ptr, index_rows=arguments["index_rows"],
+                 q=arguments["q"], scales=token_scales.data_ptr(), scale_row_stride=groups,
+                 scale_group_stride=1, sources=sources.data_ptr())
     launcher, grid = _scale_gather(device, hidden, k, pdl, arguments["index_rows"])
     launcher(grid, current_stream(device), sources=sources.data_ptr(), rows=rows_ptr,
              pairs=pairs, token_scales=token_scales.data_ptr(),
@@ -222,8 +246,32 @@ def moe_silu_mul_quantize_fp8(d: torch.Tensor, rows: torch.Tensor, *, out=None,
     return out
 
 
+class ExpertsSizes(NamedTuple):
+    """A MoE experts call's sizes, from its arguments' shapes (``experts_sizes``)."""
+
+    tokens: int
+    hidden: int
+    top_k: int
+    experts: int        # in gate_up and down: a rank's own with ``ep``
+    two_inner: int
+    device: int         # x's device index, -1 off CUDA
+
+
+# The expert-parallel layers by the type of ``ep`` they take. ``ptxforge.ep`` registers its
+# Buffer's when it is imported (as it is before anyone holds a Buffer): the ops import nothing
+# of ``ep``, whose kernels' host side imports the ops.
+_EXPERT_PARALLEL: dict = {}
+
+
+def register_expert_parallel(ep_type: type, layer) -> None:
+    """``moe_experts_fp8(..., ep=e)`` with ``e`` an ``ep_type`` runs ``layer(e, x, topk_idx,
+    topk_weights, gate_up, down, layout=layout, sizes=ExpertsSizes)``, after the checks
+    of the arguments' shapes."""
+    _EXPERT_PARALLEL[ep_type] = layer
+
+
 def moe_experts_fp8(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                    gate_up, down, *, layout: str | None = None) -> torch.Tensor:
+                    gate_up, down, *, layout: str | None = None, ep=None) -> torch.Tensor:
     """A MoE layer's experts with SwiGLU, as transformers' experts modules compute them:
     ``out[t] = sum_j topk_weights[t, j] * down[e](silu(gate[e](x[t])) * up[e](x[t]))`` with
     e = topk_idx[t, j], in FP8 (DeepGEMM's recipe: activations 1x128, weights 128x128).
@@ -233,30 +281,59 @@ def moe_experts_fp8(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch
     then up's) and f32 [E, 2I/128, H/128] (``quantize_fp8_per_block`` of the bf16 weights
     viewed [E*2I, H]). down: ``(q, s)``, e4m3 [E, H, I] and f32 [E, H/128, I/128].
     layout: 'masked' or 'contiguous' (None: ``choose_layout``). Returns bf16 [T, H]. Nothing
-    is read back to the host."""
+    is read back to the host.
+
+    ``ep``: a ``ptxforge.ep.Buffer`` over R ranks, every rank calling with its own tokens:
+    the layer across GPUs (``ptxforge/ep/layer.py``). topk_idx then holds global experts
+    in [0, R * E) and gate_up, down this rank's E of them (rank r: [r * E, (r + 1) * E),
+    ``ptxforge.ep.shard_experts``); layout picks the path: 'masked' the decode path
+    (low-latency dispatch, no host synchronisation, capturable in a CUDA graph),
+    'contiguous' the normal path (a host synchronisation in the dispatch), None the decode
+    path where the buffer's low-latency room holds T tokens, else the normal one. Every
+    rank must take the same path."""
     if layout is not None and layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS} or None, got {layout!r}")
-    tokens, hidden, top_k, experts, two_inner = _experts_sizes(x, topk_idx, topk_weights,
-                                                               gate_up, down)
+    layer = None if ep is None else _expert_parallel_layer(ep)
+    sizes = experts_sizes(x, topk_idx, topk_weights, gate_up, down)
+    if layer is not None:
+        return layer(ep, x, topk_idx, topk_weights, gate_up, down, layout=layout, sizes=sizes)
+    require_cuda("x", x, sizes.device)
     # A router's top-k may come as views (a gather's, a slice's): the kernels read rows.
     topk_idx, topk_weights = topk_idx.contiguous(), topk_weights.contiguous()
-    layout = layout or choose_layout(tokens, top_k, experts)
+    layout = layout or choose_layout(sizes.tokens, sizes.top_k, sizes.experts)
+    return grouped_experts(x, topk_idx, topk_weights, gate_up, down, layout, sizes)
+
+
+def _expert_parallel_layer(ep):
+    for ep_type, layer in _EXPERT_PARALLEL.items():
+        if isinstance(ep, ep_type):
+            return layer
+    raise TypeError(f"ep must be a ptxforge.ep.Buffer (or None), got {type(ep).__name__}")
+
+
+def grouped_experts(x, topk_idx: torch.Tensor, topk_weights: torch.Tensor, gate_up, down,
+                    layout: str, sizes: ExpertsSizes) -> torch.Tensor:
+    """``moe_experts_fp8``'s kernels after its checks, in ``layout``: x bf16 [T, H], or its
+    rows quantized already (``(q, scales)``, as ``moe_permute_quantize_fp8`` takes them:
+    an expert-parallel dispatch's received rows); topk_idx, topk_weights contiguous."""
+    tokens, hidden, top_k, experts, two_inner, _ = sizes
+    device = topk_idx.device
     lead = grouped_rows(layout, tokens, top_k, experts)
     routing = moe_routing_layout(topk_idx, experts, layout=layout,
                                  rows_per_expert=lead[1] if layout == "masked" else None)
     expected = expected_rows(tokens, top_k, experts)
     a = moe_permute_quantize_fp8(x, routing.rows, lead)
-    gate_up_out = torch.empty((*lead, two_inner), dtype=torch.bfloat16, device=x.device)
+    gate_up_out = torch.empty((*lead, two_inner), dtype=torch.bfloat16, device=device)
     _grouped_gemm(layout, a, gate_up, gate_up_out, routing, expected)
     h = moe_silu_mul_quantize_fp8(gate_up_out, routing.rows)
-    y = torch.empty((*lead, hidden), dtype=torch.bfloat16, device=x.device)
+    y = torch.empty((*lead, hidden), dtype=torch.bfloat16, device=device)
     _grouped_gemm(layout, h, down, y, routing, expected)
     return moe_combine(y.view(-1, hidden), routing.rows, topk_weights)
 
 
-def _experts_sizes(x, topk_idx, topk_weights, gate_up, down) -> tuple:
+def experts_sizes(x, topk_idx, topk_weights, gate_up, down) -> ExpertsSizes:
     """The experts' arguments' shapes, checked against each other (the kernels check each
-    tensor again): (T, H, k, E, 2I)."""
+    tensor again); the device is checked by the caller."""
     (tokens, hidden), _, _, device = inspect("x", x, torch.bfloat16, 2)
     (idx_tokens, top_k), _, _, _ = inspect("topk_idx", topk_idx, torch.int64, 2, rows=False)
     if idx_tokens != tokens:
@@ -275,8 +352,7 @@ def _experts_sizes(x, topk_idx, topk_weights, gate_up, down) -> tuple:
     if (down_experts, down_n, down_k) != (experts, hidden, two_inner // 2):
         raise ValueError(f"down[0] must be [E, H, I] = {(experts, hidden, two_inner // 2)} "
                          f"(gate_up's E and I, x's H), got shape {tuple(w2.shape)}")
-    require_cuda("x", x, device)
-    return tokens, hidden, top_k, experts, two_inner
+    return ExpertsSizes(tokens, hidden, top_k, experts, two_inner, device)
 
 
 def _grouped_gemm(layout: str, a, b, d, routing, expected: int) -> None:
