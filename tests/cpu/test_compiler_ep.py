@@ -65,7 +65,7 @@ class StandInBuffer:
     made: list = []
     get_low_latency_rdma_size_hint = staticmethod(Buffer.get_low_latency_rdma_size_hint)
 
-    def __init__(self, group, num_nvl_bytes, num_rdma_bytes, low_latency_mode=False):
+    def __init__(self, group, num_nvl_bytes, num_rdma_bytes=0, low_latency_mode=False):
         self.made.append((group, num_nvl_bytes, num_rdma_bytes, low_latency_mode))
 
 
@@ -75,7 +75,7 @@ def compiled_on_meta(model, x, **options):
     plan)]."""
     graphs = []
 
-    def spy(gm, example_inputs, *, fp8, precompile, ep):
+    def spy(gm, example_inputs, *, fp8, precompile, ep, **inductor):
         graphs.append((gm, compiler.rewrite(gm, example_inputs, fp8=fp8, ep=ep,
                                             arch_of=lambda device: arch.get("sm_90a"))))
         return gm.forward
@@ -152,12 +152,10 @@ def scenario_each_rank_holds_its_experts(rank: int, world: int) -> None:
     for kind, (_, experts, top_k) in BLOCKS.items():
         model, x = moe_block(kind)
         ((gm, plan),) = compiled_on_meta(model, x, ep_group=dist.group.WORLD)
-        # One buffer for the compiled model, sized for its block.
-        group, normal, decode, low_latency_mode = StandInBuffer.made.pop()
-        assert group is dist.group.WORLD and low_latency_mode and not StandInBuffer.made
-        assert normal == buffer_size(world, HIDDEN, top_k, fp8=True)
-        assert decode == Buffer.get_low_latency_rdma_size_hint(
-            expert_parallel.DECODE_TOKENS, HIDDEN, world, experts)
+        # One buffer for the compiled model, sized for its block's normal path.
+        assert StandInBuffer.made == [(dist.group.WORLD, buffer_size(world, HIDDEN, top_k,
+                                                                     fp8=True), 0, False)]
+        StandInBuffer.made.clear()
         key = max(expert_parallel.BUFFERS)
         assert isinstance(expert_parallel.BUFFERS[key], StandInBuffer)
         # The module's full weights went to the slicing, and this rank's slice alone was
@@ -171,12 +169,13 @@ def scenario_each_rank_holds_its_experts(rank: int, world: int) -> None:
         assert moe.operator == "ptxforge.moe_experts_fp8_ep", moe.reason
         assert moe.reason.startswith(f"experts [{rank * local}, {(rank + 1) * local}) of "
                                      f"{experts} on rank {rank} of {world}, top-{top_k}")
+        assert moe.reason.endswith("(ptxforge.ep: the normal path)")
         found = calls(gm)
         assert [name for name, _ in found].count("moe_experts_fp8_ep") == 1
         assert "moe_experts_fp8" not in [name for name, _ in found]
         (op,) = [node for name, node in found if name == "moe_experts_fp8_ep"]
-        hidden, index, weights, w13, s13, w2, s2, buffer = op.args
-        assert buffer == key
+        hidden, index, weights, w13, s13, w2, s2, buffer, layout = op.args
+        assert (buffer, layout) == (key, "contiguous")
         assert index.meta["example_value"].shape[-1] == top_k
         assert index.meta["example_value"].dtype == torch.int64
         for node, shape in ((w13, (local, 2 * INNER, HIDDEN)), (s13, (local, 4, 4)),
@@ -201,6 +200,16 @@ def scenario_each_rank_holds_its_experts(rank: int, world: int) -> None:
             assert names == ["moe_experts_fp8_ep"]
             (router,) = [item for item in plan if item.rewrite == "linear"]
             assert router.operator is None and "router" in router.reason
+    # CUDA graphs: the decode path, its buffer alone, for DECODE_TOKENS tokens a rank.
+    model, x = moe_block("deepseek_v3")
+    ((gm, plan),) = compiled_on_meta(model, x, ep_group=dist.group.WORLD, mode="reduce-overhead")
+    size = Buffer.get_low_latency_rdma_size_hint(expert_parallel.DECODE_TOKENS, HIDDEN, world, 16)
+    assert StandInBuffer.made == [(dist.group.WORLD, 0, size, True)]
+    StandInBuffer.made.clear()
+    (op,) = [node for name, node in calls(gm) if name == "moe_experts_fp8_ep"]
+    assert op.args[-2:] == (max(expert_parallel.BUFFERS), "masked")
+    assert [item.reason for item in plan if item.rewrite == "moe experts"][0].endswith(
+        "(ptxforge.ep: the decode path)")
     # E not divisible by the ranks: said on every rank, before any buffer.
     model, _ = moe_block("mixtral", num_local_experts=3)
     with pytest.raises(ValueError, match=r"^ep_group: the 3 experts of experts do not divide "
@@ -261,7 +270,7 @@ def test_aot_autograd_keeps_the_operator_one_node_with_the_buffer_s_key():
     from torch._dynamo.backends.common import aot_autograd
 
     model, x = moe_block("qwen3_moe")
-    ep = expert_parallel.ExpertParallel(rank=1, ranks=2, buffer=7)
+    ep = expert_parallel.ExpertParallel(rank=1, ranks=2, buffer=7, layout="masked")
     traced = []
 
     def spy(gm, example_inputs):
@@ -276,7 +285,7 @@ def test_aot_autograd_keeps_the_operator_one_node_with_the_buffer_s_key():
     (graph,) = traced
     (op,) = [n for n in graph.graph.nodes
              if n.target is torch.ops.ptxforge.moe_experts_fp8_ep.default]
-    assert op.args[-1] == 7
+    assert op.args[-2:] == (7, "masked")
     tokens = op.args[0].meta["val"].shape[0]
     assert isinstance(tokens, torch.SymInt)
     assert tuple(op.args[3].meta["val"].shape) == (8, 2 * INNER, HIDDEN)

@@ -146,14 +146,16 @@ def compile(model, *, fp8: bool = True, precompile: int | None = None,
     use); ``mode="reduce-overhead"``: CUDA graphs. ``ep_group`` (a torch.distributed
     process group; every rank of it calls ``compile``): the experts of each transformers
     MoE block sharded over the group, E/ranks a rank, run by ``ptxforge.ep``
-    (``expert_parallel.py``); the router and a shared expert stay whole on every rank.
+    (``expert_parallel.py``: its normal path, or with ``mode="reduce-overhead"`` its decode
+    path); the router and a shared expert stay whole on every rank.
 
     ``dynamic=None`` (the default): the first call's tensors have their token dimensions
     marked dynamic before Dynamo traces them (``token_dims``), and no others; True or False
     go to torch.compile as they are (True makes every dimension dynamic: more guards, whose
     host time every call pays: Dynamo alone took 102.7 us a call of Llama-3-8B's 2 layers at
     64 tokens with True, 62.0 with the token dimensions alone, measured on the H200)."""
-    ep = None if ep_group is None else expert_parallel.expert_parallel(model, ep_group, fp8=fp8)
+    ep = None if ep_group is None else expert_parallel.expert_parallel(
+        model, ep_group, fp8=fp8, decode=options.get("mode") == "reduce-overhead")
     if isinstance(model, torch.nn.Module) and (looping := moe.looping_experts(model)):
         log.warning("ptxforge leaves the experts of %s to Inductor: transformers' per-expert "
                     "loop breaks the graph at every expert; load the model with "

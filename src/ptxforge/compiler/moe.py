@@ -220,7 +220,7 @@ def _rewrite(g: Graph, module: str, nodes: list, found: Experts, ep) -> Replacem
         if ep is None:
             out = g.call(PTXFORGE.moe_experts_fp8.default, arguments)
         else:
-            out = g.call(PTXFORGE.moe_experts_fp8_ep.default, (*arguments, ep.buffer))
+            out = g.call(PTXFORGE.moe_experts_fp8_ep.default, (*arguments, ep.buffer, ep.layout))
     out.meta.update({k: v for k, v in output.meta.items() if k != "example_value"})
     output.replace_all_uses_with(out)
     for node in reversed(nodes):
@@ -236,4 +236,5 @@ def _rewrite(g: Graph, module: str, nodes: list, found: Experts, ep) -> Replacem
     return Replacement("moe experts", module, "ptxforge.moe_experts_fp8_ep",
                        f"experts [{held.start}, {held.stop}) of {experts} on rank {ep.rank} of "
                        f"{ep.ranks}, top-{top_k}, {sizes}; the tokens dispatched to their "
-                       f"experts' ranks and combined back (ptxforge.ep)")
+                       f"experts' ranks and combined back (ptxforge.ep: the "
+                       f"{'decode' if ep.layout == 'masked' else 'normal'} path)")
