@@ -25,7 +25,7 @@ import torch
 
 from .. import jit
 from ..ops import common
-from . import graphs, moe, passes, precompile
+from . import expert_parallel, graphs, moe, passes, precompile
 from .rewriting import Replacement, is_static, traced_size
 
 log = logging.getLogger("ptxforge.compiler")
@@ -48,10 +48,11 @@ def _device_arch(device):
 
 
 def rewrite(gm: torch.fx.GraphModule, example_inputs, *, fp8: bool = True,
-            arch_of=_device_arch) -> list[Replacement]:
+            arch_of=_device_arch, ep=None) -> list[Replacement]:
     """Run the passes on ``gm`` (in place); log and return the plan. ``arch_of``: a
-    device's description, or why there is none."""
-    plan = passes.rewrite(gm, example_inputs, fp8=fp8, arch_of=arch_of)
+    device's description, or why there is none; ``ep``: the experts sharded over a group
+    (``expert_parallel.ExpertParallel``), or None."""
+    plan = passes.rewrite(gm, example_inputs, fp8=fp8, arch_of=arch_of, ep=ep)
     gm.ptxforge_plan = plan
     for item in plan:
         log.info("%s %s -> %s (%s)", item.rewrite, item.node, item.operator or "Inductor",
@@ -65,18 +66,19 @@ def rewrite(gm: torch.fx.GraphModule, example_inputs, *, fp8: bool = True,
 
 def backend(gm: torch.fx.GraphModule, example_inputs, *, fp8: bool = True,
             precompile: int | None = None, mode: str | None = None,
-            options: dict | None = None):
+            options: dict | None = None, ep=None):
     """The torch.compile backend: the passes, the kernels of the graph assembled in
     parallel (for the example inputs' token count, and every token count up to
     ``precompile`` if given), then Inductor, with torch.compile's ``mode`` and ``options`` as
     Inductor takes them, except that CUDA graphs (``mode="reduce-overhead"``) are
     ptxforge's runner (``graphs.py``), not Inductor's. Seconds spent in the passes and in
-    assembly are left in ``gm.ptxforge_seconds``."""
+    assembly are left in ``gm.ptxforge_seconds``. ``ep``: the experts sharded over a group
+    (``compile``'s ep_group)."""
     import torch._inductor
     from torch._inductor.compile_fx import compile_fx
 
     start = time.perf_counter()
-    rewrite(gm, example_inputs, fp8=fp8)
+    rewrite(gm, example_inputs, fp8=fp8, ep=ep)
     seconds = {"passes": time.perf_counter() - start}
     start = time.perf_counter()
     assemble(gm, precompile)
@@ -136,25 +138,31 @@ class FoldedWeights:
 
 
 def compile(model, *, fp8: bool = True, precompile: int | None = None,
-            dynamic: bool | None = None, **options):
+            dynamic: bool | None = None, ep_group=None, **options):
     """``torch.compile(model, backend=ptxforge's, **options)``, its token dimensions dynamic:
     one compile for every token count (M is a run-time argument of every kernel).
     ``fp8=False`` keeps bf16 numerics (ptxforge's BF16 GEMM); ``precompile=16384``: assemble
     the kernels of every token count up to that when the model compiles (else each on first
-    use); ``mode="reduce-overhead"``: CUDA graphs.
+    use); ``mode="reduce-overhead"``: CUDA graphs. ``ep_group`` (a torch.distributed
+    process group; every rank of it calls ``compile``): the experts of each transformers
+    MoE block sharded over the group, E/ranks a rank, run by ``ptxforge.ep``
+    (``expert_parallel.py``: its normal path, or with ``mode="reduce-overhead"`` its decode
+    path); the router and a shared expert stay whole on every rank.
 
     ``dynamic=None`` (the default): the first call's tensors have their token dimensions
     marked dynamic before Dynamo traces them (``token_dims``), and no others; True or False
     go to torch.compile as they are (True makes every dimension dynamic: more guards, whose
     host time every call pays: Dynamo alone took 102.7 us a call of Llama-3-8B's 2 layers at
     64 tokens with True, 62.0 with the token dimensions alone, measured on the H200)."""
+    ep = None if ep_group is None else expert_parallel.expert_parallel(
+        model, ep_group, fp8=fp8, decode=options.get("mode") == "reduce-overhead")
     if isinstance(model, torch.nn.Module) and (looping := moe.looping_experts(model)):
         log.warning("ptxforge leaves the experts of %s to Inductor: transformers' per-expert "
                     "loop breaks the graph at every expert; load the model with "
                     "experts_implementation='grouped_mm' for ptxforge's MoE kernels",
                     ", ".join(looping))
     compiled = torch.compile(model, backend=functools.partial(backend, fp8=fp8,
-                                                              precompile=precompile),
+                                                              precompile=precompile, ep=ep),
                              dynamic=dynamic, **options)
     if dynamic is not None:
         return compiled

@@ -6,7 +6,12 @@ be worth the copy (``MAX_COPY_BYTES``) run without a graph.
     call(*inputs) --shapes seen before?--> copy the inputs that change into the graph's
                                            own, replay, clone the outputs
                   --new shapes-----------> run once (warm-up: kernels assembled, buffers
-                                           allocated), capture, replay
+                                           allocated), capture; the warm-up's outputs are
+                                           the call's
+
+Every call runs the model once, whether it replays, captures or runs without a graph (a
+capture runs nothing): an expert-parallel layer's ranks pair each call's communication
+with the other ranks' calls, whichever of the three each rank makes.
 
 The model's parameters and buffers (the inputs Dynamo marks static) are read where they
 are: a graph holds their addresses, as it holds the weights the passes quantized. The
@@ -54,8 +59,11 @@ class GraphRunner:
     def __call__(self, *inputs):
         key = self._key(inputs)
         entry = self.graphs.get(key, False)
+        if entry is False and self._worth(inputs):
+            self.graphs[key], outputs = self._capture(inputs)
+            return outputs
         if entry is False:
-            entry = self.graphs[key] = self._capture(inputs) if self._worth(inputs) else None
+            self.graphs[key] = entry = None
         if entry is None:
             return self.fn(*inputs)
         for i, copy in entry.inputs:
@@ -68,7 +76,8 @@ class GraphRunner:
         return (len(self.graphs) < MAX_GRAPHS and torch.cuda.is_available()
                 and sum(x.nbytes for x in tensors) <= MAX_COPY_BYTES)
 
-    def _capture(self, inputs) -> _Graph:
+    def _capture(self, inputs) -> tuple:
+        """(the graph of a call on ``inputs``, the warm-up's outputs)."""
         copies = [(i, inputs[i].clone()) for i in self.changing
                   if isinstance(inputs[i], torch.Tensor)]
         args = list(inputs)
@@ -79,14 +88,16 @@ class GraphRunner:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            self.fn(*args)
-        torch.cuda.current_stream().wait_stream(stream)
+            warm = self.fn(*args)
+        current = torch.cuda.current_stream()
+        current.wait_stream(stream)
+        _map(warm, lambda t: t.record_stream(current))   # (allocated on the side stream)
         graph = torch.cuda.CUDAGraph()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         with torch.cuda.graph(graph, pool=self.pool):
             outputs = self.fn(*args)
-        return _Graph(graph, copies, outputs)
+        return _Graph(graph, copies, outputs), warm
 
 
 def _signature(x):

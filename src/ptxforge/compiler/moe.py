@@ -14,7 +14,10 @@ as they are.
 The pass finds the module by its parameters, takes the nodes Dynamo traced inside it
 (``nn_module_stack``), checks that they compute what the op computes (two grouped GEMMs on
 the two weights, SwiGLU between them over ``chunk(2)``), and replaces them all with the
-op, the weights quantized once here to 128x128 blocks.
+op, the weights quantized once here to 128x128 blocks. Compiled with ``ep_group``
+(``expert_parallel.py``), each rank quantizes only its slice of the experts, and the op is
+``moe_experts_fp8_ep``, which dispatches the tokens to the ranks holding their experts and
+combines what comes back.
 """
 
 from __future__ import annotations
@@ -44,9 +47,10 @@ class Experts:
     params: dict
 
 
-def rewrite_moe_experts(g: Graph, *, fp8: bool, arch_of) -> list[Replacement]:
-    """Each experts module of the graph -> ``ptxforge.moe_experts_fp8``, or the reason it
-    stays with Inductor."""
+def rewrite_moe_experts(g: Graph, *, fp8: bool, arch_of, ep=None) -> list[Replacement]:
+    """Each experts module of the graph -> ``ptxforge.moe_experts_fp8`` (with ``ep``, an
+    ``expert_parallel.ExpertParallel``: ``moe_experts_fp8_ep`` on this rank's experts), or
+    the reason it stays with Inductor."""
     plan = []
     for module, weights in _experts_modules(g).items():
         nodes = [n for n in g.graph.nodes if n.op not in ("placeholder", "output")
@@ -56,22 +60,27 @@ def rewrite_moe_experts(g: Graph, *, fp8: bool, arch_of) -> list[Replacement]:
         found, why = _match(g, module, nodes, weights)
         if why is None:
             _keep_router(g, found)
-            why = _why_not_taken(g, found, fp8, arch_of)
+            why = _why_not_taken(g, found, fp8, arch_of, ep)
         if why is not None:
             plan.append(Replacement("moe experts", module, None, why))
             continue
-        plan.append(_rewrite(g, module, nodes, found))
+        plan.append(_rewrite(g, module, nodes, found, ep))
     return plan
 
 
+def experts_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """path -> module, for ``model``'s experts modules: both weights 3-D."""
+    return {path: module for path, module in model.named_modules()
+            if all(getattr(getattr(module, w, None), "dim", lambda: 0)() == 3 for w in _WEIGHTS)}
+
+
 def looping_experts(model: torch.nn.Module) -> list[str]:
-    """The paths of ``model``'s experts modules (both weights, 3-D) that run transformers'
-    per-expert loop: that breaks Dynamo's graph at every expert, and no graph then holds
-    the module for this pass (``ptxforge.compile`` warns with these)."""
-    return [path for path, module in model.named_modules()
-            if all(getattr(getattr(module, w, None), "dim", lambda: 0)() == 3 for w in _WEIGHTS)
-            and getattr(getattr(module, "config", None), "_experts_implementation",
-                        None) != "grouped_mm"]
+    """The paths of ``model``'s experts modules that run transformers' per-expert loop:
+    that breaks Dynamo's graph at every expert, and no graph then holds the module for this
+    pass (``ptxforge.compile`` warns with these)."""
+    return [path for path, module in experts_modules(model).items()
+            if getattr(getattr(module, "config", None), "_experts_implementation",
+                       None) != "grouped_mm"]
 
 
 def _experts_modules(g: Graph) -> dict:
@@ -161,8 +170,9 @@ def _swiglu_between(mms, inside) -> bool:
     return False
 
 
-def _why_not_taken(g: Graph, found: Experts, fp8: bool, arch_of) -> str | None:
-    """Why the op cannot run these experts (sizes the kernels do not take, no FP8), or None."""
+def _why_not_taken(g: Graph, found: Experts, fp8: bool, arch_of, ep) -> str | None:
+    """Why the op cannot run these experts (sizes the kernels do not take, no FP8), or None.
+    With ``ep`` the grouped GEMMs run over this rank's experts."""
     if not fp8:
         return "the MoE lowering is FP8 (fp8=False keeps bf16 numerics: Inductor's)"
     gate_up = g.tensor(found.params["gate_up_proj"])
@@ -176,7 +186,8 @@ def _why_not_taken(g: Graph, found: Experts, fp8: bool, arch_of) -> str | None:
     arch, why = gpu_arch(gate_up, arch_of)
     if why is not None:
         return why
-    kernels = precompile.moe_kernels(experts, hidden, two_inner // 2,
+    local = experts if ep is None else len(ep.experts(experts))
+    kernels = precompile.moe_kernels(local, hidden, two_inner // 2,
                                      g.value(found.index).shape[-1], g.value(found.weights).dtype)
     try:   # every kernel the op launches (the GEMMs' sizes first), for one token and many
         for kernel in sorted(kernels, key=lambda kernel: not isinstance(kernel, precompile.GemmKernel)):
@@ -190,27 +201,40 @@ def _why_not_taken(g: Graph, found: Experts, fp8: bool, arch_of) -> str | None:
     return None
 
 
-def _rewrite(g: Graph, module: str, nodes: list, found: Experts) -> Replacement:
+def _rewrite(g: Graph, module: str, nodes: list, found: Experts, ep) -> Replacement:
     output = found.output
     gate_up, down = (g.tensor(found.params[name]) for name in _WEIGHTS)
     experts, two_inner, width = gate_up.shape
     g.folded.extend((gate_up, down))
+    if ep is not None:   # this rank's experts alone are quantized, and kept
+        gate_up, down = ep.shard(gate_up, down)
     name = "_ptxforge_" + module.replace("L['self'].", "").replace(".", "_")
     with g.graph.inserting_before(output):
         constants = []
         for label, w in (("gate_up", gate_up), ("down", down)):
             q, s = PTXFORGE.quantize_fp8_per_block(w.detach().reshape(-1, w.shape[-1]))
-            blocks = s.shape[0] // experts
+            blocks = s.shape[0] // w.shape[0]
             constants += [g.constant(f"{name}_{label}_w", q.view(w.shape)),
-                          g.constant(f"{name}_{label}_ws", s.view(experts, blocks, s.shape[1]))]
-        out = g.call(PTXFORGE.moe_experts_fp8.default,
-                     (found.hidden, found.index, found.weights, *constants))
+                          g.constant(f"{name}_{label}_ws", s.view(w.shape[0], blocks, s.shape[1]))]
+        arguments = (found.hidden, found.index, found.weights, *constants)
+        if ep is None:
+            out = g.call(PTXFORGE.moe_experts_fp8.default, arguments)
+        else:
+            out = g.call(PTXFORGE.moe_experts_fp8_ep.default, (*arguments, ep.buffer, ep.layout))
     out.meta.update({k: v for k, v in output.meta.items() if k != "example_value"})
     output.replace_all_uses_with(out)
     for node in reversed(nodes):
         g.graph.erase_node(node)
     top_k = g.value(found.index).shape[-1]
-    return Replacement("moe experts", module, "ptxforge.moe_experts_fp8",
-                       f"{experts} experts, top-{top_k}, gate_up [{two_inner}, {width}] and "
-                       f"down [{width}, {two_inner // 2}], fp8 128x128 blocks; masked or "
-                       f"contiguous layout chosen per call from the token count")
+    sizes = (f"gate_up [{two_inner}, {width}] and down [{width}, {two_inner // 2}], fp8 "
+             f"128x128 blocks")
+    if ep is None:
+        return Replacement("moe experts", module, "ptxforge.moe_experts_fp8",
+                           f"{experts} experts, top-{top_k}, {sizes}; masked or contiguous "
+                           f"layout chosen per call from the token count")
+    held = ep.experts(experts)
+    return Replacement("moe experts", module, "ptxforge.moe_experts_fp8_ep",
+                       f"experts [{held.start}, {held.stop}) of {experts} on rank {ep.rank} of "
+                       f"{ep.ranks}, top-{top_k}, {sizes}; the tokens dispatched to their "
+                       f"experts' ranks and combined back (ptxforge.ep: the "
+                       f"{'decode' if ep.layout == 'masked' else 'normal'} path)")

@@ -2,7 +2,8 @@
 ``operator.mul``, ``x.pow(2)`` as the model wrote them, parameters as placeholders).
 
     moe           a transformers experts module (grouped_mm) -> ptxforge.moe_experts_fp8
-                  (``moe.py``: permutation, grouped FP8 GEMMs, combine)
+                  (``moe.py``: permutation, grouped FP8 GEMMs, combine); compiled with
+                  ep_group, moe_experts_fp8_ep on this rank's experts (expert_parallel.py)
     upcast        F.linear(x.float(), w.float()) of bf16 x and w -> ptxforge.bf16_linear_f32
                   (the bf16 GEMM accumulating into f32: the same exact products)
     linears       Linear -> ptxforge.fp8_linear / bf16_linear, the weight (quantized, 128x128
@@ -506,11 +507,13 @@ def _kept_by_dce(node) -> bool:
     return node.is_impure()
 
 
-def rewrite(gm: torch.fx.GraphModule, example_inputs, *, fp8: bool, arch_of) -> list[Replacement]:
+def rewrite(gm: torch.fx.GraphModule, example_inputs, *, fp8: bool, arch_of,
+            ep=None) -> list[Replacement]:
     """Every pass, in order; returns the plan. The parameters whose values the graph now
-    holds a copy of (quantized or joined) are left in ``gm.ptxforge_folded``."""
+    holds a copy of (quantized or joined) are left in ``gm.ptxforge_folded``. ``ep``: the
+    experts sharded over a group (``expert_parallel.ExpertParallel``), or None."""
     g = Graph(gm, example_inputs)
-    plan = rewrite_moe_experts(g, fp8=fp8, arch_of=arch_of)
+    plan = rewrite_moe_experts(g, fp8=fp8, arch_of=arch_of, ep=ep)
     plan += rewrite_upcast_linears(g, arch_of)
     made, linear_plan = rewrite_linears(g, fp8=fp8, arch_of=arch_of)
     plan += linear_plan
