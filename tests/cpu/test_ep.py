@@ -68,40 +68,30 @@ def _body(ptx: str) -> list[str]:
 
 
 def test_dispatch_protocol_in_the_ptx():
-    """Counters: the bases read relaxed, waits acquire, publications release, all at system
-    scope; a tail published only after the bulk stores it counts have completed (not only
-    read their stages), each in the lane that issued them; the rings read only by bulk
-    copies, after a proxy fence that follows the acquire; every wait timed, with a record
-    and a trap, and so is an entry whose signature is not the receiver's."""
+    """Counters: the base read relaxed, waits acquire, publications release, all at system
+    scope; the rings' payload read without the non-coherent path; every wait timed, with a
+    record and a trap, and so is an entry whose signature is not the receiver's."""
     cfg = dispatch_kernel.choose_config(SM90, 2, 2048, 4, fp8=True, num_sms=4, slots=64)
     lines = _body(dispatch_kernel.generate(cfg).ptx())
-    # the sender's first head and its polls (twice: past the time limit, once more); the
-    # receiver's polls of the tails
+    # head, tail: each polled, and looked at once more past the time limit
     assert sum("ld.acquire.sys.global.u32" in line for line in lines) == 4
+    assert sum("st.release.sys.global.u32" in line for line in lines) == 2  # tail, head
     assert sum("ld.relaxed.sys.global.u32" in line for line in lines) == 2  # the bases
-    releases = [i for i, line in enumerate(lines) if "st.release.sys.global.u32" in line]
-    tails = [i for i in releases if "[%dispatch_tail_at]" in lines[i]]
-    assert len(tails) == 2 and len(releases) == 5  # every PUBLISH tokens and at the end; heads
-    assert lines[tails[0] - 1] == f"cp.async.bulk.wait_group {dispatch_kernel.PUBLISH};"
-    assert lines[tails[1] - 1] == "cp.async.bulk.wait_group 0;"
     assert sum(line == "trap;" for line in lines) == 3
     assert sum("st.relaxed.sys.global.v4.b32 [%error]" in line for line in lines) == 3
-    assert sum(f"mov.b32 %entry_tail1, {cfg.signature};" in line for line in lines) == 1
+    assert sum(f"st.global.u32 [%entry_at+{cfg.slot.signature}], {cfg.signature};" in line
+               for line in lines) == 1
     assert sum(f"setp.ne.u32 %mismatch, %sent_for, {cfg.signature};" in line
                for line in lines) == 1
-    # The rings' entries reach the receiver by bulk copies only, after acquire + fence.
-    receive = lines[next(i for i, line in enumerate(lines) if "not_a_sender" in line
-                         and line.endswith(":")):]
-    assert not [line for line in receive if line.startswith("ld.global")
-                and "layout_at" not in line and "own_buffer" not in line]
-    poll = next(i for i, line in enumerate(receive) if "ld.acquire.sys" in line)
-    fence = next(i for i, line in enumerate(receive) if "fence.proxy.async.global" in line)
-    load = [i for i, line in enumerate(receive) if "cp.async.bulk.shared::cluster" in line]
-    assert poll < fence and len(load) == 1
     # Only the sender's inputs and what the host wrote before the launch go through .nc.
     nc = [line for line in lines if ".nc" in line]
-    assert all(("%flag" in line or "%recv_" in line or "_buffer" in line) for line in nc), nc
-    assert sum(line.startswith("@%is_pair cp.async.ca") for line in lines) == 2  # top-k
+    assert all(("%copy" in line or "%flag" in line or "%scale" in line or "%topk" in line or
+                "%recv_" in line or "_buffer" in line) for line in nc), nc
+    receive = lines[next(i for i, line in enumerate(lines) if "not_a_sender" in line
+                         and line.endswith(":")):]
+    assert not [line for line in receive if line.startswith("ld.global.nc")
+                and "layout_at" not in line and "own_buffer" not in line]
+    assert sum("bar.sync %group_barrier" in line for line in lines) == 3
 
 
 def test_combine_sums_in_rank_order_in_f32():

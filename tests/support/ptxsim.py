@@ -3,7 +3,7 @@
 It runs the builder's PTX for the instruction subset the EP kernels use (integer and
 predicate arithmetic, f32 adds, products, maxima and reciprocals, bf16 packing, e4m3
 conversion, loads and stores of the global, shared and param spaces, reductions, ballots,
-shuffles, named barriers, branches, trap; bulk and cp.async copies with their mbarriers), one Python object a thread. Several launches (one a simulated rank) run interleaved over one flat
+shuffles, named barriers, branches, trap), one Python object a thread. Several launches (one a simulated rank) run interleaved over one flat
 global memory, so a kernel's loads and stores reach its peers' buffers as they would
 through CUDA IPC.
 
@@ -166,12 +166,8 @@ class Kernel:
             self.shared_bytes = -(-self.shared_bytes // int(align)) * int(align)
             self.shared[name] = self.shared_bytes
             self.shared_bytes += int(size)
-        # Dynamic shared memory (``.extern .shared``) lies after the static arrays; its size
-        # is the launch's.
-        for align, name in re.findall(r"^\.extern \.shared \.align (\d+) \.b8 (\w+)\[\];", ptx,
-                                      re.M):
-            self.shared_bytes = -(-self.shared_bytes // int(align)) * int(align)
-            self.shared[name] = self.shared_bytes
+        if re.search(r"^\.extern \.shared", ptx, re.M):
+            raise NotImplementedError("dynamic shared memory")
         self.params = re.findall(r"\.param \.\w+ (\w+)", ptx)
         body = ptx[ptx.index("{") + 1:ptx.rindex("}")]
         self.code, self.labels, self.polls = [], {}, []
@@ -184,8 +180,8 @@ class Kernel:
                 continue
             self.code.append(line.rstrip(";"))
         self.program = [self._compile(line) for line in self.code]
-        self.polls = [any(mark in line.split()[1 if line.startswith("@") else 0]
-                          for mark in (".acquire.", "mbarrier.try_wait")) for line in self.code]
+        self.polls = [".acquire." in line.split()[1 if line.startswith("@") else 0]
+                      for line in self.code]
 
     # Each instruction becomes (guard, negate, kind, function); function(thread) runs it.
     def _compile(self, line: str):
@@ -280,14 +276,9 @@ class Kernel:
                 return _assign(ops[0], lambda th: (_bf16_rn(hi(th)) << 16) | _bf16_rn(lo(th)))
             a, out = value(ops[1]), (1 << (8 * _WIDTH[q[-2]])) - 1
             return _assign(ops[0], lambda th: a(th) & out)
-        if kind == "neg":
-            a = value(ops[1])
-            return _assign(ops[0], lambda th: -a(th) & mask)
         if kind in ("ld", "st", "red"):
             return self._memory(opcode, q, ops)
-        if kind in ("cp", "mbarrier"):
-            return self._async(opcode, ops)
-        if kind in ("vote", "shfl", "bar", "redux"):
+        if kind in ("vote", "shfl", "bar"):
             return None  # collectives and barriers: the scheduler's
         raise NotImplementedError(f"ptxsim: {opcode}")
 
@@ -333,47 +324,6 @@ class Kernel:
             th.store(space, at, struct.pack(fmt, (old + value(th)) & mask))
         return reduce
 
-    def _address(self, text: str):
-        base, sign, offset = _ADDRESS.match(text).groups()
-        offset = int(offset or 0) * (-1 if sign == "-" else 1)
-        base_value = self._reader(base)
-        return lambda th: base_value(th) + offset
-
-    def _async(self, opcode, ops):
-        """Bulk and cp.async copies land at once (the memory is sequentially consistent);
-        an mbarrier counts its arrivals and transaction bytes, and its phase completes when
-        both reach zero. Bulk groups need no waiting."""
-        if opcode.startswith(("cp.async.bulk.commit_group", "cp.async.bulk.wait_group")):
-            return None
-        if opcode.startswith("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx"):
-            dst, src, size, bar = (self._address(ops[0]), self._address(ops[1]),
-                                   self._reader(ops[2]), self._address(ops[3]))
-
-            def bulk_load(th):
-                th.store("shared", dst(th), th.load("global", src(th), size(th)))
-                th.cta.mbarrier(bar(th), tx=-size(th))
-            return bulk_load
-        if opcode.startswith("cp.async.bulk.global.shared::cta"):
-            dst, src, size = self._address(ops[0]), self._address(ops[1]), self._reader(ops[2])
-            return lambda th: th.store("global", dst(th), th.load("shared", src(th), size(th)))
-        if opcode.startswith("cp.async.ca.shared.global"):
-            dst, src, size = self._address(ops[0]), self._address(ops[1]), int(ops[2])
-            return lambda th: th.store("shared", dst(th), th.load("global", src(th), size))
-        if opcode.startswith("cp.async.mbarrier.arrive.noinc"):
-            bar = self._address(ops[0])
-            return lambda th: th.cta.mbarrier(bar(th), arrivals=1)
-        if opcode.startswith("mbarrier.init"):
-            bar, count = self._address(ops[0]), self._reader(ops[1])
-            return lambda th: th.cta.mbarrier_init(bar(th), count(th))
-        if opcode.startswith("mbarrier.arrive.expect_tx"):
-            bar, size = self._address(ops[1]), self._reader(ops[2])
-            return lambda th: th.cta.mbarrier(bar(th), arrivals=1, tx=size(th))
-        if opcode.startswith("mbarrier.try_wait.parity"):
-            bar, parity = self._address(ops[1]), self._reader(ops[2])
-            return _assign(ops[0], lambda th: int(th.cta.mbarrier_phase(bar(th)) & 1
-                                                  != parity(th)))
-        raise NotImplementedError(f"ptxsim: {opcode}")
-
     def _reader(self, text: str):
         """A function of the thread giving the operand's value (bits, unsigned)."""
         if text.startswith("%"):
@@ -412,22 +362,6 @@ class _Cta:
         self.index, self.threads = index, threads
         self.shared = bytearray(max(shared_bytes, 1))
         self.barriers: dict[int, list] = {}
-        self.mbarriers: dict[int, list] = {}  # address: [count, pending, tx, completed phases]
-
-    def mbarrier_init(self, at: int, count: int) -> None:
-        self.mbarriers[at] = [count, count, 0, 0]
-
-    def mbarrier(self, at: int, *, arrivals: int = 0, tx: int = 0) -> None:
-        state = self.mbarriers[at]
-        state[1] -= arrivals
-        state[2] += tx
-        if state[1] < 0:
-            raise RuntimeError(f"mbarrier at {at:#x}: more arrivals than its count")
-        if state[1] == 0 and state[2] == 0:
-            state[1], state[3] = state[0], state[3] + 1
-
-    def mbarrier_phase(self, at: int) -> int:
-        return self.mbarriers[at][3]
 
 
 class _Thread:
@@ -451,13 +385,13 @@ class _Thread:
 
 
 class _Launch:
-    def __init__(self, name, kernel, grid, block, args, shared_bytes=0):
+    def __init__(self, name, kernel, grid, block, args):
         missing = set(kernel.params) - set(args)
         extra = set(args) - set(kernel.params)
         if missing or extra:
             raise TypeError(f"{name}: missing {sorted(missing)}, unknown {sorted(extra)}")
         self.name, self.kernel, self.args = name, kernel, args
-        self.ctas = [_Cta(i, block, kernel.shared_bytes + shared_bytes) for i in range(grid)]
+        self.ctas = [_Cta(i, block, kernel.shared_bytes) for i in range(grid)]
 
 
 class Simulator:
@@ -469,11 +403,9 @@ class Simulator:
         self._warps: dict = {}
         self._pace = pace
 
-    def launch(self, name: str, ptx_or_kernel, grid: int, block: int, *, shared_bytes: int = 0,
-               **args) -> None:
-        """``shared_bytes``: the launch's dynamic shared memory."""
+    def launch(self, name: str, ptx_or_kernel, grid: int, block: int, **args) -> None:
         kernel = ptx_or_kernel if isinstance(ptx_or_kernel, Kernel) else Kernel(ptx_or_kernel)
-        launch = _Launch(name, kernel, grid, block, args, shared_bytes)
+        launch = _Launch(name, kernel, grid, block, args)
         for cta in launch.ctas:
             for tid in range(block):
                 self.threads.append(_Thread(self, launch, cta, tid))
@@ -524,7 +456,7 @@ class Simulator:
             elif kind == "trap":
                 raise Trap(f"{th.launch.name}: CTA {th.cta.index} thread {th.tid} trapped at "
                            f"{code[th.pc]!r}")
-            elif kind in ("vote", "shfl", "redux") or code[th.pc].startswith("bar.warp.sync"):
+            elif kind in ("vote", "shfl") or code[th.pc].startswith("bar.warp.sync"):
                 self._collective(th, code[th.pc])
             elif kind == "bar":
                 self._barrier(th, code[th.pc])
@@ -548,12 +480,6 @@ class Simulator:
             p = kernel._reader(ops[1])
             ballot = sum(1 << lane for lane, t in enumerate(lanes) if p(t))
             results = [ballot] * 32
-        elif opcode.startswith("vote.sync.any"):
-            p = kernel._reader(ops[1])
-            results = [int(any(p(t) for t in lanes))] * 32
-        elif opcode.startswith("redux.sync.add"):
-            a = kernel._reader(ops[1])
-            results = [sum(a(t) for t in lanes) & 0xFFFFFFFF] * 32
         elif opcode.startswith("shfl.sync.idx"):
             a, b = kernel._reader(ops[1]), kernel._reader(ops[2])
             values = [a(t) for t in lanes]

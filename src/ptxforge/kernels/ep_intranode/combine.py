@@ -50,6 +50,7 @@ from ...patterns.copy import VECTOR_BYTES, warp_copy
 from ...ptx import KernelBuilder, LaunchShape, addr, sreg
 from . import common
 from .common import INPUT_LOAD, PAYLOAD_LOAD, STORE, check_entry
+from .dispatch import warps_per_peer
 from .plan import BATCH, MAX_TOPK, BufferPlan, signature
 
 
@@ -75,10 +76,9 @@ class CombineConfig(common.RingConfig):
 
 
 def combine_warps_per_peer(ranks: int) -> int:
-    """A power of two a peer (a warp takes the entries numbered its place in the group
-    modulo the count), 8 warps a CTA in all, so that a receiver thread may hold up to 255
+    """Half the dispatch's: 8 warps a CTA, so that a receiver thread may hold up to 255
     registers (its sum keeps ``unroll`` 16-byte loads from every rank in flight)."""
-    return max(1, 1 << ((8 // ranks).bit_length() - 1))
+    return max(1, warps_per_peer(ranks) // 2)
 
 
 def check_problem(hidden: int, topk: int = 0) -> None:

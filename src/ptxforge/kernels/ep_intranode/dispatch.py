@@ -2,60 +2,46 @@
 experts, through rings in the receivers' buffers (plan.py), and each rank copies what it
 receives into its outputs, grouped by source rank in token order.
 
-The bytes move by bulk copies through shared memory (the copy engine of each SM, TMA),
-so an SM keeps tens of entries in flight without holding them in registers; one warp a
-CTA issues them. Roles (common.py: CTA 2c sends on channel c, CTA 2c + 1 receives on it):
+Roles (common.py: CTA 2c sends on channel c, CTA 2c + 1 receives on it; one group of
+``warps_per_peer`` warps per peer rank):
 
-    sender       the channel's tokens [begin, end) of this rank (plan.channel_bounds), in
-                 token order, each token once however many ranks it goes to:
-                   load   the row (cp.async.bulk global -> shared, on the stage's mbarrier),
-                          its FP8 scales and top-k (cp.async, lanes), into one of ``stages``
-                          shared-memory entries laid out as a ring slot;
-                   store  lane d, for each rank d the token goes to: wait for room in ring
-                          (c, this rank) at d (head + slots > tail), then one bulk store
-                          of the slot (shared -> d's buffer over NVLink), and the slot's
-                          last 16 bytes (source token, signature, entry number) by st.v4;
-                 loads run up to half the stages ahead of the stores, and a lane's
-                 stores still reading their stages take the other half. Every PUBLISH tokens
-                 lane d waits until its bulk stores older than the last PUBLISH tokens have
-                 completed (cp.async.bulk.wait_group) and publishes the tail they reach
-                 with st.release.sys; the rest at the end.
-    receiver     lane s keeps source s's ring: its count and first row from recv_layout
-                 (the host's exchange), the entries taken, arrived, consumed. The lanes
-                 whose source has arrived entries each load one (a bulk copy of the whole
-                 slot, ring -> shared) into the next free stages, oldest stage first;
-                 then the warp empties the oldest stage: signature and number checked,
-                 source token, scales and top-k (local indices) stored by lanes, the row
-                 by one bulk store into recv_x; the source's lane frees the slot (head,
-                 st.release.sys) every PUBLISH entries and whenever the warp runs out of
-                 work, then polls every tail it still waits for (ld.acquire.sys).
+    sender, group d      the channel's tokens [begin, end) of this rank (plan.channel_bounds),
+                         32 at a time (one a lane): is_token_in_rank[t, d] -> a ballot; the
+                         batch's n tokens for d take ring entries tail .. tail + n - 1 in
+                         token order. Lane 0 of each warp waits (ld.acquire.sys of d's
+                         head) until the ring has room for all n; warp w of the group copies
+                         the entries numbered w mod warps_per_peer: the row (16-byte vectors,
+                         patterns/copy.py), the FP8 scales, the top-k indices and weights,
+                         the token's index. Then a named barrier over the group, and its
+                         leader publishes tail += n with st.release.sys into d's buffer.
+    receiver, group s    count and first row of what s sends on the channel (recv_layout,
+                         from the host's exchange of counts): until all arrived, the
+                         leader waits (ld.acquire.sys of the local tail) for new entries and
+                         hands their end to the group through shared memory (bar.sync);
+                         warp w copies entries w, w + warps_per_peer, ... to rows first +
+                         i of the outputs (top-k indices made local: e - rank * E / R
+                         where the expert is this rank's, else -1 with weight 0); a second
+                         bar.sync, then the leader publishes head with st.release.sys.
 
 Counters run on from launch to launch (plan.py): a sender starts from the tail it left in
 the receiver's buffer, a receiver from the head it left in its own; both read them with
 ld.relaxed.sys, as only they write them. The host's exchange makes both ends agree on
 how many entries each ring carries per launch, so they stay equal.
 
-Memory orders. A sender's lane d orders its slot's bytes before the tail it publishes:
-the bulk stores by waiting for their completion (wait_group, not .read, in the lane that
-issued them), the st.v4 by program order, then its own st.release.sys. A receiver's lane
-acquires the tail (ld.acquire.sys), then a proxy fence (fence.proxy.async.global) orders
-the bulk loads it issues next after what it acquired. A slot is freed once its bulk load
-has landed (the stage's mbarrier), so the head's release comes after the read. Shared
-memory: a stage's mbarrier carries the load's bytes and the cp.async arrivals; a fence
-(fence.proxy.async.shared::cta) before a stage's bulk store orders the lanes' cp.async
-writes for the copy engine; a stage is refilled only after the bulk stores that read it
-have read it (wait_group.read).
-
-Cache hints: the payload in a ring is written by another GPU while the kernel runs, so
-it is read only by the bulk copy, after the acquire and proxy fence; inputs nothing
-writes meanwhile (x, scales, top-k, is_token_in_rank, recv_layout, peers) are read with
-cp.async or ``ld.global.nc``.
+Memory orders and cache hints: the release of a tail orders the group's payload stores
+before it (bar.sync, then one thread's release, cumulative); the receiver's acquire
+orders its loads of the entries after it; the head's release orders those loads before
+the sender, after its acquire of the head, overwrites the entries. The payload is read
+with weak loads that skip L1 (``L1::no_allocate``) and never through the non-coherent
+path, which may hold a stale line of a ring another GPU rewrote; the sender's inputs
+(x, scales, top-k), which nothing writes while the kernel runs, are read with
+``ld.global.nc``. Stores to a peer's ring bypass L1 too.
 
 Each wait is timed (patterns/poll.py): past ``timeout_ns`` the thread writes a record
 (what it waited for, channel, peer, the counter seen) to mapped host memory and traps.
 
 Compile-time: ranks, hidden size, bf16 or e4m3 rows, k (whether top-k travels), channels,
-ring slots, stages. Run-time: T, this rank, E / R, the pointers and strides.
+ring slots, warps per peer. Run-time: T, this rank, E / R, the pointers and strides.
 """
 
 from __future__ import annotations
@@ -64,15 +50,12 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 from ...arch import Arch
-from ...patterns.pipeline import BARRIER_BYTES, wait_parity
+from ...patterns.copy import lane_words_load, lane_words_store, warp_copy
 from ...ptx import KernelBuilder, LaunchShape, addr, sreg
 from . import common
 from .plan import BATCH, MAX_TOPK, SCALE_GROUP, DispatchSlot, signature
 
-THREADS = 32          # one warp a CTA issues every copy
-MAX_STAGES = 32       # shared-memory entries a CTA cycles through
-PUBLISH = 16          # tokens (sender) or entries (receiver) between publications
-STAGE_INFO = 3        # u32 words a stage's bookkeeping takes: token or row, mask or entry, source
+MAX_THREADS = 1024
 
 
 @dataclass(frozen=True)
@@ -80,26 +63,23 @@ class DispatchConfig(common.RingConfig):
     fp8: bool
     topk: int
     with_topk: bool      # top-k indices and weights travel with the rows
-    stages: int          # slots of shared memory a CTA holds in flight
 
     @property
     def name(self) -> str:
         return (f"ep_intranode_dispatch_r{self.ranks}_h{self.hidden}_"
                 f"{'e4m3' if self.fp8 else 'bf16'}_k{self.topk if self.with_topk else 0}_"
-                f"c{self.channels}_s{self.slots}_st{self.stages}")
+                f"c{self.channels}_s{self.slots}_w{self.warps_per_peer}")
 
     @property
     def slot(self) -> DispatchSlot:
         return DispatchSlot(self.hidden, self.topk if self.with_topk else 0, self.fp8)
 
     @property
-    def threads(self) -> int:
-        return THREADS
-
-    @property
-    def shared_bytes(self) -> int:
-        """The stages (dynamic shared memory): one ring slot each."""
-        return self.stages * self.slot.bytes
+    def copy_unroll(self) -> int:
+        """A lane's row vectors in flight: 16 for e4m3 rows (a 7168-byte row in one round),
+        4 for bf16 ones, whose kernel already holds 126 of its 128 registers a thread (512
+        threads an SM)."""
+        return 16 if self.fp8 else 4
 
     @property
     def signature(self) -> int:
@@ -108,23 +88,10 @@ class DispatchConfig(common.RingConfig):
                          self.slots)
 
 
-def stores_in_flight(stages: int) -> int:
-    """Bulk stores a lane leaves reading their stages before it loads into another: half
-    the stages (the other half hold loads in flight). A store reads its stage as its
-    bytes leave, so one store at a time would pace the warp by one round trip."""
-    return (stages - 1) // 2
-
-
-def stages_for(arch: Arch, slot: DispatchSlot) -> int:
-    """The stages a CTA's shared memory holds (up to MAX_STAGES), besides the barriers and
-    bookkeeping; at least 2, else the row is too wide for the pipeline."""
-    static = MAX_STAGES * (BARRIER_BYTES + 4 * STAGE_INFO)
-    stages = min(MAX_STAGES, (arch.max_shared_memory_per_block - static) // slot.bytes)
-    if stages < 2:
-        raise ValueError(f"hidden size {slot.hidden} ({'e4m3' if slot.fp8 else 'bf16'}) needs "
-                         f"{2 * slot.bytes} bytes of shared memory for two ring slots; the "
-                         f"device has {arch.max_shared_memory_per_block} a CTA")
-    return stages
+def warps_per_peer(ranks: int) -> int:
+    """The warps a CTA gives each peer: a power of two (a warp takes the entries numbered
+    its place in the group modulo the count), up to 16 warps a CTA in all."""
+    return 1 << ((16 // ranks).bit_length() - 1)
 
 
 def check_hidden(hidden: int, fp8: bool) -> None:
@@ -141,30 +108,24 @@ def check_topk(topk: int) -> None:
 
 
 def choose_config(arch: Arch, ranks: int, hidden: int, topk: int, *, fp8: bool,
-                  with_topk: bool = True, num_sms: int = 20, slots: int = 128,
-                  stages: int | None = None) -> DispatchConfig:
-    """Channels: half the SM budget; stages: as many as shared memory holds (or
-    ``stages``, at least 2)."""
+                  with_topk: bool = True, num_sms: int = 20, slots: int = 128) -> DispatchConfig:
+    """Channels: half the SM budget; warps: ``warps_per_peer``. Nothing is tuned yet."""
     check_hidden(hidden, fp8)
     check_topk(topk)
     channels = common.channels_for(arch, ranks, num_sms, slots, "dispatch")
-    arch.require("tma", "the dispatch kernel (bulk copies)")
-    slot = DispatchSlot(hidden, topk if with_topk else 0, fp8)
-    most = stages_for(arch, slot)
-    if stages is not None and not 2 <= stages <= most:
-        raise ValueError(f"stages must be 2 to {most} for this row size, got {stages}")
     return DispatchConfig(ranks=ranks, hidden=hidden, channels=channels, slots=slots,
-                          warps_per_peer=1, target=arch.target, fp8=fp8, topk=topk,
-                          with_topk=with_topk, stages=stages or most)
+                          warps_per_peer=warps_per_peer(ranks), target=arch.target, fp8=fp8,
+                          topk=topk, with_topk=with_topk)
 
 
 def generate(cfg: DispatchConfig) -> KernelBuilder:
+    # One CTA an SM (the grid is the SM budget): ptxas may give a thread every register
+    # the CTA's size allows, where it would otherwise spill to fit more CTAs.
     k = KernelBuilder(cfg.name, target=cfg.target, max_threads=cfg.threads, min_blocks_per_sm=1)
-    k.launch = LaunchShape(block=cfg.threads, shared_bytes=cfg.shared_bytes, cooperative=True)
+    k.launch = LaunchShape(block=cfg.threads, cooperative=True)
     p = _Params(k, cfg)
-    t = common.prologue(k, 1)
+    t = common.prologue(k, cfg.warps_per_peer)
     common.scalars(k, t, p)
-    t.stages = _stages(k, cfg, t)
     with k.if_(t.sender, "not_a_sender", uniform=True):
         _send(k, cfg, p, t)
     with k.if_(~t.sender, "not_a_receiver", uniform=True):
@@ -197,304 +158,188 @@ class _Params:
         self.recv_src_idx = k.param("recv_src_idx", "u64")      # int32 [N]
 
 
-def _stages(k: KernelBuilder, cfg: DispatchConfig, t) -> SimpleNamespace:
-    """The stages (dynamic shared memory, a ring slot each), their mbarriers and
-    bookkeeping words (static), the barriers initialised by lane 0. A sender's barrier
-    also counts the lanes' cp.async arrivals (``.noinc``)."""
-    st = SimpleNamespace()
-    data = k.dynamic_shared("stages", align=128)
-    bars = k.shared("stage_bars", cfg.stages * BARRIER_BYTES, align=8)
-    info = k.shared("stage_info", cfg.stages * 4 * STAGE_INFO, align=4)
-    st.data, st.bars, st.info = (k.reg("u32", n) for n in ("stages", "stage_bars", "stage_info"))
-    k.mov(st.data, data)
-    k.mov(st.bars, bars)
-    k.mov(st.info, info)
-    st.lane_copies = cfg.fp8 or cfg.with_topk
-    arrivals = k.reg("u32", "stage_arrivals")
-    k.selp(arrivals, 1 + THREADS if st.lane_copies else 1, 1, t.sender)
-    with k.stage("stage barriers: one arrival (the load's bytes), and the lanes' cp.async"):
-        with k.if_(t.lane0, "not_initialising"):
-            for s in range(cfg.stages):
-                k.mbarrier_init(addr(st.bars, s * BARRIER_BYTES), arrivals)
-            k.fence_mbarrier_init()
-        k.fence_proxy_async()
-        k.bar_warp_sync()
-    return st
-
-
-def _stage_at(k, st, stage, slot_bytes: int, hint: str):
-    """(data, barrier, info) shared addresses of stage ``stage``."""
-    data, bar, info = (k.reg("u32", f"{hint}_{n}") for n in ("data", "bar", "info"))
-    k.mad(data, stage, slot_bytes, st.data)
-    k.mad(bar, stage, BARRIER_BYTES, st.bars)
-    k.mad(info, stage, 4 * STAGE_INFO, st.info)
-    return data, bar, info
-
-
-def _advance(k, stage, phase, stages: int) -> None:
-    wrapped = k.pred("stage_wrapped")
-    k.add(stage, stage, 1)
-    k.setp("ge", wrapped, stage, stages)
-    with k.guard(wrapped):
-        k.mov(stage, 0)
-    if phase is not None:
-        with k.guard(wrapped):
-            k.xor(phase, phase, 1)
-
-
-# ---------------------------------------------------------------------------- sender
 def _send(k, cfg, p, t) -> None:
     s = SimpleNamespace()
-    slot = cfg.slot
-    with k.stage("sender: lane d keeps ring (channel, this rank) at rank d"):
+    with k.stage("sender: the peer's ring and counters, the channel's tokens"):
         tokens = k.reg("u32", "tokens")
         k.ld_param(tokens, p.tokens)
         s.begin, s.end = common.channel_tokens(k, tokens, t.channel, cfg.channels)
-        s.dest = k.pred("is_destination")
-        k.setp("lt", s.dest, t.lane, cfg.ranks)
         peer_buffer = k.reg("u64", "peer_buffer")
-        k.mov(peer_buffer, 0)
-        with k.guard(s.dest):
-            k.mad(peer_buffer, t.lane, 8, t.peers, mode="wide")
-        with k.guard(s.dest):
-            k.ld(peer_buffer, addr(peer_buffer), nc=True)
+        common.buffer_of(k, peer_buffer, t.peers, t.group)
         s.ring = common.ring(k, peer_buffer, cfg.plan.dispatch_rings,
-                             cfg.plan.dispatch_ring_bytes(slot), t.channel, t.rank, cfg.ranks)
+                             cfg.plan.dispatch_ring_bytes(cfg.slot), t.channel, t.rank, cfg.ranks)
         s.tail_at = common.counter(k, peer_buffer, cfg.plan, "dispatch_tail", t.channel, t.rank)
         s.head_at = common.counter(k, peer_buffer, cfg.plan, "dispatch_head", t.channel, t.rank)
-        s.tail, s.head, s.published = (k.reg("u32", n) for n in ("tail", "head", "published"))
-        k.mov(s.tail, 0)
-        k.mov(s.head, 0)
-        with k.guard(s.dest):
-            k.ld(s.tail, addr(s.tail_at), sem="relaxed", scope="sys")
-        with k.guard(s.dest):
-            k.ld(s.head, addr(s.head_at), sem="acquire", scope="sys")
-        k.mov(s.published, s.tail)
+        s.tail = k.reg("u32", "tail")  # entries published since the buffer's creation
+        k.ld(s.tail, addr(s.tail_at), sem="relaxed", scope="sys")
         s.in_rank = k.reg("u64", "in_rank")
         k.ld_param(s.in_rank, p.is_token_in_rank)
-    c = SimpleNamespace(**{n: k.reg("u32", n) for n in (
-        "produced", "consumed", "load_stage", "store_stage", "store_phase", "next_batch",
-        "batch_first", "pending", "mask")})
-    for name in ("produced", "consumed", "load_stage", "store_stage", "store_phase", "pending",
-                 "mask"):
-        k.mov(getattr(c, name), 0)
-    k.mov(c.next_batch, s.begin)
-    top, done = k.label("send"), k.label("send_end")
-    more, ahead, full, has = (k.pred(n) for n in ("more_tokens", "loads_ahead", "pipe_full",
-                                                  "loaded"))
-    in_flight = k.reg("u32", "in_flight")
-    k.place(top)
-    with k.stage("the next batch of 32 tokens with a destination, once these are sent"):
-        refill = k.label("refill")
-        k.place(refill)
-        k.setp("eq", more, c.pending, 0)
-        k.setp("lt", ahead, c.next_batch, s.end)
-        k.and_pred(more, more, ahead)
-        with k.if_(more, "no_refill", uniform=True):
-            _next_batch(k, cfg, t, s, c)
-            k.bra(refill, uniform=True)
-    with k.stage("load: the next token into a free stage while fewer than half wait"):
-        k.sub(in_flight, c.produced, c.consumed)
-        k.setp("lt", full, in_flight, cfg.stages - 1 - stores_in_flight(cfg.stages))
-        k.setp("ne", more, c.pending, 0)
-        k.and_pred(more, more, full)
-        with k.if_(more, "no_load", uniform=True):
-            _load_token(k, cfg, p, t, c)
-            k.bra(top, uniform=True)
-    with k.stage("store: the oldest loaded token to every rank it goes to"):
-        k.setp("lt", has, c.consumed, c.produced)
-        with k.if_(has, "no_store", uniform=True):
-            _store_token(k, cfg, t, s, c)
-            k.bra(top, uniform=True)
-    k.place(done)
-    with k.stage("the end: every store complete, then the final tails"):
-        with k.if_(s.dest, "not_publishing"):
-            k.cp_async_bulk_wait_group(0)
-            k.st(addr(s.tail_at), s.tail, sem="release", scope="sys")
+        s.lanes_below = k.reg("u32", "lanes_below")
+        k.mov(s.lanes_below, sreg.lanemask_lt)
+    first, token, flag = k.reg("u32", "batch_first"), k.reg("u32", "lane_token"), k.reg(
+        "u32", "flag")
+    flag_index, flag_at = k.reg("u32", "flag_index"), k.reg("u64", "flag_at")
+    in_batch, goes, any_sent = k.pred("in_batch"), k.pred("goes"), k.pred("any_sent")
+    ballot, n = k.reg("b32", "ballot"), k.reg("u32", "batch_count")
+    head, room_end, used = k.reg("u32", "head"), k.reg("u32", "room_end"), k.reg("u32", "used")
+    fits, publish = k.pred("fits"), k.pred("publish")
+    with k.loop(first, s.end, start=s.begin, step=BATCH, uniform=True, hint="send_batch"):
+        with k.stage("the batch's tokens for the peer: a ballot of is_token_in_rank[t, peer]"):
+            k.add(token, first, t.lane)
+            k.setp("lt", in_batch, token, s.end)
+            k.mov(flag, 0)
+            k.mad(flag_index, token, cfg.ranks, t.group)
+            k.mad(flag_at, flag_index, 1, s.in_rank, mode="wide")
+            with k.guard(in_batch):
+                k.ld(flag, addr(flag_at), nc=True, type="u8")
+            k.setp("ne", goes, flag, 0)
+            k.vote_sync(ballot, goes, mode="ballot")
+            k.popc(n, ballot)
+            k.setp("ne", any_sent, n, 0)
+        with k.if_(any_sent, "nothing_to_send", uniform=True):
+            with k.stage("wait for room: head + slots >= tail + n"):
+                k.add(room_end, s.tail, n)
+
+                def room(seen):
+                    k.sub(used, room_end, seen)
+                    k.setp("le", fits, used, cfg.slots)
+                    return fits
+
+                with k.if_(t.lane0, "not_polling"):
+                    t.watchdog.wait(head, addr(s.head_at), room, code=common.DISPATCH_SEND,
+                                    channel=t.channel, peer=t.group)
+                k.bar_warp_sync()
+            _send_batch(k, cfg, p, t, s, first, ballot)
+        with k.stage("publish: the group's entries, then tail += n (st.release.sys)"):
+            k.bar_sync(t.barrier, 32 * cfg.warps_per_peer)
+            k.add(s.tail, s.tail, n)
+            k.and_pred(publish, t.leader, any_sent)
+            with k.guard(publish):
+                k.st(addr(s.tail_at), s.tail, sem="release", scope="sys")
 
 
-def _next_batch(k, cfg, t, s, c) -> None:
-    """Lane i: the ranks token next_batch + i goes to (a bit each, ``mask``); ``pending``:
-    the ballot of the tokens that go anywhere."""
-    token, flag, at = k.reg("u32", "lane_token"), k.reg("u32", "flag"), k.reg("u64", "flag_at")
-    in_batch, goes = k.pred("in_batch"), k.pred("goes")
-    k.add(token, c.next_batch, t.lane)
-    k.setp("lt", in_batch, token, s.end)
-    k.mov(c.mask, 0)
-    k.mul(at, token, cfg.ranks, mode="wide")
-    k.add(at, at, s.in_rank)
-    for d in range(cfg.ranks):
-        k.mov(flag, 0)
-        with k.guard(in_batch):
-            k.ld(flag, addr(at, d), nc=True, type="u8")
-        k.setp("ne", goes, flag, 0)
-        with k.guard(goes):
-            k.or_(c.mask, c.mask, 1 << d)
-    k.setp("ne", goes, c.mask, 0)
-    k.vote_sync(c.pending, goes, mode="ballot")
-    k.mov(c.batch_first, c.next_batch)
-    k.add(c.next_batch, c.next_batch, BATCH)
+def _send_batch(k, cfg, p, t, s, first, ballot) -> None:
+    """Token i of the batch, if it goes to the peer, takes entry tail + (the batch's tokens
+    for the peer before it); warp ``member`` copies the entries numbered member modulo
+    warps_per_peer."""
+    i, bit, below, entry, owner = (k.reg("u32", name) for name in (
+        "batch_lane", "bit", "before", "entry", "owner"))
+    mine = k.pred("mine")
+    with k.loop(i, BATCH, uniform=True, hint="batch_token"):
+        k.bfe(bit, ballot, i, 1, type="u32")
+        k.shl(below, 1, i, type="b32")
+        k.sub(below, below, 1)
+        k.and_(below, below, ballot)
+        k.popc(below, below)
+        k.add(entry, s.tail, below)
+        k.and_(owner, entry, cfg.warps_per_peer - 1)
+        k.setp("eq", mine, owner, t.member)
+        has = k.pred("has")
+        k.setp("ne", has, bit, 0)
+        k.and_pred(mine, mine, has)
+        with k.if_(mine, "not_mine", uniform=True):
+            token = k.reg("u32", "token")
+            k.add(token, first, i)
+            _send_token(k, cfg, p, t, s, token, entry)
 
 
-def _load_token(k, cfg, p, t, c) -> None:
-    """The first pending token: its ranks (shuffled from its lane) and index into the
-    stage's bookkeeping; scales and top-k by the lanes' cp.async, the row by lane 0's bulk
-    copy, all completing on the stage's mbarrier."""
+def _send_token(k, cfg, p, t, s, token, entry) -> None:
+    """Entry ``entry`` of the ring: the token's row, scales, top-k and index. Every load
+    goes out before the first store (the row's in one round, 16 vectors a lane for e4m3),
+    so that an entry costs one load latency, not one a part."""
     slot = cfg.slot
-    low, lane, token, mask = (k.reg("u32", n) for n in ("lowest", "token_lane", "token",
-                                                        "token_mask"))
-    k.neg(low, c.pending, type="s32")
-    k.and_(low, low, c.pending)
-    k.bfind(lane, low)
-    k.xor(c.pending, c.pending, low)
-    k.add(token, c.batch_first, lane)
-    k.shfl_sync(mask, c.mask, lane, mode="idx")
-    data, bar, info = _stage_at(k, t.stages, c.load_stage, slot.bytes, "load")
-    with k.if_(t.lane0, "not_recording"):
-        k.st(addr(info), token, space="shared")
-        k.st(addr(info, 4), mask, space="shared")
+    src, dst, slot_index = k.reg("u64", "x_row"), k.reg("u64", "entry_at"), k.reg(
+        "u32", "slot_index")
+    k.ld_param(src, p.x)
+    k.mad(src, token, slot.row_bytes, src, mode="wide")
+    k.and_(slot_index, entry, cfg.slots - 1)
+    k.mad(dst, slot_index, slot.bytes, s.ring, mode="wide")
+    stores = []
     if cfg.fp8:
-        _copy_scales(k, cfg, p, t, token, data)
+        stores.append(_load_scales(k, cfg, p, t, token, dst))
     if cfg.with_topk:
-        _copy_topk(k, cfg, p, t, token, data)
-    if t.stages.lane_copies:
-        k.cp_async_mbarrier_arrive(addr(bar))
-    with k.if_(t.lane0, "not_loading"):
-        src = k.reg("u64", "x_row")
-        k.ld_param(src, p.x)
-        k.mad(src, token, slot.row_bytes, src, mode="wide")
-        k.mbarrier_arrive_expect_tx(addr(bar), slot.row_bytes)
-        k.cp_async_bulk_load(addr(data), addr(src), slot.row_bytes, addr(bar))
-    k.add(c.produced, c.produced, 1)
-    _advance(k, c.load_stage, None, cfg.stages)
+        stores.append(_load_topk(k, cfg, p, t, token, dst))
+    warp_copy(k, dst, src, slot.row_bytes, t.lane, load=common.INPUT_LOAD, store=common.STORE,
+              unroll=cfg.copy_unroll)
+    for store in stores:
+        store()
+    with k.if_(t.lane0, "not_lane0"):
+        k.st(addr(dst, slot.source), token)
+        k.st(addr(dst, slot.signature), cfg.signature, type="u32")
+        k.st(addr(dst, slot.number), entry)
 
 
-def _copy_scales(k, cfg, p, t, token, data) -> None:
-    """Lane j copies scales j, j + 32, ... (x_scales[token, j] at token *
-    scale_token_stride + j * scale_group_stride elements) into the stage."""
+def _load_scales(k, cfg, p, t, token, dst):
+    """Lane j loads scales j, j + 32, ... of the token (x_scales[token, j] lies at
+    token * scale_token_stride + j * scale_group_stride elements); returns the emitter of
+    their stores into the entry at ``dst``."""
     slot = cfg.slot
+    trips = -(-slot.scale_groups // 32)
     token_stride, group_stride = k.reg("u32", "scale_token_stride"), k.reg(
         "u32", "scale_group_stride")
     k.ld_param(token_stride, p.scale_token_stride)
     k.ld_param(group_stride, p.scale_group_stride)
-    src, offset, base = k.reg("u64", "scale_at"), k.reg("u64", "scale_offset"), k.reg(
-        "u64", "x_scales")
-    k.ld_param(base, p.x_scales)
-    group, dst = k.reg("u32", "scale_group"), k.reg("u32", "scale_dst")
-    in_row = k.pred("scale_in_row")
-    for trip in range(-(-slot.scale_groups // 32)):
+    src, offset = k.reg("u64", "scale_at"), k.reg("u64", "scale_offset")
+    scales, in_row = k.regs("b32", trips, "scale"), k.regs("pred", trips, "scale_in_row")
+    group = k.reg("u32", "scale_group")
+    for trip in range(trips):
         k.add(group, t.lane, 32 * trip)
-        k.setp("lt", in_row, group, slot.scale_groups)
+        k.setp("lt", in_row[trip], group, slot.scale_groups)
         k.mul(offset, token, token_stride, mode="wide")
         k.mad(offset, group, group_stride, offset, mode="wide")
-        k.mad(src, offset, 4, base)
-        k.mad(dst, group, 4, data)
-        with k.guard(in_row):
-            k.cp_async(addr(dst, slot.scales), addr(src), 4)
+        k.ld_param(src, p.x_scales)
+        k.shl(offset, offset, 2)
+        k.add(src, src, offset)
+        with k.guard(in_row[trip]):
+            k.ld(scales[trip], addr(src), **common.INPUT_LOAD)
+
+    def store():
+        lane_words_store(k, dst, scales, in_row, t.lane, store={}, name="scale",
+                         offset=slot.scales)
+    return store
 
 
-def _copy_topk(k, cfg, p, t, token, data) -> None:
-    """Lane j < k copies the token's index j (int64) and weight j (f32) into the stage."""
+def _load_topk(k, cfg, p, t, token, dst):
+    """Lane j < k loads the token's index j (int64) and weight j (f32); returns the
+    emitter of their stores into the entry at ``dst``."""
     slot = cfg.slot
     is_pair = k.pred("is_pair")
     k.setp("lt", is_pair, t.lane, cfg.topk)
-    pair, src, dst = k.reg("u32", "pair"), k.reg("u64", "pair_at"), k.reg("u32", "pair_dst")
+    pair, src, at = k.reg("u32", "pair"), k.reg("u64", "pair_at"), k.reg("u64", "pair_dst")
+    index, weight = k.reg("b64", "topk_index"), k.reg("b32", "topk_weight")
     k.mad(pair, token, cfg.topk, t.lane)
     k.ld_param(src, p.topk_idx)
     k.mad(src, pair, 8, src, mode="wide")
-    k.mad(dst, t.lane, 8, data)
     with k.guard(is_pair):
-        k.cp_async(addr(dst, slot.topk_idx), addr(src), 8)
+        k.ld(index, addr(src), **common.INPUT_LOAD)
     k.ld_param(src, p.topk_weights)
     k.mad(src, pair, 4, src, mode="wide")
-    k.mad(dst, t.lane, 4, data)
     with k.guard(is_pair):
-        k.cp_async(addr(dst, slot.topk_weights), addr(src), 4)
+        k.ld(weight, addr(src), **common.INPUT_LOAD)
+
+    def store():
+        k.mad(at, t.lane, 8, dst, mode="wide")
+        with k.guard(is_pair):
+            k.st(addr(at, slot.topk_idx), index)
+        k.mad(at, t.lane, 4, dst, mode="wide")
+        with k.guard(is_pair):
+            k.st(addr(at, slot.topk_weights), weight)
+    return store
 
 
-def _store_token(k, cfg, t, s, c) -> None:
-    """The oldest loaded stage to each of its token's ranks (lane d: rank d), one bulk
-    group a lane a token; then the stage of the token before is free, and every PUBLISH
-    tokens the tails reached PUBLISH tokens ago are published."""
-    slot = cfg.slot
-    data, bar, info = _stage_at(k, t.stages, c.store_stage, slot.bytes, "store")
-    wait_parity(k, addr(bar), c.store_phase, "wait_loaded", uniform=True)
-    k.fence_proxy_async()  # the lanes' cp.async writes, before the copy engine reads them
-    token, mask, bit = k.reg("u32", "stored_token"), k.reg("u32", "stored_mask"), k.reg(
-        "u32", "rank_bit")
-    k.ld(token, addr(info), space="shared")
-    k.ld(mask, addr(info, 4), space="shared")
-    k.bfe(bit, mask, t.lane, 1, type="u32")
-    goes = k.pred("goes_here")
-    k.setp("ne", goes, bit, 0)
-    k.and_pred(goes, goes, s.dest)
-    with k.if_(goes, "not_this_rank"):
-        used, dst, slot_index = k.reg("u32", "used"), k.reg("u64", "entry_at"), k.reg(
-            "u32", "slot_index")
-        fits = k.pred("fits")
-        k.sub(used, s.tail, s.head)
-        k.setp("lt", fits, used, cfg.slots)
-        with k.if_(~fits, "room"):
-            def room(seen):
-                k.sub(used, s.tail, seen)
-                k.setp("lt", fits, used, cfg.slots)
-                return fits
-
-            t.watchdog.wait(s.head, addr(s.head_at), room, code=common.DISPATCH_SEND,
-                            channel=t.channel, peer=t.lane)
-        k.and_(slot_index, s.tail, cfg.slots - 1)
-        k.mad(dst, slot_index, slot.bytes, s.ring, mode="wide")
-        k.cp_async_bulk_store(addr(dst), addr(data), slot.source)
-        words = k.regs("b32", 4, "entry_tail")
-        for word, value in zip(words, (token, cfg.signature, s.tail, 0)):
-            k.mov(word, value, type="b32")
-        k.st(addr(dst, slot.source), words, **common.STORE)
-        k.add(s.tail, s.tail, 1)
-    with k.if_(s.dest, "not_committing"):
-        k.cp_async_bulk_commit_group()
-        k.cp_async_bulk_wait_group(stores_in_flight(cfg.stages), read=True)
-    k.bar_warp_sync()  # the stages the waits freed, before any lane refills one
-    k.add(c.consumed, c.consumed, 1)
-    _advance(k, c.store_stage, c.store_phase, cfg.stages)
-    checkpoint, lag = k.reg("u32", "checkpoint"), k.pred("publish")
-    k.and_(checkpoint, c.consumed, PUBLISH - 1)
-    k.setp("eq", lag, checkpoint, 0)
-    k.and_pred(lag, lag, s.dest)
-    with k.if_(lag, "not_publishing_yet"):
-        k.cp_async_bulk_wait_group(PUBLISH)
-        k.st(addr(s.tail_at), s.published, sem="release", scope="sys")
-        k.mov(s.published, s.tail)
-
-
-# ---------------------------------------------------------------------------- receiver
 def _receive(k, cfg, p, t) -> None:
     r = SimpleNamespace()
-    slot = cfg.slot
-    with k.stage("receiver: lane s keeps this rank's ring (channel, s)"):
-        r.source = k.pred("is_source")
-        k.setp("lt", r.source, t.lane, cfg.ranks)
-        r.total, r.first = k.reg("u32", "recv_count"), k.reg("u32", "recv_first")
-        k.mov(r.total, 0)
-        k.mov(r.first, 0)
-        with k.if_(r.source, "not_a_source"):
-            total, first = common.recv_entry(k, p, t.lane, t.channel, cfg.channels, cfg.ranks)
-            k.mov(r.total, total)
-            k.mov(r.first, first)
+    with k.stage("receiver: this rank's ring from the peer, its counters, the rows it fills"):
+        r.total, r.first_row = common.recv_entry(k, p, t.group, t.channel, cfg.channels,
+                                                 cfg.ranks)
         own = k.reg("u64", "own_buffer")
         common.buffer_of(k, own, t.peers, t.rank)
         r.ring = common.ring(k, own, cfg.plan.dispatch_rings,
-                             cfg.plan.dispatch_ring_bytes(slot), t.channel, t.lane, cfg.ranks)
-        r.tail_at = common.counter(k, own, cfg.plan, "dispatch_tail", t.channel, t.lane)
-        r.head_at = common.counter(k, own, cfg.plan, "dispatch_head", t.channel, t.lane)
+                             cfg.plan.dispatch_ring_bytes(cfg.slot), t.channel, t.group, cfg.ranks)
+        r.tail_at = common.counter(k, own, cfg.plan, "dispatch_tail", t.channel, t.group)
+        r.head_at = common.counter(k, own, cfg.plan, "dispatch_head", t.channel, t.group)
         r.base = k.reg("u32", "base")  # entries read since the buffer's creation
-        k.mov(r.base, 0)
-        with k.guard(r.source):
-            k.ld(r.base, addr(r.head_at), sem="relaxed", scope="sys")
-        for name in ("taken", "arrived", "freed", "published"):
-            setattr(r, name, k.reg("u32", name))
-            k.mov(getattr(r, name), 0)
-        r.everything = k.reg("u32", "all_entries")
-        k.redux_sync(r.everything, r.total, op="add", type="u32")
+        k.ld(r.base, addr(r.head_at), sem="relaxed", scope="sys")
         if cfg.with_topk:
             r.first_expert = k.reg("u64", "first_expert")  # rank * E / R
             per_rank = k.reg("u32", "experts_per_rank")
@@ -502,231 +347,135 @@ def _receive(k, cfg, p, t) -> None:
             k.mul(r.first_expert, t.rank, per_rank, mode="wide")
             r.experts_per_rank = k.reg("u64", "experts_per_rank_wide")
             k.cvt(r.experts_per_rank, per_rank, dtype="u64", stype="u32")
-    c = SimpleNamespace(**{n: k.reg("u32", n) for n in (
-        "produced", "consumed", "load_stage", "store_stage", "store_phase")})
-    for name in vars(c):
-        k.mov(getattr(c, name), 0)
-    top, done = k.label("receive"), k.label("receive_end")
-    finished, has = k.pred("all_received"), k.pred("loaded")
+        shared = k.shared("arrived", 4 * cfg.ranks, align=4)
+        r.arrived_at = k.reg("u32", "arrived_at")
+        k.mov(r.arrived_at, shared)
+        k.mad(r.arrived_at, t.group, 4, r.arrived_at)
+    received, arrived, seen, ahead = (k.reg("u32", name) for name in (
+        "received", "arrived", "tail_seen", "ahead"))
+    done, ready = k.pred("all_received"), k.pred("ready")
+    top, end = k.label("receive"), k.label("receive_end")
+    k.mov(received, 0)
     k.place(top)
-    k.setp("ge", finished, c.consumed, r.everything)
-    with k.guard(finished):
-        k.bra(done, uniform=True)
-    with k.stage("load: each lane with an arrived entry takes the next free stage"):
-        _load_entries(k, cfg, t, r, c)
-    with k.stage("store: the oldest loaded stage into the outputs"):
-        k.setp("lt", has, c.consumed, c.produced)
-        with k.if_(has, "nothing_loaded", uniform=True):
-            _store_entry(k, cfg, p, t, r, c)
-            k.bra(top, uniform=True)
-    with k.stage("out of work: free what was read, wait for any tail to move"):
-        _wait_for_entries(k, cfg, t, r)
+    k.setp("ge", done, received, r.total)
+    with k.guard(done):
+        k.bra(end, uniform=True)
+
+    def news(tail):
+        k.sub(ahead, tail, r.base)
+        k.setp("gt", ready, ahead, received)
+        return ready
+
+    with k.stage("the leader waits for entries past `received`, shares where they end"):
+        with k.if_(t.leader, "not_the_leader"):
+            t.watchdog.wait(seen, addr(r.tail_at), news, code=common.DISPATCH_RECEIVE,
+                            channel=t.channel, peer=t.group)
+            k.min(ahead, ahead, r.total)  # never past what the host's layout made room for
+            k.st(addr(r.arrived_at), ahead, space="shared")
+        k.bar_sync(t.barrier, 32 * cfg.warps_per_peer)
+        k.ld(arrived, addr(r.arrived_at), space="shared")
+    with k.stage("copy out: warp `member` takes entries received + member, + warps_per_peer, ..."):
+        index = k.reg("u32", "index")
+        start = k.reg("u32", "start")
+        k.add(start, received, t.member)
+        with k.loop(index, arrived, start=start, step=cfg.warps_per_peer, uniform=True,
+                    hint="entry"):
+            _receive_entry(k, cfg, p, t, r, index)
+    with k.stage("free the entries: head = base + arrived (st.release.sys)"):
+        k.bar_sync(t.barrier, 32 * cfg.warps_per_peer)
+        with k.if_(t.leader, "not_freeing"):
+            head = k.reg("u32", "head")
+            k.add(head, r.base, arrived)
+            k.st(addr(r.head_at), head, sem="release", scope="sys")
+        k.mov(received, arrived)
         k.bra(top, uniform=True)
-    k.place(done)
-    with k.stage("the end: the row stores complete, the last heads freed"):
-        with k.if_(t.lane0, "not_draining"):
-            k.cp_async_bulk_wait_group(0)
-        _free(k, r, every=True)
+    k.place(end)
 
 
-def _load_entries(k, cfg, t, r, c) -> None:
-    """Passes over the sources, an entry a lane whose source has one arrived, until the
-    stages are full or nothing more has arrived: the loads in flight are what the
-    pipeline hides the ring's latency with."""
+def _receive_entry(k, cfg, p, t, r, index) -> None:
+    """Entry ``index`` past the base to row first_row + index of the outputs: every load
+    (the signature and number, the source, the scales, the top-k) before the row's, every
+    store after, so that an entry costs one load latency."""
     slot = cfg.slot
-    want, mine, again = k.pred("want"), k.pred("mine"), k.pred("load_again")
-    ballot, before, room, count = (k.reg("u32", n) for n in ("want_ballot", "want_before",
-                                                             "stage_room", "loads"))
-    top = k.label("load_pass")
-    k.place(top)
-    k.setp("lt", want, r.taken, r.arrived)
-    k.vote_sync(ballot, want, mode="ballot")
-    k.mov(before, sreg.lanemask_lt)
-    k.and_(before, before, ballot)
-    k.popc(before, before)
-    k.sub(room, c.consumed, c.produced)
-    # free stages: those neither loading nor still read by a store
-    k.add(room, room, cfg.stages - 1 - stores_in_flight(cfg.stages))
-    k.setp("lt", mine, before, room)
-    k.and_pred(mine, mine, want)
-    with k.if_(mine, "not_loading"):
-        stage, wrapped = k.reg("u32", "stage"), k.pred("stage_wraps")
-        k.add(stage, c.load_stage, before)
-        k.setp("ge", wrapped, stage, cfg.stages)
-        with k.guard(wrapped):
-            k.sub(stage, stage, cfg.stages)
-        data, bar, info = _stage_at(k, t.stages, stage, slot.bytes, "load")
-        entry, slot_index, row = k.reg("u32", "entry"), k.reg("u32", "slot_index"), k.reg(
-            "u32", "row")
-        src = k.reg("u64", "entry_at")
-        k.add(entry, r.base, r.taken)
-        k.and_(slot_index, entry, cfg.slots - 1)
-        k.mad(src, slot_index, slot.bytes, r.ring, mode="wide")
-        k.add(row, r.first, r.taken)
-        k.st(addr(info), row, space="shared")
-        k.st(addr(info, 4), entry, space="shared")
-        k.st(addr(info, 8), t.lane, space="shared")
-        k.mbarrier_arrive_expect_tx(addr(bar), slot.bytes)
-        k.cp_async_bulk_load(addr(data), addr(src), slot.bytes, addr(bar))
-        k.add(r.taken, r.taken, 1)
-    k.popc(count, ballot)
-    k.min(count, count, room)
-    k.add(c.produced, c.produced, count)
-    k.add(c.load_stage, c.load_stage, count)
-    wrapped = k.pred("stages_wrap")
-    k.setp("ge", wrapped, c.load_stage, cfg.stages)
-    with k.guard(wrapped):
-        k.sub(c.load_stage, c.load_stage, cfg.stages)
-    k.setp("ne", again, count, 0)
-    k.setp("lt", mine, count, room)  # room left after this pass
-    k.and_pred(again, again, mine)
-    with k.guard(again):
-        k.bra(top, uniform=True)
-    k.bar_warp_sync()  # the stages' bookkeeping, before any lane reads it
-
-
-def _store_entry(k, cfg, p, t, r, c) -> None:
-    """The oldest stage to row ``row`` of the outputs: the signature and number checked,
-    the source token, scales and top-k by lanes, the row by lane 0's bulk copy."""
-    slot = cfg.slot
-    data, bar, info = _stage_at(k, t.stages, c.store_stage, slot.bytes, "store")
-    wait_parity(k, addr(bar), c.store_phase, "wait_loaded", uniform=True)
-    row, entry, source = (k.reg("u32", n) for n in ("stored_row", "stored_entry", "stored_source"))
-    k.ld(row, addr(info), space="shared")
-    k.ld(entry, addr(info, 4), space="shared")
-    k.ld(source, addr(info, 8), space="shared")
-    with k.if_(t.lane0, "not_checking"):
-        seen, number, token = (k.reg("u32", n) for n in ("sent_for", "sent_number", "source_token"))
-        bad, other = k.pred("mismatch"), k.pred("other_number")
-        k.ld(seen, addr(data, slot.signature), space="shared")
-        k.ld(number, addr(data, slot.number), space="shared")
-        k.setp("ne", bad, seen, cfg.signature)
-        k.setp("ne", other, number, entry)
-        k.or_(bad, bad, other)
-        with k.if_(bad, "signature_matches"):
-            t.watchdog.fail(common.DISPATCH_MISMATCH, t.channel, source, seen)
-        k.ld(token, addr(data, slot.source), space="shared")
+    entry, slot_index, row = k.reg("u32", "entry"), k.reg("u32", "slot_index"), k.reg(
+        "u32", "row")
+    src, dst = k.reg("u64", "entry_at"), k.reg("u64", "out_row")
+    k.add(entry, r.base, index)
+    k.and_(slot_index, entry, cfg.slots - 1)
+    k.mad(src, slot_index, slot.bytes, r.ring, mode="wide")
+    k.add(row, r.first_row, index)
+    source = k.reg("u32", "source")
+    with k.if_(t.lane0, "not_lane0_loading"):
+        verify = common.check_entry(k, t, src, slot.signature, cfg.signature, entry,
+                                    common.DISPATCH_MISMATCH, t.group)
+        k.ld(source, addr(src, slot.source), **common.PAYLOAD_LOAD)
+    stores = []
+    if cfg.fp8:
+        stores.append(_receive_scales(k, cfg, p, t, src, row))
+    if cfg.with_topk:
+        stores.append(_receive_topk(k, cfg, p, t, r, src, row))
+    k.ld_param(dst, p.recv_x)
+    k.mad(dst, row, slot.row_bytes, dst, mode="wide")
+    warp_copy(k, dst, src, slot.row_bytes, t.lane, load=common.PAYLOAD_LOAD, store={},
+              unroll=cfg.copy_unroll)
+    for store in stores:
+        store()
+    with k.if_(t.lane0, "not_lane0"):
+        verify()
         at = k.reg("u64", "source_at")
         k.ld_param(at, p.recv_src_idx)
         k.mad(at, row, 4, at, mode="wide")
-        k.st(addr(at), token)
-        dst = k.reg("u64", "out_row")
-        k.ld_param(dst, p.recv_x)
-        k.mad(dst, row, slot.row_bytes, dst, mode="wide")
-        k.cp_async_bulk_store(addr(dst), addr(data), slot.row_bytes)
-    if cfg.fp8:
-        _store_scales(k, cfg, p, t, data, row)
-    if cfg.with_topk:
-        _store_topk(k, cfg, p, t, r, data, row)
-    with k.if_(t.lane0, "not_committing"):
-        k.cp_async_bulk_commit_group()
-        k.cp_async_bulk_wait_group(stores_in_flight(cfg.stages), read=True)
-    k.bar_warp_sync()  # every lane's reads of the stage, and the stages stores freed
-    mine = k.pred("my_source")
-    k.setp("eq", mine, t.lane, source)
-    with k.guard(mine):
-        k.add(r.freed, r.freed, 1)
-    k.add(c.consumed, c.consumed, 1)
-    _advance(k, c.store_stage, c.store_phase, cfg.stages)
-    _free(k, r, every=False)
+        k.st(addr(at), source)
 
 
-def _store_scales(k, cfg, p, t, data, row) -> None:
+def _receive_scales(k, cfg, p, t, src, row):
+    """Lane j loads scales j, j + 32, ... of the entry at ``src``; returns the emitter of
+    their stores into recv_scales[row]."""
     slot = cfg.slot
-    group, element, at, scale = (k.reg(ty, n) for ty, n in (
-        ("u32", "scale_group"), ("u32", "scale_element"), ("u64", "scale_at"), ("b32", "scale")))
-    src = k.reg("u32", "scale_src")
-    in_row = k.pred("scale_in_row")
-    for trip in range(-(-slot.scale_groups // 32)):
-        k.add(group, t.lane, 32 * trip)
-        k.setp("lt", in_row, group, slot.scale_groups)
-        with k.if_(in_row, "past_the_scales"):
-            k.mad(src, group, 4, data)
-            k.ld(scale, addr(src, slot.scales), space="shared")
+    group, element, at = k.reg("u32", "scale_group"), k.reg("u32", "scale_element"), k.reg(
+        "u64", "scale_at")
+    scales, in_row = lane_words_load(k, src, slot.scale_groups, t.lane,
+                                     load=common.PAYLOAD_LOAD, name="scale", offset=slot.scales)
+
+    def store():
+        for trip in range(len(scales)):
+            k.add(group, t.lane, 32 * trip)
             k.mad(element, row, slot.scale_groups, group)
             k.ld_param(at, p.recv_scales)
             k.mad(at, element, 4, at, mode="wide")
-            k.st(addr(at), scale)
+            with k.guard(in_row[trip]):
+                k.st(addr(at), scales[trip])
+    return store
 
 
-def _store_topk(k, cfg, p, t, r, data, row) -> None:
-    """Lane j < k: index j made local (e - rank * E / R where this rank holds expert e,
-    else -1) and its weight (0 where the expert is elsewhere)."""
+def _receive_topk(k, cfg, p, t, r, src, row):
+    """Lane j < k loads index j and its weight; returns the emitter that stores them,
+    the index made local (e - rank * E / R where this rank holds expert e, else -1) and
+    the weight 0 where the expert is elsewhere."""
     slot = cfg.slot
     is_pair, local = k.pred("is_pair"), k.pred("local")
     k.setp("lt", is_pair, t.lane, cfg.topk)
-    with k.if_(is_pair, "no_pair"):
-        index, weight = k.reg("u64", "topk_index"), k.reg("f32", "topk_weight")
-        src, pair, at = k.reg("u32", "pair_src"), k.reg("u32", "pair"), k.reg("u64", "pair_at")
-        k.mad(src, t.lane, 8, data)
-        k.ld(index, addr(src, slot.topk_idx), space="shared")
-        k.mad(src, t.lane, 4, data)
-        k.ld(weight, addr(src, slot.topk_weights), space="shared")
-        # -1 and every expert below this rank's first wrap to at least E / R unsigned.
-        k.sub(index, index, r.first_expert)
-        k.setp("lt", local, index, r.experts_per_rank)
-        k.selp(index, index, 0xFFFFFFFFFFFFFFFF, local)
-        k.selp(weight, weight, 0.0, local)
-        k.mad(pair, row, cfg.topk, t.lane)
-        k.ld_param(at, p.recv_topk_idx)
-        k.mad(at, pair, 8, at, mode="wide")
-        k.st(addr(at), index)
-        k.ld_param(at, p.recv_topk_weights)
-        k.mad(at, pair, 4, at, mode="wide")
-        k.st(addr(at), weight)
+    index, weight = k.reg("u64", "topk_index"), k.reg("f32", "topk_weight")
+    at, pair = k.reg("u64", "pair_at"), k.reg("u32", "pair")
+    k.mad(at, t.lane, 8, src, mode="wide")
+    with k.guard(is_pair):
+        k.ld(index, addr(at, slot.topk_idx), **common.PAYLOAD_LOAD)
+    k.mad(at, t.lane, 4, src, mode="wide")
+    with k.guard(is_pair):
+        k.ld(weight, addr(at, slot.topk_weights), **common.PAYLOAD_LOAD)
 
-
-def _free(k, r, *, every: bool) -> None:
-    """Lane s publishes head = base + freed (st.release.sys) where it freed PUBLISH entries
-    since the last time, or (``every``) any."""
-    owed, publish, head = k.reg("u32", "owed"), k.pred("free_now"), k.reg("u32", "head")
-    k.sub(owed, r.freed, r.published)
-    k.setp("ge" if not every else "ne", publish, owed, PUBLISH if not every else 0)
-    k.and_pred(publish, publish, r.source)
-    with k.if_(publish, "nothing_to_free"):
-        k.add(head, r.base, r.freed)
-        k.st(addr(r.head_at), head, sem="release", scope="sys")
-        k.mov(r.published, r.freed)
-
-
-def _wait_for_entries(k, cfg, t, r) -> None:
-    """Free every slot read, then poll the tails of the sources with entries still to
-    come until one moves (or the time limit passes: the record names the first source
-    waited for)."""
-    _free(k, r, every=True)
-    waiting, news, late = k.pred("waiting_for"), k.pred("news"), k.pred("late")
-    any_news, any_late = k.pred("any_news"), k.pred("any_late")
-    seen, ahead = k.reg("u32", "tail_seen"), k.reg("u32", "ahead")
-    start, now = k.reg("u64", "poll_start"), k.reg("u64", "poll_now")
-    k.mov(start, sreg.globaltimer)
-    poll = k.label("poll_tails")
-    k.place(poll)
-    k.setp("lt", waiting, r.arrived, r.total)
-    k.and_pred(waiting, waiting, r.source)
-    k.mov(seen, 0)
-    with k.guard(waiting):
-        k.ld(seen, addr(r.tail_at), sem="acquire", scope="sys")
-    k.sub(ahead, seen, r.base)
-    k.min(ahead, ahead, r.total)  # never past what the host's layout made room for
-    k.setp("gt", news, ahead, r.arrived)
-    k.and_pred(news, news, waiting)
-    with k.if_(news, "no_news"):
-        k.fence_proxy_async("global")  # the bulk loads after what the acquire saw
-        k.mov(r.arrived, ahead)
-    k.vote_sync(any_news, news, mode="any")
-    with k.if_(~any_news, "moved", uniform=True):
-        k.mov(now, sreg.globaltimer)
-        k.sub(now, now, start)
-        k.setp("gt", late, now, t.watchdog.timeout_ns)
-        k.vote_sync(any_late, late, mode="any")
-        with k.if_(any_late, "in_time", uniform=True):
-            stuck, first, value = k.reg("u32", "stuck"), k.reg("u32", "first_stuck"), k.reg(
-                "u32", "stuck_seen")
-            k.vote_sync(stuck, waiting, mode="ballot")
-            k.neg(first, stuck, type="s32")
-            k.and_(first, first, stuck)
-            k.bfind(first, first)
-            k.shfl_sync(value, seen, first, mode="idx")
-            with k.if_(t.lane0, "not_reporting"):
-                t.watchdog.fail(common.DISPATCH_RECEIVE, t.channel, first, value)
-        k.bra(poll, uniform=True)
+    def store():
+        with k.if_(is_pair, "no_pair"):
+            # -1 and every expert below this rank's first wrap to at least E / R unsigned.
+            k.sub(index, index, r.first_expert)
+            k.setp("lt", local, index, r.experts_per_rank)
+            k.selp(index, index, 0xFFFFFFFFFFFFFFFF, local)
+            k.selp(weight, weight, 0.0, local)
+            k.mad(pair, row, cfg.topk, t.lane)
+            k.ld_param(at, p.recv_topk_idx)
+            k.mad(at, pair, 8, at, mode="wide")
+            k.st(addr(at), index)
+            k.ld_param(at, p.recv_topk_weights)
+            k.mad(at, pair, 4, at, mode="wide")
+            k.st(addr(at), weight)
+    return store
