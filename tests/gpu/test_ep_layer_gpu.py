@@ -239,6 +239,11 @@ SCENARIOS = {"normal": scenario_normal, "decode": scenario_decode, "graph": scen
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_layer_two_ranks(scenario, monkeypatch):
+    if scenario == "deepseek" and torch.cuda.device_count() < 2:
+        # 256 experts over two ranks: each rank's decode kernels take 384 and 512 CTAs,
+        # which wait for the peer's; both ranks' together exceed the 132 x 4 CTAs one GPU
+        # holds at once, so under MPS a rank can wait on CTAs that never start.
+        pytest.skip("the DeepSeek-V3 shape needs a GPU a rank")
     run_two_ranks(SCENARIOS[scenario], monkeypatch)
 
 
