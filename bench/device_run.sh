@@ -12,7 +12,7 @@
 # (Llama-3-8B sizes exported at each opset beside the model compiled from PyTorch):
 #   bash bench/device_run.sh onnx-test
 #   bash bench/device_run.sh onnx [opsets, default 18,23]
-# Expert parallelism (two ranks: a GPU each, or one GPU under MPS):
+# Expert parallelism (a rank a GPU, as many as are visible; on one GPU two ranks under MPS):
 #   bash bench/device_run.sh ep
 set -u -o pipefail
 export PYTHONPATH=$PWD/src:$PWD/tests PYTHONUNBUFFERED=1
@@ -23,20 +23,24 @@ log="$OUT/log.txt"
 py=python3
 step() { echo; echo "### $*"; "$@"; } 2>&1
 if [ "${1:-}" = ep ]; then
-  # Expert parallelism: the two-rank GPU tests, then `ptxforge bench ep` (the sweep, the P2P
-  # copy, NCCL and the overlap with the grouped GEMM beside it). A rank a GPU where two are
-  # visible; on one GPU both ranks under MPS, so that kernels waiting for each other are
-  # resident together. NVLink multicast stays off in every process.
+  # Expert parallelism: the two-rank GPU tests (communication, the MoE layer, a compiled
+  # DeepSeek-V3 block), then `ptxforge bench ep` on every visible GPU (the sweep, the P2P copy,
+  # NCCL, the overlap with the grouped GEMM beside it, the MoE layer against its peers). A
+  # rank a GPU where two or more are visible; on one GPU two ranks under MPS, so that
+  # kernels waiting for each other are resident together. NVLink multicast stays off in
+  # every process.
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-  if [ "$(nvidia-smi -L | wc -l)" -lt 2 ]; then
+  gpus=$(nvidia-smi -L | wc -l)
+  world=$(( gpus < 2 ? 2 : gpus ))
+  if [ "$gpus" -lt 2 ]; then
     export CUDA_MPS_PIPE_DIRECTORY=/tmp/ptxforge-mps CUDA_MPS_LOG_DIRECTORY=/tmp/ptxforge-mps-log
     mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
     nvidia-cuda-mps-control -d && trap 'echo quit | nvidia-cuda-mps-control' EXIT
   fi
   {
-    step env PTXFORGE_EP_TEST_TIMEOUT_S=90 timeout 480 $py -m pytest tests/gpu/test_ep_gpu.py tests/gpu/test_ep_low_latency_gpu.py -q -s -p no:cacheprovider
+    step env PTXFORGE_EP_TEST_TIMEOUT_S=150 timeout 540 $py -m pytest tests/gpu/test_ep_gpu.py tests/gpu/test_ep_low_latency_gpu.py tests/gpu/test_ep_layer_gpu.py tests/gpu/test_compiler_ep_gpu.py -q -s -p no:cacheprovider
     step timeout 240 $py -m torch.distributed.run --nproc-per-node 2 tests/gpu/test_ep_gpu.py
-    step timeout 300 $py -m ptxforge.cli bench ep --json "$OUT/ep.json" --plot "$OUT/ep.png"
+    step timeout 400 $py -m ptxforge.cli bench ep --world "$world" --json "$OUT/ep.json" --plot "$OUT/ep.png"
   } > "$log" 2>&1
   grep -E "passed|failed|Error" "$log" | grep -v "^|" | tail -18
   sed -n '/### .*bench ep/,$p' "$log" | grep -v "^###\|^DEBUG\|[Ww]arn"

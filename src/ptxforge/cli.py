@@ -272,7 +272,9 @@ def cmd_bench(args) -> int:
         from .bench import ep as ep_bench
 
         result = ep_bench.ep_suite(tokens=args.tokens, hidden=args.k, sms=_ints(args.sms),
-                                   slots=_ints(args.slots))
+                                   slots=_ints(args.slots), world=args.world,
+                                   layer_tokens=_ints(args.layer_tokens) if args.layer_tokens
+                                   else ())
         if result is None:  # a rank other than 0 under torchrun: rank 0 reports
             return 0
         text = ep_bench.ep_table(result)
@@ -347,15 +349,16 @@ _RANGES = {
     "compile-report": {"--layers": (1, MAX_LAYERS)},
     "bench": {"--m": (1, MAX_TOKENS), "--k": (1, kernels.OPTION_LIMITS["hidden"]),
               "--layers": (1, MAX_LAYERS), "--tokens": (1, MAX_TOKENS),
-              "--sms": (1, 256), "--slots": (1, kernels.OPTION_LIMITS["slots"])},
+              "--sms": (1, 256), "--slots": (1, kernels.OPTION_LIMITS["slots"]),
+              "--world": (2, 8), "--layer-tokens": (1, MAX_TOKENS)},
 }
 
 
 def _check_ranges(args) -> None:
     """A ValueError naming the first integer option of ``args.command`` out of its range."""
     for option, (low, high) in _RANGES.get(args.command, {}).items():
-        value = getattr(args, option[2:])
-        if value is None:   # not given, no default: the command picks
+        value = getattr(args, option[2:].replace("-", "_"))
+        if value is None or value == "":   # not given, no default: the command picks; none
             continue
         for item in value.split(",") if isinstance(value, str) else [value]:
             if isinstance(item, str):
@@ -429,6 +432,11 @@ def main(argv=None) -> int:
                    "the hidden size)")
     p.add_argument("--sms", default="8,12,16,20,24", help="ep suite: the SM budgets swept")
     p.add_argument("--slots", default="64,128,256", help="ep suite: the ring sizes swept")
+    p.add_argument("--world", type=int, default=2,
+                   help="ep suite: ranks (a GPU each, or all on one GPU under MPS; under "
+                        "torchrun the launcher's)")
+    p.add_argument("--layer-tokens", default="4096,128",
+                   help="ep suite: the MoE layer's tokens a rank ('' for none)")
     command("demo", "run (GPU) or assemble (CPU) every kernel, with checks")
     p = command("cache", "show or clear the on-disk cubin cache")
     p.add_argument("action", choices=["show", "clear"], nargs="?", default="show")

@@ -15,6 +15,7 @@ import torch
 
 from ptxforge import cli
 from ptxforge.bench import ep as ep_bench
+from ptxforge.bench import ep_layer, ranks
 from ptxforge.bench import model as model_bench
 from ptxforge.bench import ops as bench
 
@@ -205,9 +206,34 @@ def test_ep_summary_takes_the_slowest_rank_and_picks_within_the_budget():
     assert "all on ONE GPU under MPS" in ep_bench.ep_table(one_gpu)
 
 
+def _layer_summary():
+    """Two ranks' layer reports as ``ep_layer.measure`` gathers them (rank 1 the slower)."""
+    rows = lambda scale: [dict(tokens=4096, path="contiguous", ours_us=7000.0 * scale,
+                               nccl_us=6000.0 * scale, grouped_mm_us=20000.0 * scale),
+                          dict(tokens=128, path="masked", ours_us=1000.0 * scale,
+                               nccl_us=2000.0 * scale, grouped_mm_us=4000.0 * scale)]
+    everyone = [dict(rows=rows(1.0), copy_gbs=4000.0, fp8_bytes=2.8e9),
+                dict(rows=rows(1.1), copy_gbs=4100.0, fp8_bytes=2.8e9)]
+    params = dict(tokens=[4096, 128], hidden=7168, inner=2048, experts=256, topk=8, calls=4,
+                  repeats=5)
+    return ep_layer._summary(everyone, params, 2, True, "NVIDIA H200")
+
+
+def test_the_ep_report_carries_the_layer():
+    layer = _layer_summary()
+    ours = layer["rows"][0]
+    assert ours["ours_us"] == pytest.approx(7700.0)  # the slower rank's
+    assert ours["ours_tflops"] == pytest.approx(2 * 4096 * 8 * 3 * 7168 * 2048 / 7700.0 / 1e6)
+    assert layer["rows"][1]["weights_read_us"] == pytest.approx(2.8e9 / 4000.0 / 1e3)
+    result = dict(ep_bench._summary(_ep_ranks(), EP_PARAMS, 2, True, "NVIDIA H200"), layer=layer)
+    table = ep_bench.ep_table(result)
+    assert ep_layer.layer_table(layer) in table
+    assert table.index("picked (most GB/s") < table.index("MoE layer across 2 ranks")
+
+
 def test_bench_ep_needs_mps_for_two_ranks_on_one_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(ep_bench, "mps_running", lambda: False)
+    monkeypatch.setattr(ranks, "mps_running", lambda: False)
     monkeypatch.delenv("RANK", raising=False)
     with pytest.raises(ValueError, match="world=2 ranks on 1 GPU\\(s\\) need MPS"):
         ep_bench.ep_suite()
@@ -252,7 +278,7 @@ PLOTTED = {   # suite -> (its module, suite, table and plot functions, a result 
         "rows": [{"model": "FFN 7168/2048", "tokens": tokens, "candidate": candidate,
                   "wall_us": 10.0} for tokens in (64, 4096) for candidate in model_bench.CANDIDATES]}),
     "ep": (ep_bench, "ep_suite", "ep_table", "ep_plot",
-           ep_bench._summary(_ep_ranks(), EP_PARAMS, 2, True, GPU)),
+           dict(ep_bench._summary(_ep_ranks(), EP_PARAMS, 2, True, GPU), layer=_layer_summary())),
 }
 
 

@@ -30,7 +30,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ptxforge.bench.ep import NO_MULTICAST, mps_running
+from ptxforge.bench.ranks import NO_MULTICAST, mps_running
 from ptxforge.ep import Buffer, Config, EPTimeoutError, buffer_size
 from ptxforge.testing.reference import quantize_fp8_per_token
 from support import ep_reference as reference

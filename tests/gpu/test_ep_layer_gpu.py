@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 import ptxforge
-from ptxforge.bench.ep import NO_MULTICAST
+from ptxforge.bench.ranks import NO_MULTICAST
 from ptxforge.ep import Buffer, buffer_size, decode_capacity, shard_experts
 from ptxforge.testing.checks import calc_diff
 

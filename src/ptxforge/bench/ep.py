@@ -18,14 +18,12 @@ the payload is sent once a call and does not stay in L2 between calls.
 
 from __future__ import annotations
 
-import datetime
-import os
 import statistics
-import tempfile
 
 import torch
 
 from . import format_table, pyplot
+from .ranks import batch_us, run_ranks
 
 DEFAULT_SMS = (8, 12, 16, 20, 24)
 DEFAULT_SLOTS = (64, 128, 256)
@@ -34,68 +32,19 @@ SM_BUDGET = 20          # SMs the communication may take beside the experts' GEM
 GEMM_N = 4096           # the experts' gate_up width beside the communication (DeepSeek-V3)
 DECODE_TOKENS = 128     # the decode target's tokens a rank
 DECODE_PAIRS = 10       # dispatch + combine pairs a captured graph holds
-SLEEP_CYCLES = 20_000_000  # ~10 ms at 2 GHz: the host's time to enqueue a batch, and more
-# NVLink multicast stays off in every process a multi-rank run starts.
-NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                "NVSHMEM_DISABLE_NVLS": "1"}
+LAYER_TOKENS = (4096, 128)  # the MoE layer's tokens a rank: its normal path, its decode path
 
 
 def ep_suite(*, tokens: int = 4096, hidden: int = 7168, topk: int = 8, experts: int = 256,
              sms=DEFAULT_SMS, slots=DEFAULT_SLOTS, world: int = 2, calls: int = 8,
-             repeats: int = 5) -> dict | None:
-    """Rank 0's results (None on the other ranks under torchrun)."""
+             repeats: int = 5, layer_tokens=LAYER_TOKENS) -> dict | None:
+    """Rank 0's results (None on the other ranks under torchrun): the communication, then
+    the MoE layer across the ranks at ``layer_tokens`` tokens a rank (``bench/ep_layer.py``;
+    none: no layer)."""
     params = dict(tokens=tokens, hidden=hidden, topk=topk, experts=experts, sms=list(sms),
-                  slots=list(slots), calls=calls, repeats=repeats)
-    os.environ.update(NO_MULTICAST)
-    if "RANK" in os.environ:
-        import torch.distributed as dist
-
-        rank = int(os.environ["RANK"])
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
-        return _measure(rank, dist.get_world_size(), params)
-    if torch.cuda.device_count() < world and not mps_running():
-        raise ValueError(f"world={world} ranks on {torch.cuda.device_count()} GPU(s) need MPS "
-                         f"(their kernels wait for each other); start nvidia-cuda-mps-control "
-                         f"or run under torchrun with a GPU a rank")
-    context = torch.multiprocessing.get_context("spawn")
-    results = context.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        init = os.path.join(tmp, "rendezvous")
-        processes = [context.Process(target=_spawned, args=(r, world, init, params, results))
-                     for r in range(world)]
-        for p in processes:
-            p.start()
-        reports = dict(results.get(timeout=1200) for _ in range(world))
-        for p in processes:
-            p.join(timeout=60)
-    failed = [f"rank {r}: {report}" for r, report in sorted(reports.items())
-              if isinstance(report, str)]
-    if failed:
-        raise RuntimeError("ptxforge bench ep failed:\n" + "\n".join(failed))
-    return reports[0]
-
-
-def mps_running() -> bool:
-    """Whether an MPS control daemon serves this process's pipe directory (two ranks on one
-    GPU need it: their kernels wait for each other, so they must be resident together)."""
-    pipe = os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps")
-    return os.path.exists(os.path.join(pipe, "control"))
-
-
-def _spawned(rank: int, world: int, init: str, params: dict, results) -> None:
-    import traceback
-
-    import torch.distributed as dist
-
-    try:
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank,
-                                world_size=world, timeout=datetime.timedelta(seconds=120))
-        results.put((rank, _measure(rank, world, params)))
-        dist.destroy_process_group()
-    except BaseException:
-        results.put((rank, traceback.format_exc()))
+                  slots=list(slots), calls=calls, repeats=repeats,
+                  layer_tokens=list(layer_tokens))
+    return run_ranks(_measure, world, params, what="ptxforge bench ep")
 
 
 # ---------------------------------------------------------------------------- one rank
@@ -109,31 +58,6 @@ def _routing(rank: int, tokens: int, experts: int, topk: int, hidden: int):
     idx = torch.rand(tokens, experts, device="cuda", generator=g).topk(topk, dim=1).indices
     weights = torch.rand(tokens, topk, device="cuda", generator=g)
     return x, ops.quantize_fp8_per_token(x), idx.contiguous(), weights / weights.sum(1, True)
-
-
-def _batch_us(fn, calls: int, repeats: int, *, together: bool = True) -> float:
-    """Median over ``repeats`` of a batch of ``calls`` back-to-back calls, per call (us).
-    A first call, untimed, builds the kernels. Each batch starts after a host barrier
-    (``together``) and behind a sleep kernel long enough for the host to enqueue the
-    whole batch: the kernels then run back to back at the
-    GPU's pace, not the host's, and the ranks' batches start within the barrier's skew."""
-    import torch.distributed as dist
-
-    fn()  # the first call builds and loads its kernels: outside the timing
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        if together:
-            dist.barrier()
-        torch.cuda._sleep(SLEEP_CYCLES)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(times)
 
 
 def _measure(rank: int, world: int, p: dict) -> dict | None:
@@ -164,9 +88,9 @@ def _measure(rank: int, world: int, p: dict) -> dict | None:
         if not torch.equal(again[0].view(torch.uint8), received[0].view(torch.uint8)):
             raise RuntimeError(f"rank {rank}: a cached dispatch received other rows ({config})")
         y = torch.randn(received[0].shape, device="cuda").bfloat16()  # the experts' rows
-        dispatch_us = _batch_us(lambda: buffer.dispatch((q, scales), handle=handle,
+        dispatch_us = batch_us(lambda: buffer.dispatch((q, scales), handle=handle,
                                                         config=config), p["calls"], p["repeats"])
-        combine_us = _batch_us(lambda: buffer.combine(y, handle, config=config), p["calls"],
+        combine_us = batch_us(lambda: buffer.combine(y, handle, config=config), p["calls"],
                                p["repeats"])
         sweep.append(dict(sms=config.num_sms, slots=config.ring_slots, dispatch_us=dispatch_us,
                           combine_us=combine_us))
@@ -180,9 +104,16 @@ def _measure(rank: int, world: int, p: dict) -> dict | None:
                                           combine_bytes=combine_bytes, peers=peers,
                                           overlap=overlap, recv=int(handle.num_recv_tokens)))
     buffer.destroy()
+    layer = None
+    if p["layer_tokens"]:
+        from . import ep_layer
+
+        layer = ep_layer.measure(rank, world, dict(tokens=p["layer_tokens"], hidden=hidden,
+                                                   experts=experts, topk=topk))
     if rank:
         return None
-    return _summary(everyone, p, world, distinct, torch.cuda.get_device_name(device))
+    return dict(_summary(everyone, p, world, distinct, torch.cuda.get_device_name(device)),
+                layer=layer)
 
 
 def _summary(everyone: list, p: dict, world: int, distinct: bool, device_name: str) -> dict:
@@ -243,7 +174,7 @@ def _decode(rank: int, world: int, p: dict) -> dict:
             for _ in range(DECODE_PAIRS):
                 pair(hooked)
         if not hooked:
-            result["pair_us"] = _batch_us(graph.replay, 1, p["repeats"]) / DECODE_PAIRS
+            result["pair_us"] = batch_us(graph.replay, 1, p["repeats"]) / DECODE_PAIRS
         result.update(_kernel_medians(graph, p["repeats"]))
     buffer.destroy()
     return result
@@ -283,7 +214,7 @@ def _peers(rank: int, world: int, in_rank, row_bytes: int, p: dict) -> dict:
     if rank == 0:
         src = torch.empty(1 << 30, dtype=torch.uint8, device=0)
         dst = torch.empty(1 << 30, dtype=torch.uint8, device=1)
-        out["p2p_copy_gbs"] = (1 << 30) / _batch_us(lambda: dst.copy_(src), 1, 5,
+        out["p2p_copy_gbs"] = (1 << 30) / batch_us(lambda: dst.copy_(src), 1, 5,
                                                     together=False) / 1e3
     dist.barrier()
     nccl = dist.new_group(backend="nccl")
@@ -294,10 +225,10 @@ def _peers(rank: int, world: int, in_rank, row_bytes: int, p: dict) -> dict:
     send = torch.empty(sum(to_rank), row_bytes, dtype=torch.uint8, device="cuda")
     recv = torch.empty(sum(recv_splits), row_bytes, dtype=torch.uint8, device="cuda")
     dispatch_like = lambda: dist.all_to_all_single(recv, send, recv_splits, to_rank, group=nccl)
-    out["nccl_dispatch_bytes_us"] = _batch_us(dispatch_like, p["calls"], p["repeats"])
+    out["nccl_dispatch_bytes_us"] = batch_us(dispatch_like, p["calls"], p["repeats"])
     square = torch.empty(4096, 7168, dtype=torch.bfloat16, device="cuda")
     square_out = torch.empty_like(square)
-    out["nccl_bf16_4096x7168_us"] = _batch_us(
+    out["nccl_bf16_4096x7168_us"] = batch_us(
         lambda: dist.all_to_all_single(square_out, square, group=nccl), p["calls"], p["repeats"])
     dist.destroy_process_group(nccl)
     return out
@@ -342,7 +273,7 @@ def _overlap(buffer, q, scales, idx, weights, per_rank, per_expert, in_rank, p) 
         comm()
         torch.cuda.current_stream().wait_stream(side)
 
-    gemm_us, comm_us, both_us = (_batch_us(fn, 4, p["repeats"]) for fn in (gemm, comm, both))
+    gemm_us, comm_us, both_us = (batch_us(fn, 4, p["repeats"]) for fn in (gemm, comm, both))
     return dict(gemm_sms=gemm_sms, comm_sms=SM_BUDGET, gemm_rows=len(rows), gemm_us=gemm_us,
                 comm_us=comm_us, overlapped_us=both_us,
                 ratio=both_us / (gemm_us + comm_us))
@@ -391,6 +322,10 @@ def ep_table(result: dict) -> str:
                      f"{o['gemm_sms']} SMs) {o['gemm_us']:.1f} us, dispatch + combine "
                      f"({o['comm_sms']} SMs) {o['comm_us']:.1f} us, together "
                      f"{o['overlapped_us']:.1f} us = {o['ratio']:.2f} x their sum")
+    if result.get("layer"):
+        from .ep_layer import layer_table
+
+        text += "\n\n" + layer_table(result["layer"])
     return text
 
 
@@ -400,7 +335,8 @@ def ep_plot(result: dict, path: str) -> None:
     plt = pyplot()
     if plt is None:
         return
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    layer = result.get("layer")
+    fig, axes = plt.subplots(1, 3 if layer else 2, figsize=(16 if layer else 11, 4))
     peers = result["peers"]
     for ax, op in zip(axes, ("dispatch", "combine")):
         for slots in result["params"]["slots"]:
@@ -417,5 +353,21 @@ def ep_plot(result: dict, path: str) -> None:
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("GB/s crossing a rank")
     axes[1].legend(fontsize=8)
+    if layer:
+        _layer_bars(axes[2], layer)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def _layer_bars(ax, layer: dict) -> None:
+    """The MoE layer's time per token count, ours beside its two peers."""
+    names = (("ours_us", "ptxforge (ep=buffer)"), ("nccl_us", "NCCL + ptxforge experts"),
+             ("grouped_mm_us", "grouped_mm + all_to_all"))
+    rows = layer["rows"]
+    for i, (key, label) in enumerate(names):
+        ax.bar([j + 0.27 * (i - 1) for j in range(len(rows))], [r[key] / 1e3 for r in rows],
+               width=0.27, label=label)
+    ax.set_xticks(range(len(rows)), [f"{r['tokens']} tokens" for r in rows])
+    ax.set_ylabel("ms a layer")
+    ax.set_title(f"MoE layer, {layer['world']} ranks")
+    ax.legend(fontsize=8)

@@ -21,99 +21,23 @@ GPU's pace), the slowest rank's. TFLOPS: the routed experts' FLOPs a rank, 2 * T
 (H * 2I + I * H), over that time. At the decode sizes, the time to read the rank's FP8
 experts (weights and scales) once at the copy rate measured in the run (a device-to-
 device copy of 1 GiB; its rate counts the bytes read and written), and the layer's time
-over it. Each rank is a process, as in ``bench/ep.py``: under torchrun the launcher's,
-else ``world`` spawned processes (a GPU each, or all on one GPU under MPS).
+over it. ``ptxforge bench ep`` runs it on its ranks after the communication
+(``bench/ep.py``), whose harness and timing it shares.
 """
 
 from __future__ import annotations
 
-import datetime
-import os
 import statistics
-import tempfile
 
 import torch
 
 from . import format_table
-from .ep import NO_MULTICAST, mps_running
+from .ranks import batch_us
 
 COPY_BYTES = 1 << 30
-SLEEP_CYCLES = 20_000_000   # ~10 ms at 2 GHz: the host enqueues a batch behind it
 DECODE_LIMIT = 256          # the decode path's most tokens a rank
-
-
-def layer_suite(world: int = 2, tokens=(4096, 128), *, hidden: int = 7168, inner: int = 2048,
-                experts: int = 256, topk: int = 8, calls: int = 4,
-                repeats: int = 5) -> dict | None:
-    """Rank 0's results (None on the other ranks under torchrun)."""
-    params = dict(tokens=list(tokens), hidden=hidden, inner=inner, experts=experts, topk=topk,
-                  calls=calls, repeats=repeats)
-    os.environ.update(NO_MULTICAST)
-    if "RANK" in os.environ:
-        import torch.distributed as dist
-
-        rank = int(os.environ["RANK"])
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
-        return _measure(rank, dist.get_world_size(), params)
-    if torch.cuda.device_count() < world and not mps_running():
-        raise ValueError(f"world={world} ranks on {torch.cuda.device_count()} GPU(s) need MPS "
-                         f"(their kernels wait for each other); start nvidia-cuda-mps-control "
-                         f"or run under torchrun with a GPU a rank")
-    context = torch.multiprocessing.get_context("spawn")
-    results = context.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        init = os.path.join(tmp, "rendezvous")
-        processes = [context.Process(target=_spawned, args=(r, world, init, params, results))
-                     for r in range(world)]
-        for p in processes:
-            p.start()
-        reports = dict(results.get(timeout=3600) for _ in range(world))
-        for p in processes:
-            p.join(timeout=60)
-    failed = [f"rank {r}: {report}" for r, report in sorted(reports.items())
-              if isinstance(report, str)]
-    if failed:
-        raise RuntimeError("the EP layer benchmark failed:\n" + "\n".join(failed))
-    return reports[0]
-
-
-def _spawned(rank: int, world: int, init: str, params: dict, results) -> None:
-    import traceback
-
-    import torch.distributed as dist
-
-    try:
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank,
-                                world_size=world, timeout=datetime.timedelta(seconds=300))
-        results.put((rank, _measure(rank, world, params)))
-        dist.destroy_process_group()
-    except BaseException:
-        results.put((rank, traceback.format_exc()))
-
-
-# ---------------------------------------------------------------------------- one rank
-def _batch_us(fn, calls: int, repeats: int) -> float:
-    """Median over ``repeats`` of a batch of ``calls`` calls, per call (us), each batch
-    after a host barrier and behind a sleep kernel; a first call, untimed, builds the
-    kernels (bench/ep.py times its calls the same way)."""
-    import torch.distributed as dist
-
-    fn()
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        dist.barrier()
-        torch.cuda._sleep(SLEEP_CYCLES)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(times)
+INNER = 2048                # DeepSeek-V3's expert width
+CALLS, REPEATS = 4, 5       # a batch's layer calls, batches timed
 
 
 def _local_experts(rank: int, local: int, hidden: int, inner: int):
@@ -162,13 +86,16 @@ def _copy_gbs() -> float:
     return 2 * COPY_BYTES / statistics.median(times) / 1e9
 
 
-def _measure(rank: int, world: int, p: dict) -> dict | None:
+def measure(rank: int, world: int, p: dict) -> dict | None:
+    """One rank's part (every rank of the group calls it): rank 0 gets the summary, the
+    others None. ``p``: tokens (a list), hidden, experts, topk."""
     import torch.distributed as dist
 
     from .. import ops
     from ..ep import Buffer, buffer_size
     from ..ep.layer import choose_path
 
+    p = dict(p, inner=INNER, calls=CALLS, repeats=REPEATS)
     hidden, inner, experts, topk = p["hidden"], p["inner"], p["experts"], p["topk"]
     local = experts // world
     bf16 = _local_experts(rank, local, hidden, inner)
@@ -192,7 +119,7 @@ def _measure(rank: int, world: int, p: dict) -> dict | None:
         with_nccl = lambda: _nccl_fp8_layer(x, idx, weights, fp8, local, world, nccl)
         grouped_mm = lambda: _grouped_mm_layer(x, idx, weights, bf16, local, world, nccl)
         rows.append(dict(tokens=tokens, path=choose_path(buffer, tokens, hidden, experts),
-                         **{name: _batch_us(fn, p["calls"], p["repeats"]) for name, fn in
+                         **{name: batch_us(fn, p["calls"], p["repeats"]) for name, fn in
                             (("ours_us", ours), ("nccl_us", with_nccl),
                              ("grouped_mm_us", grouped_mm))}))
     everyone = [None] * world
