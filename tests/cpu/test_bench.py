@@ -172,8 +172,10 @@ def _ep_ranks():
                           dict(sms=20, slots=64, dispatch_us=d / 2, combine_us=c / 2),
                           dict(sms=24, slots=64, dispatch_us=d / 4, combine_us=c / 4)]
     peers = dict(p2p_copy_gbs=394.0, nccl_dispatch_bytes_us=150.0, nccl_bf16_4096x7168_us=131.0)
+    kernels = dict(gemm=dict(alone_us=880.0, together_us=935.0, start_us=0.0),
+                   dispatch=dict(alone_us=100.0, together_us=150.0, start_us=12.0))
     overlap = dict(gemm_sms=112, comm_sms=20, gemm_rows=9000, gemm_us=900.0, comm_us=300.0,
-                   overlapped_us=960.0, ratio=0.8)
+                   overlapped_us=960.0, ratio=0.8, over_longer=960.0 / 900.0, kernels=kernels)
     decode = lambda d, c: dict(dispatch_us=d, combine_us=c, pair_us=d + c + 5)
     return [dict(sweep=sweep(200.0, 400.0), dispatch_bytes=30e6, combine_bytes=58e6,
                  peers=peers, overlap=overlap, recv=4000, decode=decode(14.0, 20.0)),
@@ -200,7 +202,9 @@ def test_ep_summary_takes_the_slowest_rank_and_picks_within_the_budget():
     assert "dispatch: 282 GB/s = 72% of the P2P copy" in table
     assert "picked (most GB/s on <= 20 SMs): dispatch 20 SMs x 64 slots" in table
     assert "NCCL all_to_all_single bf16 4096x7168: 131.0 us" in table
-    assert "together 960.0 us = 0.80 x their sum" in table
+    assert "together 960.0 us = 0.80 x their sum, 1.07 x the longer" in table
+    assert ("gemm 880 -> 935 us (x1.06), starting at +0 us, dispatch 100 -> 150 us (x1.50), "
+            "starting at +12 us") in table
     assert "dispatch 14.0 us, combine 24.0 us; a dispatch + combine pair 41.0 us" in table
     one_gpu = ep_bench._summary(_ep_ranks(), params, 2, False, "NVIDIA H200")
     assert "all on ONE GPU under MPS" in ep_bench.ep_table(one_gpu)
