@@ -397,15 +397,20 @@ def main() -> int:
     the launcher's group."""
     import test_ep_low_latency_gpu as low_latency
 
+    return run_torchrun({"routings": SCENARIOS["routings"], "errors": SCENARIOS["errors"],
+                         "low_latency_rounds": low_latency.scenario_rounds,
+                         "low_latency_graph": low_latency.scenario_graph,
+                         "low_latency_ranks_disagree": low_latency.scenario_ranks_disagree})
+
+
+def run_torchrun(scenarios: dict) -> int:
+    """Each of ``scenarios`` (name: scenario) on the launcher's group, in order, NVLink
+    multicast off; each rank prints what passed."""
     for name, value in NO_MULTICAST.items():
         os.environ.setdefault(name, value)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
     dist.init_process_group("gloo")
-    scenarios = {"routings": SCENARIOS["routings"], "errors": SCENARIOS["errors"],
-                 "low_latency_rounds": low_latency.scenario_rounds,
-                 "low_latency_graph": low_latency.scenario_graph,
-                 "low_latency_ranks_disagree": low_latency.scenario_ranks_disagree}
     for name, scenario in scenarios.items():
         scenario(rank, world)
         print(f"rank {rank}: {name} passed", flush=True)

@@ -25,7 +25,6 @@ or under torchrun, a GPU a rank (2 or more ranks; the experts must split evenly)
 
 from __future__ import annotations
 
-import os
 import sys
 
 import pytest
@@ -33,11 +32,10 @@ import torch
 import torch.distributed as dist
 
 import ptxforge
-from ptxforge.bench.ranks import NO_MULTICAST
 from ptxforge.ep import Buffer, buffer_size, decode_capacity, shard_experts
 from ptxforge.testing.checks import calc_diff
 
-from test_ep_gpu import _assert_bitwise, run_two_ranks
+from test_ep_gpu import _assert_bitwise, run_torchrun, run_two_ranks
 from test_moe_gpu import quantized, reference
 
 pytestmark = pytest.mark.gpu
@@ -249,16 +247,7 @@ def test_layer_two_ranks(scenario, monkeypatch):
 
 def main() -> int:
     """torchrun entry: every scenario on the launcher's group."""
-    for name, value in NO_MULTICAST.items():
-        os.environ.setdefault(name, value)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
-    dist.init_process_group("gloo")
-    for name, scenario in SCENARIOS.items():
-        scenario(rank, world)
-        print(f"rank {rank}: {name} passed", flush=True)
-    dist.destroy_process_group()
-    return 0
+    return run_torchrun(SCENARIOS)
 
 
 if __name__ == "__main__":
