@@ -183,6 +183,15 @@ def test_channel_bounds_cover_the_tokens_in_order(tokens, channels):
                       for c in range(channels)]
 
 
+@pytest.mark.parametrize("tokens, channels", [(0, 3), (1, 4), (10, 3), (64, 10), (4096, 10)])
+def test_channel_counts_sum_each_channels_tokens(tokens, channels):
+    from ptxforge.ep.buffer import channel_counts
+
+    in_rank = torch.rand(tokens, 3, generator=torch.Generator().manual_seed(tokens)) < 0.4
+    expected = [in_rank[b:e].sum(0).tolist() for b, e in ep_plan.channel_bounds(tokens, channels)]
+    assert channel_counts(in_rank, channels).tolist() == expected
+
+
 # ---------------------------------------------------------------------------- layout logic
 def _routing(tokens: int, experts: int, topk: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)

@@ -38,7 +38,7 @@ from ..kernels.ep_intranode import combine as combine_kernel
 from ..kernels.ep_intranode import common as kernel_common
 from ..kernels.ep_intranode import dispatch as dispatch_kernel
 from ..kernels.ep_intranode import layout as layout_kernel
-from ..kernels.ep_intranode.plan import MAX_RANKS, BufferPlan, DispatchSlot, channel_bounds
+from ..kernels.ep_intranode.plan import MAX_RANKS, BufferPlan, DispatchSlot
 from ..ops.common import device_arch
 from . import checks, low_latency
 from .ipc import HostRecord, PeerMemory
@@ -101,6 +101,17 @@ class DispatchHandle:
     recv_layout: torch.Tensor        # int32 [2, ranks, channels] on the device
     recv_src_idx: torch.Tensor       # int32 [N]: each received row's token on its source rank
     layout: ReceiveLayout
+
+
+def channel_counts(is_token_in_rank: torch.Tensor, channels: int) -> torch.Tensor:
+    """int64 [channels, ranks]: each channel's tokens (``plan.channel_bounds``: ceil(T /
+    channels) consecutive tokens each) that go to each rank, by one padded reduction (a
+    running sum over the tokens took 378 us for 4096 of them on an H200)."""
+    tokens, ranks = is_token_in_rank.shape
+    per = -(-tokens // channels)
+    padded = torch.nn.functional.pad(is_token_in_rank.to(torch.int64),
+                                     (0, 0, 0, channels * per - tokens))
+    return padded.view(channels, per, ranks).sum(1)
 
 
 def buffer_size(num_ranks: int, hidden: int, topk: int, *, fp8: bool = False,
@@ -325,24 +336,25 @@ class Buffer:
 
         if previous_event is not None:
             previous_event.current_stream_wait()
-        bounds = channel_bounds(inputs.tokens, channels)
-        # Row t of the running counts: the tokens before t that go to each rank.
-        cumulative = torch.nn.functional.pad(is_token_in_rank.long().cumsum(0), (0, 0, 1, 0))
-        ends = torch.tensor([end for _, end in bounds], device=cumulative.device)
-        begins = torch.tensor([begin for begin, _ in bounds], device=cumulative.device)
-        bad = ((topk_idx < -1) | (topk_idx >= experts)).sum()
+        bad = ((topk_idx < -1) | (topk_idx >= experts)).sum().view(1)
+        # One copy to the host (one synchronisation): the channels' counts, the experts',
+        # the bad indices.
+        counts = torch.cat([channel_counts(is_token_in_rank, channels).flatten(),
+                            num_tokens_per_expert.to(torch.int64), bad])
         try:
-            channel_counts = (cumulative[ends] - cumulative[begins]).tolist()
-            expert_counts = num_tokens_per_expert.tolist()
-            bad = int(bad)
+            counts = counts.tolist()
         except RuntimeError:
             self.check_timeout()  # a CUDA error from an earlier kernel that timed out
             raise
+        split = channels * self.group_size
+        per_channel = [counts[c * self.group_size:(c + 1) * self.group_size]
+                           for c in range(channels)]
+        expert_counts, bad = counts[split:-1], counts[-1]
         signature = (("hidden", inputs.hidden), ("fp8", inputs.fp8), ("topk", inputs.topk),
                      ("num_experts", experts), ("num_sms", config.num_sms),
                      ("ring_slots", config.ring_slots), ("expert_alignment", expert_alignment))
         messages = [None] * self.group_size
-        dist.all_gather_object(messages, Message(signature, channel_counts, expert_counts, bad),
+        dist.all_gather_object(messages, Message(signature, per_channel, expert_counts, bad),
                                group=self.group)
         check_agreement(messages)
         layout = receive_layout(messages, self.rank, experts // self.group_size, expert_alignment)
