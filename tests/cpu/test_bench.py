@@ -195,12 +195,12 @@ def test_ep_summary_takes_the_slowest_rank_and_picks_within_the_budget():
     assert first["dispatch_gbs"] == pytest.approx(31e6 / 220.0 / 1e3)  # the ranks' mean bytes
     assert second["combine_gbs"] == pytest.approx(59e6 / 200.0 / 1e3)
     # 24 SMs is faster but over the 20-SM budget.
-    assert result["picked"] == {"dispatch": dict(sms=20, slots=64),
-                                "combine": dict(sms=20, slots=64)}
+    assert result["picked"] == dict(sms=20, slots=64)
     table = ep_bench.ep_table(result)
     assert "|  20 |         64 |       110.0 |  282 |" in table
     assert "dispatch: 282 GB/s = 72% of the P2P copy" in table
-    assert "picked (most GB/s on <= 20 SMs): dispatch 20 SMs x 64 slots" in table
+    assert ("picked (the least dispatch + combine time on <= 20 SMs, within the default "
+            "buffer): 20 SMs x 64 slots") in table
     assert "NCCL all_to_all_single bf16 4096x7168: 131.0 us" in table
     assert "together 960.0 us = 0.80 x their sum, 1.07 x the longer" in table
     assert ("gemm 880 -> 935 us (x1.06), starting at +0 us, dispatch 100 -> 150 us (x1.50), "
@@ -232,7 +232,7 @@ def test_the_ep_report_carries_the_layer():
     result = dict(ep_bench._summary(_ep_ranks(), EP_PARAMS, 2, True, "NVIDIA H200"), layer=layer)
     table = ep_bench.ep_table(result)
     assert ep_layer.layer_table(layer) in table
-    assert table.index("picked (most GB/s") < table.index("MoE layer across 2 ranks")
+    assert table.index("picked (the least") < table.index("MoE layer across 2 ranks")
 
 
 def test_bench_ep_needs_mps_for_two_ranks_on_one_gpu(monkeypatch):

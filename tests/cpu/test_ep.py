@@ -481,3 +481,35 @@ def test_decode_sizes_are_checked_with_the_other_ranks_once(monkeypatch):
     with pytest.raises(ValueError, match="disagree on the dispatch: hidden: rank 0 has 7168, "
                                          "rank 1 has 4096; topk: rank 0 has 6, rank 1 has 8"):
         buffer._agree_on_low_latency_sizes(sizes(7168, topk=6))
+
+
+# ---------------------------------------------------------------------------- stored config
+def test_the_stored_config_round_trips_and_survives_a_bad_file(monkeypatch, tmp_path):
+    from ptxforge.ep import tuning
+
+    monkeypatch.setenv("PTXFORGE_CACHE_DIR", str(tmp_path))
+    assert tuning.load("NVIDIA H200", 2) is None
+    tuning.store("NVIDIA H200", 2, 20, 128, dispatch_us=199.2)
+    tuning.store("NVIDIA H200", 4, 16, 64)
+    assert tuning.load("NVIDIA H200", 2) == (20, 128)
+    assert tuning.load("NVIDIA H200", 4) == (16, 64)
+    assert tuning.load("NVIDIA H100 80GB HBM3", 2) is None
+    assert [p.name for p in tmp_path.iterdir()] == [tuning.FILE]  # no temporary left
+    tuning.path().write_text("{not json")
+    assert tuning.load("NVIDIA H200", 2) is None
+    tuning.store("NVIDIA H200", 2, 18, 128)   # a broken file is replaced, not kept
+    assert tuning.load("NVIDIA H200", 2) == (18, 128)
+
+
+def test_a_buffer_returns_the_stored_config_within_its_budget():
+    from ptxforge.ep import Buffer, Config
+    from ptxforge.ep.buffer import DEFAULT_SLOTS
+
+    buffer = Buffer.__new__(Buffer)   # the configs read the stored pick and the budget alone
+    buffer.group_size, buffer.num_sms, buffer._picked = 2, 20, {2: (16, 64)}
+    assert buffer.get_dispatch_config() == buffer.get_combine_config() == Config(16, 64)
+    buffer.num_sms = 12      # a pick past the buffer's SM budget is not taken
+    assert buffer.get_dispatch_config() == Config(12, DEFAULT_SLOTS)
+    buffer._picked = {2: None}
+    buffer.num_sms = 20
+    assert buffer.get_dispatch_config() == Config(20, DEFAULT_SLOTS)

@@ -112,13 +112,30 @@ def _measure(rank: int, world: int, p: dict) -> dict | None:
                                                    experts=experts, topk=topk))
     if rank:
         return None
-    return dict(_summary(everyone, p, world, distinct, torch.cuda.get_device_name(device)),
-                layer=layer)
+    result = _summary(everyone, p, world, distinct, torch.cuda.get_device_name(device))
+    if distinct:   # a GPU a rank (NVLink): what Buffer.get_dispatch_config returns from now on
+        from ..ep import tuning
+
+        c = result["picked"]
+        row = next(r for r in result["sweep"] if (r["sms"], r["slots"]) == (c["sms"], c["slots"]))
+        result["stored"] = str(tuning.store(result["device"], world, c["sms"], c["slots"],
+                                            dispatch_us=row["dispatch_us"],
+                                            combine_us=row["combine_us"]))
+    return dict(result, layer=layer)
+
+
+def fits_default_buffer(sms: int, slots: int) -> bool:
+    """Within the SM budget, and no more rings' room than ``buffer_size``'s default config
+    makes: what a stored pick may be (a buffer sized by default must hold it)."""
+    from ..ep.buffer import DEFAULT_NUM_SMS, DEFAULT_SLOTS
+
+    return sms <= SM_BUDGET and sms * slots <= DEFAULT_NUM_SMS * DEFAULT_SLOTS
 
 
 def _summary(everyone: list, p: dict, world: int, distinct: bool, device_name: str) -> dict:
     """Per config the slowest rank's times and the bytes every rank sent over them; the
-    config picked per op (the most GB/s within the SM budget)."""
+    config picked (the least dispatch + combine time among those ``fits_default_buffer``
+    takes: one config serves a dispatch and its combine)."""
     dispatch_bytes = sum(r["dispatch_bytes"] for r in everyone) / world
     combine_bytes = sum(r["combine_bytes"] for r in everyone) / world
     sweep = []
@@ -128,12 +145,11 @@ def _summary(everyone: list, p: dict, world: int, distinct: bool, device_name: s
         sweep.append(dict(row, dispatch_us=d_us, combine_us=c_us,
                           dispatch_gbs=dispatch_bytes / d_us / 1e3,
                           combine_gbs=combine_bytes / c_us / 1e3))
-    within = [r for r in sweep if r["sms"] <= SM_BUDGET] or sweep
-    picked = {op: max(within, key=lambda r: r[f"{op}_gbs"]) for op in ("dispatch", "combine")}
+    within = [r for r in sweep if fits_default_buffer(r["sms"], r["slots"])] or sweep
+    best = min(within, key=lambda r: r["dispatch_us"] + r["combine_us"])
     return dict(params=p, world=world, distinct_gpus=distinct, device=device_name,
                 dispatch_bytes_per_rank=dispatch_bytes, combine_bytes_per_rank=combine_bytes,
-                sweep=sweep, picked={op: dict(sms=r["sms"], slots=r["slots"])
-                                     for op, r in picked.items()},
+                sweep=sweep, picked=dict(sms=best["sms"], slots=best["slots"]),
                 peers=everyone[0]["peers"], overlap=[r["overlap"] for r in everyone],
                 decode={key: max(r["decode"][key] for r in everyone)
                         for key in everyone[0]["decode"]})
@@ -324,13 +340,16 @@ def ep_table(result: dict) -> str:
              f"{r['combine_us']:.1f}", f"{r['combine_gbs']:.0f}"] for r in result["sweep"]]
     text = head + "\n\n" + format_table(
         ["SMs", "ring slots", "dispatch us", "GB/s", "combine us", "GB/s"], rows)
-    text += "\n\npicked (most GB/s on <= %d SMs): %s" % (SM_BUDGET, ", ".join(
-        f"{op} {c['sms']} SMs x {c['slots']} slots" for op, c in result["picked"].items()))
+    c = result["picked"]
+    text += (f"\n\npicked (the least dispatch + combine time on <= {SM_BUDGET} SMs, within the "
+             f"default buffer): {c['sms']} SMs x {c['slots']} slots")
+    if result.get("stored"):
+        text += f", stored in {result['stored']}"
     peers = result["peers"]
     if peers:
-        for op, c in result["picked"].items():
-            gbs = next(r[f"{op}_gbs"] for r in result["sweep"]
-                       if (r["sms"], r["slots"]) == (c["sms"], c["slots"]))
+        row = next(r for r in result["sweep"] if (r["sms"], r["slots"]) == (c["sms"], c["slots"]))
+        for op in ("dispatch", "combine"):
+            gbs = row[f"{op}_gbs"]
             text += f"\n{op}: {gbs:.0f} GB/s = {gbs / peers['p2p_copy_gbs']:.0%} of the P2P copy"
         nccl_gbs = result["dispatch_bytes_per_rank"] / peers["nccl_dispatch_bytes_us"] / 1e3
         text += (f"\nP2P copy engine, 1 GiB one direction: {peers['p2p_copy_gbs']:.0f} GB/s"

@@ -40,7 +40,7 @@ from ..kernels.ep_intranode import dispatch as dispatch_kernel
 from ..kernels.ep_intranode import layout as layout_kernel
 from ..kernels.ep_intranode.plan import MAX_RANKS, BufferPlan, DispatchSlot
 from ..ops.common import device_arch
-from . import checks, low_latency
+from . import checks, low_latency, tuning
 from .ipc import HostRecord, PeerMemory
 from .layout import Message, ReceiveLayout, check_agreement, receive_layout
 
@@ -197,6 +197,12 @@ class Buffer:
                 self.record.device_pointer, int(timeout_s * 1e9), self.device_index, self.arch,
                 self.num_rdma_bytes)
         self.comm_stream = torch.cuda.Stream(self.device_index)
+        # The stored config (ep/tuning.py), rank 0's for every rank: ranks reading
+        # different files must still call with one config.
+        picks = [None] * self.group_size
+        dist.all_gather_object(picks, tuning.load(torch.cuda.get_device_name(self.device_index),
+                                                  self.group_size), group=group)
+        self._picked = {self.group_size: picks[0]}
 
     # ------------------------------------------------------------------ configuration
     @staticmethod
@@ -205,10 +211,22 @@ class Buffer:
         Buffer.num_sms = _checked_num_sms("num_sms", new_num_sms)
 
     def get_dispatch_config(self, num_ranks: int | None = None) -> Config:
+        """The config ``ptxforge bench ep`` stored for this GPU and ``num_ranks`` (this
+        group's by default: rank 0's, read when the buffer was made), if it fits this
+        buffer's SM budget; else the budget with DEFAULT_SLOTS a ring (``ep/tuning.py``).
+        A stored config never needs more buffer than ``buffer_size``'s default."""
+        ranks = self.group_size if num_ranks is None else num_ranks
+        if ranks not in self._picked:   # read once: a call without a config asks each time
+            self._picked[ranks] = tuning.load(torch.cuda.get_device_name(self.device_index),
+                                              ranks)
+        picked = self._picked[ranks]
+        if picked is not None and picked[0] <= self.num_sms:
+            return Config(*picked)
         return Config(self.num_sms, DEFAULT_SLOTS)
 
     def get_combine_config(self, num_ranks: int | None = None) -> Config:
-        return Config(self.num_sms, DEFAULT_SLOTS)
+        """The dispatch's: a combine runs on its dispatch's channels and rings."""
+        return self.get_dispatch_config(num_ranks)
 
     # ------------------------------------------------------------------ layout
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int,
