@@ -513,3 +513,40 @@ def test_a_buffer_returns_the_stored_config_within_its_budget():
     buffer._picked = {2: None}
     buffer.num_sms = 20
     assert buffer.get_dispatch_config() == Config(20, DEFAULT_SLOTS)
+
+
+def test_the_exchange_sends_each_channels_counts_the_experts_and_the_bad_indices(monkeypatch):
+    """What a dispatch without a handle tells the other ranks (one copy to the host): here
+    two ranks that sent the same, caught at the all_gather."""
+    import torch.distributed as dist
+
+    from ptxforge.ep import Buffer, Config
+
+    ranks, experts, channels, tokens = 2, 8, 3, 37
+    idx = _routing(tokens, experts, 3, 5)
+    idx[4, 1] = experts + 2   # out of range: counted, then refused on every rank
+    _, per_expert, in_rank = reference.dispatch_layout(idx, experts, ranks)
+    sent = []
+
+    def all_gather_object(out, message, group=None):
+        sent.append(message)
+        out[:] = [message] * len(out)
+
+    monkeypatch.setattr(dist, "all_gather_object", all_gather_object)
+    buffer = Buffer.__new__(Buffer)   # the exchange reads the group's size and rank alone
+    buffer.group, buffer.group_size, buffer.rank, buffer.device_index = None, ranks, 0, "cpu"
+    inputs = checks.DispatchInputs(False, tokens, 256, 3, 0, 0, (0, 0), 0, 0)
+    with pytest.raises(ValueError, match="out of range"):
+        buffer._exchange(inputs, in_rank, per_expert, idx, experts, channels, 1, Config(6, 64),
+                         None)
+    (message,) = sent
+    assert message.channel_counts == [in_rank[b:e].sum(0).tolist()
+                                      for b, e in ep_plan.channel_bounds(tokens, channels)]
+    assert message.expert_counts == per_expert.tolist() and message.bad_indices == 1
+    idx[4, 1] = -1
+    _, per_expert, in_rank = reference.dispatch_layout(idx, experts, ranks)
+    handle = buffer._exchange(inputs, in_rank, per_expert, idx, experts, channels, 1,
+                              Config(6, 64), None)
+    expected = receive_layout([sent[-1]] * ranks, 0, experts // ranks)
+    assert handle.recv_layout.flatten().tolist() == expected.table()
+    assert handle.num_recv_tokens == 2 * int(in_rank[:, 0].sum())

@@ -366,7 +366,7 @@ class Buffer:
             raise
         split = channels * self.group_size
         per_channel = [counts[c * self.group_size:(c + 1) * self.group_size]
-                           for c in range(channels)]
+                       for c in range(channels)]
         expert_counts, bad = counts[split:-1], counts[-1]
         signature = (("hidden", inputs.hidden), ("fp8", inputs.fp8), ("topk", inputs.topk),
                      ("num_experts", experts), ("num_sms", config.num_sms),
