@@ -134,6 +134,7 @@ def fake_buffer(ranks: int = 2, *, normal: bool = True, decode_tokens: int = 0,
     its sizes alone."""
     buffer = Buffer.__new__(Buffer)
     buffer.group_size, buffer.rank, buffer.device_index = ranks, 0, 0
+    buffer._picked = {ranks: None}   # no stored config
     size = buffer_size(ranks, HIDDEN, TOPK, fp8=True)
     buffer.num_nvl_bytes = (size if nvl_bytes is None else nvl_bytes) if normal else 0
     buffer.num_rdma_bytes, buffer.low_latency_group = 0, None
