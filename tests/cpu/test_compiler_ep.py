@@ -12,10 +12,6 @@ from __future__ import annotations
 import datetime
 import functools
 import importlib
-import os
-import queue
-import tempfile
-import time
 import traceback
 
 import pytest
@@ -28,6 +24,7 @@ import torch.distributed as dist  # noqa: E402
 from ptxforge import arch, compiler, models  # noqa: E402
 from ptxforge.compiler import expert_parallel  # noqa: E402
 from ptxforge.ep import Buffer, buffer_size  # noqa: E402
+from support import spawned  # noqa: E402
 
 backend_module = importlib.import_module("ptxforge.compiler.backend")
 
@@ -97,7 +94,7 @@ def calls(gm) -> list:
 
 
 # ---------------------------------------------------------------------------- two ranks
-def _worker(scenario, rank: int, world: int, init_file: str, results) -> None:
+def _worker(rank: int, world: int, init_file: str, scenario, results) -> None:
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                                 world_size=world, timeout=datetime.timedelta(seconds=120))
@@ -110,31 +107,7 @@ def _worker(scenario, rank: int, world: int, init_file: str, results) -> None:
 def run_ranks(scenario, world: int = 2) -> None:
     """``scenario(rank, world)`` (a function of this module) in ``world`` spawned processes
     on a gloo group; fails with their tracebacks."""
-    context = torch.multiprocessing.get_context("spawn")
-    results = context.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        processes = [context.Process(target=_worker, daemon=True,
-                                     args=(scenario, rank, world, os.path.join(tmp, "rdv"),
-                                           results)) for rank in range(world)]
-        for p in processes:
-            p.start()
-        deadline, reports = time.monotonic() + TIMEOUT_S, {}
-        while len(reports) < world:
-            try:
-                rank, error = results.get(timeout=max(1.0, deadline - time.monotonic()))
-            except queue.Empty:
-                break
-            reports[rank] = error
-        for p in processes:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    failures = [f"rank {r}:\n{error}" for r, error in sorted(reports.items()) if error]
-    if len(reports) < world:
-        failures.append(f"rank(s) {sorted(set(range(world)) - set(reports))} did not finish "
-                        f"within {TIMEOUT_S} s")
-    if failures:
-        pytest.fail("\n".join(failures), pytrace=False)
+    spawned.run(_worker, scenario, world, timeout_s=TIMEOUT_S)
 
 
 def scenario_each_rank_holds_its_experts(rank: int, world: int) -> None:

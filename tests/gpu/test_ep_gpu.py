@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import datetime
 import os
-import queue
 import sys
-import tempfile
 import time
 import traceback
 
@@ -34,6 +32,7 @@ from ptxforge.bench.ranks import NO_MULTICAST, mps_running
 from ptxforge.ep import Buffer, Config, EPTimeoutError, buffer_size
 from ptxforge.testing.reference import quantize_fp8_per_token
 from support import ep_reference as reference
+from support import spawned
 
 pytestmark = pytest.mark.gpu
 
@@ -81,34 +80,7 @@ def _worker(rank: int, world: int, init_file: str, scenario: str, results) -> No
 def run_spawned(scenario, world: int = WORLD) -> None:
     """Run ``scenario`` (a name in SCENARIOS, or a module-level function of (rank, world)
     that another test file passes) in ``world`` spawned processes."""
-    context = torch.multiprocessing.get_context("spawn")
-    results = context.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "rendezvous")
-        processes = [context.Process(target=_worker, args=(r, world, init_file, scenario, results),
-                                     daemon=True) for r in range(world)]
-        for p in processes:
-            p.start()
-        deadline, reports = time.monotonic() + TIMEOUT_S, {}
-        while len(reports) < world:
-            try:
-                rank, error = results.get(timeout=max(1.0, deadline - time.monotonic()))
-                reports[rank] = error
-            except queue.Empty:
-                break
-            if time.monotonic() > deadline:
-                break
-        for p in processes:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    missing = sorted(set(range(world)) - set(reports))
-    failures = [f"rank {r}:\n{error}" for r, error in sorted(reports.items()) if error]
-    if missing:
-        failures.append(f"rank(s) {missing} did not finish within {TIMEOUT_S} s (a hang?)")
-    if failures:
-        name = scenario if isinstance(scenario, str) else scenario.__name__
-        pytest.fail(f"scenario {name}:\n" + "\n".join(failures), pytrace=False)
+    spawned.run(_worker, scenario, world, timeout_s=TIMEOUT_S)
 
 
 def _gather(obj) -> list:
