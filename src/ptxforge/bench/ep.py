@@ -116,8 +116,7 @@ def _measure(rank: int, world: int, p: dict) -> dict | None:
     if distinct:   # a GPU a rank (NVLink): what Buffer.get_dispatch_config returns from now on
         from ..ep import tuning
 
-        c = result["picked"]
-        row = next(r for r in result["sweep"] if (r["sms"], r["slots"]) == (c["sms"], c["slots"]))
+        c, row = result["picked"], picked_row(result)
         result["stored"] = str(tuning.store(result["device"], world, c["sms"], c["slots"],
                                             dispatch_us=row["dispatch_us"],
                                             combine_us=row["combine_us"]))
@@ -130,6 +129,12 @@ def fits_default_buffer(sms: int, slots: int) -> bool:
     from ..ep.buffer import DEFAULT_NUM_SMS, DEFAULT_SLOTS
 
     return sms <= SM_BUDGET and sms * slots <= DEFAULT_NUM_SMS * DEFAULT_SLOTS
+
+
+def picked_row(result: dict) -> dict:
+    """The sweep's row of the picked config."""
+    c = result["picked"]
+    return next(r for r in result["sweep"] if (r["sms"], r["slots"]) == (c["sms"], c["slots"]))
 
 
 def _summary(everyone: list, p: dict, world: int, distinct: bool, device_name: str) -> dict:
@@ -347,7 +352,7 @@ def ep_table(result: dict) -> str:
         text += f", stored in {result['stored']}"
     peers = result["peers"]
     if peers:
-        row = next(r for r in result["sweep"] if (r["sms"], r["slots"]) == (c["sms"], c["slots"]))
+        row = picked_row(result)
         for op in ("dispatch", "combine"):
             gbs = row[f"{op}_gbs"]
             text += f"\n{op}: {gbs:.0f} GB/s = {gbs / peers['p2p_copy_gbs']:.0%} of the P2P copy"

@@ -20,21 +20,21 @@ barrier and behind a sleep kernel (so a path without host synchronisation runs a
 GPU's pace), the slowest rank's. TFLOPS: the routed experts' FLOPs a rank, 2 * T * k *
 (H * 2I + I * H), over that time. At the decode sizes, the time to read the rank's FP8
 experts (weights and scales) once at the copy rate measured in the run (a device-to-
-device copy of 1 GiB; its rate counts the bytes read and written), and the layer's time
+device copy of 1 GiB, ``bench.ops.copy_bandwidth_gbs``: kernel time, L2 flushed; its
+rate counts the bytes read and written), and the layer's time
 over it. ``ptxforge bench ep`` runs it on its ranks after the communication
 (``bench/ep.py``), whose harness and timing it shares.
 """
 
 from __future__ import annotations
 
-import statistics
-
 import torch
 
 from . import format_table
+from .ops import Timer, copy_bandwidth_gbs
 from .ranks import batch_us
 
-COPY_BYTES = 1 << 30
+COPY_BYTES = 1 << 30        # the copy's source: it moves twice that, read and written
 DECODE_LIMIT = 256          # the decode path's most tokens a rank
 INNER = 2048                # DeepSeek-V3's expert width
 CALLS, REPEATS = 4, 5       # a batch's layer calls, batches timed
@@ -70,22 +70,6 @@ def _router(rank: int, tokens: int, experts: int, topk: int, hidden: int):
     return x, idx.contiguous(), (weights / weights.sum(-1, keepdim=True)).contiguous()
 
 
-def _copy_gbs() -> float:
-    """A device-to-device copy of COPY_BYTES: GB/s read and written."""
-    src = torch.empty(COPY_BYTES, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e-3)
-    return 2 * COPY_BYTES / statistics.median(times) / 1e9
-
-
 def measure(rank: int, world: int, p: dict) -> dict | None:
     """One rank's part (every rank of the group calls it): rank 0 gets the summary, the
     others None. ``p``: tokens (a list), hidden, experts, topk."""
@@ -110,7 +94,7 @@ def measure(rank: int, world: int, p: dict) -> dict | None:
     copy_gbs = None
     for turn in range(world):   # one rank at a time: ranks may share a GPU
         if turn == rank:
-            copy_gbs = _copy_gbs()
+            copy_gbs = copy_bandwidth_gbs(Timer(), 2 * COPY_BYTES)
         dist.barrier()
     rows = []
     for tokens in p["tokens"]:

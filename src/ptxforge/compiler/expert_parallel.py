@@ -45,7 +45,7 @@ import torch
 from .. import ep as ep_package
 from .. import ops
 from ..ep import Buffer, buffer_size
-from .moe import experts_modules
+from .moe import experts_modules, looping_experts
 
 log = logging.getLogger("ptxforge.compiler")
 
@@ -100,15 +100,16 @@ def expert_parallel(model, group, *, fp8: bool, decode: bool = False) -> ExpertP
         raise ValueError(f"ep_group: {type(model).__name__} has no experts module to shard (3-D "
                          f"gate_up_proj [E, 2I, H] and down_proj [E, H, I], as transformers' MoE "
                          f"blocks hold them)")
+    looping = looping_experts(model)
+    if looping:
+        raise ValueError(f"ep_group: the experts of {looping[0]} run transformers' per-expert "
+                         f"loop, which no graph holds; load the model with "
+                         f"experts_implementation='grouped_mm'")
     ranks, rank = dist.get_world_size(group), dist.get_rank(group)
     sizes = []   # (hidden, top-k, experts) of each module
     for path, module in modules.items():
         experts, _, hidden = module.gate_up_proj.shape
         config = getattr(module, "config", None)
-        if getattr(config, "_experts_implementation", None) != "grouped_mm":
-            raise ValueError(f"ep_group: the experts of {path} run transformers' per-expert loop, "
-                             f"which no graph holds; load the model with "
-                             f"experts_implementation='grouped_mm'")
         if experts % ranks:
             raise ValueError(f"ep_group: the {experts} experts of {path} do not divide over the "
                              f"group's {ranks} ranks")
