@@ -212,10 +212,15 @@ def test_ep_summary_takes_the_slowest_rank_and_picks_within_the_budget():
 
 def _layer_summary():
     """Two ranks' layer reports as ``ep_layer.measure`` gathers them (rank 1 the slower)."""
+    line = lambda us: dict(span_us=us, busy_us=us / 2, kernels=[dict(name="sm90_gemm", us=us / 2)],
+                           gaps=[dict(us=us / 2, at_us=10.0, after="ep_intranode_layout",
+                                      before="ep_intranode_dispatch")])
     rows = lambda scale: [dict(tokens=4096, path="contiguous", ours_us=7000.0 * scale,
-                               nccl_us=6000.0 * scale, grouped_mm_us=20000.0 * scale),
+                               nccl_us=6000.0 * scale, grouped_mm_us=20000.0 * scale,
+                               timeline=line(7000.0 * scale)),
                           dict(tokens=128, path="masked", ours_us=1000.0 * scale,
-                               nccl_us=2000.0 * scale, grouped_mm_us=4000.0 * scale)]
+                               nccl_us=2000.0 * scale, grouped_mm_us=4000.0 * scale,
+                               timeline=line(1000.0 * scale))]
     everyone = [dict(rows=rows(1.0), copy_gbs=4000.0, fp8_bytes=2.8e9),
                 dict(rows=rows(1.1), copy_gbs=4100.0, fp8_bytes=2.8e9)]
     params = dict(tokens=[4096, 128], hidden=7168, inner=2048, experts=256, topk=8, calls=4,
@@ -233,6 +238,42 @@ def test_the_ep_report_carries_the_layer():
     table = ep_bench.ep_table(result)
     assert ep_layer.layer_table(layer) in table
     assert table.index("picked (the least") < table.index("MoE layer across 2 ranks")
+    assert ("rank 1: GPU span 7700 us, busy 3850; sm90_gemm 3850\n    idle 3850 us at +10: "
+            "ep_intranode_layout -> ep_intranode_dispatch") in table
+
+
+def test_a_timeline_counts_overlapping_kernels_once_and_lists_the_gaps(monkeypatch):
+    import types
+
+    def event(name, start, end):
+        return types.SimpleNamespace(name=name, device_type=types.SimpleNamespace(name="CUDA"),
+                                     time_range=types.SimpleNamespace(start=start, end=end))
+
+    events = [event("quantize", 100.0, 110.0), event("gemm", 200.0, 500.0),
+              event("dispatch", 150.0, 300.0), event("combine", 505.0, 600.0),
+              event("gemm", 700.0, 800.0)]
+
+    class Profile:
+        def __init__(self, **_):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *_):
+            return False
+
+        def events(self):
+            return events
+
+    monkeypatch.setattr(torch.profiler, "profile", Profile)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.distributed, "barrier", lambda: None)
+    t = ep_layer.timeline(lambda: None)
+    assert t["span_us"] == 700.0 and t["busy_us"] == 10.0 + 350.0 + 95.0 + 100.0
+    assert t["kernels"][0] == dict(name="gemm", us=400.0)
+    assert t["gaps"] == [dict(us=100.0, at_us=500.0, after="combine", before="gemm"),
+                         dict(us=40.0, at_us=10.0, after="quantize", before="dispatch")]
 
 
 def test_bench_ep_needs_mps_for_two_ranks_on_one_gpu(monkeypatch):

@@ -308,10 +308,10 @@ def test_the_layer_table_reads_its_result():
                   repeats=5)
     rows = [dict(tokens=4096, path="contiguous", ours_us=5000.0, ours_tflops=554.0,
                  nccl_us=6000.0, nccl_tflops=462.0, grouped_mm_us=9000.0,
-                 grouped_mm_tflops=308.0),
+                 grouped_mm_tflops=308.0, timelines=[]),
             dict(tokens=128, path="masked", ours_us=1500.0, ours_tflops=57.7, nccl_us=2500.0,
                  nccl_tflops=34.6, grouped_mm_us=4000.0, grouped_mm_tflops=21.6,
-                 weights_read_us=1400.0, ours_over_read=1500 / 1400)]
+                 weights_read_us=1400.0, ours_over_read=1500 / 1400, timelines=[])]
     text = layer_table(dict(params=params, world=2, distinct_gpus=True, device="H200",
                             copy_gbs=8000.0, fp8_weights_bytes=5.6e9, rows=rows))
     assert "| 4096 | contiguous | 5000 (554) |" in re.sub(" +", " ", text)

@@ -105,7 +105,8 @@ def measure(rank: int, world: int, p: dict) -> dict | None:
         rows.append(dict(tokens=tokens, path=choose_path(buffer, tokens, hidden, experts),
                          **{name: batch_us(fn, p["calls"], p["repeats"]) for name, fn in
                             (("ours_us", ours), ("nccl_us", with_nccl),
-                             ("grouped_mm_us", grouped_mm))}))
+                             ("grouped_mm_us", grouped_mm))},
+                         timeline=timeline(ours)))
     everyone = [None] * world
     dist.all_gather_object(everyone, dict(rows=rows, copy_gbs=copy_gbs, fp8_bytes=fp8_bytes))
     dist.destroy_process_group(nccl)
@@ -130,12 +131,51 @@ def _summary(everyone: list, p: dict, world: int, distinct: bool, device_name: s
         for name in ("ours", "nccl", "grouped_mm"):
             us = max(r["rows"][i][f"{name}_us"] for r in everyone)
             out[f"{name}_us"], out[f"{name}_tflops"] = us, flops / us / 1e6
+        out["timelines"] = [r["rows"][i]["timeline"] for r in everyone]
         if t <= DECODE_LIMIT:
             out["weights_read_us"] = read_us
             out["ours_over_read"] = out["ours_us"] / read_us
         rows.append(out)
     return dict(params=p, world=world, distinct_gpus=distinct, device=device_name,
                 copy_gbs=copy_gbs, fp8_weights_bytes=fp8_bytes, rows=rows)
+
+
+GAP_US = 10.0     # the GPU idle gaps a timeline lists: at least this long
+TOP = 6           # the kernels and gaps a timeline keeps
+
+
+def timeline(fn) -> dict:
+    """Where one call of ``fn`` spends its time on the GPU (after a host barrier, kernels
+    built): span (first kernel's start to last one's end), busy (the union of the kernels'
+    intervals), the kernels with the most time (summed by name) and the longest idle gaps,
+    each with the kernels before and after it. A gap is the GPU waiting for the host: a
+    host synchronisation, or work enqueued slower than it runs."""
+    import torch.distributed as dist
+
+    fn()
+    torch.cuda.synchronize()
+    dist.barrier()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                     if e.device_type.name == "CUDA")
+    if not kernels:
+        return dict(span_us=0.0, busy_us=0.0, kernels=[], gaps=[])
+    busy, gaps, reach, last = 0.0, [], kernels[0][0], kernels[0][2]
+    by_name: dict = {}
+    for start, end, name in kernels:
+        by_name[name] = by_name.get(name, 0.0) + end - start
+        if start - reach >= GAP_US:
+            gaps.append(dict(us=start - reach, at_us=reach - kernels[0][0], after=last,
+                             before=name))
+        if end > reach:
+            busy += end - max(start, reach)
+            reach, last = end, name
+    top = sorted(by_name.items(), key=lambda item: -item[1])[:TOP]
+    return dict(span_us=reach - kernels[0][0], busy_us=busy,
+                kernels=[dict(name=name[:60], us=us) for name, us in top],
+                gaps=sorted(gaps, key=lambda g: -g["us"])[:TOP])
 
 
 # ---------------------------------------------------------------------------- the peers
@@ -279,4 +319,11 @@ def layer_table(result: dict) -> str:
             text += (f"\n{r['tokens']} tokens a rank: ours {r['ours_us']:.0f} us = "
                      f"{r['ours_over_read']:.2f} x the time to read them once "
                      f"({r['weights_read_us']:.0f} us)")
+    for r in result["rows"]:
+        text += f"\n\none call of ours at {r['tokens']} tokens a rank (profiler), per rank:"
+        for rank, t in enumerate(r["timelines"]):
+            text += (f"\n  rank {rank}: GPU span {t['span_us']:.0f} us, busy {t['busy_us']:.0f}; "
+                     + ", ".join(f"{k['name'][:32]} {k['us']:.0f}" for k in t["kernels"]))
+            text += "".join(f"\n    idle {g['us']:.0f} us at +{g['at_us']:.0f}: "
+                            f"{g['after'][:32]} -> {g['before'][:32]}" for g in t["gaps"])
     return text
