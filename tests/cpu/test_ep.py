@@ -10,6 +10,7 @@ import pytest
 from ptxforge import arch, jit
 from ptxforge.kernels.ep_intranode import combine as combine_kernel
 from ptxforge.kernels.ep_intranode import dispatch as dispatch_kernel
+from ptxforge.kernels.ep_intranode import exchange as exchange_kernel
 from ptxforge.kernels.ep_intranode import layout as layout_kernel
 from ptxforge.kernels.ep_intranode import plan as ep_plan
 
@@ -60,6 +61,11 @@ def test_combine_variants_assemble_without_spills(ranks, hidden, topk):
                                                   (6, 3, 2)])
 def test_layout_variants_assemble_without_spills(experts, ranks, topk):
     assembles_cleanly(layout_kernel.generate(layout_kernel.choose_config(SM90, experts, ranks, topk)))
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 8])
+def test_exchange_variants_assemble_without_spills(ranks):
+    assembles_cleanly(exchange_kernel.generate(exchange_kernel.choose_config(SM90, ranks)))
 
 
 def _body(ptx: str) -> list[str]:
@@ -139,7 +145,12 @@ def test_plan_regions_are_aligned_and_disjoint(ranks, channels, slots, hidden, t
     assert slot.source - slot.topk_weights >= 4 * topk
     counters_end = len(ep_plan.COUNTERS) * ep_plan.COUNTER_BYTES
     last_counter = plan.counter("combine_tail", ep_plan.MAX_CHANNELS - 1, ep_plan.MAX_RANKS - 1)
-    assert last_counter + 4 == counters_end <= plan.combine_rings
+    assert last_counter + 4 == counters_end == ep_plan.EXCHANGE_FLAGS
+    # The exchange: a flag per rank, then two parities of a message slot per rank, 16-aligned.
+    assert ep_plan.EXCHANGE_SLOTS - ep_plan.EXCHANGE_FLAGS == 4 * ep_plan.MAX_RANKS
+    assert ep_plan.EXCHANGE_SLOTS % 16 == 0 and (4 * ep_plan.MESSAGE_WORDS) % 16 == 0
+    last_slot = exchange_kernel.slot_offset(1, ep_plan.MAX_RANKS - 1)
+    assert last_slot + 4 * ep_plan.MESSAGE_WORDS == ep_plan.EXCHANGE_END <= plan.combine_rings
     assert plan.combine_rings + channels * ranks * plan.combine_ring_bytes <= plan.dispatch_rings
     assert plan.combine_weights >= 2 * hidden and plan.combine_slot_bytes % 16 == 0
     assert plan.combine_signature >= plan.combine_weights + 4 * ep_plan.MAX_TOPK
@@ -515,38 +526,52 @@ def test_a_buffer_returns_the_stored_config_within_its_budget():
     assert buffer.get_dispatch_config() == Config(20, DEFAULT_SLOTS)
 
 
-def test_the_exchange_sends_each_channels_counts_the_experts_and_the_bad_indices(monkeypatch):
-    """What a dispatch without a handle tells the other ranks (one copy to the host): here
-    two ranks that sent the same, caught at the all_gather."""
-    import torch.distributed as dist
-
-    from ptxforge.ep import Buffer, Config
+def test_the_count_message_holds_the_signature_the_bad_indices_and_the_counts():
+    """What a dispatch without a handle tells the other ranks (the exchange kernel moves it,
+    tests/cpu/test_ep_sim.py): the signature's words, the top-k indices out of range, each
+    channel's tokens for each rank, the pairs per expert; read back, it gives the receive
+    layout, and a bad index is refused on every rank."""
+    from ptxforge.ep import Buffer
+    from ptxforge.ep.layout import message_of
 
     ranks, experts, channels, tokens = 2, 8, 3, 37
     idx = _routing(tokens, experts, 3, 5)
     idx[4, 1] = experts + 2   # out of range: counted, then refused on every rank
     _, per_expert, in_rank = reference.dispatch_layout(idx, experts, ranks)
-    sent = []
-
-    def all_gather_object(out, message, group=None):
-        sent.append(message)
-        out[:] = [message] * len(out)
-
-    monkeypatch.setattr(dist, "all_gather_object", all_gather_object)
-    buffer = Buffer.__new__(Buffer)   # the exchange reads the group's size and rank alone
-    buffer.group, buffer.group_size, buffer.rank, buffer.device_index = None, ranks, 0, "cpu"
-    inputs = checks.DispatchInputs(False, tokens, 256, 3, 0, 0, (0, 0), 0, 0)
-    with pytest.raises(ValueError, match="out of range"):
-        buffer._exchange(inputs, in_rank, per_expert, idx, experts, channels, 1, Config(6, 64),
-                         None)
-    (message,) = sent
+    buffer = Buffer.__new__(Buffer)   # the message needs the buffer's cache of headers alone
+    buffer._headers = {}
+    signature = (("hidden", 256), ("fp8", True), ("topk", 3), ("num_experts", experts),
+                 ("num_sms", 6), ("ring_slots", 64), ("expert_alignment", 1))
+    words = buffer.count_message(signature, in_rank, per_expert, idx, experts, channels)
+    assert words.dtype == torch.int32
+    assert words[:8].tolist() == [256, 1, 3, experts, 6, 64, 1, 1]
+    message = message_of(words.tolist(), channels, ranks)
+    assert message.signature == signature and message.bad_indices == 1
     assert message.channel_counts == [in_rank[b:e].sum(0).tolist()
                                       for b, e in ep_plan.channel_bounds(tokens, channels)]
-    assert message.expert_counts == per_expert.tolist() and message.bad_indices == 1
+    assert message.expert_counts == per_expert.tolist()
+    with pytest.raises(ValueError, match="out of range"):
+        check_agreement([message] * ranks)
     idx[4, 1] = -1
     _, per_expert, in_rank = reference.dispatch_layout(idx, experts, ranks)
-    handle = buffer._exchange(inputs, in_rank, per_expert, idx, experts, channels, 1,
-                              Config(6, 64), None)
-    expected = receive_layout([sent[-1]] * ranks, 0, experts // ranks)
-    assert handle.recv_layout.flatten().tolist() == expected.table()
-    assert handle.num_recv_tokens == 2 * int(in_rank[:, 0].sum())
+    words = buffer.count_message(signature, in_rank, per_expert, idx, experts, channels)
+    messages = [message_of(words.tolist(), channels, ranks)] * ranks
+    check_agreement(messages)
+    layout = receive_layout(messages, 0, experts // ranks)
+    assert layout.num_recv_tokens == 2 * int(in_rank[:, 0].sum())
+    assert layout.num_recv_tokens_per_expert == [2 * n for n in per_expert[:4].tolist()]
+
+
+def test_a_message_from_a_rank_with_other_sizes_is_refused_before_its_counts():
+    from ptxforge.ep.layout import message_of, signature_words
+
+    ours = signature_words((("hidden", 256), ("fp8", False), ("topk", 2), ("num_experts", 8),
+                            ("num_sms", 4), ("ring_slots", 64), ("expert_alignment", 1)))
+    theirs = list(ours)
+    theirs[4] = 8   # more channels: a longer message, read here for 2 channels
+    counts = [0] * (2 * 2 + 8)
+    messages = [message_of(ours + [0] + counts, 2, 2), message_of(theirs + [0] + counts, 2, 2)]
+    with pytest.raises(ValueError, match="num_sms: rank 0 has 4, rank 1 has 8"):
+        check_agreement(messages)
+    with pytest.raises(ValueError, match="a dispatch signature names"):
+        signature_words((("hidden", 256),))

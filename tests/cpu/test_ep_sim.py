@@ -16,6 +16,7 @@ from ptxforge import arch
 from ptxforge.kernels.ep_intranode import combine as combine_kernel
 from ptxforge.kernels.ep_intranode import common
 from ptxforge.kernels.ep_intranode import dispatch as dispatch_kernel
+from ptxforge.kernels.ep_intranode import exchange as exchange_kernel
 from ptxforge.kernels.ep_intranode import layout as layout_kernel
 from ptxforge.kernels.ep_intranode.plan import channel_bounds
 
@@ -315,6 +316,47 @@ def test_ranks_that_disagree_on_sizes_trap_on_the_signature():
         sim.run()
     codes = {c.world.record(r)[0] for r in range(2)} - {0}
     assert common.DISPATCH_MISMATCH in codes, codes
+
+
+def _exchanges(world, messages: dict, number: int, pace=None) -> dict:
+    """Exchange ``number`` on the ranks in ``messages`` (rank: its int32 words), run to
+    the end; every launched rank's gathered rows."""
+    kernel = Kernel(exchange_kernel.generate(exchange_kernel.choose_config(SM90,
+                                                                           world.ranks)).ptx())
+    sim, outs = Simulator(world.memory, pace), {}
+    for rank, words in messages.items():
+        outs[rank] = world.memory.alloc(4 * world.ranks * len(words))
+        sim.launch(f"exchange{rank}", kernel, 1, exchange_kernel.THREADS,
+                   message=world.memory.put(struct.pack(f"<{len(words)}i", *words)),
+                   words=len(words), number=number, out=outs[rank], rank=rank,
+                   peers=world.peers, error=world.errors[rank], timeout_ns=TIMEOUT)
+    sim.run()
+    return {rank: _tensor(world.memory, out, (world.ranks, len(messages[rank])),
+                          torch.int32).tolist() for rank, out in outs.items()}
+
+
+@pytest.mark.parametrize("pace", [None, lambda name, cta, tid: 1 + 40 * (name == "exchange1")],
+                         ids=["even", "rank_1_slow"])
+def test_the_count_exchange_gives_every_rank_every_message_in_rank_order(pace):
+    """Three ranks, three exchanges (both parities, the first one again), messages longer
+    than the CTA's threads: every rank gathers every rank's words, in rank order."""
+    world = World(3, exchange_kernel.slot_offset(1, 7) + 4 * 4616)
+    g = torch.Generator().manual_seed(3)
+    for number in (1, 2, 3):
+        words = 300 + 7 * number
+        messages = {r: torch.randint(-2 ** 31, 2 ** 31 - 1, (words,), generator=g).tolist()
+                    for r in range(3)}
+        gathered = _exchanges(world, messages, number, pace)
+        assert all(rows == [messages[r] for r in range(3)] for rows in gathered.values())
+    assert all(world.record(r) == (0, 0, 0, 0) for r in range(3))
+
+
+def test_a_rank_that_skips_the_exchange_ends_in_the_watchdog():
+    world = World(2, exchange_kernel.slot_offset(1, 7) + 4 * 4616)
+    _exchanges(world, {0: [1, 2, 3], 1: [4, 5, 6]}, 1)
+    with pytest.raises(Trap, match="trap"):
+        _exchanges(world, {0: [1, 2, 3]}, 2)   # rank 1 never makes exchange 2
+    assert world.record(0) == (common.EXCHANGE_RECEIVE, 0, 1, 1)  # its flag still at 1
 
 
 def test_simulator_refuses_what_it_does_not_know():

@@ -8,9 +8,9 @@
     ... the experts ...
     combined, _, _ = buffer.combine(y, handle)
 
-A dispatch without a handle exchanges the layout's counts over the group
-(``all_gather_object``: a host synchronisation, as DeepEP's CPU wait for the received
-counts) and returns a handle; ``dispatch(x, handle=h)`` and ``combine`` reuse it with
+A dispatch without a handle exchanges the layout's counts between the GPUs (a kernel
+over NVLink, then one copy to the host: a host synchronisation, as DeepEP's CPU wait for
+the received counts) and returns a handle; ``dispatch(x, handle=h)`` and ``combine`` reuse it with
 no host synchronisation. The kernels run on the buffer's communication stream, after
 the current stream's work (or ``previous_event``); the current stream waits for them
 unless ``async_finish``, and each call returns the event it can wait on instead.
@@ -37,12 +37,14 @@ from .. import jit
 from ..kernels.ep_intranode import combine as combine_kernel
 from ..kernels.ep_intranode import common as kernel_common
 from ..kernels.ep_intranode import dispatch as dispatch_kernel
+from ..kernels.ep_intranode import exchange as exchange_kernel
 from ..kernels.ep_intranode import layout as layout_kernel
 from ..kernels.ep_intranode.plan import MAX_RANKS, BufferPlan, DispatchSlot
 from ..ops.common import device_arch
 from . import checks, low_latency, tuning
 from .ipc import HostRecord, PeerMemory
-from .layout import Message, ReceiveLayout, check_agreement, receive_layout
+from .layout import (Message, ReceiveLayout, check_agreement, message_of, receive_layout,
+                     signature_words)
 
 DEFAULT_NUM_SMS = 20     # DeepEP's default SM budget (channels = SMs / 2)
 DEFAULT_SLOTS = 128      # entries a ring holds
@@ -51,7 +53,8 @@ DEFAULT_TIMEOUT_S = 100.0
 _WAITS = {kernel_common.DISPATCH_SEND: ("dispatch", "room in rank {peer}'s ring (its head)"),
           kernel_common.DISPATCH_RECEIVE: ("dispatch", "tokens from rank {peer} (their tail)"),
           kernel_common.COMBINE_SEND: ("combine", "room in rank {peer}'s ring (its head)"),
-          kernel_common.COMBINE_RECEIVE: ("combine", "rows from rank {peer} (their tail)")}
+          kernel_common.COMBINE_RECEIVE: ("combine", "rows from rank {peer} (their tail)"),
+          kernel_common.EXCHANGE_RECEIVE: ("count exchange", "rank {peer}'s counts")}
 _MISMATCHES = {kernel_common.DISPATCH_MISMATCH: "dispatch",
                kernel_common.COMBINE_MISMATCH: "combine"}
 # The decode path's waits: (kernel, what it waited for); the record's "channel" word holds
@@ -125,6 +128,7 @@ def buffer_size(num_ranks: int, hidden: int, topk: int, *, fp8: bool = False,
 @functools.lru_cache(maxsize=None)
 def _launcher(device_index: int, cfg):
     generate = {layout_kernel.LayoutConfig: layout_kernel.generate,
+                exchange_kernel.ExchangeConfig: exchange_kernel.generate,
                 dispatch_kernel.DispatchConfig: dispatch_kernel.generate,
                 combine_kernel.CombineConfig: combine_kernel.generate}[type(cfg)]
     return jit.build(generate(cfg)).launcher(device_index)
@@ -180,6 +184,8 @@ class Buffer:
         # Every rank writes into every other's buffer: the smallest is the size.
         self.memory = self.peers = self.low_latency_memory = self.low_latency_group = None
         self._low_latency_sizes = set()  # the decode sizes the ranks agreed on
+        self._exchanges = 0              # count exchanges made (exchange.py's numbers)
+        self._headers = {}               # a signature's words on the device
         self.num_nvl_bytes = self.num_rdma_bytes = 0
         self.record = HostRecord(self.device_index)
         if num_nvl_bytes:
@@ -348,32 +354,31 @@ class Buffer:
 
     def _exchange(self, inputs, is_token_in_rank, num_tokens_per_expert, topk_idx, experts,
                   channels, expert_alignment, config, previous_event) -> DispatchHandle:
-        """Every rank's counts to every rank (host synchronisation), checked; this rank's
-        receive layout and the handle."""
-        import torch.distributed as dist
-
+        """Every rank's counts to every rank (the exchange kernel, then one copy to the
+        host: a host synchronisation), checked; this rank's receive layout and the handle."""
         if previous_event is not None:
             previous_event.current_stream_wait()
-        bad = ((topk_idx < -1) | (topk_idx >= experts)).sum().view(1)
-        # One copy to the host (one synchronisation): the channels' counts, the experts',
-        # the bad indices.
-        counts = torch.cat([channel_counts(is_token_in_rank, channels).flatten(),
-                            num_tokens_per_expert.to(torch.int64), bad])
-        try:
-            counts = counts.tolist()
-        except RuntimeError:
-            self.check_timeout()  # a CUDA error from an earlier kernel that timed out
-            raise
-        split = channels * self.group_size
-        per_channel = [counts[c * self.group_size:(c + 1) * self.group_size]
-                       for c in range(channels)]
-        expert_counts, bad = counts[split:-1], counts[-1]
         signature = (("hidden", inputs.hidden), ("fp8", inputs.fp8), ("topk", inputs.topk),
                      ("num_experts", experts), ("num_sms", config.num_sms),
                      ("ring_slots", config.ring_slots), ("expert_alignment", expert_alignment))
-        messages = [None] * self.group_size
-        dist.all_gather_object(messages, Message(signature, per_channel, expert_counts, bad),
-                               group=self.group)
+        message = self.count_message(signature, is_token_in_rank, num_tokens_per_expert,
+                                     topk_idx, experts, channels)
+        gathered = torch.empty((self.group_size, message.numel()), dtype=torch.int32,
+                               device=self.device_index)
+        self._exchanges += 1
+        cfg = exchange_kernel.choose_config(self.arch, self.group_size)
+        _launcher(self.device_index, cfg)(
+            (1, 1, 1), torch.cuda.current_stream(self.device_index).cuda_stream,
+            message=message.data_ptr(), words=message.numel(),
+            number=self._exchanges & 0xFFFFFFFF, out=gathered.data_ptr(), rank=self.rank,
+            peers=self.peers.data_ptr(), error=self.record.device_pointer,
+            timeout_ns=int(self.timeout_s * 1e9))
+        try:
+            rows = gathered.tolist()
+        except RuntimeError:
+            self.check_timeout()  # the exchange, or an earlier kernel, timed out
+            raise
+        messages = [message_of(row, channels, self.group_size) for row in rows]
         check_agreement(messages)
         layout = receive_layout(messages, self.rank, experts // self.group_size, expert_alignment)
         table = torch.tensor(layout.table(), dtype=torch.int32, device=self.device_index)
@@ -382,6 +387,20 @@ class Buffer:
                               inputs.hidden, inputs.fp8, inputs.topk, is_token_in_rank,
                               table.view(2, self.group_size, channels),
                               src_idx, layout)
+
+    def count_message(self, signature: tuple, is_token_in_rank, num_tokens_per_expert,
+                      topk_idx, experts: int, channels: int) -> torch.Tensor:
+        """This rank's message (``ep/layout.py``: the signature's words, the top-k indices
+        outside [-1, E), each channel's tokens for each rank, the pairs per expert), int32
+        on the device, made by a few kernels with no host synchronisation."""
+        header = self._headers.get(signature)
+        if header is None:
+            header = torch.tensor(signature_words(signature), dtype=torch.int32,
+                                  device=is_token_in_rank.device)
+            self._headers[signature] = header
+        bad = ((topk_idx < -1) | (topk_idx >= experts)).sum().view(1)
+        return torch.cat([header, bad.int(), channel_counts(is_token_in_rank, channels).flatten()
+                          .int(), num_tokens_per_expert.int()])
 
     def _launch_dispatch(self, launcher, cfg, inputs, x, topk_idx, topk_weights, handle,
                          previous_event, async_finish, allocate_on_comm_stream):

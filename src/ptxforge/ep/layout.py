@@ -1,12 +1,17 @@
 """The host's half of a dispatch's layout: what each rank tells the others before the
-first dispatch of a routing (one ``all_gather_object`` on the user's group), and what
+first dispatch of a routing (the count exchange: ``kernels/ep_intranode/exchange.py``
+moves the messages between the GPUs, the host reads them all with one copy), and what
 each rank works out from what it hears. Plain Python on lists: no GPU.
 
 A rank's message: the call's signature (sizes every rank must share), how many of its
 tokens go to each rank on each channel, its (token, expert) pairs per expert, and how
-many of its top-k indices are out of range. Every rank checks every message, so a
-disagreement or a bad index raises the same error on every rank instead of leaving some
-waiting in a kernel.
+many of its top-k indices are out of range. As int32 words:
+
+    [hidden, fp8, topk, num_experts, num_sms, ring_slots, expert_alignment, bad indices,
+     channel counts [channels][ranks], expert counts [experts]]
+
+Every rank checks every message, so a disagreement or a bad index raises the same error
+on every rank instead of leaving some waiting in a kernel.
 
 The received rows (``ReceiveLayout``): grouped by source rank in rank order; a source's
 rows by channel, a channel's in token order, so source s's rows are its tokens for this
@@ -17,6 +22,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import NamedTuple
+
+from ..kernels.ep_intranode.plan import HEADER_WORDS
+
+# The sizes a message's first words hold, in order; the bad indices follow them.
+SIGNATURE = ("hidden", "fp8", "topk", "num_experts", "num_sms", "ring_slots",
+             "expert_alignment")
+assert len(SIGNATURE) + 1 == HEADER_WORDS
 
 
 class Message(NamedTuple):
@@ -36,6 +48,26 @@ class ReceiveLayout:
     def table(self) -> list:
         """counts then offsets, flat: the kernels' recv_layout [2, ranks, channels]."""
         return [n for row in self.counts for n in row] + [n for row in self.offsets for n in row]
+
+
+def signature_words(signature: tuple) -> list[int]:
+    """A signature's (name, value) pairs, in SIGNATURE's order, as a message's first words."""
+    if tuple(name for name, _ in signature) != SIGNATURE:
+        raise ValueError(f"a dispatch signature names {SIGNATURE}, got {signature}")
+    return [int(value) for _, value in signature]
+
+
+def message_of(words: list, channels: int, ranks: int) -> Message:
+    """A rank's message from its words, its counts read for ``channels`` and ``ranks``
+    (the reader's: a message whose signature differs is refused by ``check_agreement``
+    before its counts are used) and its header's experts."""
+    signature = tuple((name, bool(value) if name == "fp8" else value)
+                      for name, value in zip(SIGNATURE, words))
+    at = HEADER_WORDS + channels * ranks
+    per_channel = [words[HEADER_WORDS + c * ranks:HEADER_WORDS + (c + 1) * ranks]
+                   for c in range(channels)]
+    experts = dict(signature)["num_experts"]
+    return Message(signature, per_channel, words[at:at + experts], words[HEADER_WORDS - 1])
 
 
 def check_agreement(messages: list) -> None:

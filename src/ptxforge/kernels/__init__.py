@@ -21,6 +21,7 @@ from . import (bf16_block_quant_fp8, bf16_moe_combine, bf16_row_rmsnorm_fp8quant
 from .gemm import GemmProblem
 from .ep_intranode import combine as ep_combine
 from .ep_intranode import dispatch as ep_dispatch
+from .ep_intranode import exchange as ep_exchange
 from .ep_intranode import layout as ep_layout
 from .ep_low_latency import combine as ep_ll_combine
 from .ep_low_latency import dispatch as ep_ll_dispatch
@@ -253,6 +254,9 @@ REGISTRY = {
         KernelSpec("ep_dispatch_layout", ep_layout.choose_config, ep_layout.generate,
                    {"experts": 256, "ranks": 8, "topk": 8}, _EP_LAYOUT_VARIANTS,
                    "EP: tokens per rank and expert, token-in-rank mask (ptxforge.ep)"),
+        KernelSpec("ep_count_exchange", ep_exchange.choose_config, ep_exchange.generate,
+                   {"ranks": 8}, ({"ranks": 2}, {"ranks": 8}),
+                   "EP: every rank's dispatch counts to every rank over NVLink (ptxforge.ep)"),
         KernelSpec("ep_intranode_dispatch", _ep_dispatch, ep_dispatch.generate,
                    {**_EP_OPTIONS, "topk": 8, "dtype": "bf16"}, _EP_DISPATCH_VARIANTS,
                    "EP: tokens to their experts' ranks over NVLink rings (ptxforge.ep)"),

@@ -23,10 +23,9 @@ from dataclasses import dataclass
 
 from ...arch import Arch
 from ...ptx import KernelBuilder, LaunchShape, addr, sreg
-from .plan import MAX_RANKS, MAX_TOPK
+from .plan import MAX_EXPERTS, MAX_RANKS, MAX_TOPK
 
 THREADS = 256
-MAX_EXPERTS = 4096   # the histograms' shared memory stays under 17 KiB
 
 
 @dataclass(frozen=True)

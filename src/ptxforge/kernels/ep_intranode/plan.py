@@ -7,6 +7,8 @@ every peer rank p, the receiving end of the rings p sends on, and their counters
 
     | counters: 4 arrays [MAX_CHANNELS][MAX_RANKS] u32 (8 KiB)                          |
     |   dispatch_head, dispatch_tail, combine_head, combine_tail                       |
+    | the count exchange (exchange.py): flags [MAX_RANKS] u32, then message slots      |
+    |   [2 parities][MAX_RANKS] of MESSAGE_WORDS int32 (289 KiB)                        |
     | combine rings:  [channels][ranks] rings of `slots` bf16 rows (hidden * 2 bytes)  |
     |                 and up to MAX_TOPK f32 top-k weights                             |
     | dispatch rings: [channels][ranks] rings of `slots` DispatchSlot entries           |
@@ -18,7 +20,7 @@ for the others to clear them (a kernel starts from the values its predecessor le
 ``dispatch.py``). Slot i of a ring holds the entry numbered i modulo ``slots`` (a power
 of two, so the u32 counters wrap cleanly).
 
-The counters' place depends on nothing, so it survives a change of hidden size, channels
+The counters' and the exchange's place depends on nothing, so it survives a change of hidden size, channels
 or ring slots between calls; the rings' layout is the call's. Every entry carries a
 signature of the sizes its sender laid the rings out for (``signature``) and its number
 (the counter value it was written under); a receiver whose own sizes differ (ranks that
@@ -43,6 +45,12 @@ COUNTERS = ("dispatch_head", "dispatch_tail", "combine_head", "combine_tail")
 COUNTER_BYTES = 4 * MAX_CHANNELS * MAX_RANKS
 SCALE_GROUP = 128      # FP8 rows carry one f32 scale per 128 elements
 MAX_TOPK = 32          # top-k entries a token carries (one lane each)
+MAX_EXPERTS = 4096     # the layout kernel's histograms stay under 17 KiB of shared memory
+HEADER_WORDS = 8       # a count message's sizes and bad indices (ep/layout.py)
+MESSAGE_WORDS = HEADER_WORDS + MAX_CHANNELS * MAX_RANKS + MAX_EXPERTS
+EXCHANGE_FLAGS = len(COUNTERS) * COUNTER_BYTES
+EXCHANGE_SLOTS = EXCHANGE_FLAGS + 4 * MAX_RANKS
+EXCHANGE_END = EXCHANGE_SLOTS + 2 * MAX_RANKS * 4 * MESSAGE_WORDS
 
 
 def _aligned(n: int, to: int = ALIGN) -> int:
@@ -126,7 +134,7 @@ class BufferPlan:
 
     @property
     def combine_rings(self) -> int:
-        return _aligned(len(COUNTERS) * COUNTER_BYTES, RING_ALIGN)
+        return _aligned(EXCHANGE_END, RING_ALIGN)
 
     @property
     def combine_ring_bytes(self) -> int:
