@@ -415,7 +415,7 @@ def test_a_cached_dispatch_must_match_its_handle():
 
     handle = DispatchHandle(num_tokens=4, num_recv_tokens=0, channels=2, experts=8, hidden=256,
                             fp8=False, topk=2, is_token_in_rank=None, recv_layout=None,
-                            recv_src_idx=None, layout=None)
+                            recv_src_idx=None, layout=None, num_recv=None)
     buffer = Buffer.__new__(Buffer)  # the check reads the handle and the call alone
 
     def call(tokens=4, hidden=256, fp8=False, topk=0, channels=2):

@@ -245,6 +245,30 @@ def test_the_layer_checks_its_arguments(change, buffer, error, message):
     assert str(info.value) == message
 
 
+@pytest.mark.parametrize("bound, ep, message", [
+    (3, True, "x must have at most max_tokens_per_rank (3) tokens, got 4"),
+    (0, True, "max_tokens_per_rank must be a positive int, got 0"),
+    (4.0, True, "max_tokens_per_rank must be a positive int, got 4.0"),
+    (2 ** 30, True, "max_tokens_per_rank times the 2 ranks must be below 2^31, got 1073741824"),
+    (8, False, "max_tokens_per_rank bounds the tokens of every rank of ep: it needs ep=, got "
+               "max_tokens_per_rank=8 and ep=None"),
+])
+def test_max_tokens_per_rank_is_checked(bound, ep, message):
+    with pytest.raises(ValueError) as info:
+        ptxforge.moe_experts_fp8(**layer_arguments(), max_tokens_per_rank=bound,
+                                 ep=fake_buffer(decode_tokens=64) if ep else None)
+    assert str(info.value) == message
+
+
+def test_max_tokens_per_rank_picks_the_path_for_every_rank():
+    """4 tokens fit the decode path's 64, but a bound of 65 does not: the normal path, as on
+    a rank with 65 tokens (its last check needs the device)."""
+    with pytest.raises(ValueError, match=r"^x must be on a CUDA device, got cpu$"):
+        ptxforge.moe_experts_fp8(**layer_arguments(), max_tokens_per_rank=65,
+                                 ep=fake_buffer(decode_tokens=64))
+    assert layer.choose_path(fake_buffer(decode_tokens=64), 65, HIDDEN, EXPERTS) == "contiguous"
+
+
 def test_the_normal_path_takes_1x128_rows():
     args = layer_arguments()
     args["x"] = zeros(BF16, 4, 192)
@@ -307,6 +331,7 @@ def test_the_layer_table_reads_its_result():
     params = dict(tokens=[4096, 128], hidden=7168, inner=2048, experts=256, topk=8, calls=4,
                   repeats=5)
     rows = [dict(tokens=4096, path="contiguous", ours_us=5000.0, ours_tflops=554.0,
+                 bounded_us=4000.0, bounded_tflops=692.0,
                  nccl_us=6000.0, nccl_tflops=462.0, grouped_mm_us=9000.0,
                  grouped_mm_tflops=308.0, timelines=[]),
             dict(tokens=128, path="masked", ours_us=1500.0, ours_tflops=57.7, nccl_us=2500.0,
@@ -314,6 +339,7 @@ def test_the_layer_table_reads_its_result():
                  weights_read_us=1400.0, ours_over_read=1500 / 1400, timelines=[])]
     text = layer_table(dict(params=params, world=2, distinct_gpus=True, device="H200",
                             copy_gbs=8000.0, fp8_weights_bytes=5.6e9, rows=rows))
-    assert "| 4096 | contiguous | 5000 (554) |" in re.sub(" +", " ", text)
-    assert "1.20x" in text and "1.80x" in text
+    assert "| 4096 | contiguous | 5000 (554) | 4000 (692) | 6000 (462) |" in re.sub(" +", " ", text)
+    assert "| 128 | masked | 1500 (58) | - |" in re.sub(" +", " ", text)
+    assert "1.50x" in text and "2.25x" in text   # against the better of ours
     assert "128 tokens a rank: ours 1500 us = 1.07 x the time to read them once (1400 us)" in text

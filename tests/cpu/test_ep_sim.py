@@ -18,12 +18,13 @@ from ptxforge.kernels.ep_intranode import common
 from ptxforge.kernels.ep_intranode import dispatch as dispatch_kernel
 from ptxforge.kernels.ep_intranode import exchange as exchange_kernel
 from ptxforge.kernels.ep_intranode import layout as layout_kernel
+from ptxforge.kernels.ep_intranode import plan as ep_plan
 from ptxforge.kernels.ep_intranode.plan import channel_bounds
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("numpy")
 
-from ptxforge.ep.layout import Message, receive_layout  # noqa: E402
+from ptxforge.ep.layout import Message, message_of, receive_layout, signature_words  # noqa: E402
 from ptxforge.testing.reference import quantize_fp8_per_token  # noqa: E402
 from support import ep_reference as reference  # noqa: E402
 from support.ptxsim import Kernel, Memory, Simulator, Trap  # noqa: E402
@@ -318,45 +319,81 @@ def test_ranks_that_disagree_on_sizes_trap_on_the_signature():
     assert common.DISPATCH_MISMATCH in codes, codes
 
 
-def _exchanges(world, messages: dict, number: int, pace=None) -> dict:
-    """Exchange ``number`` on the ranks in ``messages`` (rank: its int32 words), run to
-    the end; every launched rank's gathered rows."""
+def _exchanges(world, messages: dict, channels: int, pace=None, worst: int = 0) -> dict:
+    """One exchange on the ranks in ``messages`` (rank: its int32 words), run to the end;
+    every launched rank's (gathered rows, recv_layout [2, ranks, channels], num_recv)."""
     kernel = Kernel(exchange_kernel.generate(exchange_kernel.choose_config(SM90,
                                                                            world.ranks)).ptx())
-    sim, outs = Simulator(world.memory, pace), {}
+    sim, outs, m = Simulator(world.memory, pace), {}, world.memory
     for rank, words in messages.items():
-        outs[rank] = world.memory.alloc(4 * world.ranks * len(words))
+        outs[rank] = (m.alloc(4 * world.ranks * len(words)), m.alloc(8 * world.ranks * channels),
+                      m.alloc(4))
         sim.launch(f"exchange{rank}", kernel, 1, exchange_kernel.THREADS,
-                   message=world.memory.put(struct.pack(f"<{len(words)}i", *words)),
-                   words=len(words), number=number, out=outs[rank], rank=rank,
-                   peers=world.peers, error=world.errors[rank], timeout_ns=TIMEOUT)
+                   message=m.put(struct.pack(f"<{len(words)}i", *words)), words=len(words),
+                   channels=channels, worst=worst, out=outs[rank][0], recv_layout=outs[rank][1],
+                   num_recv=outs[rank][2], rank=rank, peers=world.peers,
+                   error=world.errors[rank], timeout_ns=TIMEOUT)
     sim.run()
-    return {rank: _tensor(world.memory, out, (world.ranks, len(messages[rank])),
-                          torch.int32).tolist() for rank, out in outs.items()}
+    return {rank: (_tensor(m, out, (world.ranks, len(messages[rank])), torch.int32).tolist(),
+                   _tensor(m, table, (2, world.ranks, channels), torch.int32).tolist(),
+                   _tensor(m, num_recv, (1,), torch.int32).item())
+            for rank, (out, table, num_recv) in outs.items()}
+
+
+def _count_messages(g, ranks: int, channels: int, experts: int, extra: int = 0) -> dict:
+    """Every rank's message as the host packs it: a signature, bad indices 0, random
+    counts (and ``extra`` words past them, as a longer message would have)."""
+    header = signature_words((("hidden", 256), ("fp8", True), ("topk", 4),
+                              ("num_experts", experts), ("num_sms", 2 * channels),
+                              ("ring_slots", 64), ("expert_alignment", 1)))
+    size = channels * ranks + experts + extra
+    return {r: header + [0] + torch.randint(0, 50, (size,), generator=g).tolist()
+            for r in range(ranks)}
 
 
 @pytest.mark.parametrize("pace", [None, lambda name, cta, tid: 1 + 40 * (name == "exchange1")],
                          ids=["even", "rank_1_slow"])
-def test_the_count_exchange_gives_every_rank_every_message_in_rank_order(pace):
+def test_the_count_exchange_gives_every_rank_every_message_and_its_layout(pace):
     """Three ranks, three exchanges (both parities, the first one again), messages longer
-    than the CTA's threads: every rank gathers every rank's words, in rank order."""
+    than the CTA's threads: every rank gathers every rank's words, in rank order, and its
+    receive layout and rows as the host works them out."""
     world = World(3, exchange_kernel.slot_offset(1, 7) + 4 * 4616)
     g = torch.Generator().manual_seed(3)
-    for number in (1, 2, 3):
-        words = 300 + 7 * number
-        messages = {r: torch.randint(-2 ** 31, 2 ** 31 - 1, (words,), generator=g).tolist()
-                    for r in range(3)}
-        gathered = _exchanges(world, messages, number, pace)
-        assert all(rows == [messages[r] for r in range(3)] for rows in gathered.values())
+    for number, channels in ((1, 3), (2, 5), (3, 1)):
+        messages = _count_messages(g, 3, channels, 12, extra=260)
+        gathered = _exchanges(world, messages, channels, pace)
+        parsed = [message_of(messages[r], channels, 3) for r in range(3)]
+        for rank, (rows, table, num_recv) in gathered.items():
+            assert rows == [messages[r] for r in range(3)]
+            expected = receive_layout(parsed, rank, 4)
+            assert [n for part in table for row in part for n in row] == expected.table()
+            assert num_recv == expected.num_recv_tokens
+    # Each rank's flag[rank] in its own buffer counts its exchanges: the next is number 4.
+    assert all(struct.unpack("<I", world.memory.read(world.buffers[r] + ep_plan.EXCHANGE_FLAGS
+                                                     + 4 * r, 4)) == (3,) for r in range(3))
     assert all(world.record(r) == (0, 0, 0, 0) for r in range(3))
 
 
 def test_a_rank_that_skips_the_exchange_ends_in_the_watchdog():
     world = World(2, exchange_kernel.slot_offset(1, 7) + 4 * 4616)
-    _exchanges(world, {0: [1, 2, 3], 1: [4, 5, 6]}, 1)
+    messages = _count_messages(torch.Generator().manual_seed(0), 2, 2, 4)
+    _exchanges(world, messages, 2)
     with pytest.raises(Trap, match="trap"):
-        _exchanges(world, {0: [1, 2, 3]}, 2)   # rank 1 never makes exchange 2
+        _exchanges(world, {0: messages[0]}, 2)   # rank 1 never makes exchange 2
     assert world.record(0) == (common.EXCHANGE_RECEIVE, 0, 1, 1)  # its flag still at 1
+
+
+def test_more_rows_than_the_worst_case_trap_with_the_count():
+    world = World(2, exchange_kernel.slot_offset(1, 7) + 4 * 4616)
+    messages = _count_messages(torch.Generator().manual_seed(1), 2, 2, 4)
+    parsed = [message_of(messages[r], 2, 2) for r in range(2)]
+    rows = [receive_layout(parsed, r, 2).num_recv_tokens for r in range(2)]
+    most = max(rows)
+    assert [out[2] for out in _exchanges(world, messages, 2, worst=most).values()] == rows
+    with pytest.raises(Trap, match="trap"):
+        _exchanges(world, messages, 2, worst=most - 1)   # room for one row fewer
+    busiest = rows.index(most)
+    assert world.record(busiest) == (common.EXCHANGE_OVERFLOW, 0, busiest, most)
 
 
 def test_simulator_refuses_what_it_does_not_know():

@@ -98,9 +98,9 @@ class _Layer:
             low_latency_mode=True, timeout_s=KERNEL_TIMEOUT_S)
         assert decode_capacity(self.buffer, hidden, experts) == decode_tokens
 
-    def __call__(self, x, idx, weights, layout=None):
+    def __call__(self, x, idx, weights, layout=None, bound=None):
         return ptxforge.moe_experts_fp8(x, idx, weights, *self.shard, layout=layout,
-                                        ep=self.buffer)
+                                        ep=self.buffer, max_tokens_per_rank=bound)
 
     def check(self, what: str, rank: int, x, idx, weights, layout=None, *, fp64=None):
         """The layer on this rank's tokens, twice (the same bits), against the one-GPU op
@@ -231,8 +231,50 @@ def scenario_deepseek(rank: int, world: int) -> None:
     layer.destroy()
 
 
+def scenario_bounded(rank: int, world: int) -> None:
+    """The normal path without a host synchronisation (max_tokens_per_rank: the received rows
+    sized for the worst case): the host-synchronising path's bits on uneven token counts,
+    dropped pairs, every token to rank 0's experts and a rank with none; then captured in
+    a CUDA graph, whose replays on new tokens and routings give the eager call's bits."""
+    layer = _Layer(rank, world)
+    bound = 200
+    for seed, (tokens, kind) in enumerate(((200 - 63 * rank, "uniform"), (150, "dropped"),
+                                           (96 + rank, "rank0"), (0 if rank else 120, "uniform"))):
+        x, idx, weights = _tokens(rank, tokens, EXPERTS, TOPK, kind, 60 + seed)
+        synced = layer(x, idx, weights, "contiguous")
+        bounded = layer(x, idx, weights, bound=bound)
+        torch.cuda.synchronize()
+        _assert_bitwise(bounded, synced, f"bounded, {kind}, {tokens} tokens: against the "
+                                         f"host-synchronising normal path")
+        print(f"rank {rank}: bounded, {kind}, {tokens} tokens: the synchronising path's bits",
+              flush=True)
+    x, idx, weights = _tokens(rank, 150, EXPERTS, TOPK, "uniform", 70)
+    layer(x, idx, weights, bound=bound)   # the kernels built, the sizes on the GPU
+    torch.cuda.synchronize()
+    dist.barrier()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = layer(x, idx, weights, bound=bound)
+    for seed, kind in ((71, "uniform"), (72, "dropped"), (73, "rank0")):
+        new = _tokens(rank, 150, EXPERTS, TOPK, kind, seed)
+        for static, value in zip((x, idx, weights), new):
+            static.copy_(value)
+        torch.cuda.synchronize()
+        dist.barrier()
+        graph.replay()
+        torch.cuda.synchronize()
+        replayed = static_out.clone()
+        eager = layer(*new, "contiguous")
+        torch.cuda.synchronize()
+        _assert_bitwise(replayed, eager, f"bounded replay {seed} ({kind}): against the eager "
+                                         f"synchronising call")
+        compare(f"bounded graph replay, {kind}", rank, replayed,
+                ptxforge.moe_experts_fp8(*new, *layer.full), reference(*new, *layer.bf16))
+    layer.destroy()
+
+
 SCENARIOS = {"normal": scenario_normal, "decode": scenario_decode, "graph": scenario_graph,
-             "deepseek": scenario_deepseek}
+             "bounded": scenario_bounded, "deepseek": scenario_deepseek}
 
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS))

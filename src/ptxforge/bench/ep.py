@@ -419,14 +419,17 @@ def ep_plot(result: dict, path: str) -> None:
 
 
 def _layer_bars(ax, layer: dict) -> None:
-    """The MoE layer's time per token count, ours beside its two peers."""
-    names = (("ours_us", "ptxforge (ep=buffer)"), ("nccl_us", "NCCL + ptxforge experts"),
+    """The MoE layer's time per token count, ours (both normal-path modes) beside its two
+    peers."""
+    names = (("ours_us", "ptxforge (ep=buffer)"),
+             ("bounded_us", "ptxforge, max_tokens_per_rank (no host sync)"),
+             ("nccl_us", "NCCL + ptxforge experts"),
              ("grouped_mm_us", "grouped_mm + all_to_all"))
-    rows = layer["rows"]
+    rows, width = layer["rows"], 0.2
     for i, (key, label) in enumerate(names):
-        ax.bar([j + 0.27 * (i - 1) for j in range(len(rows))], [r[key] / 1e3 for r in rows],
-               width=0.27, label=label)
+        ax.bar([j + width * (i - 1.5) for j in range(len(rows))],
+               [r.get(key, 0.0) / 1e3 for r in rows], width=width, label=label)
     ax.set_xticks(range(len(rows)), [f"{r['tokens']} tokens" for r in rows])
     ax.set_ylabel("ms a layer")
     ax.set_title(f"MoE layer, {layer['world']} ranks")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)

@@ -10,7 +10,8 @@
 
 A dispatch without a handle exchanges the layout's counts between the GPUs (a kernel
 over NVLink, then one copy to the host: a host synchronisation, as DeepEP's CPU wait for
-the received counts) and returns a handle; ``dispatch(x, handle=h)`` and ``combine`` reuse it with
+the received counts; none with ``num_worst_tokens``, which sizes the outputs for the
+worst case instead) and returns a handle; ``dispatch(x, handle=h)`` and ``combine`` reuse it with
 no host synchronisation. The kernels run on the buffer's communication stream, after
 the current stream's work (or ``previous_event``); the current stream waits for them
 unless ``async_finish``, and each call returns the event it can wait on instead.
@@ -103,7 +104,8 @@ class DispatchHandle:
     is_token_in_rank: torch.Tensor   # bool [T, ranks]
     recv_layout: torch.Tensor        # int32 [2, ranks, channels] on the device
     recv_src_idx: torch.Tensor       # int32 [N]: each received row's token on its source rank
-    layout: ReceiveLayout
+    layout: ReceiveLayout | None     # None: sized for the worst case, the layout on the GPU only
+    num_recv: torch.Tensor           # int32 [1]: the rows received, on the device
 
 
 def channel_counts(is_token_in_rank: torch.Tensor, channels: int) -> torch.Tensor:
@@ -184,7 +186,6 @@ class Buffer:
         # Every rank writes into every other's buffer: the smallest is the size.
         self.memory = self.peers = self.low_latency_memory = self.low_latency_group = None
         self._low_latency_sizes = set()  # the decode sizes the ranks agreed on
-        self._exchanges = 0              # count exchanges made (exchange.py's numbers)
         self._headers = {}               # a signature's words on the device
         self.num_nvl_bytes = self.num_rdma_bytes = 0
         self.record = HostRecord(self.device_index)
@@ -264,7 +265,8 @@ class Buffer:
     def dispatch(self, x, handle: DispatchHandle | None = None, num_tokens_per_rank=None,
                  num_tokens_per_rdma_rank=None, is_token_in_rank=None,
                  num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
-                 expert_alignment: int = 1, config: Config | None = None,
+                 expert_alignment: int = 1, num_worst_tokens: int = 0,
+                 config: Config | None = None,
                  previous_event: EventOverlap | None = None, async_finish: bool = False,
                  allocate_on_comm_stream: bool = False):
         """Send each token to the ranks of its experts. Returns ``(recv_x, recv_topk_idx,
@@ -284,9 +286,18 @@ class Buffer:
           synchronisation; topk_idx and topk_weights optional) and ``combine``.
 
         Without a handle, is_token_in_rank and num_tokens_per_expert (get_dispatch_layout's)
-        are needed, and the call synchronises with the host and exchanges counts with the
-        other ranks, which must make the same call: the sizes they disagree on, or top-k
+        are needed, and the call exchanges counts with the other ranks, which must make the
+        same call, and synchronises with the host: the sizes they disagree on, or top-k
         indices outside [-1, E) on any rank, raise a ValueError on every rank.
+
+        ``num_worst_tokens`` > 0 (DeepEP's): no host synchronisation, so the call can be
+        captured in a CUDA graph. The outputs have num_worst_tokens rows, the received ones
+        first, then rows with top-k indices -1 (weights 0) and undefined data;
+        num_recv_tokens_per_expert_list is empty; ``handle.num_recv`` holds the rows
+        received, on the GPU. Every rank must receive at most that many rows (each rank
+        sending at most num_worst_tokens / ranks tokens ensures it), else the exchange
+        kernel traps with a record naming the rows. Sizes the ranks disagree on are caught
+        by the ring entries' signatures (a trap), bad indices are dropped, not refused.
         """
         self.check_timeout()
         self._require_normal_buffer()
@@ -305,6 +316,12 @@ class Buffer:
             topk = handle.topk
         if type(expert_alignment) is not int or expert_alignment < 1:
             raise ValueError(f"expert_alignment must be a positive int, got {expert_alignment!r}")
+        if type(num_worst_tokens) is not int or not 0 <= num_worst_tokens < 2 ** 31:
+            raise ValueError(f"num_worst_tokens must be an int in [0, 2^31), got "
+                             f"{num_worst_tokens!r}")
+        if num_worst_tokens and handle is not None:
+            raise ValueError("num_worst_tokens sizes a dispatch that exchanges counts: a call "
+                             "reusing a handle keeps the handle's sizes (pass one or the other)")
         # A cached call's entries keep the first call's layout, top-k room included, whether
         # or not top-k travels: a ring the peer may still be reading is never laid out anew.
         cfg = dispatch_kernel.choose_config(self.arch, self.group_size, inputs.hidden,
@@ -319,7 +336,7 @@ class Buffer:
         if handle is None:
             handle = self._exchange(inputs, is_token_in_rank, num_tokens_per_expert, topk_idx,
                                     experts, channels, expert_alignment, config,
-                                    previous_event)
+                                    previous_event, num_worst_tokens)
         return self._launch_dispatch(launcher, cfg, inputs, x, topk_idx, topk_weights, handle,
                                      previous_event, async_finish, allocate_on_comm_stream)
 
@@ -353,9 +370,11 @@ class Buffer:
         return handle.experts
 
     def _exchange(self, inputs, is_token_in_rank, num_tokens_per_expert, topk_idx, experts,
-                  channels, expert_alignment, config, previous_event) -> DispatchHandle:
-        """Every rank's counts to every rank (the exchange kernel, then one copy to the
-        host: a host synchronisation), checked; this rank's receive layout and the handle."""
+                  channels, expert_alignment, config, previous_event,
+                  num_worst_tokens: int) -> DispatchHandle:
+        """Every rank's counts to every rank and this rank's receive layout, on the GPU (the
+        exchange kernel); then, unless ``num_worst_tokens`` sizes the outputs, one copy of
+        the messages to the host (a host synchronisation), checked, for the sizes."""
         if previous_event is not None:
             previous_event.current_stream_wait()
         signature = (("hidden", inputs.hidden), ("fp8", inputs.fp8), ("topk", inputs.topk),
@@ -363,30 +382,35 @@ class Buffer:
                      ("ring_slots", config.ring_slots), ("expert_alignment", expert_alignment))
         message = self.count_message(signature, is_token_in_rank, num_tokens_per_expert,
                                      topk_idx, experts, channels)
+        device = self.device_index
         gathered = torch.empty((self.group_size, message.numel()), dtype=torch.int32,
-                               device=self.device_index)
-        self._exchanges += 1
+                               device=device)
+        table = torch.empty((2, self.group_size, channels), dtype=torch.int32, device=device)
+        num_recv = torch.empty(1, dtype=torch.int32, device=device)
         cfg = exchange_kernel.choose_config(self.arch, self.group_size)
-        _launcher(self.device_index, cfg)(
-            (1, 1, 1), torch.cuda.current_stream(self.device_index).cuda_stream,
-            message=message.data_ptr(), words=message.numel(),
-            number=self._exchanges & 0xFFFFFFFF, out=gathered.data_ptr(), rank=self.rank,
-            peers=self.peers.data_ptr(), error=self.record.device_pointer,
-            timeout_ns=int(self.timeout_s * 1e9))
-        try:
-            rows = gathered.tolist()
-        except RuntimeError:
-            self.check_timeout()  # the exchange, or an earlier kernel, timed out
-            raise
-        messages = [message_of(row, channels, self.group_size) for row in rows]
-        check_agreement(messages)
-        layout = receive_layout(messages, self.rank, experts // self.group_size, expert_alignment)
-        table = torch.tensor(layout.table(), dtype=torch.int32, device=self.device_index)
-        src_idx = torch.empty(layout.num_recv_tokens, dtype=torch.int32, device=self.device_index)
-        return DispatchHandle(inputs.tokens, layout.num_recv_tokens, channels, experts,
-                              inputs.hidden, inputs.fp8, inputs.topk, is_token_in_rank,
-                              table.view(2, self.group_size, channels),
-                              src_idx, layout)
+        _launcher(device, cfg)(
+            (1, 1, 1), torch.cuda.current_stream(device).cuda_stream,
+            message=message.data_ptr(), words=message.numel(), channels=channels,
+            worst=num_worst_tokens, out=gathered.data_ptr(), recv_layout=table.data_ptr(),
+            num_recv=num_recv.data_ptr(), rank=self.rank, peers=self.peers.data_ptr(),
+            error=self.record.device_pointer, timeout_ns=int(self.timeout_s * 1e9))
+        layout = None
+        if num_worst_tokens:
+            rows = num_worst_tokens
+        else:
+            try:
+                words = gathered.tolist()
+            except RuntimeError:
+                self.check_timeout()  # the exchange, or an earlier kernel, timed out
+                raise
+            messages = [message_of(row, channels, self.group_size) for row in words]
+            check_agreement(messages)
+            layout = receive_layout(messages, self.rank, experts // self.group_size,
+                                    expert_alignment)
+            rows = layout.num_recv_tokens
+        src_idx = torch.empty(rows, dtype=torch.int32, device=device)
+        return DispatchHandle(inputs.tokens, rows, channels, experts, inputs.hidden, inputs.fp8,
+                              inputs.topk, is_token_in_rank, table, src_idx, layout, num_recv)
 
     def count_message(self, signature: tuple, is_token_in_rank, num_tokens_per_expert,
                       topk_idx, experts: int, channels: int) -> torch.Tensor:
@@ -395,6 +419,10 @@ class Buffer:
         on the device, made by a few kernels with no host synchronisation."""
         header = self._headers.get(signature)
         if header is None:
+            if is_token_in_rank.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise ValueError(f"the first dispatch with {dict(signature)} copies its sizes to "
+                                 f"the GPU, which a CUDA graph capture cannot do: run one "
+                                 f"before capturing")
             header = torch.tensor(signature_words(signature), dtype=torch.int32,
                                   device=is_token_in_rank.device)
             self._headers[signature] = header
@@ -413,7 +441,12 @@ class Buffer:
             if inputs.fp8:
                 outputs["recv_scales"] = torch.empty((n, cfg.slot.scale_groups),
                                                      dtype=torch.float32, device=device)
-            if k:
+            if k and handle.layout is None:   # sized for the worst: the rows past the received
+                outputs["recv_topk_idx"] = torch.full((n, k), -1, dtype=torch.int64,
+                                                      device=device)
+                outputs["recv_topk_weights"] = torch.zeros((n, k), dtype=torch.float32,
+                                                           device=device)
+            elif k:
                 outputs["recv_topk_idx"] = torch.empty((n, k), dtype=torch.int64, device=device)
                 outputs["recv_topk_weights"] = torch.empty((n, k), dtype=torch.float32,
                                                            device=device)
@@ -433,8 +466,9 @@ class Buffer:
             launcher((2 * cfg.channels, 1, 1), self.comm_stream.cuda_stream, **arguments)
         event = call.finish(async_finish)
         received = (recv_x, outputs["recv_scales"]) if inputs.fp8 else recv_x
+        per_expert = [] if handle.layout is None else list(handle.layout.num_recv_tokens_per_expert)
         return (received, outputs.get("recv_topk_idx"), outputs.get("recv_topk_weights"),
-                list(handle.layout.num_recv_tokens_per_expert), handle, event)
+                per_expert, handle, event)
 
     def _common_arguments(self, handle) -> dict:
         return dict(rank=self.rank, peers=self.peers.data_ptr(),
@@ -583,12 +617,18 @@ class Buffer:
 
     # ------------------------------------------------------------------ errors, teardown
     def check_timeout(self) -> None:
-        """Raise EPTimeoutError if a kernel of this buffer timed out, or received an entry
-        laid out for other sizes (it wrote a record to host memory before trapping);
-        nothing to do otherwise. Reads host memory only."""
+        """Raise EPTimeoutError if a kernel of this buffer timed out, received an entry laid
+        out for other sizes, or found more rows coming than a dispatch had room for (it
+        wrote a record to host memory before trapping); nothing to do otherwise. Reads
+        host memory only."""
         code, channel, peer, seen = self.record.read()
         if not code:
             return
+        if code == kernel_common.EXCHANGE_OVERFLOW:
+            raise EPTimeoutError(
+                f"ptxforge.ep: rank {peer} receives {seen} rows, more than the dispatch's "
+                f"num_worst_tokens: a rank sent more than num_worst_tokens / ranks tokens. The "
+                f"exchange kernel trapped; this process's CUDA context is unusable.")
         if code in _MISMATCHES:
             raise EPTimeoutError(
                 f"ptxforge.ep: rank {self.rank}'s {_MISMATCHES[code]} kernel received from rank "

@@ -3,7 +3,10 @@ down, ep=buffer)`` on every rank of the buffer's group, each with its own tokens
 R holds experts [r * L, (r + 1) * L) of the E = R * L (``shard_experts`` slices them from
 a full block's); topk_idx names global experts. Unfused, in two paths:
 
-normal path (``layout='contiguous'``; many tokens; the dispatch synchronises with the host):
+normal path (``layout='contiguous'``; many tokens; the dispatch synchronises with the host,
+unless ``max_tokens_per_rank`` bounds every rank's tokens: then the received rows are
+sized for the worst case, R * max_tokens_per_rank, the rows past those received carry no
+pair, and nothing waits for the host):
 
     x [T, H] --quantize_fp8_per_token--> (e4m3, 1x128 scales): each token quantized once
     topk_idx --Buffer.get_dispatch_layout--> tokens per rank and expert, is_token_in_rank
@@ -29,9 +32,10 @@ decode path (``layout='masked'``; few tokens; nothing waits for the host: captur
 The decode path's T_max is the buffer's: the most tokens a rank its low-latency buffer
 holds for these sizes (``decode_capacity``), so every rank lays the rows out alike.
 The path (``choose_path``): ``layout`` where given; else the decode path where the
-buffer has low-latency room for T tokens, else the normal one. The ranks must take the
-same path (each would wait for the others in its own kernels): where their token counts
-may fall on both sides of the capacity, pass ``layout``.
+buffer has low-latency room for T tokens (for ``max_tokens_per_rank`` where given), else
+the normal one. The ranks must take the same path (each would wait for the others in
+its own kernels): where their token counts may fall on both sides of the capacity, pass
+``layout`` or ``max_tokens_per_rank``.
 
 Numerics. The FP8 recipe is the one-GPU op's: each token quantized once per token, the
 same GEMMs and SwiGLU. The decode path sums a token's k rows in k order in f32 as the
@@ -161,13 +165,24 @@ def choose_path(buffer: Buffer, tokens: int, hidden: int, experts: int,
 
 
 def experts_across(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights,
-                   gate_up, down, *, layout: str | None, sizes: moe.ExpertsSizes) -> torch.Tensor:
+                   gate_up, down, *, layout: str | None, sizes: moe.ExpertsSizes,
+                   max_tokens_per_rank: int | None = None) -> torch.Tensor:
     """``moe_experts_fp8(..., ep=buffer)`` after its shape checks (``sizes``: this rank's
     experts): the path's checks, all before the GPU, then the path."""
     tokens, hidden, top_k, local, _, device = sizes
     ranks = buffer.group_size
     experts = local * ranks
-    path = choose_path(buffer, tokens, hidden, experts, layout)
+    if max_tokens_per_rank is not None:
+        if type(max_tokens_per_rank) is not int or max_tokens_per_rank < 1:
+            raise ValueError(f"max_tokens_per_rank must be a positive int, got "
+                             f"{max_tokens_per_rank!r}")
+        if tokens > max_tokens_per_rank:
+            raise ValueError(f"x must have at most max_tokens_per_rank ({max_tokens_per_rank}) "
+                             f"tokens, got {tokens}")
+        if ranks * max_tokens_per_rank >= 2 ** 31:
+            raise ValueError(f"max_tokens_per_rank times the {ranks} ranks must be below 2^31, "
+                             f"got {max_tokens_per_rank}")
+    path = choose_path(buffer, max_tokens_per_rank or tokens, hidden, experts, layout)
     if topk_weights.dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"topk_weights must have dtype torch.float32 or torch.bfloat16, got "
                         f"{topk_weights.dtype}")
@@ -186,10 +201,14 @@ def experts_across(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk
     topk_idx, topk_weights = topk_idx.contiguous(), topk_weights.float().contiguous()
     if path == "masked":
         return _decode(buffer, x.contiguous(), topk_idx, topk_weights, gate_up, down, sizes)
-    return _normal(buffer, x, topk_idx, topk_weights, gate_up, down, sizes)
+    worst = ranks * max_tokens_per_rank if max_tokens_per_rank else 0
+    return _normal(buffer, x, topk_idx, topk_weights, gate_up, down, sizes, worst)
 
 
-def _normal(buffer: Buffer, x, topk_idx, topk_weights, gate_up, down, sizes) -> torch.Tensor:
+def _normal(buffer: Buffer, x, topk_idx, topk_weights, gate_up, down, sizes,
+            worst: int) -> torch.Tensor:
+    """The normal path; ``worst`` > 0: the received rows sized for that many (no host
+    synchronisation)."""
     tokens, hidden, top_k, local, two_inner, device = sizes
     experts = local * buffer.group_size
     # The dispatch refuses indices outside [-1, E) on every rank; the op drops their pairs.
@@ -198,7 +217,8 @@ def _normal(buffer: Buffer, x, topk_idx, topk_weights, gate_up, down, sizes) -> 
     per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, experts)
     received, recv_idx, recv_weights, _, handle, _ = buffer.dispatch(
         quantized, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-        num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights)
+        num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights,
+        num_worst_tokens=worst)
     rows = handle.num_recv_tokens
     if rows:
         y = moe.grouped_experts(received, recv_idx, recv_weights, gate_up, down, "contiguous",

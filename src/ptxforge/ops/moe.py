@@ -265,13 +265,14 @@ _EXPERT_PARALLEL: dict = {}
 
 def register_expert_parallel(ep_type: type, layer) -> None:
     """``moe_experts_fp8(..., ep=e)`` with ``e`` an ``ep_type`` runs ``layer(e, x, topk_idx,
-    topk_weights, gate_up, down, layout=layout, sizes=ExpertsSizes)``, after the checks
-    of the arguments' shapes."""
+    topk_weights, gate_up, down, layout=layout, sizes=ExpertsSizes, max_tokens_per_rank=
+    max_tokens_per_rank)``, after the checks of the arguments' shapes."""
     _EXPERT_PARALLEL[ep_type] = layer
 
 
 def moe_experts_fp8(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                    gate_up, down, *, layout: str | None = None, ep=None) -> torch.Tensor:
+                    gate_up, down, *, layout: str | None = None, ep=None,
+                    max_tokens_per_rank: int | None = None) -> torch.Tensor:
     """A MoE layer's experts with SwiGLU, as transformers' experts modules compute them:
     ``out[t] = sum_j topk_weights[t, j] * down[e](silu(gate[e](x[t])) * up[e](x[t]))`` with
     e = topk_idx[t, j], in FP8 (DeepGEMM's recipe: activations 1x128, weights 128x128).
@@ -290,13 +291,20 @@ def moe_experts_fp8(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch
     (low-latency dispatch, no host synchronisation, capturable in a CUDA graph),
     'contiguous' the normal path (a host synchronisation in the dispatch), None the decode
     path where the buffer's low-latency room holds T tokens, else the normal one. Every
-    rank must take the same path."""
+    rank must take the same path. ``max_tokens_per_rank``: a bound on every rank's T;
+    the path is then chosen from it (so every rank takes the same one), and the normal
+    path sizes its received rows for the worst case instead of synchronising with the
+    host: no host synchronisation on either path, capturable in a CUDA graph."""
     if layout is not None and layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS} or None, got {layout!r}")
+    if ep is None and max_tokens_per_rank is not None:
+        raise ValueError(f"max_tokens_per_rank bounds the tokens of every rank of ep: it needs "
+                         f"ep=, got max_tokens_per_rank={max_tokens_per_rank!r} and ep=None")
     layer = None if ep is None else _expert_parallel_layer(ep)
     sizes = experts_sizes(x, topk_idx, topk_weights, gate_up, down)
     if layer is not None:
-        return layer(ep, x, topk_idx, topk_weights, gate_up, down, layout=layout, sizes=sizes)
+        return layer(ep, x, topk_idx, topk_weights, gate_up, down, layout=layout, sizes=sizes,
+                     max_tokens_per_rank=max_tokens_per_rank)
     require_cuda("x", x, sizes.device)
     # A router's top-k may come as views (a gather's, a slice's): the kernels read rows.
     topk_idx, topk_weights = topk_idx.contiguous(), topk_weights.contiguous()

@@ -25,8 +25,10 @@ DISPATCH_MISMATCH, COMBINE_MISMATCH = 5, 6
 # source rank's flag (channel: the local expert), a combine receiver for a pair's row
 # (channel: the token, peer: the expert).
 LL_DISPATCH_RECEIVE, LL_COMBINE_RECEIVE = 7, 8
-# The count exchange's wait for a source rank's message (exchange.py; peer: the source).
-EXCHANGE_RECEIVE = 9
+# The count exchange's wait for a source rank's message (exchange.py; peer: the source),
+# and a receiver given room for fewer rows than the ranks send it (peer: the receiver,
+# value: the rows).
+EXCHANGE_RECEIVE, EXCHANGE_OVERFLOW = 9, 10
 # Cache hints. A ring's entries are written by another GPU while the kernel runs: weak
 # loads that skip L1, never the non-coherent path. Inputs nothing writes meanwhile may
 # take it. Stores to a peer's ring skip L1.

@@ -1,14 +1,18 @@
 """The count exchange before a dispatch: every rank's message to every rank through the
-ranks' buffers, over NVLink, with no host collective; the host reads the gathered
-messages with one copy.
+ranks' buffers, over NVLink, with no host collective; and this rank's receive layout,
+on the GPU. The host reads the gathered messages with one copy (a dispatch that checks
+and sizes on the host), or nothing at all (a dispatch sized for the worst case).
 
 A message is ``words`` int32 (``ep/layout.py`` packs it: the call's sizes, the rank's
 tokens for each rank on each channel, its pairs per expert, its top-k indices out of
 range). Each buffer holds, at ``plan.EXCHANGE_FLAGS``, a u32 flag per source rank, and
 at ``plan.EXCHANGE_SLOTS``, two sets (parities) of a slot per source rank, each of
-``plan.MESSAGE_WORDS`` words. Exchange n (1, 2, ... counted by each rank's host since
-the buffer's creation; every rank makes the same exchanges) uses parity n & 1:
+``plan.MESSAGE_WORDS`` words. The exchanges are numbered 1, 2, ... from the buffer's
+creation (every rank makes the same exchanges); a rank's own flag[rank] holds the
+number of its last one, so exchange n = that + 1 needs nothing from the host (a CUDA
+graph replays it as it is). Exchange n uses parity n & 1:
 
+    number     n = this rank's flag[rank] + 1
     write      the CTA copies the message into slot (n & 1, rank) of every rank's buffer,
                its own included; each thread then fences its stores (fence.acq_rel.sys)
     publish    bar.sync; thread r stores n to rank r's flag[rank] with st.release.sys
@@ -16,6 +20,11 @@ the buffer's creation; every rank makes the same exchanges) uses parity n & 1:
                below 2^31: a peer may be at n + 1 already), under the watchdog
     read       bar.sync; the CTA copies slot (n & 1, r) of every rank r, ``words`` words
                each, into out [ranks, words]
+    layout     what source s sends this rank on channel c (its word HEADER_WORDS + c *
+               ranks + rank) into recv_layout[0, s, c], the running sum over (s, c) before
+               it into recv_layout[1, s, c] (the first row), the total into num_recv; a
+               total above ``worst`` (when not 0: the rows the receiver has room for)
+               writes the watchdog's record and traps
 
 Why two parities: a rank may start exchange n + 1, writing parity (n + 1) & 1 of its
 peers' buffers, as soon as its exchange n is over, while a peer is still reading
@@ -25,7 +34,9 @@ so nothing is ever reset.
 
 A message's first words are the sizes every rank must share: a rank whose sizes differ
 may write a message of another length, and the host checks those words before it reads
-any count (``ep/layout.py``). Compile-time: the ranks. Run-time: the words, the number.
+any count (``ep/layout.py``); a dispatch that does not read them relies on the rings'
+entry signatures instead (``plan.py``). Compile-time: the ranks. Run-time: the words,
+the channels, ``worst``.
 """
 
 from __future__ import annotations
@@ -36,8 +47,9 @@ from types import SimpleNamespace
 from ...arch import Arch
 from ...patterns.poll import Watchdog
 from ...ptx import KernelBuilder, LaunchShape, addr, sreg
-from .common import EXCHANGE_RECEIVE, buffer_of
-from .plan import EXCHANGE_FLAGS, EXCHANGE_SLOTS, MAX_RANKS, MESSAGE_WORDS
+from .common import EXCHANGE_OVERFLOW, EXCHANGE_RECEIVE, buffer_of
+from .plan import (EXCHANGE_FLAGS, EXCHANGE_SLOTS, HEADER_WORDS, MAX_CHANNELS, MAX_RANKS,
+                   MESSAGE_WORDS)
 
 THREADS = 256
 
@@ -69,8 +81,11 @@ def generate(cfg: ExchangeConfig) -> KernelBuilder:
     k.launch = LaunchShape(block=THREADS)
     p = SimpleNamespace(message=k.param("message", "u64"),  # int32 [words]: this rank's
                         words=k.param("words", "u32"),
-                        number=k.param("number", "u32"),     # the exchange's: 1, 2, ...
+                        channels=k.param("channels", "u32"),
+                        worst=k.param("worst", "u32"),       # the most rows received; 0: any
                         out=k.param("out", "u64"),           # int32 [ranks, words]
+                        recv_layout=k.param("recv_layout", "u64"),  # int32 [2, ranks, channels]
+                        num_recv=k.param("num_recv", "u64"),        # int32 [1]
                         rank=k.param("rank", "u32"),
                         peers=k.param("peers", "u64"),       # u64 [ranks]: the buffers
                         error=k.param("error", "u64"),       # the watchdog's record
@@ -128,21 +143,98 @@ def generate(cfg: ExchangeConfig) -> KernelBuilder:
             _copy_words(k, t, src, dst, acquired=True)
             k.add(src, src, 4 * MESSAGE_WORDS)
             k.add(dst, dst, row)
+    _receive_layout(k, cfg, p, t)
     return k
 
 
+def _receive_layout(k: KernelBuilder, cfg: ExchangeConfig, p, t) -> None:
+    """recv_layout and num_recv from the gathered slots: thread i < ranks * channels reads
+    entry i = (s, c) into shared memory; thread 0 sums them in order; each thread writes
+    its entry's count and first row."""
+    counts = k.shared("recv_counts", 4 * MAX_RANKS * MAX_CHANNELS, align=16)
+    firsts = k.shared("recv_firsts", 4 * MAX_RANKS * MAX_CHANNELS, align=16)
+    channels, entries = k.reg("u32", "channels"), k.reg("u32", "entries")
+    k.ld_param(channels, p.channels)
+    k.mul(entries, channels, cfg.ranks, mode="lo")
+    mine, source, channel = k.pred("my_entry"), k.reg("u32", "source"), k.reg("u32", "channel")
+    count, first = k.reg("u32", "entry_count"), k.reg("u32", "entry_first")
+    at, word = k.reg("u64", "entry_at"), k.reg("u32", "entry_word")
+    smem = k.reg("u32", "entry_smem")
+    k.setp("lt", mine, t.tid, entries)
+    with k.stage("layout: each entry's count, from source s's word for (c, this rank)"):
+        with k.if_(mine, "no_entry"):
+            k.div(source, t.tid, channels)
+            k.rem(channel, t.tid, channels)
+            buffer_of(k, at, t.peers, t.rank)
+            k.add(at, at, t.slots)
+            k.mad(at, source, 4 * MESSAGE_WORDS, at, mode="wide")
+            k.mad(word, channel, cfg.ranks, t.rank)
+            k.add(word, word, HEADER_WORDS)
+            k.mad(at, word, 4, at, mode="wide")
+            k.ld(count, addr(at), eviction="L1::no_allocate")
+            k.mov(smem, counts)
+            k.mad(smem, t.tid, 4, smem)
+            k.st(addr(smem), count, space="shared")
+    k.bar_sync(0)
+    with k.stage("layout: thread 0 sums the entries in (source, channel) order"):
+        is_first = k.pred("thread_0")
+        k.setp("eq", is_first, t.tid, 0)
+        with k.if_(is_first, "not_thread_0"):
+            i, total, value = k.reg("u32", "entry"), k.reg("u32", "total"), k.reg("u32", "count")
+            read, write = k.reg("u32", "count_at"), k.reg("u32", "first_at")
+            k.mov(total, 0)
+            with k.loop(i, entries, hint="running_sum"):
+                k.mov(read, counts)
+                k.mad(read, i, 4, read)
+                k.mov(write, firsts)
+                k.mad(write, i, 4, write)
+                k.ld(value, addr(read), space="shared")
+                k.st(addr(write), total, space="shared")
+                k.add(total, total, value)
+            out = k.reg("u64", "num_recv_at")
+            k.ld_param(out, p.num_recv)
+            k.st(addr(out), total)
+            worst, limited, over = k.reg("u32", "worst"), k.pred("limited"), k.pred("over")
+            k.ld_param(worst, p.worst)
+            k.setp("ne", limited, worst, 0)
+            k.setp("gt", over, total, worst)
+            k.and_pred(over, over, limited)
+            with k.if_(over, "fits"):
+                t.watchdog.fail(EXCHANGE_OVERFLOW, 0, t.rank, total)
+    k.bar_sync(0)
+    with k.stage("layout: each entry's count and first row into recv_layout"):
+        with k.if_(mine, "no_entry_out"):
+            k.mov(smem, firsts)
+            k.mad(smem, t.tid, 4, smem)
+            k.ld(first, addr(smem), space="shared")
+            table = k.reg("u64", "recv_layout_at")
+            k.ld_param(table, p.recv_layout)
+            k.mad(table, t.tid, 4, table, mode="wide")
+            k.st(addr(table), count)
+            k.mul(at, entries, 4, mode="wide")
+            k.add(table, table, at)
+            k.st(addr(table), first)
+
+
 def _scalars(k: KernelBuilder, p: SimpleNamespace, ranks: int) -> SimpleNamespace:
-    """The thread's index, the parameters it uses, the slots of parity n & 1 (a byte
-    offset in every buffer), whether it is one of the first ``ranks`` threads."""
+    """The thread's index, the parameters it uses, the exchange's number n, the slots of
+    parity n & 1 (a byte offset in every buffer), whether it is one of the first
+    ``ranks`` threads."""
     t = SimpleNamespace()
     t.tid, t.rank, t.words, t.number = (k.reg("u32", n) for n in ("tid", "rank", "words",
                                                                    "number"))
     k.mov(t.tid, sreg.tid.x)
     k.ld_param(t.rank, p.rank)
     k.ld_param(t.words, p.words)
-    k.ld_param(t.number, p.number)
     t.peers = k.reg("u64", "peers")
     k.ld_param(t.peers, p.peers)
+    # n: this rank's last exchange + 1, read before thread ``rank`` publishes n there.
+    own = k.reg("u64", "last_number_at")
+    buffer_of(k, own, t.peers, t.rank)
+    k.add(own, own, EXCHANGE_FLAGS)
+    k.mad(own, t.rank, 4, own, mode="wide")
+    k.ld(t.number, addr(own), sem="relaxed", scope="sys")
+    k.add(t.number, t.number, 1)
     error, timeout = k.reg("u64", "error"), k.reg("u64", "timeout_ns")
     k.ld_param(error, p.error)
     k.ld_param(timeout, p.timeout_ns)
