@@ -288,8 +288,13 @@ def test_layer_two_ranks(scenario, monkeypatch):
 
 
 def main() -> int:
-    """torchrun entry: every scenario on the launcher's group."""
-    return run_torchrun(SCENARIOS)
+    """torchrun entry: the scenarios named on the command line (all by default) on the
+    launcher's group."""
+    names = sys.argv[1:] or list(SCENARIOS)
+    unknown = sorted(set(names) - set(SCENARIOS))
+    if unknown:
+        raise SystemExit(f"scenarios must be among {list(SCENARIOS)}, got {unknown}")
+    return run_torchrun({name: SCENARIOS[name] for name in names})
 
 
 if __name__ == "__main__":
