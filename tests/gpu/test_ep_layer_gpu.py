@@ -145,8 +145,7 @@ def scenario_normal(rank: int, world: int) -> None:
     """The normal path (T above the decode capacity, or layout='contiguous'): uneven
     token counts, dropped pairs, every token to rank 0's experts, a rank with none."""
     layer = _Layer(rank, world)
-    # Every rank's count above the decode path's 32, at 2 ranks as at 4: the same path.
-    for seed, (tokens, kind) in enumerate(((200 - 40 * rank, "uniform"),
+    for seed, (tokens, kind) in enumerate(((200 - 63 * rank, "uniform"),
                                            (150, "dropped"), (96 + rank, "rank0"))):
         x, idx, weights = _tokens(rank, tokens, EXPERTS, TOPK, kind, seed)
         layer.check(f"normal, {kind}, {tokens} tokens", rank, x, idx, weights)

@@ -152,13 +152,11 @@ TOP = 6           # the kernels and gaps a timeline keeps
 
 
 def timeline(fn) -> dict:
-    """Where a call of ``fn`` spends its time on the GPU (after a host barrier, kernels
+    """Where one call of ``fn`` spends its time on the GPU (after a host barrier, kernels
     built): span (first kernel's start to last one's end), busy (the union of the kernels'
     intervals), the kernels with the most time (summed by name) and the longest idle gaps,
     each with the kernels before and after it. A gap is the GPU waiting for the host: a
-    host synchronisation, or work enqueued slower than it runs. Two calls run under the
-    profiler and the second one's kernels (the later half) are read: the profiler's first
-    sight of a kernel costs host time that no later call pays."""
+    host synchronisation, or work enqueued slower than it runs."""
     import torch.distributed as dist
 
     fn()
@@ -167,11 +165,8 @@ def timeline(fn) -> dict:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-        fn()
-        torch.cuda.synchronize()
     kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                      if e.device_type.name == "CUDA")
-    kernels = kernels[len(kernels) // 2:]
     if not kernels:
         return dict(span_us=0.0, busy_us=0.0, kernels=[], gaps=[])
     busy, gaps, reach, last = 0.0, [], kernels[0][0], kernels[0][2]

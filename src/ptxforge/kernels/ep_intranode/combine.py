@@ -21,8 +21,7 @@ Roles (common.py: CTA 2c sends on channel c, CTA 2c + 1 receives on it):
 
     sender, group s     rows first .. first + count - 1 of x (what s sent on the channel),
                         32 at a time: lane 0 of each warp waits for room in ring (c, this
-                        rank) of s's buffer (ld.acquire.sys of its head; not while the head
-                        it saw last leaves room), warp w copies rows
+                        rank) of s's buffer (ld.acquire.sys of its head), warp w copies rows
                         w, w + warps_per_peer, ...; a named barrier over the group, then its
                         leader publishes the tail (st.release.sys).
     receiver (the CTA)  the channel's tokens, 32 at a time: per rank d a ballot of
@@ -137,8 +136,6 @@ def _send(k, cfg, p, t) -> None:
     batch, batch_end, tail, head, used = (k.reg("u32", name) for name in (
         "batch", "batch_end", "tail", "head", "used"))
     fits = k.pred("fits")
-    k.sub(head, start, cfg.slots)   # a bound the ring's head never falls below: the first
-                                    # batch polls
     with k.loop(batch, count, step=BATCH, uniform=True, hint="send_batch"):
         k.add(batch_end, batch, BATCH)
         k.min(batch_end, batch_end, count)
@@ -149,12 +146,9 @@ def _send(k, cfg, p, t) -> None:
                 k.setp("le", fits, used, cfg.slots)
                 return fits
 
-            # The head seen last first (heads only grow): no poll across NVLink while it
-            # leaves room.
             with k.if_(t.lane0, "not_polling"):
-                with k.if_(~room(head), "room_known"):
-                    t.watchdog.wait(head, addr(head_at), room, code=common.COMBINE_SEND,
-                                    channel=t.channel, peer=t.group)
+                t.watchdog.wait(head, addr(head_at), room, code=common.COMBINE_SEND,
+                                channel=t.channel, peer=t.group)
             k.bar_warp_sync()
         with k.stage("copy: warp `member` takes rows batch + member, + warps_per_peer, ..."):
             i, first = k.reg("u32", "row_index"), k.reg("u32", "first_index")

@@ -9,8 +9,7 @@ Roles (common.py: CTA 2c sends on channel c, CTA 2c + 1 receives on it; one grou
                          32 at a time (one a lane): is_token_in_rank[t, d] -> a ballot; the
                          batch's n tokens for d take ring entries tail .. tail + n - 1 in
                          token order. Lane 0 of each warp waits (ld.acquire.sys of d's
-                         head) until the ring has room for all n, unless the head it saw
-                         last leaves that room already; warp w of the group copies
+                         head) until the ring has room for all n; warp w of the group copies
                          the entries numbered w mod warps_per_peer: the row (16-byte vectors,
                          patterns/copy.py), the FP8 scales, the top-k indices and weights,
                          the token's index. Then a named barrier over the group, and its
@@ -184,9 +183,6 @@ def _send(k, cfg, p, t) -> None:
     ballot, n = k.reg("b32", "ballot"), k.reg("u32", "batch_count")
     head, room_end, used = k.reg("u32", "head"), k.reg("u32", "room_end"), k.reg("u32", "used")
     fits, publish = k.pred("fits"), k.pred("publish")
-    # The head seen last starts at tail - slots, a bound the ring never passes below: the
-    # first batch polls.
-    k.sub(head, s.tail, cfg.slots)
     with k.loop(first, s.end, start=s.begin, step=BATCH, uniform=True, hint="send_batch"):
         with k.stage("the batch's tokens for the peer: a ballot of is_token_in_rank[t, peer]"):
             k.add(token, first, t.lane)
@@ -201,7 +197,7 @@ def _send(k, cfg, p, t) -> None:
             k.popc(n, ballot)
             k.setp("ne", any_sent, n, 0)
         with k.if_(any_sent, "nothing_to_send", uniform=True):
-            with k.stage("wait for room: head + slots >= tail + n (the head seen last first)"):
+            with k.stage("wait for room: head + slots >= tail + n"):
                 k.add(room_end, s.tail, n)
 
                 def room(seen):
@@ -209,12 +205,9 @@ def _send(k, cfg, p, t) -> None:
                     k.setp("le", fits, used, cfg.slots)
                     return fits
 
-                # Heads only grow: a head seen earlier (by an acquire) that leaves room
-                # still does, and spares the poll of the peer's memory across NVLink.
                 with k.if_(t.lane0, "not_polling"):
-                    with k.if_(~room(head), "room_known"):
-                        t.watchdog.wait(head, addr(s.head_at), room, code=common.DISPATCH_SEND,
-                                        channel=t.channel, peer=t.group)
+                    t.watchdog.wait(head, addr(s.head_at), room, code=common.DISPATCH_SEND,
+                                    channel=t.channel, peer=t.group)
                 k.bar_warp_sync()
             _send_batch(k, cfg, p, t, s, first, ballot)
         with k.stage("publish: the group's entries, then tail += n (st.release.sys)"):
