@@ -140,6 +140,35 @@ def compare(what: str, rank: int, out, one_gpu, fp64) -> None:
     assert to_one <= ONE_GPU_LIMIT, (what, to_one)
 
 
+def check_replays(rank: int, layer: _Layer, tokens: int, seed: int, what: str, captured,
+                  eager) -> None:
+    """``captured(x, idx, weights)`` on static inputs in a CUDA graph, after one call outside
+    it (every kernel built, the sizes agreed before capture); replays on three new routings
+    copied into the inputs give ``eager``'s bits on them."""
+    x, idx, weights = _tokens(rank, tokens, EXPERTS, TOPK, "uniform", seed)
+    captured(x, idx, weights)
+    torch.cuda.synchronize()
+    dist.barrier()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = captured(x, idx, weights)
+    for new_seed, kind in enumerate(("uniform", "dropped", "rank0"), seed + 1):
+        new = _tokens(rank, tokens, EXPERTS, TOPK, kind, new_seed)
+        for static, value in zip((x, idx, weights), new):
+            static.copy_(value)
+        torch.cuda.synchronize()
+        dist.barrier()
+        graph.replay()
+        torch.cuda.synchronize()
+        replayed = static_out.clone()
+        expected = eager(*new)
+        torch.cuda.synchronize()
+        _assert_bitwise(replayed, expected, f"{what} replay {new_seed} ({kind}): against the "
+                                            f"eager call")
+        compare(f"{what} replay, {kind}", rank, replayed,
+                ptxforge.moe_experts_fp8(*new, *layer.full), reference(*new, *layer.bf16))
+
+
 # ---------------------------------------------------------------------------- scenarios
 def scenario_normal(rank: int, world: int) -> None:
     """The normal path (T above the decode capacity, or layout='contiguous'): uneven
@@ -182,27 +211,7 @@ def scenario_graph(rank: int, world: int) -> None:
     """The decode path captured in a CUDA graph: replays on new tokens and routings copied
     into the static inputs give the eager call's bits."""
     layer = _Layer(rank, world)
-    x, idx, weights = _tokens(rank, 24, EXPERTS, TOPK, "uniform", 40)
-    layer(x, idx, weights)   # every kernel built, the decode sizes agreed, before capture
-    torch.cuda.synchronize()
-    dist.barrier()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = layer(x, idx, weights)
-    for seed, kind in ((41, "uniform"), (42, "dropped"), (43, "rank0")):
-        new = _tokens(rank, 24, EXPERTS, TOPK, kind, seed)
-        for static, value in zip((x, idx, weights), new):
-            static.copy_(value)
-        torch.cuda.synchronize()
-        dist.barrier()
-        graph.replay()
-        torch.cuda.synchronize()
-        replayed = static_out.clone()
-        eager = layer(*new)
-        torch.cuda.synchronize()
-        _assert_bitwise(replayed, eager, f"replay {seed} ({kind}): against the eager call")
-        compare(f"graph replay, {kind}", rank, replayed,
-                ptxforge.moe_experts_fp8(*new, *layer.full), reference(*new, *layer.bf16))
+    check_replays(rank, layer, 24, 40, "graph", layer, layer)
     layer.destroy()
 
 
@@ -248,28 +257,8 @@ def scenario_bounded(rank: int, world: int) -> None:
                                          f"host-synchronising normal path")
         print(f"rank {rank}: bounded, {kind}, {tokens} tokens: the synchronising path's bits",
               flush=True)
-    x, idx, weights = _tokens(rank, 150, EXPERTS, TOPK, "uniform", 70)
-    layer(x, idx, weights, bound=bound)   # the kernels built, the sizes on the GPU
-    torch.cuda.synchronize()
-    dist.barrier()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = layer(x, idx, weights, bound=bound)
-    for seed, kind in ((71, "uniform"), (72, "dropped"), (73, "rank0")):
-        new = _tokens(rank, 150, EXPERTS, TOPK, kind, seed)
-        for static, value in zip((x, idx, weights), new):
-            static.copy_(value)
-        torch.cuda.synchronize()
-        dist.barrier()
-        graph.replay()
-        torch.cuda.synchronize()
-        replayed = static_out.clone()
-        eager = layer(*new, "contiguous")
-        torch.cuda.synchronize()
-        _assert_bitwise(replayed, eager, f"bounded replay {seed} ({kind}): against the eager "
-                                         f"synchronising call")
-        compare(f"bounded graph replay, {kind}", rank, replayed,
-                ptxforge.moe_experts_fp8(*new, *layer.full), reference(*new, *layer.bf16))
+    check_replays(rank, layer, 150, 70, "bounded graph", lambda *args: layer(*args, bound=bound),
+                  lambda *args: layer(*args, "contiguous"))
     layer.destroy()
 
 
