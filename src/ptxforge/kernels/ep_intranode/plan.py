@@ -20,8 +20,8 @@ for the others to clear them (a kernel starts from the values its predecessor le
 ``dispatch.py``). Slot i of a ring holds the entry numbered i modulo ``slots`` (a power
 of two, so the u32 counters wrap cleanly).
 
-The counters' and the exchange's place depends on nothing, so it survives a change of hidden size, channels
-or ring slots between calls; the rings' layout is the call's. Every entry carries a
+The counters' and the exchange's place depends on nothing, so it survives a change of
+hidden size, channels or ring slots between calls; the rings' layout is the call's. Every entry carries a
 signature of the sizes its sender laid the rings out for (``signature``) and its number
 (the counter value it was written under); a receiver whose own sizes differ (ranks that
 disagree, in a call that reuses a handle and so exchanges nothing) finds another
