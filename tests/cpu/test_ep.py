@@ -437,6 +437,23 @@ def test_a_cached_dispatch_must_match_its_handle():
         buffer._check_handle((), None, 2)
 
 
+@pytest.mark.parametrize("worst, handle, message", [
+    (-1, None, r"^num_worst_tokens must be an int in \[0, 2\^31\), got -1$"),
+    (2.0, None, r"^num_worst_tokens must be an int in \[0, 2\^31\), got 2.0$"),
+    (8, "a handle", "^num_worst_tokens sizes a dispatch that exchanges counts: a call reusing a "
+                    r"handle keeps the handle's sizes \(pass one or the other\)$"),
+])
+def test_num_worst_tokens_is_checked_before_the_device(worst, handle, message):
+    from types import SimpleNamespace
+
+    from ptxforge.ep import Buffer
+
+    buffer = Buffer.__new__(Buffer)  # the checks read the record and the normal buffer alone
+    buffer.record, buffer.memory = SimpleNamespace(read=lambda: (0, 0, 0, 0)), object()
+    with pytest.raises(ValueError, match=message):
+        buffer.dispatch(torch.zeros(4, 128), handle=handle, num_worst_tokens=worst)
+
+
 def test_low_latency_options_it_does_not_take_are_refused_by_name():
     from ptxforge.ep import Buffer
 

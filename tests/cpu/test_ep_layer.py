@@ -250,12 +250,15 @@ def test_the_layer_checks_its_arguments(change, buffer, error, message):
     (0, True, "max_tokens_per_rank must be a positive int, got 0"),
     (4.0, True, "max_tokens_per_rank must be a positive int, got 4.0"),
     (2 ** 30, True, "max_tokens_per_rank times the 2 ranks must be below 2^31, got 1073741824"),
+    (65, "masked", "max_tokens_per_rank must be at most 64 for layout='masked' (ep's "
+                   "low-latency buffer holds that many a rank), got 65"),
     (8, False, "max_tokens_per_rank bounds the tokens of every rank of ep: it needs ep=, got "
                "max_tokens_per_rank=8 and ep=None"),
 ])
 def test_max_tokens_per_rank_is_checked(bound, ep, message):
     with pytest.raises(ValueError) as info:
         ptxforge.moe_experts_fp8(**layer_arguments(), max_tokens_per_rank=bound,
+                                 layout="masked" if ep == "masked" else None,
                                  ep=fake_buffer(decode_tokens=64) if ep else None)
     assert str(info.value) == message
 

@@ -301,6 +301,12 @@ class Buffer:
         """
         self.check_timeout()
         self._require_normal_buffer()
+        if type(num_worst_tokens) is not int or not 0 <= num_worst_tokens < 2 ** 31:
+            raise ValueError(f"num_worst_tokens must be an int in [0, 2^31), got "
+                             f"{num_worst_tokens!r}")
+        if num_worst_tokens and handle is not None:
+            raise ValueError("num_worst_tokens sizes a dispatch that exchanges counts: a call "
+                             "reusing a handle keeps the handle's sizes (pass one or the other)")
         config = config or self.get_dispatch_config()
         inputs, _ = checks.dispatch_inputs(x, topk_idx, topk_weights, device=self.device_index,
                                            cached=handle is not None)
@@ -316,12 +322,7 @@ class Buffer:
             topk = handle.topk
         if type(expert_alignment) is not int or expert_alignment < 1:
             raise ValueError(f"expert_alignment must be a positive int, got {expert_alignment!r}")
-        if type(num_worst_tokens) is not int or not 0 <= num_worst_tokens < 2 ** 31:
-            raise ValueError(f"num_worst_tokens must be an int in [0, 2^31), got "
-                             f"{num_worst_tokens!r}")
-        if num_worst_tokens and handle is not None:
-            raise ValueError("num_worst_tokens sizes a dispatch that exchanges counts: a call "
-                             "reusing a handle keeps the handle's sizes (pass one or the other)")
+
         # A cached call's entries keep the first call's layout, top-k room included, whether
         # or not top-k travels: a ring the peer may still be reading is never laid out anew.
         cfg = dispatch_kernel.choose_config(self.arch, self.group_size, inputs.hidden,

@@ -182,6 +182,11 @@ def experts_across(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk
         if ranks * max_tokens_per_rank >= 2 ** 31:
             raise ValueError(f"max_tokens_per_rank times the {ranks} ranks must be below 2^31, "
                              f"got {max_tokens_per_rank}")
+        capacity = decode_capacity(buffer, hidden, experts)
+        if layout == "masked" and capacity and max_tokens_per_rank > capacity:
+            raise ValueError(f"max_tokens_per_rank must be at most {capacity} for "
+                             f"layout='masked' (ep's low-latency buffer holds that many a "
+                             f"rank), got {max_tokens_per_rank}")
     path = choose_path(buffer, max_tokens_per_rank or tokens, hidden, experts, layout)
     if topk_weights.dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"topk_weights must have dtype torch.float32 or torch.bfloat16, got "
