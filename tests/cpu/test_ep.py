@@ -517,27 +517,32 @@ def test_the_stored_config_round_trips_and_survives_a_bad_file(monkeypatch, tmp_
 
     monkeypatch.setenv("PTXFORGE_CACHE_DIR", str(tmp_path))
     assert tuning.load("NVIDIA H200", 2) is None
-    tuning.store("NVIDIA H200", 2, 20, 128, dispatch_us=199.2)
-    tuning.store("NVIDIA H200", 4, 16, 64)
-    assert tuning.load("NVIDIA H200", 2) == (20, 128)
-    assert tuning.load("NVIDIA H200", 4) == (16, 64)
+    tuning.store("NVIDIA H200", 2, 20, 128, 20, dispatch_us=199.2)
+    tuning.store("NVIDIA H200", 4, 16, 64, 20)
+    assert tuning.load("NVIDIA H200", 2) == (20, 128, 20)
+    assert tuning.load("NVIDIA H200", 4) == (16, 64, 20)
     assert tuning.load("NVIDIA H100 80GB HBM3", 2) is None
     assert [p.name for p in tmp_path.iterdir()] == [tuning.FILE]  # no temporary left
     tuning.path().write_text("{not json")
     assert tuning.load("NVIDIA H200", 2) is None
-    tuning.store("NVIDIA H200", 2, 18, 128)   # a broken file is replaced, not kept
-    assert tuning.load("NVIDIA H200", 2) == (18, 128)
+    tuning.store("NVIDIA H200", 2, 18, 128, 20)   # a broken file is replaced, not kept
+    assert tuning.load("NVIDIA H200", 2) == (18, 128, 20)
+    # An entry that does not say the budget it was picked within is not taken.
+    tuning.path().write_text('{"NVIDIA H200, 2 ranks": {"num_sms": 20, "ring_slots": 128}}')
+    assert tuning.load("NVIDIA H200", 2) is None
 
 
-def test_a_buffer_returns_the_stored_config_within_its_budget():
+def test_a_buffer_returns_the_config_stored_for_its_budget():
     from ptxforge.ep import Buffer, Config
     from ptxforge.ep.buffer import DEFAULT_SLOTS
 
     buffer = Buffer.__new__(Buffer)   # the configs read the stored pick and the budget alone
-    buffer.group_size, buffer.num_sms, buffer._picked = 2, 20, {2: (16, 64)}
+    buffer.group_size, buffer.num_sms, buffer._picked = 2, 20, {2: (16, 64, 20)}
     assert buffer.get_dispatch_config() == buffer.get_combine_config() == Config(16, 64)
-    buffer.num_sms = 12      # a pick past the buffer's SM budget is not taken
-    assert buffer.get_dispatch_config() == Config(12, DEFAULT_SLOTS)
+    buffer.num_sms = 12      # a pick made within another budget is not taken: not a
+    assert buffer.get_dispatch_config() == Config(12, DEFAULT_SLOTS)   # smaller one,
+    buffer.num_sms = 48
+    assert buffer.get_dispatch_config() == Config(48, DEFAULT_SLOTS)   # nor a larger one
     buffer._picked = {2: None}
     buffer.num_sms = 20
     assert buffer.get_dispatch_config() == Config(20, DEFAULT_SLOTS)

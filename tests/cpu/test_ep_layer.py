@@ -332,9 +332,10 @@ def test_the_layer_table_reads_its_result():
     from ptxforge.bench.ep_layer import layer_table
 
     params = dict(tokens=[4096, 128], hidden=7168, inner=2048, experts=256, topk=8, calls=4,
-                  repeats=5)
+                  repeats=5, wide_sms=48)
     rows = [dict(tokens=4096, path="contiguous", ours_us=5000.0, ours_tflops=554.0,
-                 bounded_us=4000.0, bounded_tflops=692.0,
+                 bounded_us=4000.0, bounded_tflops=692.0, wide_us=3700.0,
+                 wide_tflops=748.0,
                  nccl_us=6000.0, nccl_tflops=462.0, grouped_mm_us=9000.0,
                  grouped_mm_tflops=308.0, timelines=[]),
             dict(tokens=128, path="masked", ours_us=1500.0, ours_tflops=57.7, nccl_us=2500.0,
@@ -342,7 +343,9 @@ def test_the_layer_table_reads_its_result():
                  weights_read_us=1400.0, ours_over_read=1500 / 1400, timelines=[])]
     text = layer_table(dict(params=params, world=2, distinct_gpus=True, device="H200",
                             copy_gbs=8000.0, fp8_weights_bytes=5.6e9, rows=rows))
-    assert "| 4096 | contiguous | 5000 (554) | 4000 (692) | 6000 (462) |" in re.sub(" +", " ", text)
-    assert "| 128 | masked | 1500 (58) | - |" in re.sub(" +", " ", text)
-    assert "1.50x" in text and "2.25x" in text   # against the better of ours
+    assert ("| 4096 | contiguous | 5000 (554) | 4000 (692) | 3700 (748) | 6000 (462) |"
+            in re.sub(" +", " ", text))
+    assert "| 128 | masked | 1500 (58) | - | - |" in re.sub(" +", " ", text)
+    assert "1.62x" in text and "2.43x" in text   # against the best of ours
+    assert "no host sync, 48 SMs" in text
     assert "128 tokens a rank: ours 1500 us = 1.07 x the time to read them once (1400 us)" in text

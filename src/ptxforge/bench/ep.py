@@ -118,7 +118,7 @@ def _measure(rank: int, world: int, p: dict) -> dict | None:
 
         c, row = result["picked"], picked_row(result)
         result["stored"] = str(tuning.store(result["device"], world, c["sms"], c["slots"],
-                                            dispatch_us=row["dispatch_us"],
+                                            SM_BUDGET, dispatch_us=row["dispatch_us"],
                                             combine_us=row["combine_us"]))
     return dict(result, layer=layer)
 
@@ -423,11 +423,12 @@ def _layer_bars(ax, layer: dict) -> None:
     peers."""
     names = (("ours_us", "ptxforge (ep=buffer)"),
              ("bounded_us", "ptxforge, max_tokens_per_rank (no host sync)"),
+             ("wide_us", f"the same, {layer['params'].get('wide_sms')} SMs"),
              ("nccl_us", "NCCL + ptxforge experts"),
              ("grouped_mm_us", "grouped_mm + all_to_all"))
-    rows, width = layer["rows"], 0.2
+    rows, width = layer["rows"], 0.16
     for i, (key, label) in enumerate(names):
-        ax.bar([j + width * (i - 1.5) for j in range(len(rows))],
+        ax.bar([j + width * (i - 2) for j in range(len(rows))],
                [r.get(key, 0.0) / 1e3 for r in rows], width=width, label=label)
     ax.set_xticks(range(len(rows)), [f"{r['tokens']} tokens" for r in rows])
     ax.set_ylabel("ms a layer")

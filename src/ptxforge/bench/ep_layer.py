@@ -8,6 +8,8 @@ path).
                combine (the path by the buffer's rule: decode where 128 tokens fit)
     bounded    the normal path with max_tokens_per_rank = T: the received rows sized for
                the worst case, no host synchronisation (the decode path has none anyway)
+    wide       bounded, on a buffer whose SM budget is WIDE_SMS: the layer runs its
+               communication alone on the GPU, between its GEMMs
     nccl       NCCL all_to_all_single of the FP8 rows (scales, local top-k and weights
                packed beside them; the split sizes exchanged first, a host sync), the same
                local experts (ptxforge's grouped FP8 GEMMs on the received rows),
@@ -40,6 +42,7 @@ COPY_BYTES = 1 << 30        # the copy's source: it moves twice that, read and w
 DECODE_LIMIT = 256          # the decode path's most tokens a rank
 INNER = 2048                # DeepSeek-V3's expert width
 CALLS, REPEATS = 4, 5       # a batch's layer calls, batches timed
+WIDE_SMS = 48               # where dispatch and combine level off at 2 ranks (~245 GB/s)
 
 
 def _local_experts(rank: int, local: int, hidden: int, inner: int):
@@ -78,7 +81,7 @@ def measure(rank: int, world: int, p: dict) -> dict | None:
     import torch.distributed as dist
 
     from .. import ops
-    from ..ep import Buffer, buffer_size
+    from ..ep import Buffer, Config, buffer_size
     from ..ep.layer import choose_path
 
     p = dict(p, inner=INNER, calls=CALLS, repeats=REPEATS)
@@ -92,6 +95,11 @@ def measure(rank: int, world: int, p: dict) -> dict | None:
             if decode else 0)
     buffer = Buffer(dist.group.WORLD, buffer_size(world, hidden, topk, fp8=True), rdma,
                     low_latency_mode=bool(decode), timeout_s=60.0)
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    wide_sms = min(WIDE_SMS, sms // 2 * 2)
+    wide = Buffer(dist.group.WORLD, buffer_size(world, hidden, topk, fp8=True,
+                                                config=Config(wide_sms, 128)),
+                  num_sms=wide_sms, timeout_s=60.0)
     nccl = dist.new_group(backend="nccl")
     copy_gbs = None
     for turn in range(world):   # one rank at a time: ranks may share a GPU
@@ -104,12 +112,14 @@ def measure(rank: int, world: int, p: dict) -> dict | None:
         ours = lambda: ops.moe_experts_fp8(x, idx, weights, *fp8, ep=buffer)
         bounded = lambda: ops.moe_experts_fp8(x, idx, weights, *fp8, ep=buffer,
                                               max_tokens_per_rank=tokens)
+        widely = lambda: ops.moe_experts_fp8(x, idx, weights, *fp8, ep=wide,
+                                             max_tokens_per_rank=tokens)
         with_nccl = lambda: _nccl_fp8_layer(x, idx, weights, fp8, local, world, nccl)
         grouped_mm = lambda: _grouped_mm_layer(x, idx, weights, bf16, local, world, nccl)
         path = choose_path(buffer, tokens, hidden, experts)
         timed = [("ours_us", ours), ("nccl_us", with_nccl), ("grouped_mm_us", grouped_mm)]
         if path == "contiguous":
-            timed.append(("bounded_us", bounded))
+            timed += [("bounded_us", bounded), ("wide_us", widely)]
         rows.append(dict(tokens=tokens, path=path,
                          **{name: batch_us(fn, p["calls"], p["repeats"]) for name, fn in timed},
                          timeline=timeline(bounded if path == "contiguous" else ours)))
@@ -117,10 +127,11 @@ def measure(rank: int, world: int, p: dict) -> dict | None:
     dist.all_gather_object(everyone, dict(rows=rows, copy_gbs=copy_gbs, fp8_bytes=fp8_bytes))
     dist.destroy_process_group(nccl)
     buffer.destroy()
+    wide.destroy()
     if rank:
         return None
-    return _summary(everyone, p, world, torch.cuda.device_count() >= world,
-                    torch.cuda.get_device_name())
+    return _summary(everyone, dict(p, wide_sms=wide_sms), world,
+                    torch.cuda.device_count() >= world, torch.cuda.get_device_name())
 
 
 def _summary(everyone: list, p: dict, world: int, distinct: bool, device_name: str) -> dict:
@@ -134,7 +145,7 @@ def _summary(everyone: list, p: dict, world: int, distinct: bool, device_name: s
         t = row["tokens"]
         flops = 2 * t * p["topk"] * (p["hidden"] * 2 * p["inner"] + p["inner"] * p["hidden"])
         out = dict(tokens=t, path=row["path"])
-        for name in ("ours", "bounded", "nccl", "grouped_mm"):
+        for name in ("ours", "bounded", "wide", "nccl", "grouped_mm"):
             if f"{name}_us" in row:
                 us = max(r["rows"][i][f"{name}_us"] for r in everyone)
                 out[f"{name}_us"], out[f"{name}_tflops"] = us, flops / us / 1e6
@@ -310,15 +321,15 @@ def layer_table(result: dict) -> str:
             f"FLOPs a rank.")
     rows = []
     for r in result["rows"]:
-        best = min(r["ours_us"], r.get("bounded_us", r["ours_us"]))
+        best = min(r[f"{n}_us"] for n in ("ours", "bounded", "wide") if f"{n}_us" in r)
         rows.append([r["tokens"], r["path"],
                      *(f"{r[f'{n}_us']:.0f} ({r[f'{n}_tflops']:.0f})" if f"{n}_us" in r else "-"
-                       for n in ("ours", "bounded", "nccl", "grouped_mm")),
+                       for n in ("ours", "bounded", "wide", "nccl", "grouped_mm")),
                      f"{r['nccl_us'] / best:.2f}x", f"{r['grouped_mm_us'] / best:.2f}x"])
     text = head + "\n\n" + format_table(
         ["tokens a rank", "path", "ours us (TFLOPS)", "ours, no host sync",
-         "NCCL + ptxforge experts", "grouped_mm + all_to_all", "best of ours vs NCCL",
-         "vs grouped_mm"], rows)
+         f"no host sync, {p.get('wide_sms', WIDE_SMS)} SMs", "NCCL + ptxforge experts",
+         "grouped_mm + all_to_all", "best of ours vs NCCL", "vs grouped_mm"], rows)
     text += (f"\n\ncopy rate (device to device, 1 GiB, read + written): "
              f"{result['copy_gbs']:.0f} GB/s; the rank's FP8 experts: "
              f"{result['fp8_weights_bytes'] / 1e9:.2f} GB")

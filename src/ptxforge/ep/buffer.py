@@ -219,16 +219,17 @@ class Buffer:
 
     def get_dispatch_config(self, num_ranks: int | None = None) -> Config:
         """The config ``ptxforge bench ep`` stored for this GPU and ``num_ranks`` (this
-        group's by default: rank 0's, read when the buffer was made), if it fits this
-        buffer's SM budget; else the budget with DEFAULT_SLOTS a ring (``ep/tuning.py``).
-        A stored config never needs more buffer than ``buffer_size``'s default."""
+        group's by default: rank 0's, read when the buffer was made), where it was picked
+        within this buffer's SM budget; else the budget's SMs with DEFAULT_SLOTS a ring
+        (``ep/tuning.py``). A stored config never needs more buffer than
+        ``buffer_size``'s default."""
         ranks = self.group_size if num_ranks is None else num_ranks
         if ranks not in self._picked:   # read once: a call without a config asks each time
             self._picked[ranks] = tuning.load(torch.cuda.get_device_name(self.device_index),
                                               ranks)
         picked = self._picked[ranks]
-        if picked is not None and picked[0] <= self.num_sms:
-            return Config(*picked)
+        if picked is not None and picked[2] == self.num_sms:
+            return Config(*picked[:2])
         return Config(self.num_sms, DEFAULT_SLOTS)
 
     def get_combine_config(self, num_ranks: int | None = None) -> Config:
