@@ -15,6 +15,7 @@ import pytest
 from ptxforge import arch
 from ptxforge.kernels.ep_intranode import combine as combine_kernel
 from ptxforge.kernels.ep_intranode import common
+from ptxforge.kernels.ep_intranode import direct as direct_kernel
 from ptxforge.kernels.ep_intranode import dispatch as dispatch_kernel
 from ptxforge.kernels.ep_intranode import exchange as exchange_kernel
 from ptxforge.kernels.ep_intranode import layout as layout_kernel
@@ -321,23 +322,26 @@ def test_ranks_that_disagree_on_sizes_trap_on_the_signature():
 
 def _exchanges(world, messages: dict, channels: int, pace=None, worst: int = 0) -> dict:
     """One exchange on the ranks in ``messages`` (rank: its int32 words), run to the end;
-    every launched rank's (gathered rows, recv_layout [2, ranks, channels], num_recv)."""
+    every launched rank's (gathered rows, recv_layout [2, ranks, channels], num_recv,
+    send_layout [ranks, channels])."""
     kernel = Kernel(exchange_kernel.generate(exchange_kernel.choose_config(SM90,
                                                                            world.ranks)).ptx())
     sim, outs, m = Simulator(world.memory, pace), {}, world.memory
     for rank, words in messages.items():
         outs[rank] = (m.alloc(4 * world.ranks * len(words)), m.alloc(8 * world.ranks * channels),
-                      m.alloc(4))
+                      m.alloc(4), m.alloc(4 * world.ranks * channels))
         sim.launch(f"exchange{rank}", kernel, 1, exchange_kernel.THREADS,
                    message=m.put(struct.pack(f"<{len(words)}i", *words)), words=len(words),
                    channels=channels, worst=worst, out=outs[rank][0], recv_layout=outs[rank][1],
-                   num_recv=outs[rank][2], rank=rank, peers=world.peers,
+                   num_recv=outs[rank][2], send_layout=outs[rank][3], rank=rank,
+                   peers=world.peers,
                    error=world.errors[rank], timeout_ns=TIMEOUT)
     sim.run()
     return {rank: (_tensor(m, out, (world.ranks, len(messages[rank])), torch.int32).tolist(),
                    _tensor(m, table, (2, world.ranks, channels), torch.int32).tolist(),
-                   _tensor(m, num_recv, (1,), torch.int32).item())
-            for rank, (out, table, num_recv) in outs.items()}
+                   _tensor(m, num_recv, (1,), torch.int32).item(),
+                   _tensor(m, send, (world.ranks, channels), torch.int32).tolist())
+            for rank, (out, table, num_recv, send) in outs.items()}
 
 
 def _count_messages(g, ranks: int, channels: int, experts: int, extra: int = 0) -> dict:
@@ -363,11 +367,13 @@ def test_the_count_exchange_gives_every_rank_every_message_and_its_layout(pace):
         messages = _count_messages(g, 3, channels, 12, extra=260)
         gathered = _exchanges(world, messages, channels, pace)
         parsed = [message_of(messages[r], channels, 3) for r in range(3)]
-        for rank, (rows, table, num_recv) in gathered.items():
+        for rank, (rows, table, num_recv, send) in gathered.items():
             assert rows == [messages[r] for r in range(3)]
             expected = receive_layout(parsed, rank, 4)
             assert [n for part in table for row in part for n in row] == expected.table()
             assert num_recv == expected.num_recv_tokens
+            # Where this rank's rows for rank d begin there: d's layout's offsets for it.
+            assert send == [receive_layout(parsed, d, 4).offsets[rank] for d in range(3)]
     # Each rank's flag[rank] in its own buffer counts its exchanges: the next is number 4.
     assert all(struct.unpack("<I", world.memory.read(world.buffers[r] + ep_plan.EXCHANGE_FLAGS
                                                      + 4 * r, 4)) == (3,) for r in range(3))
@@ -399,3 +405,101 @@ def test_more_rows_than_the_worst_case_trap_with_the_count():
 def test_simulator_refuses_what_it_does_not_know():
     with pytest.raises(NotImplementedError, match="wgmma"):
         Kernel(".visible .entry k(\n)\n{\n\twgmma.fence.sync.aligned;\n\tret;\n}\n")
+
+
+# --------------------------------------------------------------------------- direct dispatch
+def _direct_dispatch(c: Case, number: int, worst: int, pace=None) -> list:
+    """Every rank's direct dispatch after exchange ``number`` (its flag set by hand, the
+    send layout and row counts from the host's layout of the messages), run to the end;
+    each rank's outputs read from its buffer: rows 0 .. worst - 1."""
+    cfg = replace(direct_kernel.choose_config(SM90, c.ranks, c.hidden, c.idx[0].shape[1],
+                                              num_sms=2 * c.channels), warps_per_peer=2)
+    kernel = Kernel(direct_kernel.generate(cfg).ptx())
+    k, m = cfg.topk, c.world.memory
+    region = ep_plan.DirectRegion(ep_plan.BufferPlan(c.ranks, c.channels, 64, c.hidden)
+                                  .combine_rings, worst, c.hidden, k)
+    sim = Simulator(m, pace)
+    for r in range(c.ranks):
+        m.write(c.world.buffers[r] + ep_plan.EXCHANGE_FLAGS + 4 * r, struct.pack("<I", number))
+        send = [c.layouts[d].offsets[r] for d in range(c.ranks)]
+        scales = c.scales[r].t().contiguous().t()  # column-major, as mn_major
+        sim.launch(f"direct{r}", kernel, 2 * cfg.channels, cfg.threads,
+                   x=m.put(_bytes(c.x[r])), x_scales=m.put(_bytes(scales.t())),
+                   scale_token_stride=1, scale_group_stride=scales.shape[0],
+                   topk_idx=m.put(_bytes(c.idx[r])), topk_weights=m.put(_bytes(c.weights[r])),
+                   experts_per_rank=c.experts // c.ranks, is_token_in_rank=c.in_rank[r],
+                   tokens=c.x[r].shape[0],
+                   send_layout=m.put(struct.pack(f"<{c.ranks * c.channels}i",
+                                                 *[n for row in send for n in row])),
+                   num_recv=m.put(struct.pack("<i", c.layouts[r].num_recv_tokens)),
+                   worst=worst, recv_x=region.x, recv_scales=region.scales,
+                   recv_topk_idx=region.topk_idx, recv_topk_weights=region.topk_weights,
+                   recv_src_idx=region.source, rank=r, peers=c.world.peers,
+                   error=c.world.errors[r], timeout_ns=TIMEOUT)
+    sim.run()
+    outs = []
+    for r in range(c.ranks):
+        at = c.world.buffers[r]
+        outs.append(dict(
+            x=_tensor(m, at + region.x, (worst, c.hidden), torch.float8_e4m3fn),
+            scales=_tensor(m, at + region.scales, (worst, c.hidden // 128), torch.float32),
+            topk_idx=_tensor(m, at + region.topk_idx, (worst, k), torch.int64),
+            topk_weights=_tensor(m, at + region.topk_weights, (worst, k), torch.float32),
+            src_idx=_tensor(m, at + region.source, (worst,), torch.int32)))
+    return outs
+
+
+@pytest.mark.parametrize("case, pace", [
+    (dict(), None),
+    (dict(ranks=3, tokens=(33, 2, 41), experts=6, topk=2), None),
+    (dict(kind="to_rank_0", tokens=(30, 30)), None),
+    (dict(num_sms=4, tokens=(70, 45)), lambda name, cta, tid: 1 + 30 * (name == "direct1")),
+], ids=["two_ranks", "three_ranks", "all_to_rank_0", "two_channels_rank_1_slow"])
+def test_the_direct_dispatch_writes_every_row_where_the_ring_dispatch_would(case, pace):
+    """Each rank's outputs, read from its buffer: the received rows, scales, local top-k
+    and source tokens bitwise as the reference (the ring dispatch's order), then top-k -1
+    and weight 0 up to the worst case's rows; twice (the flags move on with the number)."""
+    c = Case(fp8=True, hidden=256, **case)
+    worst = sum(x.shape[0] for x in c.x)
+    c.world = World(c.ranks, ep_plan.DirectRegion(
+        ep_plan.BufferPlan(c.ranks, c.channels, 64, c.hidden).combine_rings, worst, c.hidden,
+        c.idx[0].shape[1]).end)
+    c.run_layout()
+    for number in (1, 2):
+        outs = _direct_dispatch(c, number, worst, pace)
+        for r, got in enumerate(outs):
+            n = c.layouts[r].num_recv_tokens
+            expected = reference.dispatch(r, c.x, c.idx, c.weights, c.experts, c.scales)
+            for name in ("x", "scales", "topk_idx", "topk_weights", "src_idx"):
+                assert _bytes(got[name][:n]) == _bytes(expected[name]), (r, name)
+            assert (got["topk_idx"][n:] == -1).all() and (got["topk_weights"][n:] == 0).all()
+        assert all(c.world.record(r) == (0, 0, 0, 0) for r in range(c.ranks))
+
+
+def test_a_rank_that_never_sends_directly_ends_in_the_watchdog():
+    c = Case(fp8=True, hidden=256, tokens=(20, 20))
+    worst = 40
+    c.world = World(2, ep_plan.DirectRegion(
+        ep_plan.BufferPlan(2, c.channels, 64, 256).combine_rings, worst, 256, 3).end)
+    c.run_layout()
+    cfg = replace(direct_kernel.choose_config(SM90, 2, 256, 3, num_sms=2), warps_per_peer=1)
+    # Rank 0 alone: its wait for rank 1's CTA 0 outlasts the limit.
+    m = c.world.memory
+    m.write(c.world.buffers[0] + ep_plan.EXCHANGE_FLAGS, struct.pack("<I", 1))
+    region = ep_plan.DirectRegion(ep_plan.BufferPlan(2, c.channels, 64, 256).combine_rings,
+                                  worst, 256, 3)
+    scales = c.scales[0].t().contiguous().t()
+    sim = Simulator(m)
+    sim.launch("direct0", direct_kernel.generate(cfg).ptx(), 2 * cfg.channels, cfg.threads,
+               x=m.put(_bytes(c.x[0])), x_scales=m.put(_bytes(scales.t())),
+               scale_token_stride=1, scale_group_stride=scales.shape[0],
+               topk_idx=m.put(_bytes(c.idx[0])), topk_weights=m.put(_bytes(c.weights[0])),
+               experts_per_rank=4, is_token_in_rank=c.in_rank[0], tokens=20,
+               send_layout=m.put(struct.pack("<2i", 0, c.layouts[1].offsets[0][0])),
+               num_recv=m.put(struct.pack("<i", c.layouts[0].num_recv_tokens)), worst=worst,
+               recv_x=region.x, recv_scales=region.scales, recv_topk_idx=region.topk_idx,
+               recv_topk_weights=region.topk_weights, recv_src_idx=region.source, rank=0,
+               peers=c.world.peers, error=c.world.errors[0], timeout_ns=TIMEOUT)
+    with pytest.raises(Trap, match="trap"):
+        sim.run()
+    assert c.world.record(0)[:3] == (common.DIRECT_RECEIVE, 0, 1)

@@ -351,6 +351,7 @@ def _assign(dest: str, compute):
 
 _SPECIAL = {
     "%tid.x": lambda th: th.tid, "%ctaid.x": lambda th: th.cta.index,
+    "%nctaid.x": lambda th: len(th.launch.ctas),
     "%laneid": lambda th: th.tid & 31,
     "%lanemask_lt": lambda th: (1 << (th.tid & 31)) - 1,
     "%globaltimer": lambda th: th.sim.clock,

@@ -29,6 +29,9 @@ LL_DISPATCH_RECEIVE, LL_COMBINE_RECEIVE = 7, 8
 # and a receiver given room for fewer rows than the ranks send it (peer: the receiver,
 # value: the rows).
 EXCHANGE_RECEIVE, EXCHANGE_OVERFLOW = 9, 10
+# The direct dispatch's wait for a source's CTA (direct.py; channel: the channel, peer: the
+# source).
+DIRECT_RECEIVE = 11
 # Cache hints. A ring's entries are written by another GPU while the kernel runs: weak
 # loads that skip L1, never the non-coherent path. Inputs nothing writes meanwhile may
 # take it. Stores to a peer's ring skip L1.

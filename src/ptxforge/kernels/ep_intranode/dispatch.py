@@ -270,11 +270,21 @@ def _send_token(k, cfg, p, t, s, token, entry) -> None:
 
 
 def _load_scales(k, cfg, p, t, token, dst):
-    """Lane j loads scales j, j + 32, ... of the token (x_scales[token, j] lies at
-    token * scale_token_stride + j * scale_group_stride elements); returns the emitter of
-    their stores into the entry at ``dst``."""
-    slot = cfg.slot
-    trips = -(-slot.scale_groups // 32)
+    """The token's scales (``load_scales``); returns the emitter of their stores into the
+    entry at ``dst``."""
+    scales, in_row = load_scales(k, p, t.lane, token, cfg.slot.scale_groups)
+
+    def store():
+        lane_words_store(k, dst, scales, in_row, t.lane, store={}, name="scale",
+                         offset=cfg.slot.scales)
+    return store
+
+
+def load_scales(k, p, lane, token, groups: int) -> tuple:
+    """Lane j loads scales j, j + 32, ... of the token's ``groups`` (x_scales[token, j]
+    lies at token * scale_token_stride + j * scale_group_stride elements): (the words, the
+    predicates of those within the row), as ``lane_words_load`` gives them."""
+    trips = -(-groups // 32)
     token_stride, group_stride = k.reg("u32", "scale_token_stride"), k.reg(
         "u32", "scale_group_stride")
     k.ld_param(token_stride, p.scale_token_stride)
@@ -283,8 +293,8 @@ def _load_scales(k, cfg, p, t, token, dst):
     scales, in_row = k.regs("b32", trips, "scale"), k.regs("pred", trips, "scale_in_row")
     group = k.reg("u32", "scale_group")
     for trip in range(trips):
-        k.add(group, t.lane, 32 * trip)
-        k.setp("lt", in_row[trip], group, slot.scale_groups)
+        k.add(group, lane, 32 * trip)
+        k.setp("lt", in_row[trip], group, groups)
         k.mul(offset, token, token_stride, mode="wide")
         k.mad(offset, group, group_stride, offset, mode="wide")
         k.ld_param(src, p.x_scales)
@@ -292,11 +302,7 @@ def _load_scales(k, cfg, p, t, token, dst):
         k.add(src, src, offset)
         with k.guard(in_row[trip]):
             k.ld(scales[trip], addr(src), **common.INPUT_LOAD)
-
-    def store():
-        lane_words_store(k, dst, scales, in_row, t.lane, store={}, name="scale",
-                         offset=slot.scales)
-    return store
+    return scales, in_row
 
 
 def _load_topk(k, cfg, p, t, token, dst):

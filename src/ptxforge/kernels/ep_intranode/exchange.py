@@ -85,6 +85,7 @@ def generate(cfg: ExchangeConfig) -> KernelBuilder:
                         worst=k.param("worst", "u32"),       # the most rows received; 0: any
                         out=k.param("out", "u64"),           # int32 [ranks, words]
                         recv_layout=k.param("recv_layout", "u64"),  # int32 [2, ranks, channels]
+                        send_layout=k.param("send_layout", "u64"),  # int32 [ranks, channels]
                         num_recv=k.param("num_recv", "u64"),        # int32 [1]
                         rank=k.param("rank", "u32"),
                         peers=k.param("peers", "u64"),       # u64 [ranks]: the buffers
@@ -144,7 +145,48 @@ def generate(cfg: ExchangeConfig) -> KernelBuilder:
             k.add(src, src, 4 * MESSAGE_WORDS)
             k.add(dst, dst, row)
     _receive_layout(k, cfg, p, t)
+    _send_layout(k, cfg, p, t)
     return k
+
+
+def _send_layout(k: KernelBuilder, cfg: ExchangeConfig, p, t) -> None:
+    """send_layout[d, c]: the row of rank d's received order where what this rank sends d
+    on channel c begins (sources in rank order, a source's channels in order): thread d <
+    ranks adds up, from the gathered slots, the counts for d of every channel of the
+    ranks before this one, then of this rank's channels one by one."""
+    with k.stage("send layout: where this rank's rows for rank d begin there, per channel"):
+        with k.if_(t.one_per_rank, "not_a_destination"):
+            channels, total, value = k.reg("u32", "send_channels"), k.reg(
+                "u32", "send_total"), k.reg("u32", "send_count")
+            source, channel, word = k.reg("u32", "send_source"), k.reg(
+                "u32", "send_channel"), k.reg("u32", "send_word")
+            slot, at, out = k.reg("u64", "send_slot"), k.reg("u64", "send_at"), k.reg(
+                "u64", "send_out")
+            k.ld_param(channels, p.channels)
+            buffer_of(k, slot, t.peers, t.rank)
+            k.add(slot, slot, t.slots)
+
+            def count(of_source):
+                """value = source ``of_source``'s count for rank tid on ``channel``."""
+                k.mad(word, channel, cfg.ranks, t.tid)
+                k.add(word, word, HEADER_WORDS)
+                k.mad(at, of_source, 4 * MESSAGE_WORDS, slot, mode="wide")
+                k.mad(at, word, 4, at, mode="wide")
+                k.ld(value, addr(at), eviction="L1::no_allocate")
+
+            k.mov(total, 0)
+            with k.loop(source, t.rank, hint="earlier_source"):
+                with k.loop(channel, channels, hint="earlier_channel"):
+                    count(source)
+                    k.add(total, total, value)
+            k.ld_param(out, p.send_layout)
+            k.mul(at, t.tid, channels, mode="wide")
+            k.mad(out, at, 4, out, mode="lo", type="u64")
+            with k.loop(channel, channels, hint="own_channel"):
+                count(t.rank)
+                k.st(addr(out), total)
+                k.add(out, out, 4)
+                k.add(total, total, value)
 
 
 def _receive_layout(k: KernelBuilder, cfg: ExchangeConfig, p, t) -> None:

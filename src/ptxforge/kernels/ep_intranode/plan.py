@@ -9,9 +9,11 @@ every peer rank p, the receiving end of the rings p sends on, and their counters
     |   dispatch_head, dispatch_tail, combine_head, combine_tail                       |
     | the count exchange (exchange.py): flags [MAX_RANKS] u32, then message slots      |
     |   [2 parities][MAX_RANKS] of MESSAGE_WORDS int32 (289 KiB)                        |
+    | the direct dispatch's flags (direct.py): [MAX_RANKS][2 * MAX_CHANNELS] u32         |
     | combine rings:  [channels][ranks] rings of `slots` bf16 rows (hidden * 2 bytes)  |
     |                 and up to MAX_TOPK f32 top-k weights                             |
     | dispatch rings: [channels][ranks] rings of `slots` DispatchSlot entries           |
+    | a direct dispatch's outputs (DirectRegion), where one runs                        |
 
 Ring (c, p) in rank r's buffer carries what rank p sends rank r on channel c; its tail
 (slots written) is stored by p with st.release.sys, its head (slots read) by r. Both
@@ -51,6 +53,9 @@ MESSAGE_WORDS = HEADER_WORDS + MAX_CHANNELS * MAX_RANKS + MAX_EXPERTS
 EXCHANGE_FLAGS = len(COUNTERS) * COUNTER_BYTES
 EXCHANGE_SLOTS = EXCHANGE_FLAGS + 4 * MAX_RANKS
 EXCHANGE_END = EXCHANGE_SLOTS + 2 * MAX_RANKS * 4 * MESSAGE_WORDS
+# The direct dispatch's flags (direct.py): [MAX_RANKS sources][2 * MAX_CHANNELS CTAs] u32.
+DIRECT_DONE = EXCHANGE_END
+DIRECT_DONE_END = DIRECT_DONE + 4 * MAX_RANKS * 2 * MAX_CHANNELS
 
 
 def _aligned(n: int, to: int = ALIGN) -> int:
@@ -134,7 +139,7 @@ class BufferPlan:
 
     @property
     def combine_rings(self) -> int:
-        return _aligned(EXCHANGE_END, RING_ALIGN)
+        return _aligned(DIRECT_DONE_END, RING_ALIGN)
 
     @property
     def combine_ring_bytes(self) -> int:
@@ -174,3 +179,40 @@ def channel_bounds(tokens: int, channels: int) -> list[tuple[int, int]]:
     last ones shorter or empty. ``common.channel_tokens`` emits the same in the kernels."""
     per = -(-tokens // channels)
     return [(min(c * per, tokens), min(c * per + per, tokens)) for c in range(channels)]
+
+
+@dataclass(frozen=True)
+class DirectRegion:
+    """A direct dispatch's outputs in the receiver's buffer, ``rows`` of them (the worst
+    case), each array 16-aligned, from byte ``start``: e4m3 rows [rows, H], f32 scales
+    [rows, H / 128], int64 top-k [rows, k], f32 weights [rows, k], int32 source tokens
+    [rows]."""
+
+    start: int
+    rows: int
+    hidden: int
+    topk: int
+
+    @property
+    def x(self) -> int:
+        return self.start
+
+    @property
+    def scales(self) -> int:
+        return _aligned(self.x + self.rows * self.hidden)
+
+    @property
+    def topk_idx(self) -> int:
+        return _aligned(self.scales + 4 * self.rows * (self.hidden // SCALE_GROUP))
+
+    @property
+    def topk_weights(self) -> int:
+        return _aligned(self.topk_idx + 8 * self.rows * self.topk)
+
+    @property
+    def source(self) -> int:
+        return _aligned(self.topk_weights + 4 * self.rows * self.topk)
+
+    @property
+    def end(self) -> int:
+        return _aligned(self.source + 4 * self.rows)
