@@ -68,6 +68,15 @@ def test_exchange_variants_assemble_without_spills(ranks):
     assembles_cleanly(exchange_kernel.generate(exchange_kernel.choose_config(SM90, ranks)))
 
 
+@pytest.mark.parametrize("ranks", [2, 4, 8])
+@pytest.mark.parametrize("hidden, topk", [(7168, 8), (2048, 6), (256, 1)])
+def test_direct_dispatch_variants_assemble_without_spills(ranks, hidden, topk):
+    from ptxforge.kernels.ep_intranode import direct
+
+    assembles_cleanly(direct.generate(direct.choose_config(SM90, ranks, hidden, topk,
+                                                           num_sms=20)))
+
+
 def _body(ptx: str) -> list[str]:
     return [line.strip() for line in ptx.splitlines() if line.strip() and
             not line.strip().startswith("//")]
@@ -181,6 +190,24 @@ def test_buffer_size_is_the_plan_s():
     assert buffer_size(8, 7168, 8) == ep_plan.BufferPlan(8, 10, 128, 7168).bytes_needed(
         ep_plan.DispatchSlot(7168, 8, False))
     assert buffer_size(8, 7168, 8, fp8=True) < buffer_size(8, 7168, 8)
+
+
+def test_a_buffer_for_the_worst_case_holds_the_direct_dispatch_s_outputs_past_the_rings():
+    from ptxforge.ep.buffer import direct_region
+
+    rings = buffer_size(4, 7168, 8, fp8=True)
+    size = buffer_size(4, 7168, 8, fp8=True, num_worst_tokens=16384)
+    region = direct_region(rings, 16384, 7168, 8)
+    assert region.start >= rings and region.start % 1024 == 0 and size == region.end
+    parts = [region.x, region.scales, region.topk_idx, region.topk_weights, region.source,
+             region.end]
+    assert parts == sorted(parts) and all(p % 16 == 0 for p in parts)
+    assert region.scales - region.x >= 16384 * 7168
+    assert region.topk_idx - region.scales >= 4 * 16384 * 56
+    assert region.topk_weights - region.topk_idx >= 8 * 16384 * 8
+    assert region.source - region.topk_weights >= 4 * 16384 * 8
+    assert region.end - region.source >= 4 * 16384
+    assert buffer_size(4, 7168, 8, num_worst_tokens=16384) == buffer_size(4, 7168, 8)  # bf16
 
 
 @pytest.mark.parametrize("tokens, channels", [(0, 3), (1, 4), (10, 3), (64, 10), (1000, 7)])
@@ -415,7 +442,7 @@ def test_a_cached_dispatch_must_match_its_handle():
 
     handle = DispatchHandle(num_tokens=4, num_recv_tokens=0, channels=2, experts=8, hidden=256,
                             fp8=False, topk=2, is_token_in_rank=None, recv_layout=None,
-                            recv_src_idx=None, layout=None, num_recv=None)
+                            recv_src_idx=None, layout=None, num_recv=None, send_layout=None)
     buffer = Buffer.__new__(Buffer)  # the check reads the handle and the call alone
 
     def call(tokens=4, hidden=256, fp8=False, topk=0, channels=2):

@@ -43,6 +43,7 @@ pytestmark = pytest.mark.gpu
 KERNEL_TIMEOUT_S = 60.0
 HIDDEN, INNER, EXPERTS, TOPK = 512, 256, 16, 4
 DECODE_TOKENS = 32                   # the low-latency buffer's tokens a rank
+DIRECT_BOUND = 200                   # the tokens a rank the buffer holds received rows for
 BF16_LIMIT = 5e-3                    # calc_diff against the bf16 block in fp64
 ONE_GPU_LIMIT = 1e-5                 # calc_diff against the one-GPU op
 
@@ -93,7 +94,8 @@ class _Layer:
         self.shard = shard_experts(*self.full, rank, world)
         self.experts, self.hidden, self.top_k = experts, hidden, top_k
         self.buffer = Buffer(
-            dist.group.WORLD, buffer_size(world, hidden, top_k, fp8=True),
+            dist.group.WORLD, buffer_size(world, hidden, top_k, fp8=True,
+                                          num_worst_tokens=world * DIRECT_BOUND),
             Buffer.get_low_latency_rdma_size_hint(decode_tokens, hidden, world, experts),
             low_latency_mode=True, timeout_s=KERNEL_TIMEOUT_S)
         assert decode_capacity(self.buffer, hidden, experts) == decode_tokens
@@ -242,23 +244,26 @@ def scenario_deepseek(rank: int, world: int) -> None:
 
 def scenario_bounded(rank: int, world: int) -> None:
     """The normal path without a host synchronisation (max_tokens_per_rank: the received rows
-    sized for the worst case): the host-synchronising path's bits on uneven token counts,
-    dropped pairs, every token to rank 0's experts and a rank with none; then captured in
-    a CUDA graph, whose replays on new tokens and routings give the eager call's bits."""
+    sized for the worst case), with the rows written in place (the direct dispatch: bound
+    200, which the buffer has room for) and through the rings (bound 300, which it has
+    not): the host-synchronising path's bits on uneven token counts, dropped pairs, every
+    token to rank 0's experts and a rank with none; then each captured in a CUDA graph,
+    whose replays on new tokens and routings give the eager call's bits."""
     layer = _Layer(rank, world)
-    bound = 200
-    for seed, (tokens, kind) in enumerate(((200 - 63 * rank, "uniform"), (150, "dropped"),
-                                           (96 + rank, "rank0"), (0 if rank else 120, "uniform"))):
-        x, idx, weights = _tokens(rank, tokens, EXPERTS, TOPK, kind, 60 + seed)
-        synced = layer(x, idx, weights, "contiguous")
-        bounded = layer(x, idx, weights, bound=bound)
-        torch.cuda.synchronize()
-        _assert_bitwise(bounded, synced, f"bounded, {kind}, {tokens} tokens: against the "
-                                         f"host-synchronising normal path")
-        print(f"rank {rank}: bounded, {kind}, {tokens} tokens: the synchronising path's bits",
-              flush=True)
-    check_replays(rank, layer, 150, 70, "bounded graph", lambda *args: layer(*args, bound=bound),
-                  lambda *args: layer(*args, "contiguous"))
+    for bound, how in ((DIRECT_BOUND, "in place"), (DIRECT_BOUND + 100, "through the rings")):
+        for seed, (tokens, kind) in enumerate(((200 - 63 * rank, "uniform"), (150, "dropped"),
+                                               (96 + rank, "rank0"),
+                                               (0 if rank else 120, "uniform"))):
+            x, idx, weights = _tokens(rank, tokens, EXPERTS, TOPK, kind, 60 + seed)
+            synced = layer(x, idx, weights, "contiguous")
+            bounded = layer(x, idx, weights, bound=bound)
+            torch.cuda.synchronize()
+            what = f"bounded {bound} ({how}), {kind}, {tokens} tokens"
+            _assert_bitwise(bounded, synced, f"{what}: against the host-synchronising path")
+            print(f"rank {rank}: {what}: the synchronising path's bits", flush=True)
+        check_replays(rank, layer, 150, 70, f"bounded {bound} graph",
+                      lambda *args: layer(*args, bound=bound),
+                      lambda *args: layer(*args, "contiguous"))
     layer.destroy()
 
 

@@ -10,6 +10,8 @@ path).
                the worst case, no host synchronisation (the decode path has none anyway)
     wide       bounded, on a buffer whose SM budget is WIDE_SMS: the layer runs its
                communication alone on the GPU, between its GEMMs
+    direct     bounded, on a buffer with room for the worst case's received rows: the
+               direct dispatch writes them in place (every SM sending)
     nccl       NCCL all_to_all_single of the FP8 rows (scales, local top-k and weights
                packed beside them; the split sizes exchanged first, a host sync), the same
                local experts (ptxforge's grouped FP8 GEMMs on the received rows),
@@ -100,6 +102,10 @@ def measure(rank: int, world: int, p: dict) -> dict | None:
     wide = Buffer(dist.group.WORLD, buffer_size(world, hidden, topk, fp8=True,
                                                 config=Config(wide_sms, 128)),
                   num_sms=wide_sms, timeout_s=60.0)
+    normal = [t for t in p["tokens"] if t > DECODE_LIMIT] or [1]
+    roomy = Buffer(dist.group.WORLD, buffer_size(world, hidden, topk, fp8=True,
+                                                 num_worst_tokens=world * max(normal)),
+                   timeout_s=60.0)
     nccl = dist.new_group(backend="nccl")
     copy_gbs = None
     for turn in range(world):   # one rank at a time: ranks may share a GPU
@@ -114,12 +120,14 @@ def measure(rank: int, world: int, p: dict) -> dict | None:
                                               max_tokens_per_rank=tokens)
         widely = lambda: ops.moe_experts_fp8(x, idx, weights, *fp8, ep=wide,
                                              max_tokens_per_rank=tokens)
+        directly = lambda: ops.moe_experts_fp8(x, idx, weights, *fp8, ep=roomy,
+                                               max_tokens_per_rank=tokens)
         with_nccl = lambda: _nccl_fp8_layer(x, idx, weights, fp8, local, world, nccl)
         grouped_mm = lambda: _grouped_mm_layer(x, idx, weights, bf16, local, world, nccl)
         path = choose_path(buffer, tokens, hidden, experts)
         timed = [("ours_us", ours), ("nccl_us", with_nccl), ("grouped_mm_us", grouped_mm)]
         if path == "contiguous":
-            timed += [("bounded_us", bounded), ("wide_us", widely)]
+            timed += [("bounded_us", bounded), ("wide_us", widely), ("direct_us", directly)]
         rows.append(dict(tokens=tokens, path=path,
                          **{name: batch_us(fn, p["calls"], p["repeats"]) for name, fn in timed},
                          timeline=timeline(bounded if path == "contiguous" else ours)))
@@ -128,6 +136,7 @@ def measure(rank: int, world: int, p: dict) -> dict | None:
     dist.destroy_process_group(nccl)
     buffer.destroy()
     wide.destroy()
+    roomy.destroy()
     if rank:
         return None
     return _summary(everyone, dict(p, wide_sms=wide_sms), world,
@@ -145,7 +154,7 @@ def _summary(everyone: list, p: dict, world: int, distinct: bool, device_name: s
         t = row["tokens"]
         flops = 2 * t * p["topk"] * (p["hidden"] * 2 * p["inner"] + p["inner"] * p["hidden"])
         out = dict(tokens=t, path=row["path"])
-        for name in ("ours", "bounded", "wide", "nccl", "grouped_mm"):
+        for name in ("ours", "bounded", "wide", "direct", "nccl", "grouped_mm"):
             if f"{name}_us" in row:
                 us = max(r["rows"][i][f"{name}_us"] for r in everyone)
                 out[f"{name}_us"], out[f"{name}_tflops"] = us, flops / us / 1e6
@@ -321,14 +330,16 @@ def layer_table(result: dict) -> str:
             f"FLOPs a rank.")
     rows = []
     for r in result["rows"]:
-        best = min(r[f"{n}_us"] for n in ("ours", "bounded", "wide") if f"{n}_us" in r)
+        best = min(r[f"{n}_us"] for n in ("ours", "bounded", "wide", "direct")
+                   if f"{n}_us" in r)
         rows.append([r["tokens"], r["path"],
                      *(f"{r[f'{n}_us']:.0f} ({r[f'{n}_tflops']:.0f})" if f"{n}_us" in r else "-"
-                       for n in ("ours", "bounded", "wide", "nccl", "grouped_mm")),
+                       for n in ("ours", "bounded", "wide", "direct", "nccl", "grouped_mm")),
                      f"{r['nccl_us'] / best:.2f}x", f"{r['grouped_mm_us'] / best:.2f}x"])
     text = head + "\n\n" + format_table(
         ["tokens a rank", "path", "ours us (TFLOPS)", "ours, no host sync",
-         f"no host sync, {p.get('wide_sms', WIDE_SMS)} SMs", "NCCL + ptxforge experts",
+         f"no host sync, {p.get('wide_sms', WIDE_SMS)} SMs", "no host sync, direct dispatch",
+         "NCCL + ptxforge experts",
          "grouped_mm + all_to_all", "best of ours vs NCCL", "vs grouped_mm"], rows)
     text += (f"\n\ncopy rate (device to device, 1 GiB, read + written): "
              f"{result['copy_gbs']:.0f} GB/s; the rank's FP8 experts: "

@@ -36,14 +36,16 @@ import torch
 
 from .. import jit
 from ..kernels.ep_intranode import combine as combine_kernel
+from ..kernels.ep_intranode import direct as direct_kernel
 from ..kernels.ep_intranode import common as kernel_common
 from ..kernels.ep_intranode import dispatch as dispatch_kernel
 from ..kernels.ep_intranode import exchange as exchange_kernel
 from ..kernels.ep_intranode import layout as layout_kernel
-from ..kernels.ep_intranode.plan import MAX_RANKS, BufferPlan, DispatchSlot
+from ..kernels.ep_intranode.plan import (MAX_RANKS, RING_ALIGN, BufferPlan, DirectRegion,
+                                        DispatchSlot)
 from ..ops.common import device_arch
 from . import checks, low_latency, tuning
-from .ipc import HostRecord, PeerMemory
+from .ipc import HostRecord, PeerMemory, device_tensor
 from .layout import (Message, ReceiveLayout, check_agreement, message_of, receive_layout,
                      signature_words)
 
@@ -106,6 +108,7 @@ class DispatchHandle:
     recv_src_idx: torch.Tensor       # int32 [N]: each received row's token on its source rank
     layout: ReceiveLayout | None     # None: sized for the worst case, the layout on the GPU only
     num_recv: torch.Tensor           # int32 [1]: the rows received, on the device
+    send_layout: torch.Tensor        # int32 [ranks, channels]: where this rank's rows begin there
 
 
 def channel_counts(is_token_in_rank: torch.Tensor, channels: int) -> torch.Tensor:
@@ -120,17 +123,28 @@ def channel_counts(is_token_in_rank: torch.Tensor, channels: int) -> torch.Tenso
 
 
 def buffer_size(num_ranks: int, hidden: int, topk: int, *, fp8: bool = False,
-                config: Config = Config()) -> int:
+                config: Config = Config(), num_worst_tokens: int = 0) -> int:
     """The num_nvl_bytes a dispatch (and its combine) of ``hidden``-wide rows with ``topk``
-    experts a token needs over ``num_ranks`` ranks with ``config``."""
+    experts a token needs over ``num_ranks`` ranks with ``config``; with
+    ``num_worst_tokens`` (FP8 rows), room for that many received rows in the buffer too,
+    which a dispatch sized for them then writes in place (the direct dispatch)."""
     plan = BufferPlan(num_ranks, config.num_sms // 2, config.ring_slots, hidden)
-    return plan.bytes_needed(DispatchSlot(hidden, topk, fp8))
+    rings = plan.bytes_needed(DispatchSlot(hidden, topk, fp8))
+    if not (num_worst_tokens and fp8):
+        return rings
+    return direct_region(rings, num_worst_tokens, hidden, topk).end
+
+
+def direct_region(rings_end: int, rows: int, hidden: int, topk: int) -> DirectRegion:
+    """Where a direct dispatch's outputs lie: past the rings, aligned."""
+    return DirectRegion(-(-rings_end // RING_ALIGN) * RING_ALIGN, rows, hidden, topk)
 
 
 @functools.lru_cache(maxsize=None)
 def _launcher(device_index: int, cfg):
     generate = {layout_kernel.LayoutConfig: layout_kernel.generate,
                 exchange_kernel.ExchangeConfig: exchange_kernel.generate,
+                direct_kernel.DirectConfig: direct_kernel.generate,
                 dispatch_kernel.DispatchConfig: dispatch_kernel.generate,
                 combine_kernel.CombineConfig: combine_kernel.generate}[type(cfg)]
     return jit.build(generate(cfg)).launcher(device_index)
@@ -339,8 +353,43 @@ class Buffer:
             handle = self._exchange(inputs, is_token_in_rank, num_tokens_per_expert, topk_idx,
                                     experts, channels, expert_alignment, config,
                                     previous_event, num_worst_tokens)
+        if num_worst_tokens and inputs.fp8 and inputs.topk:
+            region = direct_region(cfg.plan.bytes_needed(cfg.slot), num_worst_tokens,
+                                   inputs.hidden, inputs.topk)
+            if region.end <= self.num_nvl_bytes:
+                return self._launch_direct(region, config, inputs, x, topk_idx, topk_weights,
+                                           handle, previous_event, async_finish)
         return self._launch_dispatch(launcher, cfg, inputs, x, topk_idx, topk_weights, handle,
                                      previous_event, async_finish, allocate_on_comm_stream)
+
+    def _launch_direct(self, region, config, inputs, x, topk_idx, topk_weights, handle,
+                       previous_event, async_finish):
+        """The direct dispatch (kernels/ep_intranode/direct.py): the outputs are views of
+        this rank's buffer, valid until the next dispatch's exchange."""
+        cfg = direct_kernel.choose_config(self.arch, self.group_size, inputs.hidden, inputs.topk,
+                                          num_sms=config.num_sms)
+        with self._on_comm_stream(previous_event, False) as call:
+            call.start((*x, topk_idx, topk_weights, handle.is_token_in_rank, handle.send_layout,
+                        handle.num_recv))
+            _launcher(self.device_index, cfg)(
+                (2 * cfg.channels, 1, 1), self.comm_stream.cuda_stream, x=inputs.x,
+                x_scales=inputs.scales, scale_token_stride=inputs.scale_strides[0],
+                scale_group_stride=inputs.scale_strides[1], topk_idx=inputs.topk_idx,
+                topk_weights=inputs.topk_weights,
+                experts_per_rank=handle.experts // self.group_size,
+                is_token_in_rank=handle.is_token_in_rank.data_ptr(), tokens=inputs.tokens,
+                send_layout=handle.send_layout.data_ptr(), num_recv=handle.num_recv.data_ptr(),
+                worst=region.rows, recv_x=region.x, recv_scales=region.scales,
+                recv_topk_idx=region.topk_idx, recv_topk_weights=region.topk_weights,
+                recv_src_idx=region.source, rank=self.rank, peers=self.peers.data_ptr(),
+                error=self.record.device_pointer, timeout_ns=int(self.timeout_s * 1e9))
+        event = call.finish(async_finish)
+        own, rows, k = self.memory.pointers[self.rank], region.rows, inputs.topk
+        view = lambda at, shape, dtype: device_tensor(own + at, shape, dtype, self.device_index)
+        received = (view(region.x, (rows, inputs.hidden), torch.float8_e4m3fn),
+                    view(region.scales, (rows, inputs.hidden // 128), torch.float32))
+        return (received, view(region.topk_idx, (rows, k), torch.int64),
+                view(region.topk_weights, (rows, k), torch.float32), [], handle, event)
 
     def _require_normal_buffer(self) -> None:
         if self.memory is None:
@@ -389,12 +438,14 @@ class Buffer:
                                device=device)
         table = torch.empty((2, self.group_size, channels), dtype=torch.int32, device=device)
         num_recv = torch.empty(1, dtype=torch.int32, device=device)
+        send = torch.empty((self.group_size, channels), dtype=torch.int32, device=device)
         cfg = exchange_kernel.choose_config(self.arch, self.group_size)
         _launcher(device, cfg)(
             (1, 1, 1), torch.cuda.current_stream(device).cuda_stream,
             message=message.data_ptr(), words=message.numel(), channels=channels,
             worst=num_worst_tokens, out=gathered.data_ptr(), recv_layout=table.data_ptr(),
-            num_recv=num_recv.data_ptr(), rank=self.rank, peers=self.peers.data_ptr(),
+            num_recv=num_recv.data_ptr(), send_layout=send.data_ptr(), rank=self.rank,
+            peers=self.peers.data_ptr(),
             error=self.record.device_pointer, timeout_ns=int(self.timeout_s * 1e9))
         layout = None
         if num_worst_tokens:
@@ -412,7 +463,8 @@ class Buffer:
             rows = layout.num_recv_tokens
         src_idx = torch.empty(rows, dtype=torch.int32, device=device)
         return DispatchHandle(inputs.tokens, rows, channels, experts, inputs.hidden, inputs.fp8,
-                              inputs.topk, is_token_in_rank, table, src_idx, layout, num_recv)
+                              inputs.topk, is_token_in_rank, table, src_idx, layout, num_recv,
+                              send)
 
     def count_message(self, signature: tuple, is_token_in_rank, num_tokens_per_expert,
                       topk_idx, experts: int, channels: int) -> torch.Tensor:

@@ -79,3 +79,22 @@ class HostRecord:
     def close(self) -> None:
         with ContextScope(self.device_index):
             call("cuMemFreeHost", self.host)
+
+
+class _Span:
+    """A device span as ``__cuda_array_interface__`` describes it, for torch.as_tensor."""
+
+    def __init__(self, pointer: int, shape: tuple, typestr: str):
+        self.__cuda_array_interface__ = dict(shape=shape, typestr=typestr, data=(pointer, False),
+                                             strides=None, version=3)
+
+
+def device_tensor(pointer: int, shape: tuple, dtype, device_index: int):
+    """A torch tensor over ``pointer`` (memory this module allocated), no copy: it stays
+    valid while the allocation lives."""
+    import torch
+
+    element = torch.empty((), dtype=dtype).element_size()
+    raw = torch.as_tensor(_Span(pointer, (*shape[:-1], shape[-1] * element), "|u1"),
+                          device=f"cuda:{device_index}")
+    return raw.view(dtype)

@@ -20,6 +20,7 @@ from . import (bf16_block_quant_fp8, bf16_moe_combine, bf16_row_rmsnorm_fp8quant
                f32_moe_scale_gather, i64_moe_routing_layout, sm90_gemm)
 from .gemm import GemmProblem
 from .ep_intranode import combine as ep_combine
+from .ep_intranode import direct as ep_direct
 from .ep_intranode import dispatch as ep_dispatch
 from .ep_intranode import exchange as ep_exchange
 from .ep_intranode import layout as ep_layout
@@ -257,6 +258,11 @@ REGISTRY = {
         KernelSpec("ep_count_exchange", ep_exchange.choose_config, ep_exchange.generate,
                    {"ranks": 8}, ({"ranks": 2}, {"ranks": 8}),
                    "EP: every rank's dispatch counts to every rank over NVLink (ptxforge.ep)"),
+        KernelSpec("ep_direct_dispatch", ep_direct.choose_config, ep_direct.generate,
+                   {"ranks": 8, "hidden": 7168, "topk": 8, "num_sms": 20},
+                   tuple({"ranks": r, "hidden": 7168, "topk": 8, "num_sms": 20} for r in (2, 8)),
+                   "EP: e4m3 tokens written straight to their rows at their experts' ranks "
+                   "(ptxforge.ep, a dispatch sized for the worst case)"),
         KernelSpec("ep_intranode_dispatch", _ep_dispatch, ep_dispatch.generate,
                    {**_EP_OPTIONS, "topk": 8, "dtype": "bf16"}, _EP_DISPATCH_VARIANTS,
                    "EP: tokens to their experts' ranks over NVLink rings (ptxforge.ep)"),

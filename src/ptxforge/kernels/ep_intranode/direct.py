@@ -44,8 +44,7 @@ from ...patterns.copy import lane_words_store, warp_copy
 from ...ptx import KernelBuilder, LaunchShape, addr, sreg
 from . import common
 from .dispatch import check_hidden, check_topk, load_scales, warps_per_peer
-from .plan import (BATCH, DIRECT_DONE, EXCHANGE_FLAGS, MAX_CHANNELS, SCALE_GROUP,
-                   check_plan)
+from .plan import BATCH, DIRECT_DONE, EXCHANGE_FLAGS, MAX_CHANNELS, MIN_SLOTS, SCALE_GROUP
 
 COPY_UNROLL = 16   # a lane's row vectors in flight: a 7168-byte e4m3 row in one round
 
@@ -79,11 +78,7 @@ def choose_config(arch: Arch, ranks: int, hidden: int, topk: int, *,
     each."""
     check_hidden(hidden, True)
     check_topk(topk)
-    channels = num_sms // 2
-    check_plan(ranks, channels, 2 * BATCH)
-    if 2 * channels > arch.sm_count:
-        raise ValueError(f"num_sms must be at most the {arch.sm_count} SMs of the device, "
-                         f"got {num_sms}")
+    channels = common.channels_for(arch, ranks, num_sms, MIN_SLOTS, "direct dispatch")
     return DirectConfig(ranks, hidden, topk, channels, warps_per_peer(ranks), arch.target)
 
 
