@@ -43,7 +43,7 @@ from ...arch import Arch
 from ...patterns.copy import lane_words_store, warp_copy
 from ...ptx import KernelBuilder, LaunchShape, addr, sreg
 from . import common
-from .dispatch import check_hidden, check_topk, load_scales, warps_per_peer
+from .dispatch import check_hidden, check_topk, load_scales, load_topk, warps_per_peer
 from .plan import BATCH, DIRECT_DONE, EXCHANGE_FLAGS, MAX_CHANNELS, MIN_SLOTS, SCALE_GROUP
 
 COPY_UNROLL = 16   # a lane's row vectors in flight: a 7168-byte e4m3 row in one round
@@ -265,19 +265,8 @@ def _load_topk(k: KernelBuilder, cfg: DirectConfig, p, t, s, token, row):
     """Lane j < k loads the token's expert j and its weight; returns the emitter that
     stores them into the rank's row, the expert made the rank's (e - d * E / R where rank
     d holds e, else -1, weight 0)."""
-    is_pair, local = k.pred("is_pair"), k.pred("local")
-    k.setp("lt", is_pair, t.lane, cfg.topk)
-    pair, at = k.reg("u32", "pair"), k.reg("u64", "pair_at")
-    index, weight = k.reg("u64", "topk_index"), k.reg("f32", "topk_weight")
-    k.mad(pair, token, cfg.topk, t.lane)
-    k.ld_param(at, p.topk_idx)
-    k.mad(at, pair, 8, at, mode="wide")
-    with k.guard(is_pair):
-        k.ld(index, addr(at), **common.INPUT_LOAD)
-    k.ld_param(at, p.topk_weights)
-    k.mad(at, pair, 4, at, mode="wide")
-    with k.guard(is_pair):
-        k.ld(weight, addr(at), **common.INPUT_LOAD)
+    is_pair, index, weight = load_topk(k, p, t.lane, token, cfg.topk)
+    local, pair, at = k.pred("local"), k.reg("u32", "pair"), k.reg("u64", "pair_at")
 
     def store():
         with k.if_(is_pair, "no_pair"):

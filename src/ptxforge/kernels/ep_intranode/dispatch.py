@@ -306,22 +306,11 @@ def load_scales(k, p, lane, token, groups: int) -> tuple:
 
 
 def _load_topk(k, cfg, p, t, token, dst):
-    """Lane j < k loads the token's index j (int64) and weight j (f32); returns the
-    emitter of their stores into the entry at ``dst``."""
+    """The token's top-k (``load_topk``); returns the emitter of their stores into the
+    entry at ``dst``."""
     slot = cfg.slot
-    is_pair = k.pred("is_pair")
-    k.setp("lt", is_pair, t.lane, cfg.topk)
-    pair, src, at = k.reg("u32", "pair"), k.reg("u64", "pair_at"), k.reg("u64", "pair_dst")
-    index, weight = k.reg("b64", "topk_index"), k.reg("b32", "topk_weight")
-    k.mad(pair, token, cfg.topk, t.lane)
-    k.ld_param(src, p.topk_idx)
-    k.mad(src, pair, 8, src, mode="wide")
-    with k.guard(is_pair):
-        k.ld(index, addr(src), **common.INPUT_LOAD)
-    k.ld_param(src, p.topk_weights)
-    k.mad(src, pair, 4, src, mode="wide")
-    with k.guard(is_pair):
-        k.ld(weight, addr(src), **common.INPUT_LOAD)
+    is_pair, index, weight = load_topk(k, p, t.lane, token, cfg.topk)
+    at = k.reg("u64", "pair_dst")
 
     def store():
         k.mad(at, t.lane, 8, dst, mode="wide")
@@ -331,6 +320,25 @@ def _load_topk(k, cfg, p, t, token, dst):
         with k.guard(is_pair):
             k.st(addr(at, slot.topk_weights), weight)
     return store
+
+
+def load_topk(k, p, lane, token, topk: int) -> tuple:
+    """Lane j < ``topk`` loads the token's expert j (int64) and its weight (f32): (the
+    lane's predicate, the index, the weight)."""
+    is_pair = k.pred("is_pair")
+    k.setp("lt", is_pair, lane, topk)
+    pair, src = k.reg("u32", "pair"), k.reg("u64", "pair_at")
+    index, weight = k.reg("u64", "topk_index"), k.reg("f32", "topk_weight")
+    k.mad(pair, token, topk, lane)
+    k.ld_param(src, p.topk_idx)
+    k.mad(src, pair, 8, src, mode="wide")
+    with k.guard(is_pair):
+        k.ld(index, addr(src), **common.INPUT_LOAD)
+    k.ld_param(src, p.topk_weights)
+    k.mad(src, pair, 4, src, mode="wide")
+    with k.guard(is_pair):
+        k.ld(weight, addr(src), **common.INPUT_LOAD)
+    return is_pair, index, weight
 
 
 def _receive(k, cfg, p, t) -> None:
