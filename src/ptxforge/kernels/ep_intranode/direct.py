@@ -43,7 +43,8 @@ from ...arch import Arch
 from ...patterns.copy import lane_words_store, warp_copy
 from ...ptx import KernelBuilder, LaunchShape, addr, sreg
 from . import common
-from .dispatch import check_hidden, check_topk, load_scales, load_topk, warps_per_peer
+from .dispatch import (check_hidden, check_topk, for_own_entries, load_scales, load_topk,
+                       warps_per_peer)
 from .plan import BATCH, DIRECT_DONE, EXCHANGE_FLAGS, MAX_CHANNELS, MIN_SLOTS, SCALE_GROUP
 
 COPY_UNROLL = 16   # a lane's row vectors in flight: a 7168-byte e4m3 row in one round
@@ -211,28 +212,18 @@ def _ballot(k: KernelBuilder, cfg: DirectConfig, t, s, first, end, ballot) -> No
 def _send(k: KernelBuilder, cfg: DirectConfig, p, t, s) -> None:
     first, ballot, n = k.reg("u32", "batch_first"), k.reg("b32", "ballot"), k.reg(
         "u32", "batch_count")
-    i, bit, below, owner, token, row = (k.reg("u32", name) for name in (
-        "batch_lane", "bit", "before", "owner", "token", "token_row"))
-    mine, has = k.pred("mine"), k.pred("has")
+    token = k.reg("u32", "token")
+
+    def send(i, row):
+        k.add(token, first, i)
+        _send_token(k, cfg, p, t, s, token, row)
+
     with k.loop(first, s.end, start=s.begin, step=BATCH, uniform=True, hint="send_batch"):
         with k.stage("the batch's tokens for the group's rank: a ballot"):
             _ballot(k, cfg, t, s, first, s.end, ballot)
             k.popc(n, ballot)
         with k.stage("warp `member` sends the batch's rows numbered member mod warps"):
-            with k.loop(i, BATCH, uniform=True, hint="batch_token"):
-                k.bfe(bit, ballot, i, 1, type="u32")
-                k.shl(below, 1, i, type="b32")
-                k.sub(below, below, 1)
-                k.and_(below, below, ballot)
-                k.popc(below, below)
-                k.add(row, s.row, below)
-                k.and_(owner, row, cfg.warps_per_peer - 1)
-                k.setp("eq", mine, owner, t.member)
-                k.setp("ne", has, bit, 0)
-                k.and_pred(mine, mine, has)
-                with k.if_(mine, "not_mine", uniform=True):
-                    k.add(token, first, i)
-                    _send_token(k, cfg, p, t, s, token, row)
+            for_own_entries(k, ballot, s.row, cfg.warps_per_peer, t.member, send)
         k.add(s.row, s.row, n)
 
 

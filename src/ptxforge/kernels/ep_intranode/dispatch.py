@@ -222,25 +222,35 @@ def _send_batch(k, cfg, p, t, s, first, ballot) -> None:
     """Token i of the batch, if it goes to the peer, takes entry tail + (the batch's tokens
     for the peer before it); warp ``member`` copies the entries numbered member modulo
     warps_per_peer."""
-    i, bit, below, entry, owner = (k.reg("u32", name) for name in (
-        "batch_lane", "bit", "before", "entry", "owner"))
-    mine = k.pred("mine")
+    token = k.reg("u32", "token")
+
+    def send(i, entry):
+        k.add(token, first, i)
+        _send_token(k, cfg, p, t, s, token, entry)
+
+    for_own_entries(k, ballot, s.tail, cfg.warps_per_peer, t.member, send)
+
+
+def for_own_entries(k, ballot, base, warps: int, member, emit) -> None:
+    """For each set bit i of ``ballot`` (a batch's tokens for one peer) whose number, base +
+    (the set bits below i), is ``member`` modulo ``warps`` (a power of two): ``emit(i,
+    number)``, under a branch the whole warp takes alike."""
+    i, bit, below, number, owner = (k.reg("u32", name) for name in (
+        "batch_lane", "bit", "before", "number", "owner"))
+    mine, has = k.pred("mine"), k.pred("has")
     with k.loop(i, BATCH, uniform=True, hint="batch_token"):
         k.bfe(bit, ballot, i, 1, type="u32")
         k.shl(below, 1, i, type="b32")
         k.sub(below, below, 1)
         k.and_(below, below, ballot)
         k.popc(below, below)
-        k.add(entry, s.tail, below)
-        k.and_(owner, entry, cfg.warps_per_peer - 1)
-        k.setp("eq", mine, owner, t.member)
-        has = k.pred("has")
+        k.add(number, base, below)
+        k.and_(owner, number, warps - 1)
+        k.setp("eq", mine, owner, member)
         k.setp("ne", has, bit, 0)
         k.and_pred(mine, mine, has)
         with k.if_(mine, "not_mine", uniform=True):
-            token = k.reg("u32", "token")
-            k.add(token, first, i)
-            _send_token(k, cfg, p, t, s, token, entry)
+            emit(i, number)
 
 
 def _send_token(k, cfg, p, t, s, token, entry) -> None:
