@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from pathlib import Path
 from unittest import mock
 
@@ -178,9 +179,13 @@ def _ep_ranks():
                    overlapped_us=960.0, ratio=0.8, over_longer=960.0 / 900.0, kernels=kernels)
     decode = lambda d, c: dict(dispatch_us=d, combine_us=c, pair_us=d + c + 5)
     return [dict(sweep=sweep(200.0, 400.0), dispatch_bytes=30e6, combine_bytes=58e6,
-                 peers=peers, overlap=overlap, recv=4000, decode=decode(14.0, 20.0)),
+                 peers=peers, overlap=overlap, recv=4000, decode=decode(14.0, 20.0),
+                 worst=dict(rings_us=230.0, rings_exchange_us=12.0, rings_dispatch_us=210.0,
+                            direct_us=140.0, direct_exchange_us=12.0, direct_dispatch_us=120.0)),
             dict(sweep=sweep(220.0, 380.0), dispatch_bytes=32e6, combine_bytes=60e6,
-                 peers={}, overlap=overlap, recv=4100, decode=decode(12.0, 24.0))]
+                 peers={}, overlap=overlap, recv=4100, decode=decode(12.0, 24.0),
+                 worst=dict(rings_us=225.0, rings_exchange_us=10.0, rings_dispatch_us=205.0,
+                            direct_us=150.0, direct_exchange_us=20.0, direct_dispatch_us=125.0))]
 
 
 EP_PARAMS = dict(tokens=4096, hidden=7168, topk=8, experts=256, sms=[8, 20, 24], slots=[64],
@@ -206,6 +211,9 @@ def test_ep_summary_takes_the_slowest_rank_and_picks_within_the_budget():
     assert ("gemm 880 -> 935 us (x1.06), starting at +0 us, dispatch 100 -> 150 us (x1.50), "
             "starting at +12 us") in table
     assert "dispatch 14.0 us, combine 24.0 us; a dispatch + combine pair 41.0 us" in table
+    assert ("20 SMs: through the rings 230.0 us a call (kernels: exchange 12.0, dispatch "
+            "210.0), in place (direct dispatch) 150.0 us a call (kernels: exchange 20.0, "
+            "dispatch 125.0)") in table
     one_gpu = ep_bench._summary(_ep_ranks(), params, 2, False, "NVIDIA H200")
     assert "all on ONE GPU under MPS" in ep_bench.ep_table(one_gpu)
 
@@ -216,6 +224,8 @@ def _layer_summary():
                            gaps=[dict(us=us / 2, at_us=10.0, after="ep_intranode_layout",
                                       before="ep_intranode_dispatch")])
     rows = lambda scale: [dict(tokens=4096, path="contiguous", ours_us=7000.0 * scale,
+                               bounded_us=6500.0 * scale, wide_us=6200.0 * scale,
+                               direct_us=6300.0 * scale, graph_us=5000.0 * scale,
                                nccl_us=6000.0 * scale, grouped_mm_us=20000.0 * scale,
                                timeline=line(7000.0 * scale)),
                           dict(tokens=128, path="masked", ours_us=1000.0 * scale,
@@ -237,6 +247,9 @@ def test_the_ep_report_carries_the_layer():
     result = dict(ep_bench._summary(_ep_ranks(), EP_PARAMS, 2, True, "NVIDIA H200"), layer=layer)
     table = ep_bench.ep_table(result)
     assert ep_layer.layer_table(layer) in table
+    # Every mode of ours has its column; the best of them is set against the peers.
+    assert ("| 4096 | contiguous | 7700 (375) | 7150 (404) | 6820 (423) | 6930 (416) | "
+            "5500 (525) | 6600 (437) | 22000 (131) | 1.20x | 4.00x |") in re.sub(" +", " ", table)
     assert table.index("picked (the least") < table.index("MoE layer across 2 ranks")
     assert ("rank 1: GPU span 7700 us, busy 3850; sm90_gemm 3850\n    idle 3850 us at +10: "
             "ep_intranode_layout -> ep_intranode_dispatch") in table

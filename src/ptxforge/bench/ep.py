@@ -95,6 +95,7 @@ def _measure(rank: int, world: int, p: dict) -> dict | None:
         sweep.append(dict(sms=config.num_sms, slots=config.ring_slots, dispatch_us=dispatch_us,
                           combine_us=combine_us))
 
+    worst = _worst_case(world, (q, scales), idx, weights, (per_rank, per_expert, in_rank), p)
     peers = _peers(rank, world, in_rank, row_bytes, p) if distinct else {}
     overlap = (_overlap(buffer, q, scales, idx, weights, per_rank, per_expert, in_rank, p)
                if distinct else None)
@@ -102,7 +103,8 @@ def _measure(rank: int, world: int, p: dict) -> dict | None:
     everyone = [None] * world
     dist.all_gather_object(everyone, dict(sweep=sweep, decode=decode, dispatch_bytes=dispatch_bytes,
                                           combine_bytes=combine_bytes, peers=peers,
-                                          overlap=overlap, recv=int(handle.num_recv_tokens)))
+                                          overlap=overlap, worst=worst,
+                                          recv=int(handle.num_recv_tokens)))
     buffer.destroy()
     layer = None
     if p["layer_tokens"]:
@@ -157,7 +159,64 @@ def _summary(everyone: list, p: dict, world: int, distinct: bool, device_name: s
                 sweep=sweep, picked=dict(sms=best["sms"], slots=best["slots"]),
                 peers=everyone[0]["peers"], overlap=[r["overlap"] for r in everyone],
                 decode={key: max(r["decode"][key] for r in everyone)
-                        for key in everyone[0]["decode"]})
+                        for key in everyone[0]["decode"]},
+                worst={key: max(r["worst"][key] for r in everyone)
+                       for key in everyone[0]["worst"]})
+
+
+def _worst_case(world: int, x, idx, weights, layout, p: dict) -> dict:
+    """A dispatch sized for the worst case (``num_worst_tokens``: no host synchronisation,
+    the counts exchanged by the GPU's exchange kernel, which each call includes) on
+    SM_BUDGET SMs: through the rings, and on a buffer with room for the received rows,
+    written in place by the direct dispatch (every SM sending). ``calls`` dispatches are
+    captured in a CUDA graph (the path never waits for the host) and replayed: a call's
+    time by events over the replay, and each kernel's median from the profiler."""
+    import torch.distributed as dist
+
+    from ..ep import Buffer, Config, buffer_size
+
+    per_rank, per_expert, in_rank = layout
+    worst = world * p["tokens"]
+    config = Config(SM_BUDGET, 128)
+    # A buffer with room for the received rows takes the direct dispatch: the rings get one
+    # sized for them alone.
+    rings, roomy = (Buffer(dist.group.WORLD, buffer_size(
+        world, p["hidden"], p["topk"], fp8=True, config=config, num_worst_tokens=n),
+        timeout_s=60.0) for n in (0, worst))
+    times, received = {}, []
+    for name, through in (("rings", rings), ("direct", roomy)):
+        call = lambda: through.dispatch(x, num_tokens_per_rank=per_rank,
+                                        is_token_in_rank=in_rank,
+                                        num_tokens_per_expert=per_expert, topk_idx=idx,
+                                        topk_weights=weights, num_worst_tokens=worst,
+                                        config=config)
+        (rows, row_scales), *_, handle, _ = call()  # every kernel built before the capture
+        n = int(handle.num_recv)
+        received.append((rows[:n].view(torch.uint8).clone(), row_scales[:n].clone()))
+        torch.cuda.synchronize()
+        dist.barrier()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(p["calls"]):
+                call()
+        times[f"{name}_us"] = batch_us(graph.replay, 1, p["repeats"]) / p["calls"]
+        kernels = _replay_kernel_medians(graph, p["repeats"], _worst_case_kernel)
+        times.update({f"{name}_{kernel}_us": us for kernel, us in kernels.items()})
+    if not all(torch.equal(a, b) for a, b in zip(*received)):
+        raise RuntimeError("the direct dispatch received other rows than the rings")
+    dist.barrier()
+    rings.destroy()
+    roomy.destroy()
+    return times
+
+
+def _worst_case_kernel(name: str) -> str | None:
+    """A worst-case dispatch's kernels: the count exchange and either dispatch kernel."""
+    if name.startswith("ep_exchange_"):
+        return "exchange"
+    if name.startswith(("ep_intranode_dispatch_", "ep_direct_dispatch_")):
+        return "dispatch"
+    return None
 
 
 def _decode(rank: int, world: int, p: dict) -> dict:
@@ -196,15 +255,23 @@ def _decode(rank: int, world: int, p: dict) -> dict:
                 pair(hooked)
         if not hooked:
             result["pair_us"] = batch_us(graph.replay, 1, p["repeats"]) / DECODE_PAIRS
-        result.update(_kernel_medians(graph, p["repeats"]))
+        result.update(_replay_kernel_medians(graph, p["repeats"], _low_latency_kernel))
     buffer.destroy()
     return result
 
 
-def _kernel_medians(graph, repeats: int) -> dict:
-    """Each low-latency kernel's median time (us) over ``repeats`` replays of ``graph``,
-    from the profiler, keyed by op and phase: dispatch_us (both halves in one kernel),
-    dispatch_send_us, dispatch_receive_us, the same for combine."""
+def _low_latency_kernel(name: str) -> str | None:
+    """The decode path's kernels keyed by op and phase: dispatch_us (both halves in one
+    kernel), dispatch_send_us, dispatch_receive_us, the same for combine."""
+    if not name.startswith("ep_ll_"):
+        return None
+    op, phase = name.split("_")[2:4]  # ep_ll_<op>_<phase>_...
+    return f"{op}_us" if phase == "both" else f"{op}_{phase}_us"
+
+
+def _replay_kernel_medians(graph, repeats: int, key) -> dict:
+    """The median time (us) of each kernel ``key`` names (None: not counted) over
+    ``repeats`` replays of ``graph``, from the profiler, after a host barrier."""
     import torch.distributed as dist
 
     torch.cuda.synchronize()
@@ -215,14 +282,12 @@ def _kernel_medians(graph, repeats: int) -> dict:
         torch.cuda.synchronize()
     times = {}
     for event in prof.events():
-        if event.device_type.name != "CUDA" or not event.name.startswith("ep_ll_"):
-            continue
-        op, phase = event.name.split("_")[2:4]  # ep_ll_<op>_<phase>_...
-        key = f"{op}_us" if phase == "both" else f"{op}_{phase}_us"
-        times.setdefault(key, []).append(event.time_range.end - event.time_range.start)
+        name = key(event.name) if event.device_type.name == "CUDA" else None
+        if name:
+            times.setdefault(name, []).append(event.time_range.end - event.time_range.start)
     torch.cuda.synchronize()
     dist.barrier()
-    return {key: statistics.median(values) for key, values in times.items()}
+    return {name: statistics.median(values) for name, values in times.items()}
 
 
 def _peers(rank: int, world: int, in_rank, row_bytes: int, p: dict) -> dict:
@@ -362,6 +427,13 @@ def ep_table(result: dict) -> str:
                  f"{peers['nccl_dispatch_bytes_us']:.1f} us "
                  f"({nccl_gbs:.0f} GB/s)\nNCCL all_to_all_single bf16 4096x7168: "
                  f"{peers['nccl_bf16_4096x7168_us']:.1f} us")
+    w = result["worst"]
+    text += (f"\ndispatch sized for the worst case (num_worst_tokens: no host sync, in a CUDA "
+             f"graph, the count exchange included), {SM_BUDGET} SMs: " + ", ".join(
+                 f"{how} {w[f'{name}_us']:.1f} us a call (kernels: exchange "
+                 f"{w[f'{name}_exchange_us']:.1f}, dispatch {w[f'{name}_dispatch_us']:.1f})"
+                 for name, how in (("rings", "through the rings"),
+                                   ("direct", "in place (direct dispatch)"))))
     d = result["decode"]
     text += (f"\ndecode, {DECODE_TOKENS} tokens a rank (CUDA graph replay, the slowest rank's "
              f"median kernel): dispatch {d['dispatch_us']:.1f} us, combine "
@@ -419,16 +491,18 @@ def ep_plot(result: dict, path: str) -> None:
 
 
 def _layer_bars(ax, layer: dict) -> None:
-    """The MoE layer's time per token count, ours (both normal-path modes) beside its two
+    """The MoE layer's time per token count, ours (each normal-path mode) beside its two
     peers."""
     names = (("ours_us", "ptxforge (ep=buffer)"),
              ("bounded_us", "ptxforge, max_tokens_per_rank (no host sync)"),
              ("wide_us", f"the same, {layer['params'].get('wide_sms')} SMs"),
+             ("direct_us", "the same, direct dispatch"),
+             ("graph_us", "direct, CUDA graph"),
              ("nccl_us", "NCCL + ptxforge experts"),
              ("grouped_mm_us", "grouped_mm + all_to_all"))
-    rows, width = layer["rows"], 0.16
+    rows, width = layer["rows"], 0.11
     for i, (key, label) in enumerate(names):
-        ax.bar([j + width * (i - 2) for j in range(len(rows))],
+        ax.bar([j + width * (i - 3) for j in range(len(rows))],
                [r.get(key, 0.0) / 1e3 for r in rows], width=width, label=label)
     ax.set_xticks(range(len(rows)), [f"{r['tokens']} tokens" for r in rows])
     ax.set_ylabel("ms a layer")

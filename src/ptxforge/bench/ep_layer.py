@@ -12,6 +12,8 @@ path).
                communication alone on the GPU, between its GEMMs
     direct     bounded, on a buffer with room for the worst case's received rows: the
                direct dispatch writes them in place (every SM sending)
+    graph      direct, a call captured in a CUDA graph and replayed (what a serving loop
+               runs: no host work between the kernels)
     nccl       NCCL all_to_all_single of the FP8 rows (scales, local top-k and weights
                packed beside them; the split sizes exchanged first, a host sync), the same
                local experts (ptxforge's grouped FP8 GEMMs on the received rows),
@@ -127,7 +129,8 @@ def measure(rank: int, world: int, p: dict) -> dict | None:
         path = choose_path(buffer, tokens, hidden, experts)
         timed = [("ours_us", ours), ("nccl_us", with_nccl), ("grouped_mm_us", grouped_mm)]
         if path == "contiguous":
-            timed += [("bounded_us", bounded), ("wide_us", widely), ("direct_us", directly)]
+            timed += [("bounded_us", bounded), ("wide_us", widely), ("direct_us", directly),
+                      ("graph_us", _captured(directly))]
         rows.append(dict(tokens=tokens, path=path,
                          **{name: batch_us(fn, p["calls"], p["repeats"]) for name, fn in timed},
                          timeline=timeline(bounded if path == "contiguous" else ours)))
@@ -143,6 +146,17 @@ def measure(rank: int, world: int, p: dict) -> dict | None:
                     torch.cuda.device_count() >= world, torch.cuda.get_device_name())
 
 
+def _captured(fn):
+    """``fn``'s call captured in a CUDA graph (after a call that builds its kernels): the
+    graph's replay."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def _summary(everyone: list, p: dict, world: int, distinct: bool, device_name: str) -> dict:
     """Per token count, each candidate's slowest rank's time and its TFLOPS; at the decode
     sizes, the FP8 experts' read time at the slowest rank's copy rate."""
@@ -154,7 +168,7 @@ def _summary(everyone: list, p: dict, world: int, distinct: bool, device_name: s
         t = row["tokens"]
         flops = 2 * t * p["topk"] * (p["hidden"] * 2 * p["inner"] + p["inner"] * p["hidden"])
         out = dict(tokens=t, path=row["path"])
-        for name in ("ours", "bounded", "wide", "direct", "nccl", "grouped_mm"):
+        for name in ("ours", "bounded", "wide", "direct", "graph", "nccl", "grouped_mm"):
             if f"{name}_us" in row:
                 us = max(r["rows"][i][f"{name}_us"] for r in everyone)
                 out[f"{name}_us"], out[f"{name}_tflops"] = us, flops / us / 1e6
@@ -330,15 +344,17 @@ def layer_table(result: dict) -> str:
             f"FLOPs a rank.")
     rows = []
     for r in result["rows"]:
-        best = min(r[f"{n}_us"] for n in ("ours", "bounded", "wide", "direct")
+        best = min(r[f"{n}_us"] for n in ("ours", "bounded", "wide", "direct", "graph")
                    if f"{n}_us" in r)
         rows.append([r["tokens"], r["path"],
                      *(f"{r[f'{n}_us']:.0f} ({r[f'{n}_tflops']:.0f})" if f"{n}_us" in r else "-"
-                       for n in ("ours", "bounded", "wide", "direct", "nccl", "grouped_mm")),
+                       for n in ("ours", "bounded", "wide", "direct", "graph", "nccl",
+                                 "grouped_mm")),
                      f"{r['nccl_us'] / best:.2f}x", f"{r['grouped_mm_us'] / best:.2f}x"])
     text = head + "\n\n" + format_table(
         ["tokens a rank", "path", "ours us (TFLOPS)", "ours, no host sync",
          f"no host sync, {p.get('wide_sms', WIDE_SMS)} SMs", "no host sync, direct dispatch",
+         "direct, CUDA graph",
          "NCCL + ptxforge experts",
          "grouped_mm + all_to_all", "best of ours vs NCCL", "vs grouped_mm"], rows)
     text += (f"\n\ncopy rate (device to device, 1 GiB, read + written): "

@@ -43,8 +43,8 @@ from ...arch import Arch
 from ...patterns.copy import lane_words_store, warp_copy
 from ...ptx import KernelBuilder, LaunchShape, addr, sreg
 from . import common
-from .dispatch import (check_hidden, check_topk, for_own_entries, load_scales, load_topk,
-                       warps_per_peer)
+from .dispatch import (ballot_to_group, check_hidden, check_topk, for_own_entries, load_scales,
+                       load_topk, warps_per_peer)
 from .plan import BATCH, DIRECT_DONE, EXCHANGE_FLAGS, MAX_CHANNELS, MIN_SLOTS, SCALE_GROUP
 
 COPY_UNROLL = 16   # a lane's row vectors in flight: a 7168-byte e4m3 row in one round
@@ -185,28 +185,10 @@ def _first_row(k: KernelBuilder, cfg: DirectConfig, p, t) -> SimpleNamespace:
             "u32", "counted_n")
         with k.loop(first, middle, start=channel_begin, step=BATCH, uniform=True,
                     hint="count_batch"):
-            _ballot(k, cfg, t, s, first, middle, ballot)
+            ballot_to_group(k, cfg.ranks, t, s.in_rank, first, middle, ballot)
             k.popc(n, ballot)
             k.add(s.row, s.row, n)
     return s
-
-
-def _ballot(k: KernelBuilder, cfg: DirectConfig, t, s, first, end, ballot) -> None:
-    """ballot: which of tokens first .. first + 31 (below ``end``) go to the group's
-    rank, a bit a lane."""
-    token, flag, flag_at = k.reg("u32", "lane_token"), k.reg("u32", "flag"), k.reg(
-        "u64", "flag_at")
-    in_batch, goes = k.pred("in_batch"), k.pred("goes")
-    k.add(token, first, t.lane)
-    k.setp("lt", in_batch, token, end)
-    k.mov(flag, 0)
-    index = k.reg("u32", "flag_index")
-    k.mad(index, token, cfg.ranks, t.group)
-    k.mad(flag_at, index, 1, s.in_rank, mode="wide")
-    with k.guard(in_batch):
-        k.ld(flag, addr(flag_at), nc=True, type="u8")
-    k.setp("ne", goes, flag, 0)
-    k.vote_sync(ballot, goes, mode="ballot")
 
 
 def _send(k: KernelBuilder, cfg: DirectConfig, p, t, s) -> None:
@@ -220,7 +202,7 @@ def _send(k: KernelBuilder, cfg: DirectConfig, p, t, s) -> None:
 
     with k.loop(first, s.end, start=s.begin, step=BATCH, uniform=True, hint="send_batch"):
         with k.stage("the batch's tokens for the group's rank: a ballot"):
-            _ballot(k, cfg, t, s, first, s.end, ballot)
+            ballot_to_group(k, cfg.ranks, t, s.in_rank, first, s.end, ballot)
             k.popc(n, ballot)
         with k.stage("warp `member` sends the batch's rows numbered member mod warps"):
             for_own_entries(k, ballot, s.row, cfg.warps_per_peer, t.member, send)

@@ -176,24 +176,13 @@ def _send(k, cfg, p, t) -> None:
         k.ld_param(s.in_rank, p.is_token_in_rank)
         s.lanes_below = k.reg("u32", "lanes_below")
         k.mov(s.lanes_below, sreg.lanemask_lt)
-    first, token, flag = k.reg("u32", "batch_first"), k.reg("u32", "lane_token"), k.reg(
-        "u32", "flag")
-    flag_index, flag_at = k.reg("u32", "flag_index"), k.reg("u64", "flag_at")
-    in_batch, goes, any_sent = k.pred("in_batch"), k.pred("goes"), k.pred("any_sent")
+    first, any_sent = k.reg("u32", "batch_first"), k.pred("any_sent")
     ballot, n = k.reg("b32", "ballot"), k.reg("u32", "batch_count")
     head, room_end, used = k.reg("u32", "head"), k.reg("u32", "room_end"), k.reg("u32", "used")
     fits, publish = k.pred("fits"), k.pred("publish")
     with k.loop(first, s.end, start=s.begin, step=BATCH, uniform=True, hint="send_batch"):
         with k.stage("the batch's tokens for the peer: a ballot of is_token_in_rank[t, peer]"):
-            k.add(token, first, t.lane)
-            k.setp("lt", in_batch, token, s.end)
-            k.mov(flag, 0)
-            k.mad(flag_index, token, cfg.ranks, t.group)
-            k.mad(flag_at, flag_index, 1, s.in_rank, mode="wide")
-            with k.guard(in_batch):
-                k.ld(flag, addr(flag_at), nc=True, type="u8")
-            k.setp("ne", goes, flag, 0)
-            k.vote_sync(ballot, goes, mode="ballot")
+            ballot_to_group(k, cfg.ranks, t, s.in_rank, first, s.end, ballot)
             k.popc(n, ballot)
             k.setp("ne", any_sent, n, 0)
         with k.if_(any_sent, "nothing_to_send", uniform=True):
@@ -216,6 +205,23 @@ def _send(k, cfg, p, t) -> None:
             k.and_pred(publish, t.leader, any_sent)
             with k.guard(publish):
                 k.st(addr(s.tail_at), s.tail, sem="release", scope="sys")
+
+
+def ballot_to_group(k, ranks: int, t, in_rank, first, end, ballot) -> None:
+    """ballot: which of tokens first .. first + 31 (below ``end``) go to the group's rank
+    (is_token_in_rank[token, group], bool [T, ranks] at ``in_rank``), a bit a lane."""
+    token, flag, flag_at = k.reg("u32", "lane_token"), k.reg("u32", "flag"), k.reg(
+        "u64", "flag_at")
+    index, in_batch, goes = k.reg("u32", "flag_index"), k.pred("in_batch"), k.pred("goes")
+    k.add(token, first, t.lane)
+    k.setp("lt", in_batch, token, end)
+    k.mov(flag, 0)
+    k.mad(index, token, ranks, t.group)
+    k.mad(flag_at, index, 1, in_rank, mode="wide")
+    with k.guard(in_batch):
+        k.ld(flag, addr(flag_at), nc=True, type="u8")
+    k.setp("ne", goes, flag, 0)
+    k.vote_sync(ballot, goes, mode="ballot")
 
 
 def _send_batch(k, cfg, p, t, s, first, ballot) -> None:
