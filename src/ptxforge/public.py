@@ -63,6 +63,7 @@ PUBLIC = (
 # the buffer's peers; listed so that every registry kernel has a caller.
 EP_KERNELS = {"ep_dispatch_layout": "Buffer.get_dispatch_layout",
               "ep_count_exchange": "Buffer.dispatch", "ep_direct_dispatch": "Buffer.dispatch",
+              "ep_pull_combine": "Buffer.combine",
               "ep_intranode_dispatch": "Buffer.dispatch", "ep_intranode_combine": "Buffer.combine",
               "ep_low_latency_dispatch": "Buffer.low_latency_dispatch",
               "ep_low_latency_combine": "Buffer.low_latency_combine"}

@@ -167,6 +167,18 @@ def test_bench_chain_writes_json(monkeypatch, tmp_path, capsys):
     assert bench.chain_table(CHAIN) in capsys.readouterr().out
 
 
+def _worst(rings_call: float, rings_kernel: float, direct_call: float,
+           direct_kernel: float) -> dict:
+    """A rank's worst-case timings: the combine twice the dispatch's, the exchange 10 us."""
+    times = {}
+    for name, call, kernel in (("rings", rings_call, rings_kernel),
+                               ("direct", direct_call, direct_kernel)):
+        times.update({f"{name}_dispatch_call_us": call, f"{name}_dispatch_us": kernel,
+                      f"{name}_combine_call_us": 2 * call, f"{name}_combine_us": 2 * kernel,
+                      f"{name}_exchange_us": 10.0})
+    return times
+
+
 def _ep_ranks():
     """Two ranks' reports as ``ep._measure`` gathers them (rank 1 the slower)."""
     sweep = lambda d, c: [dict(sms=8, slots=64, dispatch_us=d, combine_us=c),
@@ -180,12 +192,10 @@ def _ep_ranks():
     decode = lambda d, c: dict(dispatch_us=d, combine_us=c, pair_us=d + c + 5)
     return [dict(sweep=sweep(200.0, 400.0), dispatch_bytes=30e6, combine_bytes=58e6,
                  peers=peers, overlap=overlap, recv=4000, decode=decode(14.0, 20.0),
-                 worst=dict(rings_us=230.0, rings_exchange_us=12.0, rings_dispatch_us=210.0,
-                            direct_us=140.0, direct_exchange_us=12.0, direct_dispatch_us=120.0)),
+                 worst=_worst(230.0, 210.0, 140.0, 120.0)),
             dict(sweep=sweep(220.0, 380.0), dispatch_bytes=32e6, combine_bytes=60e6,
                  peers={}, overlap=overlap, recv=4100, decode=decode(12.0, 24.0),
-                 worst=dict(rings_us=225.0, rings_exchange_us=10.0, rings_dispatch_us=205.0,
-                            direct_us=150.0, direct_exchange_us=20.0, direct_dispatch_us=125.0))]
+                 worst=_worst(225.0, 205.0, 150.0, 125.0))]
 
 
 EP_PARAMS = dict(tokens=4096, hidden=7168, topk=8, experts=256, sms=[8, 20, 24], slots=[64],
@@ -211,9 +221,9 @@ def test_ep_summary_takes_the_slowest_rank_and_picks_within_the_budget():
     assert ("gemm 880 -> 935 us (x1.06), starting at +0 us, dispatch 100 -> 150 us (x1.50), "
             "starting at +12 us") in table
     assert "dispatch 14.0 us, combine 24.0 us; a dispatch + combine pair 41.0 us" in table
-    assert ("20 SMs: through the rings 230.0 us a call (kernels: exchange 12.0, dispatch "
-            "210.0), in place (direct dispatch) 150.0 us a call (kernels: exchange 20.0, "
-            "dispatch 125.0)") in table
+    # The slowest rank's each; GB/s of the ranks' mean bytes (31 MB, 59 MB).
+    assert ("  direct dispatch, pull combine: dispatch 150.0 us (exchange 10.0, dispatch "
+            "125.0: 248 GB/s), combine 300.0 us (kernel 250.0: 236 GB/s)") in table
     one_gpu = ep_bench._summary(_ep_ranks(), params, 2, False, "NVIDIA H200")
     assert "all on ONE GPU under MPS" in ep_bench.ep_table(one_gpu)
 

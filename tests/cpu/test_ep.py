@@ -77,6 +77,16 @@ def test_direct_dispatch_variants_assemble_without_spills(ranks, hidden, topk):
                                                            num_sms=20)))
 
 
+@pytest.mark.parametrize("ranks", [2, 3, 4, 8])
+@pytest.mark.parametrize("hidden", [8, 256, 7168, 16384])
+def test_pull_combine_variants_assemble_without_spills(ranks, hidden):
+    from ptxforge.kernels.ep_intranode import pull
+
+    compiled = assembles_cleanly(pull.generate(pull.choose_config(SM90, ranks, hidden,
+                                                                  num_sms=20)))
+    assert not compiled.launch.cooperative
+
+
 def _body(ptx: str) -> list[str]:
     return [line.strip() for line in ptx.splitlines() if line.strip() and
             not line.strip().startswith("//")]

@@ -20,6 +20,7 @@ from ptxforge.kernels.ep_intranode import dispatch as dispatch_kernel
 from ptxforge.kernels.ep_intranode import exchange as exchange_kernel
 from ptxforge.kernels.ep_intranode import layout as layout_kernel
 from ptxforge.kernels.ep_intranode import plan as ep_plan
+from ptxforge.kernels.ep_intranode import pull as pull_kernel
 from ptxforge.kernels.ep_intranode.plan import channel_bounds
 
 torch = pytest.importorskip("torch")
@@ -419,6 +420,7 @@ def _direct_dispatch(c: Case, number: int, worst: int, pace=None) -> list:
     region = ep_plan.DirectRegion(ep_plan.BufferPlan(c.ranks, c.channels, 64, c.hidden)
                                   .combine_rings, worst, c.hidden, k)
     sim = Simulator(m, pace)
+    send_rows = [m.alloc(4 * x.shape[0] * c.ranks) for x in c.x]
     for r in range(c.ranks):
         m.write(c.world.buffers[r] + ep_plan.EXCHANGE_FLAGS + 4 * r, struct.pack("<I", number))
         send = [c.layouts[d].offsets[r] for d in range(c.ranks)]
@@ -434,8 +436,8 @@ def _direct_dispatch(c: Case, number: int, worst: int, pace=None) -> list:
                    num_recv=m.put(struct.pack("<i", c.layouts[r].num_recv_tokens)),
                    worst=worst, recv_x=region.x, recv_scales=region.scales,
                    recv_topk_idx=region.topk_idx, recv_topk_weights=region.topk_weights,
-                   recv_src_idx=region.source, rank=r, peers=c.world.peers,
-                   error=c.world.errors[r], timeout_ns=TIMEOUT)
+                   recv_src_idx=region.source, send_rows=send_rows[r], rank=r,
+                   peers=c.world.peers, error=c.world.errors[r], timeout_ns=TIMEOUT)
     sim.run()
     outs = []
     for r in range(c.ranks):
@@ -445,7 +447,8 @@ def _direct_dispatch(c: Case, number: int, worst: int, pace=None) -> list:
             scales=_tensor(m, at + region.scales, (worst, c.hidden // 128), torch.float32),
             topk_idx=_tensor(m, at + region.topk_idx, (worst, k), torch.int64),
             topk_weights=_tensor(m, at + region.topk_weights, (worst, k), torch.float32),
-            src_idx=_tensor(m, at + region.source, (worst,), torch.int32)))
+            src_idx=_tensor(m, at + region.source, (worst,), torch.int32),
+            send_rows=send_rows[r]))
     return outs
 
 
@@ -476,6 +479,72 @@ def test_the_direct_dispatch_writes_every_row_where_the_ring_dispatch_would(case
         assert all(c.world.record(r) == (0, 0, 0, 0) for r in range(c.ranks))
 
 
+def _pull_combine(c: Case, outs: list, ys: list, worst: int, pace=None) -> list:
+    """Every rank's experts' output ys[r] written to its combine inputs, then every rank's
+    pull combine, run to the end: each rank's combined rows."""
+    cfg = replace(pull_kernel.choose_config(SM90, c.ranks, c.hidden, num_sms=2 * c.channels),
+                  warps=2)
+    kernel, m = Kernel(pull_kernel.generate(cfg).ptx()), c.world.memory
+    region = ep_plan.DirectRegion(ep_plan.BufferPlan(c.ranks, c.channels, 64, c.hidden)
+                                  .combine_rings, worst, c.hidden, c.idx[0].shape[1])
+    sim, combined = Simulator(m, pace), []
+    for r in range(c.ranks):
+        m.write(c.world.buffers[r] + region.combine_x, _bytes(ys[r]))
+        combined.append(m.alloc(2 * c.hidden * c.x[r].shape[0]))
+        sim.launch(f"pull{r}", kernel, 2 * c.channels, cfg.threads, x=region.combine_x,
+                   send_rows=outs[r]["send_rows"], is_token_in_rank=c.in_rank[r],
+                   tokens=c.x[r].shape[0], out=combined[r], rank=r, peers=c.world.peers,
+                   error=c.world.errors[r], timeout_ns=TIMEOUT)
+    sim.run()
+    return [_tensor(m, combined[r], (c.x[r].shape[0], c.hidden), torch.bfloat16)
+            for r in range(c.ranks)]
+
+
+@pytest.mark.parametrize("case, pace", [
+    (dict(), None),
+    (dict(ranks=3, tokens=(33, 0, 41), experts=6, topk=2), None),
+    (dict(kind="to_rank_0", tokens=(30, 30)), None),
+    (dict(num_sms=4, tokens=(70, 45)), lambda name, cta, tid: 1 + 30 * (name == "pull1")),
+], ids=["two_ranks", "three_ranks_one_without_tokens", "all_to_rank_0",
+        "two_channels_rank_1_slow"])
+def test_the_pull_combine_gives_the_ring_combine_s_bits(case, pace):
+    """After a direct dispatch, each rank's experts' output in its buffer: every rank pulls
+    its tokens' rows and sums them in rank order, bitwise as the reference (the ring
+    combine's sums); twice, with other outputs (the flags move on with the number)."""
+    c = Case(fp8=True, hidden=256, **case)
+    worst = sum(x.shape[0] for x in c.x)
+    c.world = World(c.ranks, ep_plan.DirectRegion(
+        ep_plan.BufferPlan(c.ranks, c.channels, 64, c.hidden).combine_rings, worst, c.hidden,
+        c.idx[0].shape[1]).end)
+    c.run_layout()
+    outs = _direct_dispatch(c, 1, worst)
+    for scale in (0.5, -3.0):
+        ys = [(got["x"][:c.layouts[r].num_recv_tokens].float() * scale + r).bfloat16()
+              for r, got in enumerate(outs)]
+        for r, got in enumerate(_pull_combine(c, outs, ys, worst, pace)):
+            assert _bytes(got) == _bytes(reference.combine(r, ys, c.idx, c.experts)), r
+    assert all(c.world.record(r) == (0, 0, 0, 0) for r in range(c.ranks))
+
+
+def test_a_rank_that_never_pulls_ends_in_the_watchdog():
+    c = Case(fp8=True, hidden=256, tokens=(20, 20))
+    worst = 40
+    c.world = World(2, ep_plan.DirectRegion(
+        ep_plan.BufferPlan(2, c.channels, 64, 256).combine_rings, worst, 256, 3).end)
+    c.run_layout()
+    cfg = replace(pull_kernel.choose_config(SM90, 2, 256, num_sms=2), warps=1)
+    m = c.world.memory
+    sim = Simulator(m)
+    sim.launch("pull0", pull_kernel.generate(cfg).ptx(), 2, cfg.threads, x=0,
+               send_rows=m.alloc(4 * 40), is_token_in_rank=c.in_rank[0], tokens=20,
+               out=m.alloc(2 * 256 * 20), rank=0, peers=c.world.peers, error=c.world.errors[0],
+               timeout_ns=TIMEOUT)
+    with pytest.raises(Trap, match="trap"):
+        sim.run()
+    # Rank 0's CTA 0 (thread 1) waited for rank 1's CTA 0.
+    assert c.world.record(0)[:3] == (common.PULL_RECEIVE, 0, 1)
+
+
 def test_a_rank_that_never_sends_directly_ends_in_the_watchdog():
     c = Case(fp8=True, hidden=256, tokens=(20, 20))
     worst = 40
@@ -498,8 +567,9 @@ def test_a_rank_that_never_sends_directly_ends_in_the_watchdog():
                send_layout=m.put(struct.pack("<2i", 0, c.layouts[1].offsets[0][0])),
                num_recv=m.put(struct.pack("<i", c.layouts[0].num_recv_tokens)), worst=worst,
                recv_x=region.x, recv_scales=region.scales, recv_topk_idx=region.topk_idx,
-               recv_topk_weights=region.topk_weights, recv_src_idx=region.source, rank=0,
-               peers=c.world.peers, error=c.world.errors[0], timeout_ns=TIMEOUT)
+               recv_topk_weights=region.topk_weights, recv_src_idx=region.source,
+               send_rows=m.alloc(4 * 2 * 20), rank=0, peers=c.world.peers,
+               error=c.world.errors[0], timeout_ns=TIMEOUT)
     with pytest.raises(Trap, match="trap"):
         sim.run()
     assert c.world.record(0)[:3] == (common.DIRECT_RECEIVE, 0, 1)

@@ -225,6 +225,56 @@ def scenario_routings(rank: int, world: int) -> None:
     buffer.destroy()
 
 
+def scenario_direct(rank: int, world: int) -> None:
+    """On a buffer with room for the worst case: the direct dispatch's rows, scales, top-k
+    and source tokens as the reference (then top-k -1 up to the worst case), and the pull
+    combine of combine_input(handle) bitwise as the reference and as the ring combine of
+    the same rows, twice with other rows; routings with a rank that receives nothing and
+    a rank that sends nothing; then a dispatch through the rings on the same buffer."""
+    hidden, worst = 256, world * 100
+    roomy = Buffer(dist.group.WORLD, buffer_size(world, hidden, TOPK, fp8=True,
+                                                 num_worst_tokens=worst),
+                   timeout_s=KERNEL_TIMEOUT_S)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    for kind, tokens, seed in (("random", 100 - 37 * rank, 10), ("all_to_rank_0", 60, 11),
+                               ("random", 0 if rank else 90, 12)):
+        x, scales, idx, weights = _inputs(rank, tokens, hidden, kind, seed, True)
+        idx_dev = idx.to(dev)
+        per_rank, _, per_expert, in_rank, _ = roomy.get_dispatch_layout(idx_dev, EXPERTS)
+        (rows, row_scales), recv_idx, recv_w, _, handle, _ = roomy.dispatch(
+            (x.to(dev), scales.t().contiguous().t().to(dev)), num_tokens_per_rank=per_rank,
+            is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=idx_dev,
+            topk_weights=weights.to(dev), num_worst_tokens=worst, config=Config(num_sms=4))
+        assert handle.direct is not None, "a buffer with room takes the direct dispatch"
+        everyone = _gather((x, scales, idx, weights))
+        expected = reference.dispatch(rank, [e[0] for e in everyone], [e[2] for e in everyone],
+                                      [e[3] for e in everyone], EXPERTS,
+                                      [e[1] for e in everyone])
+        n = int(handle.num_recv)
+        what = f"direct, {kind}, {tokens} tokens"
+        _assert_bitwise(rows[:n], expected["x"], f"{what}: received rows")
+        _assert_bitwise(row_scales[:n], expected["scales"], f"{what}: received scales")
+        _assert_bitwise(recv_idx[:n], expected["topk_idx"], f"{what}: local top-k")
+        _assert_bitwise(recv_w[:n], expected["topk_weights"], f"{what}: top-k weights")
+        assert (recv_idx[n:] == -1).all() and (recv_w[n:] == 0).all(), what
+        for scale in (0.5, -3.0):
+            # Rewritten before its next dispatch: safe here, as the ring combine below
+            # ends after every rank's pull of the first rows.
+            y = (rows[:n].float() * scale + rank).bfloat16()
+            pulled = roomy.combine_input(handle)
+            pulled[:n] = y
+            combined, none, _ = roomy.combine(pulled, handle, config=Config(num_sms=4))
+            assert none is None
+            _assert_bitwise(combined, reference.combine(rank, _gather(y.cpu()),
+                                                        [e[2] for e in everyone], EXPERTS),
+                            f"{what}: pull combine (f32 sum in rank order)")
+            through_rings, _, _ = roomy.combine(pulled.clone(), handle, config=Config(num_sms=4))
+            _assert_bitwise(through_rings, combined, f"{what}: ring combine of the same rows")
+    _dispatch_case(roomy, rank, tokens=50, hidden=hidden, kind="random", seed=13, fp8=True,
+                   config=Config(num_sms=4))
+    roomy.destroy()
+
+
 def scenario_errors(rank: int, world: int) -> None:
     """Disagreements and bad indices raise the same error on every rank, and leave the
     buffer usable; a buffer too small is refused before launching."""
@@ -343,7 +393,8 @@ def scenario_cached_call_disagrees(rank: int, world: int) -> None:
     _report_and_exit(rank)
 
 
-SCENARIOS = {"routings": scenario_routings, "errors": scenario_errors,
+SCENARIOS = {"routings": scenario_routings, "direct": scenario_direct,
+             "errors": scenario_errors,
              "peer_never_launches": scenario_peer_never_launches,
              "peer_dies": scenario_peer_dies,
              "cached_call_disagrees": scenario_cached_call_disagrees}
@@ -369,7 +420,8 @@ def main() -> int:
     the launcher's group."""
     import test_ep_low_latency_gpu as low_latency
 
-    return run_torchrun({"routings": SCENARIOS["routings"], "errors": SCENARIOS["errors"],
+    return run_torchrun({"routings": SCENARIOS["routings"], "direct": SCENARIOS["direct"],
+                         "errors": SCENARIOS["errors"],
                          "low_latency_rounds": low_latency.scenario_rounds,
                          "low_latency_graph": low_latency.scenario_graph,
                          "low_latency_ranks_disagree": low_latency.scenario_ranks_disagree})

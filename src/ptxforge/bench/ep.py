@@ -166,11 +166,14 @@ def _summary(everyone: list, p: dict, world: int, distinct: bool, device_name: s
 
 def _worst_case(world: int, x, idx, weights, layout, p: dict) -> dict:
     """A dispatch sized for the worst case (``num_worst_tokens``: no host synchronisation,
-    the counts exchanged by the GPU's exchange kernel, which each call includes) on
-    SM_BUDGET SMs: through the rings, and on a buffer with room for the received rows,
-    written in place by the direct dispatch (every SM sending). ``calls`` dispatches are
-    captured in a CUDA graph (the path never waits for the host) and replayed: a call's
-    time by events over the replay, and each kernel's median from the profiler."""
+    the counts exchanged by the GPU's exchange kernel, which each call includes) and its
+    combine, on SM_BUDGET SMs: through the rings, and on a buffer with room for the
+    received rows, written in place by the direct dispatch (every SM sending) and
+    combined by the pull combine (every SM loading the rows from their ranks' buffers).
+    ``calls`` dispatches, then ``calls`` combines, are captured in a CUDA graph each (the
+    path never waits for the host) and replayed: a call's time by events over the replay,
+    and each kernel's median from the profiler. Both ways receive and combine the same
+    bits, or this raises."""
     import torch.distributed as dist
 
     from ..ep import Buffer, Config, buffer_size
@@ -183,27 +186,36 @@ def _worst_case(world: int, x, idx, weights, layout, p: dict) -> dict:
     rings, roomy = (Buffer(dist.group.WORLD, buffer_size(
         world, p["hidden"], p["topk"], fp8=True, config=config, num_worst_tokens=n),
         timeout_s=60.0) for n in (0, worst))
-    times, received = {}, []
+    experts_output = torch.randn(worst, p["hidden"], device="cuda").bfloat16()
+    times, received, combined = {}, [], []
     for name, through in (("rings", rings), ("direct", roomy)):
-        call = lambda: through.dispatch(x, num_tokens_per_rank=per_rank,
-                                        is_token_in_rank=in_rank,
-                                        num_tokens_per_expert=per_expert, topk_idx=idx,
-                                        topk_weights=weights, num_worst_tokens=worst,
-                                        config=config)
-        (rows, row_scales), *_, handle, _ = call()  # every kernel built before the capture
+        dispatch = lambda: through.dispatch(x, num_tokens_per_rank=per_rank,
+                                            is_token_in_rank=in_rank,
+                                            num_tokens_per_expert=per_expert, topk_idx=idx,
+                                            topk_weights=weights, num_worst_tokens=worst,
+                                            config=config)
+        (rows, row_scales), *_, handle, _ = dispatch()  # every kernel built before a capture
         n = int(handle.num_recv)
         received.append((rows[:n].view(torch.uint8).clone(), row_scales[:n].clone()))
-        torch.cuda.synchronize()
-        dist.barrier()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(p["calls"]):
-                call()
-        times[f"{name}_us"] = batch_us(graph.replay, 1, p["repeats"]) / p["calls"]
-        kernels = _replay_kernel_medians(graph, p["repeats"], _worst_case_kernel)
-        times.update({f"{name}_{kernel}_us": us for kernel, us in kernels.items()})
+        y = through.combine_input(handle) if handle.direct is not None else torch.empty_like(
+            experts_output)
+        y.copy_(experts_output)
+        combine = lambda: through.combine(y, handle, config=config)
+        combined.append(combine()[0].clone())
+        for op, fn in (("dispatch", dispatch), ("combine", combine)):
+            torch.cuda.synchronize()
+            dist.barrier()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for _ in range(p["calls"]):
+                    fn()
+            times[f"{name}_{op}_call_us"] = batch_us(graph.replay, 1, p["repeats"]) / p["calls"]
+            kernels = _replay_kernel_medians(graph, p["repeats"], _worst_case_kernel)
+            times.update({f"{name}_{kernel}_us": us for kernel, us in kernels.items()})
     if not all(torch.equal(a, b) for a, b in zip(*received)):
         raise RuntimeError("the direct dispatch received other rows than the rings")
+    if not torch.equal(*combined):
+        raise RuntimeError("the pull combine summed other bits than the ring combine")
     dist.barrier()
     rings.destroy()
     roomy.destroy()
@@ -211,11 +223,14 @@ def _worst_case(world: int, x, idx, weights, layout, p: dict) -> dict:
 
 
 def _worst_case_kernel(name: str) -> str | None:
-    """A worst-case dispatch's kernels: the count exchange and either dispatch kernel."""
+    """A worst-case dispatch's and combine's kernels: the count exchange, either dispatch
+    kernel and either combine kernel."""
     if name.startswith("ep_exchange_"):
         return "exchange"
     if name.startswith(("ep_intranode_dispatch_", "ep_direct_dispatch_")):
         return "dispatch"
+    if name.startswith(("ep_intranode_combine_", "ep_pull_combine_")):
+        return "combine"
     return None
 
 
@@ -428,12 +443,16 @@ def ep_table(result: dict) -> str:
                  f"({nccl_gbs:.0f} GB/s)\nNCCL all_to_all_single bf16 4096x7168: "
                  f"{peers['nccl_bf16_4096x7168_us']:.1f} us")
     w = result["worst"]
-    text += (f"\ndispatch sized for the worst case (num_worst_tokens: no host sync, in a CUDA "
-             f"graph, the count exchange included), {SM_BUDGET} SMs: " + ", ".join(
-                 f"{how} {w[f'{name}_us']:.1f} us a call (kernels: exchange "
-                 f"{w[f'{name}_exchange_us']:.1f}, dispatch {w[f'{name}_dispatch_us']:.1f})"
-                 for name, how in (("rings", "through the rings"),
-                                   ("direct", "in place (direct dispatch)"))))
+    text += (f"\nsized for the worst case (num_worst_tokens: no host sync, in CUDA graphs), "
+             f"{SM_BUDGET} SMs, a call (its kernels):")
+    for name, how in (("rings", "through the rings"),
+                      ("direct", "direct dispatch, pull combine")):
+        text += (f"\n  {how}: dispatch {w[f'{name}_dispatch_call_us']:.1f} us (exchange "
+                 f"{w[f'{name}_exchange_us']:.1f}, dispatch {w[f'{name}_dispatch_us']:.1f}: "
+                 f"{result['dispatch_bytes_per_rank'] / w[f'{name}_dispatch_us'] / 1e3:.0f} "
+                 f"GB/s), combine {w[f'{name}_combine_call_us']:.1f} us (kernel "
+                 f"{w[f'{name}_combine_us']:.1f}: "
+                 f"{result['combine_bytes_per_rank'] / w[f'{name}_combine_us'] / 1e3:.0f} GB/s)")
     d = result["decode"]
     text += (f"\ndecode, {DECODE_TOKENS} tokens a rank (CUDA graph replay, the slowest rank's "
              f"median kernel): dispatch {d['dispatch_us']:.1f} us, combine "

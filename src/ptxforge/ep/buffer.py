@@ -12,7 +12,10 @@ A dispatch without a handle exchanges the layout's counts between the GPUs (a ke
 over NVLink, then one copy to the host: a host synchronisation, as DeepEP's CPU wait for
 the received counts; none with ``num_worst_tokens``, which sizes the outputs for the
 worst case instead) and returns a handle; ``dispatch(x, handle=h)`` and ``combine`` reuse it with
-no host synchronisation. The kernels run on the buffer's communication stream, after
+no host synchronisation. On a buffer with room for the worst case's rows
+(``buffer_size(..., num_worst_tokens=N)``) such a dispatch writes each row straight into
+its receiver's buffer, and a combine of ``combine_input(handle)`` pulls each token's rows
+from its ranks' buffers: no rings either way. The kernels run on the buffer's communication stream, after
 the current stream's work (or ``previous_event``); the current stream waits for them
 unless ``async_finish``, and each call returns the event it can wait on instead.
 
@@ -29,6 +32,7 @@ mapped host memory and traps; the CUDA context is then unusable, and the next ca
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -36,11 +40,12 @@ import torch
 
 from .. import jit
 from ..kernels.ep_intranode import combine as combine_kernel
-from ..kernels.ep_intranode import direct as direct_kernel
 from ..kernels.ep_intranode import common as kernel_common
+from ..kernels.ep_intranode import direct as direct_kernel
 from ..kernels.ep_intranode import dispatch as dispatch_kernel
 from ..kernels.ep_intranode import exchange as exchange_kernel
 from ..kernels.ep_intranode import layout as layout_kernel
+from ..kernels.ep_intranode import pull as pull_kernel
 from ..kernels.ep_intranode.plan import (MAX_RANKS, RING_ALIGN, BufferPlan, DirectRegion,
                                         DispatchSlot)
 from ..ops.common import device_arch
@@ -57,7 +62,9 @@ _WAITS = {kernel_common.DISPATCH_SEND: ("dispatch", "room in rank {peer}'s ring 
           kernel_common.DISPATCH_RECEIVE: ("dispatch", "tokens from rank {peer} (their tail)"),
           kernel_common.COMBINE_SEND: ("combine", "room in rank {peer}'s ring (its head)"),
           kernel_common.COMBINE_RECEIVE: ("combine", "rows from rank {peer} (their tail)"),
-          kernel_common.EXCHANGE_RECEIVE: ("count exchange", "rank {peer}'s counts")}
+          kernel_common.EXCHANGE_RECEIVE: ("count exchange", "rank {peer}'s counts"),
+          kernel_common.DIRECT_RECEIVE: ("direct dispatch", "rank {peer}'s rows"),
+          kernel_common.PULL_RECEIVE: ("pull combine", "rank {peer}'s combine to start")}
 _MISMATCHES = {kernel_common.DISPATCH_MISMATCH: "dispatch",
                kernel_common.COMBINE_MISMATCH: "combine"}
 # The decode path's waits: (kernel, what it waited for); the record's "channel" word holds
@@ -109,6 +116,10 @@ class DispatchHandle:
     layout: ReceiveLayout | None     # None: sized for the worst case, the layout on the GPU only
     num_recv: torch.Tensor           # int32 [1]: the rows received, on the device
     send_layout: torch.Tensor        # int32 [ranks, channels]: where this rank's rows begin there
+    # A direct dispatch's: where its outputs (and its combine's inputs) lie in every
+    # buffer, and each token's row at each rank (int32 [T, ranks]); None otherwise.
+    direct: DirectRegion | None = None
+    send_rows: torch.Tensor | None = None
 
 
 def channel_counts(is_token_in_rank: torch.Tensor, channels: int) -> torch.Tensor:
@@ -127,7 +138,9 @@ def buffer_size(num_ranks: int, hidden: int, topk: int, *, fp8: bool = False,
     """The num_nvl_bytes a dispatch (and its combine) of ``hidden``-wide rows with ``topk``
     experts a token needs over ``num_ranks`` ranks with ``config``; with
     ``num_worst_tokens`` (FP8 rows), room for that many received rows in the buffer too,
-    which a dispatch sized for them then writes in place (the direct dispatch)."""
+    which a dispatch sized for them then writes in place (the direct dispatch), and for
+    the experts' bf16 output for them, which the other ranks' combines pull from
+    (``Buffer.combine_input``)."""
     plan = BufferPlan(num_ranks, config.num_sms // 2, config.ring_slots, hidden)
     rings = plan.bytes_needed(DispatchSlot(hidden, topk, fp8))
     if not (num_worst_tokens and fp8):
@@ -145,6 +158,7 @@ def _launcher(device_index: int, cfg):
     generate = {layout_kernel.LayoutConfig: layout_kernel.generate,
                 exchange_kernel.ExchangeConfig: exchange_kernel.generate,
                 direct_kernel.DirectConfig: direct_kernel.generate,
+                pull_kernel.PullConfig: pull_kernel.generate,
                 dispatch_kernel.DispatchConfig: dispatch_kernel.generate,
                 combine_kernel.CombineConfig: combine_kernel.generate}[type(cfg)]
     return jit.build(generate(cfg)).launcher(device_index)
@@ -369,8 +383,10 @@ class Buffer:
         cfg = direct_kernel.choose_config(self.arch, self.group_size, inputs.hidden, inputs.topk,
                                           num_sms=config.num_sms)
         with self._on_comm_stream(previous_event, False) as call:
+            send_rows = torch.empty((inputs.tokens, self.group_size), dtype=torch.int32,
+                                    device=handle.is_token_in_rank.device)
             call.start((*x, topk_idx, topk_weights, handle.is_token_in_rank, handle.send_layout,
-                        handle.num_recv))
+                        handle.num_recv, send_rows))
             _launcher(self.device_index, cfg)(
                 (2 * cfg.channels, 1, 1), self.comm_stream.cuda_stream, x=inputs.x,
                 x_scales=inputs.scales, scale_token_stride=inputs.scale_strides[0],
@@ -381,15 +397,39 @@ class Buffer:
                 send_layout=handle.send_layout.data_ptr(), num_recv=handle.num_recv.data_ptr(),
                 worst=region.rows, recv_x=region.x, recv_scales=region.scales,
                 recv_topk_idx=region.topk_idx, recv_topk_weights=region.topk_weights,
-                recv_src_idx=region.source, rank=self.rank, peers=self.peers.data_ptr(),
-                error=self.record.device_pointer, timeout_ns=int(self.timeout_s * 1e9))
+                recv_src_idx=region.source, send_rows=send_rows.data_ptr(), rank=self.rank,
+                peers=self.peers.data_ptr(), error=self.record.device_pointer,
+                timeout_ns=int(self.timeout_s * 1e9))
         event = call.finish(async_finish)
-        own, rows, k = self.memory.pointers[self.rank], region.rows, inputs.topk
-        view = lambda at, shape, dtype: device_tensor(own + at, shape, dtype, self.device_index)
-        received = (view(region.x, (rows, inputs.hidden), torch.float8_e4m3fn),
-                    view(region.scales, (rows, inputs.hidden // 128), torch.float32))
-        return (received, view(region.topk_idx, (rows, k), torch.int64),
-                view(region.topk_weights, (rows, k), torch.float32), [], handle, event)
+        rows, k = region.rows, inputs.topk
+        received = (self._own_view(region.x, (rows, inputs.hidden), torch.float8_e4m3fn),
+                    self._own_view(region.scales, (rows, inputs.hidden // 128), torch.float32))
+        handle = dataclasses.replace(handle, direct=region, send_rows=send_rows)
+        return (received, self._own_view(region.topk_idx, (rows, k), torch.int64),
+                self._own_view(region.topk_weights, (rows, k), torch.float32), [], handle,
+                event)
+
+    def _own_view(self, at: int, shape: tuple, dtype) -> torch.Tensor:
+        """A tensor over bytes ``at`` .. of this rank's buffer."""
+        return device_tensor(self.memory.pointers[self.rank] + at, shape, dtype,
+                             self.device_index)
+
+    def combine_input(self, handle: DispatchHandle) -> torch.Tensor:
+        """After a direct dispatch (``num_worst_tokens`` on a buffer with room for them):
+        bf16 [num_worst_tokens, H], a view of this rank's buffer where the experts' output
+        for the received rows may be written; a ``combine`` of this very tensor (no top-k
+        weights) then pulls each token's rows from its ranks' buffers over NVLink instead
+        of pushing them through rings (the same bits). Valid until the next dispatch: a
+        rank's inputs are read by the other ranks' combines, which end before their next
+        dispatch's exchange."""
+        if not isinstance(handle, DispatchHandle):
+            raise TypeError(f"handle must be what dispatch returned, got {type(handle).__name__}")
+        if handle.direct is None:
+            raise ValueError("combine_input takes the handle of a direct dispatch (a dispatch "
+                             "with num_worst_tokens on a buffer sized by buffer_size(..., "
+                             "num_worst_tokens=...)), got another dispatch's")
+        region = handle.direct
+        return self._own_view(region.combine_x, (region.rows, handle.hidden), torch.bfloat16)
 
     def _require_normal_buffer(self) -> None:
         if self.memory is None:
@@ -552,6 +592,8 @@ class Buffer:
                              f"{config.num_sms}")
         hidden, ptr, topk, weights_ptr = checks.combine_inputs(
             x, topk_weights, num_recv_tokens=handle.num_recv_tokens, device=self.device_index)
+        if handle.direct is not None and not topk and ptr == self.combine_input(handle).data_ptr():
+            return self._launch_pull(handle, config, previous_event, async_finish)
         cfg = combine_kernel.choose_config(self.arch, self.group_size, hidden, topk=topk,
                                            num_sms=config.num_sms, slots=config.ring_slots)
         checks.require_buffer(self.num_nvl_bytes, cfg.plan.dispatch_rings,
@@ -572,6 +614,23 @@ class Buffer:
             _launcher(self.device_index, cfg)((2 * cfg.channels, 1, 1),
                                               self.comm_stream.cuda_stream, **arguments)
         return out, out_weights, call.finish(async_finish)
+
+    def _launch_pull(self, handle, config, previous_event, async_finish):
+        """The pull combine (kernels/ep_intranode/pull.py) of the rows in every rank's
+        combine inputs."""
+        cfg = pull_kernel.choose_config(self.arch, self.group_size, handle.hidden,
+                                        num_sms=config.num_sms)
+        with self._on_comm_stream(previous_event, False) as call:
+            out = torch.empty((handle.num_tokens, handle.hidden), dtype=torch.bfloat16,
+                              device=handle.is_token_in_rank.device)
+            call.start((handle.is_token_in_rank, handle.send_rows, out))
+            _launcher(self.device_index, cfg)(
+                (config.num_sms, 1, 1), self.comm_stream.cuda_stream, x=handle.direct.combine_x,
+                send_rows=handle.send_rows.data_ptr(),
+                is_token_in_rank=handle.is_token_in_rank.data_ptr(), tokens=handle.num_tokens,
+                out=out.data_ptr(), rank=self.rank, peers=self.peers.data_ptr(),
+                error=self.record.device_pointer, timeout_ns=int(self.timeout_s * 1e9))
+        return out, None, call.finish(async_finish)
 
     # ------------------------------------------------------------------ decode path
     @staticmethod

@@ -226,8 +226,12 @@ def _normal(buffer: Buffer, x, topk_idx, topk_weights, gate_up, down, sizes,
         num_worst_tokens=worst)
     rows = handle.num_recv_tokens
     if rows:
+        # After a direct dispatch the experts write their output where the other ranks'
+        # combines pull it from.
+        out = buffer.combine_input(handle) if handle.direct is not None else None
         y = moe.grouped_experts(received, recv_idx, recv_weights, gate_up, down, "contiguous",
-                                moe.ExpertsSizes(rows, hidden, top_k, local, two_inner, device))
+                                moe.ExpertsSizes(rows, hidden, top_k, local, two_inner, device),
+                                out=out)
     else:
         y = torch.empty((0, hidden), dtype=torch.bfloat16, device=x.device)
     combined, _, _ = buffer.combine(y, handle)

@@ -21,6 +21,7 @@ from . import (bf16_block_quant_fp8, bf16_moe_combine, bf16_row_rmsnorm_fp8quant
 from .gemm import GemmProblem
 from .ep_intranode import combine as ep_combine
 from .ep_intranode import direct as ep_direct
+from .ep_intranode import pull as ep_pull
 from .ep_intranode import dispatch as ep_dispatch
 from .ep_intranode import exchange as ep_exchange
 from .ep_intranode import layout as ep_layout
@@ -263,6 +264,11 @@ REGISTRY = {
                    tuple({"ranks": r, "hidden": 7168, "topk": 8, "num_sms": 20} for r in (2, 8)),
                    "EP: e4m3 tokens written straight to their rows at their experts' ranks "
                    "(ptxforge.ep, a dispatch sized for the worst case)"),
+        KernelSpec("ep_pull_combine", ep_pull.choose_config, ep_pull.generate,
+                   {"ranks": 8, "hidden": 7168, "num_sms": 20},
+                   tuple({"ranks": r, "hidden": 7168, "num_sms": 20} for r in (2, 8)),
+                   "EP: each token's expert outputs loaded from its ranks' buffers and summed "
+                   "(ptxforge.ep, the combine after a direct dispatch)"),
         KernelSpec("ep_intranode_dispatch", _ep_dispatch, ep_dispatch.generate,
                    {**_EP_OPTIONS, "topk": 8, "dtype": "bf16"}, _EP_DISPATCH_VARIANTS,
                    "EP: tokens to their experts' ranks over NVLink rings (ptxforge.ep)"),

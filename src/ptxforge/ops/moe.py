@@ -320,10 +320,12 @@ def _expert_parallel_layer(ep):
 
 
 def grouped_experts(x, topk_idx: torch.Tensor, topk_weights: torch.Tensor, gate_up, down,
-                    layout: str, sizes: ExpertsSizes) -> torch.Tensor:
+                    layout: str, sizes: ExpertsSizes,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
     """``moe_experts_fp8``'s kernels after its checks, in ``layout``: x bf16 [T, H], or its
     rows quantized already (``(q, scales)``, as ``moe_permute_quantize_fp8`` takes them:
-    an expert-parallel dispatch's received rows); topk_idx, topk_weights contiguous."""
+    an expert-parallel dispatch's received rows); topk_idx, topk_weights contiguous.
+    ``out``: bf16 [T, H] for the result (``moe_combine``'s), else a new tensor."""
     tokens, hidden, top_k, experts, two_inner, _ = sizes
     device = topk_idx.device
     lead = grouped_rows(layout, tokens, top_k, experts)
@@ -336,7 +338,7 @@ def grouped_experts(x, topk_idx: torch.Tensor, topk_weights: torch.Tensor, gate_
     h = moe_silu_mul_quantize_fp8(gate_up_out, routing.rows)
     y = torch.empty((*lead, hidden), dtype=torch.bfloat16, device=device)
     _grouped_gemm(layout, h, down, y, routing, expected)
-    return moe_combine(y.view(-1, hidden), routing.rows, topk_weights)
+    return moe_combine(y.view(-1, hidden), routing.rows, topk_weights, out=out)
 
 
 def experts_sizes(x, topk_idx, topk_weights, gate_up, down) -> ExpertsSizes:

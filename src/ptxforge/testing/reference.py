@@ -17,12 +17,12 @@ def quantize_fp8_per_token(x: torch.Tensor, group: int = 128):
     """x bf16 [M, K] -> (q e4m3 [M, K], scales f32 [M, ceil(K/group)])."""
     m, k = x.shape
     padded = torch.nn.functional.pad(x, (0, -k % group))
-    view = padded.view(m, -1, group)
+    view = padded.view(m, padded.shape[1] // group, group)  # M = 0 too
     amax = view.abs().float().amax(dim=2).clamp(AMAX_FLOOR)
     # ``448 / amax`` and ``amax / 448`` as CUDA evaluates them (a reciprocal times 448, a
     # product with 1 / 448), written out so the CPU rounds them the same way.
     q = (view * (amax.unsqueeze(2).reciprocal() * E4M3_MAX)).to(torch.float8_e4m3fn)
-    return q.view(m, -1)[:, :k].contiguous(), amax * (1.0 / E4M3_MAX)
+    return q.view(m, padded.shape[1])[:, :k].contiguous(), amax * (1.0 / E4M3_MAX)
 
 
 def quantize_fp8_per_block(w: torch.Tensor, block: int = 128):

@@ -312,37 +312,48 @@ def _reduce_token(k, cfg, p, t, r, first, i) -> None:
                 k.mad(at, rows[d], 1, r.rings, mode="wide")
                 check_entry(k, t, at, plan.combine_signature, cfg.signature, number,
                             common.COMBINE_MISMATCH, d)()
+    token, out_at = k.reg("u32", "token"), k.reg("u64", "out_row")
+    k.add(token, first, i)
+    k.mad(out_at, token, 2 * cfg.hidden, r.out, mode="wide")
+    rows_at = k.regs("u64", cfg.ranks, "row_at")
+    for d in range(cfg.ranks):
+        k.mad(rows_at[d], rows[d], 1, r.rings, mode="wide")
+    sum_rows(k, cfg.hidden, cfg.unroll, t.lane, rows_at, has, out_at, PAYLOAD_LOAD)
+    if cfg.topk:
+        _reduce_weights(k, cfg, p, t, r, rows, has, token)
+
+
+def sum_rows(k, hidden: int, unroll: int, lane, rows_at, has, out_at, load: dict) -> None:
+    """The warp's row at ``out_at`` = bf16_rn of the f32 sum, in rank order, of the bf16
+    rows at ``rows_at[d]`` for the ranks d with ``has[d]`` (+0 where none), 16-byte vectors
+    a lane; each row's loads take the options ``load``. A lane's loads of ``unroll``
+    vectors from every rank are all issued before the first add: one vector a rank at a
+    time left each warp a single load in flight per rank, and the sum latency-bound."""
     with k.stage("sum the rows in rank order, f32, `unroll` 16-byte vectors a lane at once"):
-        # A lane's loads of `unroll` vectors from every rank are all issued before the first
-        # add: one vector a rank at a time left each warp a single load in flight per rank,
-        # and the receivers latency-bound.
-        vectors, unroll = 2 * cfg.hidden // VECTOR_BYTES, cfg.unroll
-        v, offset = k.reg("u32", "vector"), k.reg("u64", "vector_offset")
-        data = [[k.regs("b32", 4, f"row{d}_{u}_") for d in range(cfg.ranks)]
+        vectors, ranks = 2 * hidden // VECTOR_BYTES, len(rows_at)
+        v, offset, at = k.reg("u32", "vector"), k.reg("u64", "vector_offset"), k.reg(
+            "u64", "vector_at")
+        data = [[k.regs("b32", 4, f"row{d}_{u}_") for d in range(ranks)]
                 for u in range(unroll)]
         in_row = k.regs("pred", unroll, "in_row")
-        load = k.pred("load")
+        loads = k.pred("load")
         acc, halves = k.regs("f32", 8, "acc"), k.regs("f32", 2, "half")
         packed = k.regs("b32", 4, "sum")
-        token = k.reg("u32", "token")
-        k.add(token, first, i)
-        with k.loop(v, vectors, start=t.lane, step=32 * unroll, hint="vector"):
+        with k.loop(v, vectors, start=lane, step=32 * unroll, hint="vector"):
             k.mul(offset, v, VECTOR_BYTES, mode="wide")
             for u in range(unroll):
                 k.setp("lt", in_row[u], v, max(vectors - 32 * u, 0))  # u32: never below 0
             for u in range(unroll):
-                for d in range(cfg.ranks):
-                    k.mad(at, rows[d], 1, r.rings, mode="wide")
-                    k.add(at, at, offset)
-                    k.and_pred(load, has[d], in_row[u])
-                    with k.guard(load):
-                        k.ld(data[u][d], addr(at, 32 * VECTOR_BYTES * u), **PAYLOAD_LOAD)
-            k.mad(at, token, 2 * cfg.hidden, r.out, mode="wide")
-            k.add(at, at, offset)
+                for d in range(ranks):
+                    k.add(at, rows_at[d], offset)
+                    k.and_pred(loads, has[d], in_row[u])
+                    with k.guard(loads):
+                        k.ld(data[u][d], addr(at, 32 * VECTOR_BYTES * u), **load)
+            k.add(at, out_at, offset)
             for u in range(unroll):
                 for a in acc:
                     k.mov(a, 0.0)
-                for d in range(cfg.ranks):
+                for d in range(ranks):
                     for w, word in enumerate(data[u][d]):
                         fp8.unpack_bf16x2(k, halves[0], halves[1], word)
                         with k.guard(has[d]):
@@ -352,8 +363,6 @@ def _reduce_token(k, cfg, p, t, r, first, i) -> None:
                     k.cvt(word, acc[2 * w + 1], acc[2 * w], dtype="bf16x2", rnd="rn")
                 with k.guard(in_row[u]):
                     k.st(addr(at, 32 * VECTOR_BYTES * u), packed)
-    if cfg.topk:
-        _reduce_weights(k, cfg, p, t, r, rows, has, token)
 
 
 def _reduce_weights(k, cfg, p, t, r, rows, has, token) -> None:

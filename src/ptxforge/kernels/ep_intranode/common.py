@@ -32,6 +32,9 @@ EXCHANGE_RECEIVE, EXCHANGE_OVERFLOW = 9, 10
 # The direct dispatch's wait for a source's CTA (direct.py; channel: the channel, peer: the
 # source).
 DIRECT_RECEIVE = 11
+# The pull combine's wait for a rank's CTA to start (pull.py; channel: the CTA, peer: the
+# rank).
+PULL_RECEIVE = 12
 # Cache hints. A ring's entries are written by another GPU while the kernel runs: weak
 # loads that skip L1, never the non-coherent path. Inputs nothing writes meanwhile may
 # take it. Stores to a peer's ring skip L1.

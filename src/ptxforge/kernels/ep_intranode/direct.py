@@ -15,7 +15,9 @@ order is the ring dispatch's; one group of ``warps_per_peer`` warps per destinat
                           token for d its row; warp w copies the rows numbered w mod
                           warps_per_peer: the e4m3 row (16-byte vectors, 16 a lane), its
                           scales, its top-k made d's (e - d * E / R where d holds expert e,
-                          else -1 and weight 0) and the token's index, into d's outputs.
+                          else -1 and weight 0) and the token's index, into d's outputs,
+                          and notes the row in send_rows[token, d] here (where the pull
+                          combine finds the experts' output for it, pull.py).
                           Then every thread fences its stores (fence.acq_rel.sys), a named
                           barrier over the group, and its leader stores n, the exchange's
                           number, to d's flag [this rank][2c + h] with st.release.sys.
@@ -133,6 +135,8 @@ class _Params:
         self.recv_topk_idx = k.param("recv_topk_idx", "u64")
         self.recv_topk_weights = k.param("recv_topk_weights", "u64")
         self.recv_src_idx = k.param("recv_src_idx", "u64")
+        self.send_rows = k.param("send_rows", "u64")    # int32 [T, ranks]: each token's row
+                                                        # at each rank (the pull combine's)
         self.rank = k.param("rank", "u32")
         self.peers = k.param("peers", "u64")
         self.error = k.param("error", "u64")
@@ -232,6 +236,11 @@ def _send_token(k: KernelBuilder, cfg: DirectConfig, p, t, s, token, row) -> Non
         k.add(dst, dst, s.buffer)
         k.mad(dst, row, 4, dst, mode="wide")
         k.st(addr(dst), token, **common.STORE)
+        index = k.reg("u32", "send_rows_index")
+        k.mad(index, token, cfg.ranks, t.group)
+        k.ld_param(dst, p.send_rows)
+        k.mad(dst, index, 4, dst, mode="wide")
+        k.st(addr(dst), row)
 
 
 def _load_topk(k: KernelBuilder, cfg: DirectConfig, p, t, s, token, row):

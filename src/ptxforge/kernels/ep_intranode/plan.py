@@ -10,10 +10,11 @@ every peer rank p, the receiving end of the rings p sends on, and their counters
     | the count exchange (exchange.py): flags [MAX_RANKS] u32, then message slots      |
     |   [2 parities][MAX_RANKS] of MESSAGE_WORDS int32 (289 KiB)                        |
     | the direct dispatch's flags (direct.py): [MAX_RANKS][2 * MAX_CHANNELS] u32         |
+    | the pull combine's flags (pull.py): [MAX_RANKS][2 * MAX_CHANNELS] u32              |
     | combine rings:  [channels][ranks] rings of `slots` bf16 rows (hidden * 2 bytes)  |
     |                 and up to MAX_TOPK f32 top-k weights                             |
     | dispatch rings: [channels][ranks] rings of `slots` DispatchSlot entries           |
-    | a direct dispatch's outputs (DirectRegion), where one runs                        |
+    | a direct dispatch's outputs and its combine's inputs (DirectRegion), where one runs|
 
 Ring (c, p) in rank r's buffer carries what rank p sends rank r on channel c; its tail
 (slots written) is stored by p with st.release.sys, its head (slots read) by r. Both
@@ -55,7 +56,10 @@ EXCHANGE_SLOTS = EXCHANGE_FLAGS + 4 * MAX_RANKS
 EXCHANGE_END = EXCHANGE_SLOTS + 2 * MAX_RANKS * 4 * MESSAGE_WORDS
 # The direct dispatch's flags (direct.py): [MAX_RANKS sources][2 * MAX_CHANNELS CTAs] u32.
 DIRECT_DONE = EXCHANGE_END
-DIRECT_DONE_END = DIRECT_DONE + 4 * MAX_RANKS * 2 * MAX_CHANNELS
+# The pull combine's flags (pull.py), laid out alike: rank s's CTA c has started (so s's
+# rows to combine are complete).
+PULL_READY = DIRECT_DONE + 4 * MAX_RANKS * 2 * MAX_CHANNELS
+PULL_READY_END = PULL_READY + 4 * MAX_RANKS * 2 * MAX_CHANNELS
 
 
 def _aligned(n: int, to: int = ALIGN) -> int:
@@ -139,7 +143,7 @@ class BufferPlan:
 
     @property
     def combine_rings(self) -> int:
-        return _aligned(DIRECT_DONE_END, RING_ALIGN)
+        return _aligned(PULL_READY_END, RING_ALIGN)
 
     @property
     def combine_ring_bytes(self) -> int:
@@ -186,7 +190,8 @@ class DirectRegion:
     """A direct dispatch's outputs in the receiver's buffer, ``rows`` of them (the worst
     case), each array 16-aligned, from byte ``start``: e4m3 rows [rows, H], f32 scales
     [rows, H / 128], int64 top-k [rows, k], f32 weights [rows, k], int32 source tokens
-    [rows]."""
+    [rows]; then the combine's inputs, bf16 [rows, H] (the experts' output a row, which the
+    source ranks' pull combine reads; RING_ALIGN-aligned)."""
 
     start: int
     rows: int
@@ -214,5 +219,9 @@ class DirectRegion:
         return _aligned(self.topk_weights + 4 * self.rows * self.topk)
 
     @property
+    def combine_x(self) -> int:
+        return _aligned(self.source + 4 * self.rows, RING_ALIGN)
+
+    @property
     def end(self) -> int:
-        return _aligned(self.source + 4 * self.rows)
+        return _aligned(self.combine_x + 2 * self.rows * self.hidden)
