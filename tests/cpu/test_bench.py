@@ -184,11 +184,15 @@ def _ep_ranks():
     sweep = lambda d, c: [dict(sms=8, slots=64, dispatch_us=d, combine_us=c),
                           dict(sms=20, slots=64, dispatch_us=d / 2, combine_us=c / 2),
                           dict(sms=24, slots=64, dispatch_us=d / 4, combine_us=c / 4)]
-    peers = dict(p2p_copy_gbs=394.0, nccl_dispatch_bytes_us=150.0, nccl_bf16_4096x7168_us=131.0)
+    peers = dict(p2p_copy_gbs=394.0, nccl_dispatch_bytes_us=150.0, nccl_combine_bytes_us=295.0,
+                 nccl_bf16_4096x7168_us=131.0)
     kernels = dict(gemm=dict(alone_us=880.0, together_us=935.0, start_us=0.0),
                    dispatch=dict(alone_us=100.0, together_us=150.0, start_us=12.0))
-    overlap = dict(gemm_sms=112, comm_sms=20, gemm_rows=9000, gemm_us=900.0, comm_us=300.0,
-                   overlapped_us=960.0, ratio=0.8, over_longer=960.0 / 900.0, kernels=kernels)
+    beside = lambda comm_us, both_us: dict(
+        comm_us=comm_us, overlapped_us=both_us, ratio=both_us / (900.0 + comm_us),
+        over_longer=both_us / 900.0, kernels=kernels)
+    overlap = dict(gemm_sms=112, comm_sms=20, gemm_rows=9000, gemm_us=900.0,
+                   rings=beside(300.0, 960.0), direct=beside(150.0, 945.0))
     decode = lambda d, c: dict(dispatch_us=d, combine_us=c, pair_us=d + c + 5)
     return [dict(sweep=sweep(200.0, 400.0), dispatch_bytes=30e6, combine_bytes=58e6,
                  peers=peers, overlap=overlap, recv=4000, decode=decode(14.0, 20.0),
@@ -217,7 +221,11 @@ def test_ep_summary_takes_the_slowest_rank_and_picks_within_the_budget():
     assert ("picked (the least dispatch + combine time on <= 20 SMs, within the default "
             "buffer): 20 SMs x 64 slots") in table
     assert "NCCL all_to_all_single bf16 4096x7168: 131.0 us" in table
-    assert "together 960.0 us = 0.80 x their sum, 1.07 x the longer" in table
+    assert ("  through the rings: 300.0 us, together 960.0 us = 0.80 x their sum, 1.07 x the "
+            "longer") in table
+    assert ("  direct dispatch (exchange included), pull combine: 150.0 us, together 945.0 us "
+            "= 0.90 x their sum, 1.05 x the longer") in table
+    assert "the bf16 combine's: 295.0 us (200 GB/s)" in table
     assert ("gemm 880 -> 935 us (x1.06), starting at +0 us, dispatch 100 -> 150 us (x1.50), "
             "starting at +12 us") in table
     assert "dispatch 14.0 us, combine 24.0 us; a dispatch + combine pair 41.0 us" in table

@@ -452,6 +452,18 @@ def _direct_dispatch(c: Case, number: int, worst: int, pace=None) -> list:
     return outs
 
 
+def _direct_case(case: dict) -> tuple:
+    """An FP8 case whose buffers have room for every row sent (the worst case) past the
+    rings, its layout run: (the case, the worst case's rows)."""
+    c = Case(fp8=True, hidden=256, **case)
+    worst = sum(x.shape[0] for x in c.x)
+    c.world = World(c.ranks, ep_plan.DirectRegion(
+        ep_plan.BufferPlan(c.ranks, c.channels, 64, c.hidden).combine_rings, worst, c.hidden,
+        c.idx[0].shape[1]).end)
+    c.run_layout()
+    return c, worst
+
+
 @pytest.mark.parametrize("case, pace", [
     (dict(), None),
     (dict(ranks=3, tokens=(33, 2, 41), experts=6, topk=2), None),
@@ -462,12 +474,7 @@ def test_the_direct_dispatch_writes_every_row_where_the_ring_dispatch_would(case
     """Each rank's outputs, read from its buffer: the received rows, scales, local top-k
     and source tokens bitwise as the reference (the ring dispatch's order), then top-k -1
     and weight 0 up to the worst case's rows; twice (the flags move on with the number)."""
-    c = Case(fp8=True, hidden=256, **case)
-    worst = sum(x.shape[0] for x in c.x)
-    c.world = World(c.ranks, ep_plan.DirectRegion(
-        ep_plan.BufferPlan(c.ranks, c.channels, 64, c.hidden).combine_rings, worst, c.hidden,
-        c.idx[0].shape[1]).end)
-    c.run_layout()
+    c, worst = _direct_case(case)
     for number in (1, 2):
         outs = _direct_dispatch(c, number, worst, pace)
         for r, got in enumerate(outs):
@@ -511,12 +518,7 @@ def test_the_pull_combine_gives_the_ring_combine_s_bits(case, pace):
     """After a direct dispatch, each rank's experts' output in its buffer: every rank pulls
     its tokens' rows and sums them in rank order, bitwise as the reference (the ring
     combine's sums); twice, with other outputs (the flags move on with the number)."""
-    c = Case(fp8=True, hidden=256, **case)
-    worst = sum(x.shape[0] for x in c.x)
-    c.world = World(c.ranks, ep_plan.DirectRegion(
-        ep_plan.BufferPlan(c.ranks, c.channels, 64, c.hidden).combine_rings, worst, c.hidden,
-        c.idx[0].shape[1]).end)
-    c.run_layout()
+    c, worst = _direct_case(case)
     outs = _direct_dispatch(c, 1, worst)
     for scale in (0.5, -3.0):
         ys = [(got["x"][:c.layouts[r].num_recv_tokens].float() * scale + r).bfloat16()

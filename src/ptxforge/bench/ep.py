@@ -308,7 +308,8 @@ def _replay_kernel_medians(graph, repeats: int, key) -> dict:
 def _peers(rank: int, world: int, in_rank, row_bytes: int, p: dict) -> dict:
     """The copy engine's one-direction P2P copy of 1 GiB (rank 0 to rank 1's GPU), and
     NCCL's all_to_all_single: the FP8 dispatch's bytes (each rank's rows to each rank as
-    uint8 rows of row_bytes) and the anchor's bf16 4096 x 7168."""
+    uint8 rows of row_bytes), the bf16 combine's (the rows back) and the anchor's bf16
+    4096 x 7168."""
     import torch.distributed as dist
 
     out = {}
@@ -327,6 +328,12 @@ def _peers(rank: int, world: int, in_rank, row_bytes: int, p: dict) -> dict:
     recv = torch.empty(sum(recv_splits), row_bytes, dtype=torch.uint8, device="cuda")
     dispatch_like = lambda: dist.all_to_all_single(recv, send, recv_splits, to_rank, group=nccl)
     out["nccl_dispatch_bytes_us"] = batch_us(dispatch_like, p["calls"], p["repeats"])
+    # The combine's bytes: bf16 rows back the other way.
+    back, back_out = (torch.empty(n, 2 * p["hidden"], dtype=torch.uint8, device="cuda")
+                      for n in (sum(recv_splits), sum(to_rank)))
+    combine_like = lambda: dist.all_to_all_single(back_out, back, to_rank, recv_splits,
+                                                  group=nccl)
+    out["nccl_combine_bytes_us"] = batch_us(combine_like, p["calls"], p["repeats"])
     square = torch.empty(4096, 7168, dtype=torch.bfloat16, device="cuda")
     square_out = torch.empty_like(square)
     out["nccl_bf16_4096x7168_us"] = batch_us(
@@ -337,9 +344,14 @@ def _peers(rank: int, world: int, in_rank, row_bytes: int, p: dict) -> dict:
 
 def _overlap(buffer, q, scales, idx, weights, per_rank, per_expert, in_rank, p) -> dict:
     """Dispatch + combine on SM_BUDGET SMs beside the received tokens' grouped FP8 GEMM
-    (gate_up, N = GEMM_N) on the other SMs: each alone, then together on two streams."""
+    (gate_up, N = GEMM_N) on the other SMs: each alone, then together on two streams;
+    through the rings (cached calls) and, under "direct", the path without rings (a
+    dispatch sized for the worst case, its count exchange included, on a buffer with room
+    for the rows, and the pull combine)."""
+    import torch.distributed as dist
+
     from .. import ops
-    from ..ep import Config
+    from ..ep import Buffer, Config, buffer_size
     from .ops import group_weights, padded_rows
 
     config = Config(SM_BUDGET, 128)
@@ -358,14 +370,38 @@ def _overlap(buffer, q, scales, idx, weights, per_rank, per_expert, in_rank, p) 
     y = torch.randn(received[0].shape, device="cuda").bfloat16()
     device = torch.cuda.current_device()
     gemm_sms = torch.cuda.get_device_properties(device).multi_processor_count - SM_BUDGET
-    side = torch.cuda.Stream()
+    worst = dist.get_world_size() * p["tokens"]
+    roomy = Buffer(dist.group.WORLD, buffer_size(dist.get_world_size(), p["hidden"], p["topk"],
+                                                 fp8=True, config=config,
+                                                 num_worst_tokens=worst), timeout_s=60.0)
 
     def gemm():
         ops.m_grouped_fp8_gemm_nt_contiguous(a, b, d, m_indices, num_sms=gemm_sms)
 
-    def comm():
+    def through_rings():
         buffer.dispatch((q, scales), handle=handle, config=config)
         buffer.combine(y, handle, config=config)
+
+    def direct():
+        *_, sent, _ = roomy.dispatch(
+            (q, scales), num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=weights,
+            num_worst_tokens=worst, config=config)
+        roomy.combine(roomy.combine_input(sent), sent, config=config)
+
+    gemm_us = batch_us(gemm, 4, p["repeats"])
+    result = dict(gemm_sms=gemm_sms, comm_sms=SM_BUDGET, gemm_rows=len(rows), gemm_us=gemm_us)
+    for name, comm in (("rings", through_rings), ("direct", direct)):
+        result[name] = _beside(gemm, comm, gemm_us, p)
+    dist.barrier()
+    roomy.destroy()
+    return result
+
+
+def _beside(gemm, comm, gemm_us: float, p: dict) -> dict:
+    """``comm`` alone, then beside ``gemm`` (on a stream of its own): the times, and each
+    kernel's alone and in one overlapped call, with when it started."""
+    side = torch.cuda.Stream()
 
     def both():
         side.wait_stream(torch.cuda.current_stream())
@@ -374,20 +410,19 @@ def _overlap(buffer, q, scales, idx, weights, per_rank, per_expert, in_rank, p) 
         comm()
         torch.cuda.current_stream().wait_stream(side)
 
-    gemm_us, comm_us, both_us = (batch_us(fn, 4, p["repeats"]) for fn in (gemm, comm, both))
+    comm_us, both_us = (batch_us(fn, 4, p["repeats"]) for fn in (comm, both))
     alone, together = {**_kernel_spans(gemm), **_kernel_spans(comm)}, _kernel_spans(both)
     first = min(start for start, _ in together.values())
     kernels = {name: dict(alone_us=alone[name][1] - alone[name][0],
                           together_us=end - start, start_us=start - first)
                for name, (start, end) in together.items()}
-    return dict(gemm_sms=gemm_sms, comm_sms=SM_BUDGET, gemm_rows=len(rows), gemm_us=gemm_us,
-                comm_us=comm_us, overlapped_us=both_us,
-                ratio=both_us / (gemm_us + comm_us),
+    return dict(comm_us=comm_us, overlapped_us=both_us, ratio=both_us / (gemm_us + comm_us),
                 over_longer=both_us / max(gemm_us, comm_us), kernels=kernels)
 
 
-OVERLAP_KERNELS = {"gemm": "sm90_", "dispatch": "ep_intranode_dispatch",
-                   "combine": "ep_intranode_combine"}
+OVERLAP_KERNELS = {"gemm": ("sm90_",), "exchange": ("ep_exchange_",),
+                   "dispatch": ("ep_intranode_dispatch", "ep_direct_dispatch"),
+                   "combine": ("ep_intranode_combine", "ep_pull_combine")}
 
 
 def _kernel_spans(fn) -> dict:
@@ -404,8 +439,8 @@ def _kernel_spans(fn) -> dict:
     for event in prof.events():
         if event.device_type.name != "CUDA":
             continue
-        for name, prefix in OVERLAP_KERNELS.items():
-            if event.name.startswith(prefix) and name not in spans:
+        for name, prefixes in OVERLAP_KERNELS.items():
+            if event.name.startswith(prefixes) and name not in spans:
                 spans[name] = (event.time_range.start, event.time_range.end)
     return spans
 
@@ -437,10 +472,12 @@ def ep_table(result: dict) -> str:
             gbs = row[f"{op}_gbs"]
             text += f"\n{op}: {gbs:.0f} GB/s = {gbs / peers['p2p_copy_gbs']:.0%} of the P2P copy"
         nccl_gbs = result["dispatch_bytes_per_rank"] / peers["nccl_dispatch_bytes_us"] / 1e3
+        combine_gbs = result["combine_bytes_per_rank"] / peers["nccl_combine_bytes_us"] / 1e3
         text += (f"\nP2P copy engine, 1 GiB one direction: {peers['p2p_copy_gbs']:.0f} GB/s"
                  f"\nNCCL all_to_all_single, the FP8 dispatch's bytes: "
-                 f"{peers['nccl_dispatch_bytes_us']:.1f} us "
-                 f"({nccl_gbs:.0f} GB/s)\nNCCL all_to_all_single bf16 4096x7168: "
+                 f"{peers['nccl_dispatch_bytes_us']:.1f} us ({nccl_gbs:.0f} GB/s); the bf16 "
+                 f"combine's: {peers['nccl_combine_bytes_us']:.1f} us ({combine_gbs:.0f} GB/s)"
+                 f"\nNCCL all_to_all_single bf16 4096x7168: "
                  f"{peers['nccl_bf16_4096x7168_us']:.1f} us")
     w = result["worst"]
     text += (f"\nsized for the worst case (num_worst_tokens: no host sync, in CUDA graphs), "
@@ -462,16 +499,20 @@ def ep_table(result: dict) -> str:
             f"{op} {phase} {d[f'{op}_{phase}_us']:.1f} us" for op in ("dispatch", "combine")
             for phase in ("send", "receive")))
     for rank, o in enumerate(result["overlap"]):
-        if o:
-            text += (f"\noverlap, rank {rank}: grouped FP8 GEMM ({o['gemm_rows']} rows, "
-                     f"{o['gemm_sms']} SMs) {o['gemm_us']:.1f} us, dispatch + combine "
-                     f"({o['comm_sms']} SMs) {o['comm_us']:.1f} us, together "
-                     f"{o['overlapped_us']:.1f} us = {o['ratio']:.2f} x their sum, "
-                     f"{o['over_longer']:.2f} x the longer")
-            text += "\n  in one overlapped call (profiler): " + ", ".join(
+        if not o:
+            continue
+        text += (f"\noverlap, rank {rank}: grouped FP8 GEMM ({o['gemm_rows']} rows, "
+                 f"{o['gemm_sms']} SMs) {o['gemm_us']:.1f} us beside dispatch + combine "
+                 f"({o['comm_sms']} SMs)")
+        for way, how in (("rings", "through the rings"),
+                         ("direct", "direct dispatch (exchange included), pull combine")):
+            w = o[way]
+            text += (f"\n  {how}: {w['comm_us']:.1f} us, together {w['overlapped_us']:.1f} us = "
+                     f"{w['ratio']:.2f} x their sum, {w['over_longer']:.2f} x the longer")
+            text += "\n    in one overlapped call (profiler): " + ", ".join(
                 f"{name} {k['alone_us']:.0f} -> {k['together_us']:.0f} us (x"
                 f"{k['together_us'] / k['alone_us']:.2f}), starting at +{k['start_us']:.0f} us"
-                for name, k in o["kernels"].items())
+                for name, k in w["kernels"].items())
     if result.get("layer"):
         from .ep_layer import layer_table
 

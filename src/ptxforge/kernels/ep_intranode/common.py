@@ -15,7 +15,7 @@ from types import SimpleNamespace
 from ...arch import Arch
 from ...patterns.poll import Watchdog
 from ...ptx import KernelBuilder, addr, sreg
-from .plan import MAX_RANKS, BufferPlan, check_plan
+from .plan import MAX_CHANNELS, MAX_RANKS, BufferPlan, check_plan
 
 # The watchdog's record codes: which wait timed out, or which entry came from a peer
 # that laid its rings out for other sizes (the host's messages, ep/buffer.py).
@@ -191,6 +191,25 @@ def counter(k: KernelBuilder, buffer, plan: BufferPlan, name: str, channel, peer
     k.add(at, buffer, plan.counter(name))
     k.mad(at, index, 4, at, mode="wide")
     return at
+
+
+def wait_for_number(k, t, flags: int, own, source, cta, number, *, code: int, channel) -> None:
+    """The thread waits (the watchdog: ``code``, ``channel``, peer ``source``) until flag
+    [source][cta] of the [MAX_RANKS][2 * MAX_CHANNELS] u32 flags at byte ``flags`` of the
+    buffer ``own`` reaches ``number``. Such flags carry the numbers of calls, so they only
+    grow: arrived when flag - number, modulo 2^32, lies below 2^31."""
+    at, seen, ahead = k.reg("u64", "flag_wait_at"), k.reg("u32", "flag_seen"), k.reg(
+        "u32", "flag_ahead")
+    reached = k.pred("arrived")
+    k.mad(at, source, 4 * 2 * MAX_CHANNELS, own, mode="wide")
+    k.mad(at, cta, 4, at, mode="wide")
+
+    def arrived(value):
+        k.sub(ahead, value, number)
+        k.setp("lt", reached, ahead, 1 << 31)
+        return reached
+
+    t.watchdog.wait(seen, addr(at, flags), arrived, code=code, channel=channel, peer=source)
 
 
 def check_entry(k, t, entry_at, signature_offset: int, signature: int, number, code: int,

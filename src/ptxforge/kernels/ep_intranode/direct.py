@@ -309,18 +309,7 @@ def _wait(k: KernelBuilder, cfg: DirectConfig, t) -> None:
         source = k.pred("a_source")
         k.setp("lt", source, t.tid, cfg.ranks)
         with k.if_(source, "not_a_source"):
-            own, seen, ahead = k.reg("u64", "done_at"), k.reg("u32", "done"), k.reg(
-                "u32", "done_ahead")
-            reached = k.pred("arrived")
+            own = k.reg("u64", "done_at")
             common.buffer_of(k, own, t.peers, t.rank)
-            k.mad(own, t.tid, 4 * 2 * MAX_CHANNELS, own, mode="wide")
-            k.mad(own, t.cta, 4, own, mode="wide")
-
-            def arrived(value):
-                # flag - n, modulo 2^32, below 2^31: the flag is n or past it.
-                k.sub(ahead, value, t.number)
-                k.setp("lt", reached, ahead, 1 << 31)
-                return reached
-
-            t.watchdog.wait(seen, addr(own, DIRECT_DONE), arrived,
-                            code=common.DIRECT_RECEIVE, channel=t.channel, peer=t.tid)
+            common.wait_for_number(k, t, DIRECT_DONE, own, t.tid, t.cta, t.number,
+                                   code=common.DIRECT_RECEIVE, channel=t.channel)

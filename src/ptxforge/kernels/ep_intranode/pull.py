@@ -127,19 +127,8 @@ def _ready(k: KernelBuilder, cfg: PullConfig, t) -> None:
             k.fence("acq_rel", "sys")
             k.st(addr(at, PULL_READY), t.number, sem="release", scope="sys")
         with k.stage("wait: this rank's flag [tid][cta] reaches n"):
-            seen, ahead, reached = k.reg("u32", "ready"), k.reg("u32", "ready_ahead"), k.pred(
-                "arrived")
-            k.mad(at, t.tid, 4 * 2 * MAX_CHANNELS, own, mode="wide")
-            k.mad(at, t.cta, 4, at, mode="wide")
-
-            def arrived(value):
-                # flag - n, modulo 2^32, below 2^31: the flag is n or past it.
-                k.sub(ahead, value, t.number)
-                k.setp("lt", reached, ahead, 1 << 31)
-                return reached
-
-            t.watchdog.wait(seen, addr(at, PULL_READY), arrived, code=common.PULL_RECEIVE,
-                            channel=t.cta, peer=t.tid)
+            common.wait_for_number(k, t, PULL_READY, own, t.tid, t.cta, t.number,
+                                   code=common.PULL_RECEIVE, channel=t.cta)
     k.bar_sync(0)
 
 
