@@ -521,8 +521,10 @@ def ep_table(result: dict) -> str:
 
 
 def ep_plot(result: dict, path: str) -> None:
-    """GB/s against SMs, a line per ring size, dispatch and combine side by side; NCCL's
-    all_to_all_single of the same bytes and the P2P copy as horizontal lines."""
+    """GB/s against SMs, a line per ring size, dispatch and combine side by side, the
+    direct dispatch and the pull combine (their kernels, sized for the worst case) as a
+    point at SM_BUDGET; NCCL's all_to_all_single of the same bytes and the P2P copy as
+    horizontal lines."""
     plt = pyplot()
     if plt is None:
         return
@@ -534,11 +536,14 @@ def ep_plot(result: dict, path: str) -> None:
             rows = [r for r in result["sweep"] if r["slots"] == slots]
             ax.plot([r["sms"] for r in rows], [r[f"{op}_gbs"] for r in rows], marker="o",
                     label=f"ring {slots} slots")
+        nbytes = result[f"{op}_bytes_per_rank"]
+        ax.plot([SM_BUDGET], [nbytes / result["worst"][f"direct_{op}_us"] / 1e3], marker="*",
+                markersize=12, linestyle="none", color="tab:red",
+                label="direct dispatch / pull combine")
         if peers:
             ax.axhline(peers["p2p_copy_gbs"], color="gray", linestyle=":", label="P2P copy")
-            nccl = result["dispatch_bytes_per_rank"] / peers["nccl_dispatch_bytes_us"] / 1e3
-            ax.axhline(nccl, color="black", linestyle="--",
-                       label="NCCL all_to_all (dispatch bytes)")
+            nccl = nbytes / peers[f"nccl_{op}_bytes_us"] / 1e3
+            ax.axhline(nccl, color="black", linestyle="--", label="NCCL all_to_all, same bytes")
         ax.set_title(f"{op} ({'FP8' if op == 'dispatch' else 'bf16'})")
         ax.set_xlabel("SMs")
         ax.grid(alpha=0.3)
@@ -556,8 +561,8 @@ def _layer_bars(ax, layer: dict) -> None:
     names = (("ours_us", "ptxforge (ep=buffer)"),
              ("bounded_us", "ptxforge, max_tokens_per_rank (no host sync)"),
              ("wide_us", f"the same, {layer['params'].get('wide_sms')} SMs"),
-             ("direct_us", "the same, direct dispatch"),
-             ("graph_us", "direct, CUDA graph"),
+             ("direct_us", "the same, direct dispatch + pull combine"),
+             ("graph_us", "the same, CUDA graph"),
              ("nccl_us", "NCCL + ptxforge experts"),
              ("grouped_mm_us", "grouped_mm + all_to_all"))
     rows, width = layer["rows"], 0.11

@@ -11,7 +11,8 @@ path).
     wide       bounded, on a buffer whose SM budget is WIDE_SMS: the layer runs its
                communication alone on the GPU, between its GEMMs
     direct     bounded, on a buffer with room for the worst case's received rows: the
-               direct dispatch writes them in place (every SM sending)
+               direct dispatch writes them in place (every SM sending), the experts
+               write their output into the buffer, the pull combine reads it
     graph      direct, a call captured in a CUDA graph and replayed (what a serving loop
                runs: no host work between the kernels)
     nccl       NCCL all_to_all_single of the FP8 rows (scales, local top-k and weights
@@ -353,8 +354,8 @@ def layer_table(result: dict) -> str:
                      f"{r['nccl_us'] / best:.2f}x", f"{r['grouped_mm_us'] / best:.2f}x"])
     text = head + "\n\n" + format_table(
         ["tokens a rank", "path", "ours us (TFLOPS)", "ours, no host sync",
-         f"no host sync, {p.get('wide_sms', WIDE_SMS)} SMs", "no host sync, direct dispatch",
-         "direct, CUDA graph",
+         f"no host sync, {p.get('wide_sms', WIDE_SMS)} SMs", "no host sync, direct + pull",
+         "the same, CUDA graph",
          "NCCL + ptxforge experts",
          "grouped_mm + all_to_all", "best of ours vs NCCL", "vs grouped_mm"], rows)
     text += (f"\n\ncopy rate (device to device, 1 GiB, read + written): "
