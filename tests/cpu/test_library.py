@@ -172,3 +172,75 @@ def test_a_residual_add_after_a_linear_traces_into_the_gemm():
     gemms = [node for node in calls if str(node.target) == "ptxforge.fp8_gemm_nt.default"]
     assert len(gemms) == 1 and gemms[0].kwargs["residual"].op == "placeholder"
     assert not any("add" in str(node.target) for node in calls)
+
+
+def _recorded(graphs: list):
+    """A torch.compile backend that keeps each graph and runs nothing (its outputs None):
+    what the tracer made is the test, not the kernels, which need a GPU."""
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        outputs = next(node for node in gm.graph.nodes if node.op == "output").args[0]
+        return lambda *args: [None] * len(outputs)
+    return backend
+
+
+def test_the_public_functions_trace_as_their_operators_with_fullgraph():
+    """torch.compile(fullgraph=True) over the public functions (not torch.ops.ptxforge.*):
+    each call becomes its operator in one graph, out= written by a copy, on CPU tensors
+    (the tracer never runs the functions' checks or kernels)."""
+    import ptxforge
+
+    e4m3, bf16 = torch.float8_e4m3fn, torch.bfloat16
+    m, k, n, groups, inner = 64, 256, 512, 4, 128
+
+    def every_op(x, w, wq, ws, bw, idx, weights):
+        q, s = ptxforge.quantize_fp8_per_token(x)
+        ptxforge.rms_norm_quantize_fp8(x, w, out=(torch.empty_like(q), torch.empty_like(s)))
+        h = ptxforge.rms_norm(x, w)
+        gq, gs = ptxforge.silu_mul_quantize_fp8(x, h)
+        bq, bs = ptxforge.quantize_fp8_per_block(bw)
+        d = torch.empty(m, n, dtype=bf16)
+        ptxforge.fp8_gemm_nt((q, s), (wq, ws), d)
+        ptxforge.bf16_gemm_nt(x, bw, d)
+        route = ptxforge.moe_routing_layout(idx, groups)
+        a = ptxforge.moe_permute_quantize_fp8(x, route.rows, (route.m_indices.shape[0],))
+        grouped = torch.empty(route.m_indices.shape[0], 2 * inner, dtype=bf16)
+        b = (wq.view(groups, -1, k), ws.view(groups, -1, ws.shape[1]))   # [G, 2I, K]
+        ptxforge.m_grouped_fp8_gemm_nt_contiguous(a, b, grouped, route.m_indices,
+                                                  rows_used=route.rows_used)
+        ptxforge.m_grouped_bf16_gemm_nt_contiguous(grouped[:, :k], bw.view(groups, -1, k),
+                                                   grouped, route.m_indices)
+        aq, as_ = ptxforge.moe_silu_mul_quantize_fp8(grouped, route.rows)
+        masked = torch.empty(groups, 16, n, dtype=bf16)
+        ptxforge.m_grouped_fp8_gemm_nt_masked(
+            (aq.view(groups, -1, inner)[:, :16], as_.view(groups, -1, 1)[:, :16]),
+            b, masked, route.counts, 16)
+        ptxforge.m_grouped_bf16_gemm_nt_masked(masked[..., :k], bw.view(groups, -1, k), masked,
+                                               route.counts, 16)
+        y = ptxforge.moe_combine(grouped[:, :k].contiguous(), route.rows, weights)
+        return gq, gs, bq, bs, d, y, masked
+
+    graphs = []
+    inputs = (torch.randn(m, k).to(bf16), torch.randn(k).to(bf16), torch.randn(n, k).to(e4m3),
+              torch.rand(n // 128, k // 128), torch.randn(n, k).to(bf16),
+              torch.randint(0, groups, (m, 2)), torch.rand(m, 2))
+    torch.compile(every_op, backend=_recorded(graphs), fullgraph=True)(*inputs)
+    (graph,) = graphs
+    called = [str(node.target).removeprefix("ptxforge.") for node in graph.graph.nodes
+              if str(node.target).startswith("ptxforge.")]
+    assert called == [
+        "quantize_fp8_per_token", "rms_norm_quantize_fp8", "rms_norm", "silu_mul_quantize_fp8",
+        "quantize_fp8_per_block", "fp8_gemm_nt", "bf16_gemm_nt", "moe_routing_layout",
+        "moe_permute_quantize_fp8", "m_grouped_fp8_gemm_nt_contiguous",
+        "m_grouped_bf16_gemm_nt_contiguous", "moe_silu_mul_quantize_fp8",
+        "m_grouped_fp8_gemm_nt_masked", "m_grouped_bf16_gemm_nt_masked", "moe_combine"]
+    assert {entry.name for entry in PUBLIC if entry.kernels} == set(called)
+    copies = [node for node in graph.graph.nodes if node.target == "copy_"]
+    assert len(copies) == 2   # rms_norm_quantize_fp8's out=(q, scales)
+
+
+def test_a_traced_call_refuses_what_its_operator_cannot_take():
+    from ptxforge.ops.common import traced
+
+    with pytest.raises(ValueError, match="config= cannot be traced by torch.compile"):
+        traced("fp8_gemm_nt", config=object())

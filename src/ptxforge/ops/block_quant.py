@@ -9,7 +9,7 @@ import torch
 from .. import jit
 from ..kernels import bf16_block_quant_fp8 as block_kernel
 from .common import (current_stream, device_arch, inspect, inspect_quantized_out, pair,
-                      programmatic, require_cuda, require_pdl, row_span)
+                      programmatic, require_cuda, require_pdl, row_span, traced)
 from .layout import ceil_div
 
 
@@ -38,6 +38,8 @@ def quantize_fp8_per_block(w: torch.Tensor, *, out=None, pdl: bool | None = None
     (q contiguous, scales with unit column stride). ``pdl``: launch with programmatic
     dependent launch (as ``rms_norm``'s); None: the process default, ``PTXFORGE_PDL``.
     """
+    if torch.compiler.is_compiling():
+        return traced("quantize_fp8_per_block", w, out=out, pdl=pdl)
     shape, strides, w_ptr, device = inspect("w", w, torch.bfloat16, 2)
     n, k = shape
     row_stride = strides[0]

@@ -73,6 +73,25 @@ def require_cuda(name: str, t: torch.Tensor, device: int) -> None:
         raise ValueError(f"{name} must be on a CUDA device, got {t.device}")
 
 
+def traced(name: str, *args, out=None, config=None, **kwargs):
+    """What a public function runs while torch.compile (Dynamo) traces it: its
+    torch.library operator, ``torch.ops.ptxforge.<name>``, which the graph records (the
+    function's own checks read data pointers, which the tracer's fake tensors do not
+    have); the results copied into ``out`` where the caller gave it. ``config=`` has no
+    place in an operator's schema: refused by name."""
+    if config is not None:
+        raise ValueError(f"config= cannot be traced by torch.compile (torch.ops.ptxforge."
+                         f"{name} has no such argument): leave it to the stored choice")
+    results = getattr(torch.ops.ptxforge, name)(*args, **kwargs)
+    if out is None:
+        return results
+    if isinstance(out, torch.Tensor):
+        return out.copy_(results)
+    for given, result in zip(out, results):
+        given.copy_(result)
+    return tuple(out)
+
+
 def pair(name: str, value, holds: str):
     """``value`` as ``(data, scales)``: a tuple or list of two items, ``holds`` saying
     what they are (``inspect`` checks each, naming ``name[0]`` and ``name[1]``)."""

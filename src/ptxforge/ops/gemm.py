@@ -21,7 +21,7 @@ from ..arch import tma_alignment
 from ..kernels.gemm import BLOCK_K, CONTIGUOUS_ALIGNMENT, GemmProblem
 from .common import (current_stream, device_arch, inspect, pair, programmatic,
                       require_contiguous_rows, require_cuda, require_disjoint, require_pdl,
-                      require_shape, row_span, strided_span)
+                      require_shape, row_span, strided_span, traced)
 from .layout import (ceil_div, get_mn_major_tma_aligned_tensor, get_tma_aligned_size,
                      is_mn_major_tma_aligned)
 
@@ -248,6 +248,10 @@ def fp8_gemm_nt(a, b, d: torch.Tensor, c: torch.Tensor | None = None, *,
     Fast path: sa in the MN-major TMA-aligned layout that ``quantize_fp8_per_token``
     writes by default. A row-major sa is converted (one copy) on every call.
     """
+    if torch.compiler.is_compiling():
+        a, b = pair("a", a, "A and its scales"), pair("b", b, "B and its scales")
+        return traced("fp8_gemm_nt", *a, *b, d, c, bias=bias, residual=residual, alpha=alpha,
+                      num_sms=num_sms, pdl=pdl, config=config)
     m, k, a_row, a_ptr, device, a_spans, sa, sa_ptr = _scaled_a(a)
     B, sb = pair("b", b, "e4m3 [N, K] and f32 [ceil(N/128), ceil(K/128)]")
     (n, kb_), b_strides, b_ptr, _ = inspect("b[0]", B, torch.float8_e4m3fn, 2, device=device)
@@ -291,6 +295,9 @@ def bf16_gemm_nt(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor,
     ``c``, f32 [M, N] (``c`` may be ``d``: accumulate in place; another c is copied first).
     bias, residual, alpha, num_sms, config, pdl: as ``fp8_gemm_nt``'s.
     """
+    if torch.compiler.is_compiling():
+        return traced("bf16_gemm_nt", a, b, d, c, bias=bias, residual=residual, alpha=alpha,
+                      num_sms=num_sms, pdl=pdl, config=config)
     (m, k), a_strides, a_ptr, device = inspect("a", a, torch.bfloat16, 2)
     (n, kb_), b_strides, b_ptr, _ = inspect("b", b, torch.bfloat16, 2, device=device)
     if kb_ != k:
@@ -464,6 +471,10 @@ def m_grouped_fp8_gemm_nt_contiguous(a, b, d: torch.Tensor, m_indices: torch.Ten
     of a routing known only on the GPU costs only the rows it fills (``moe_routing_layout``
     writes it). num_sms, config, pdl: as ``fp8_gemm_nt``'s.
     """
+    if torch.compiler.is_compiling():
+        a, b = pair("a", a, "A and its scales"), pair("b", b, "B and its scales")
+        return traced("m_grouped_fp8_gemm_nt_contiguous", *a, *b, d, m_indices,
+                      rows_used=rows_used, num_sms=num_sms, pdl=pdl, config=config)
     m, k, a_row, a_ptr, device, a_spans, sa, sa_ptr = _scaled_a(a)
     _contiguous("a[0]", a[0], device, m, k, a_row, a_ptr, a_spans,
                 _grouped_b(a[0].shape, b, k, device), d, m_indices, sa, sa_ptr,
@@ -478,6 +489,9 @@ def m_grouped_bf16_gemm_nt_contiguous(a: torch.Tensor, b: torch.Tensor, d: torch
     """``m_grouped_fp8_gemm_nt_contiguous`` with bf16 operands and no scales: a bf16
     [M, K], b bf16 [G, N, K], d bf16 [M, N], m_indices int32 [M], rows_used (same
     contract)."""
+    if torch.compiler.is_compiling():
+        return traced("m_grouped_bf16_gemm_nt_contiguous", a, b, d, m_indices,
+                      rows_used=rows_used, num_sms=num_sms, pdl=pdl, config=config)
     (m, k), a_strides, a_ptr, device = inspect("a", a, torch.bfloat16, 2)
     _contiguous("a", a, device, m, k, a_strides[0], a_ptr,
                 (row_span(a_ptr, m, a_strides[0], k, 2),),
@@ -503,6 +517,10 @@ def m_grouped_fp8_gemm_nt_masked(a, b, d: torch.Tensor, masked_m: torch.Tensor,
     are not meaningful: a tile that starts before masked_m[g] is written whole.
     num_sms, config, pdl: as ``fp8_gemm_nt``'s.
     """
+    if torch.compiler.is_compiling():
+        a, b = pair("a", a, "A and its scales"), pair("b", b, "B and its scales")
+        return traced("m_grouped_fp8_gemm_nt_masked", *a, *b, d, masked_m, expected_m,
+                      num_sms=num_sms, pdl=pdl, config=config)
     A, sa = pair("a", a, "e4m3 [G, M_max, K] and f32 [G, M_max, ceil(K/128)]")
     (num_groups, m_max, k), a_strides, a_ptr, device = inspect("a[0]", A, torch.float8_e4m3fn, 3)
     sa_shape, sa_strides, sa_ptr, _ = inspect("a[1]", sa, torch.float32, 3, align=4,
@@ -519,6 +537,9 @@ def m_grouped_bf16_gemm_nt_masked(a: torch.Tensor, b: torch.Tensor, d: torch.Ten
                                   pdl: bool | None = None) -> None:
     """``m_grouped_fp8_gemm_nt_masked`` with bf16 operands and no scales: a bf16
     [G, M_max, K], b bf16 [G, N, K], d bf16 [G, M_max, N] (same contract)."""
+    if torch.compiler.is_compiling():
+        return traced("m_grouped_bf16_gemm_nt_masked", a, b, d, masked_m, expected_m,
+                      num_sms=num_sms, pdl=pdl, config=config)
     (_, _, k), a_strides, a_ptr, device = inspect("a", a, torch.bfloat16, 3)
     _masked("a", a, a_strides, a_ptr, device, None,
             _grouped_b(a.shape, b, k, device, scaled=False), d, masked_m, expected_m,

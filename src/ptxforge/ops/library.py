@@ -7,7 +7,8 @@ launches a kernel.
     torch.ops.ptxforge.fp8_gemm_nt(q, s, wq, ws, d)      # mutates d
 
 Each operator's CUDA implementation is the plain function (``ptxforge.fp8_gemm_nt``...),
-whose eager callers keep calling it directly: registering costs them nothing. The fake
+whose eager callers keep calling it directly: registering costs them nothing; while
+torch.compile traces, the function calls its operator (``ops.common.traced``). The fake
 implementations (shapes, dtypes and strides under FakeTensorMode) allocate with the same
 helpers as the functions, so the two cannot drift apart. Registered with ``Library`` +
 ``define`` / ``impl`` and ``register_fake``, not ``@custom_op``, whose per-call wrapper

@@ -33,7 +33,7 @@ from ..kernels import bf16_row_rmsnorm_fp8quant as row_kernel
 from ..kernels import f32_moe_scale_gather as gather_kernel
 from . import rowwise
 from .common import (current_stream, device_arch, inspect, pair, programmatic, require_cuda,
-                      require_disjoint, require_pdl, require_shape, strided_span)
+                      require_disjoint, require_pdl, require_shape, strided_span, traced)
 from .gemm import m_grouped_fp8_gemm_nt_contiguous, m_grouped_fp8_gemm_nt_masked
 from .layout import ceil_div, empty_mn_major_scales
 from .moe_combine import moe_combine
@@ -150,6 +150,11 @@ def moe_permute_quantize_fp8(x, rows: torch.Tensor, shape, *, out=None,
     Returns ``(q, scales)``: q e4m3 [*shape, H], scales f32 [*shape, ceil(H/128)] MN-major
     (``grouped_quantized``), or ``out`` with any scale strides; rows no pair names are left
     as they were. ``pdl``: as ``rms_norm``'s."""
+    if torch.compiler.is_compiling():
+        if isinstance(x, (tuple, list)):
+            raise ValueError("moe_permute_quantize_fp8 of quantized rows ((q, scales)) has no "
+                             "operator to trace: pass the bf16 rows under torch.compile")
+        return traced("moe_permute_quantize_fp8", x, rows, list(shape), out=out, pdl=pdl)
     quantized = isinstance(x, (tuple, list)) and len(x) == 2 and isinstance(x[0], torch.Tensor)
     if quantized:
         x, x_scales = x
@@ -229,6 +234,8 @@ def moe_silu_mul_quantize_fp8(d: torch.Tensor, rows: torch.Tensor, *, out=None,
     d: bf16 [R, 2I] or [E, M_max, 2I], contiguous. rows: int32 [T, k] as
     ``moe_permute_quantize_fp8``'s. Returns ``(q, scales)`` with d's leading shape and I
     columns (``grouped_quantized``), or ``out``."""
+    if torch.compiler.is_compiling():
+        return traced("moe_silu_mul_quantize_fp8", d, rows, out=out, pdl=pdl)
     shape, _, d_ptr, device = inspect("d", d, torch.bfloat16, (2, 3))
     if shape[-1] % 2 or not d.is_contiguous():
         raise ValueError(f"d must be a contiguous gate_up output [..., 2I], got shape "

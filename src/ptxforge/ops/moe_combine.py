@@ -15,7 +15,7 @@ from .. import jit
 from ..kernels import bf16_moe_combine as combine_kernel
 from .common import (current_stream, device_arch, inspect, programmatic,
                       require_contiguous_rows, require_cuda, require_disjoint, require_pdl,
-                      require_shape, row_span)
+                      require_shape, row_span, traced)
 
 # The weights' torch dtype -> the kernel's name for it.
 WEIGHT_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
@@ -55,6 +55,8 @@ def moe_combine(y: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, *,
     write instead of allocating one; it must not overlap the inputs. T may be 0 (nothing
     is launched). ``pdl``: as ``rms_norm``'s. Returns out.
     """
+    if torch.compiler.is_compiling():
+        return traced("moe_combine", y, rows, weights, out=out, pdl=pdl)
     (r, hidden), y_strides, y_ptr, device = inspect("y", y, torch.bfloat16, 2)
     (tokens, topk), rows_ptr = _pair_table("rows", rows, torch.int32, device)
     w_dtype = weights.dtype if isinstance(weights, torch.Tensor) else torch.float32

@@ -16,7 +16,7 @@ import torch
 from .. import jit
 from ..kernels import i64_moe_routing_layout as routing_kernel
 from .common import (current_stream, device_arch, inspect, programmatic,
-                      require_contiguous_rows, require_cuda, require_pdl)
+                      require_contiguous_rows, require_cuda, require_pdl, traced)
 from .gemm import get_mk_alignment_for_contiguous_layout
 
 INT32_MAX = 2**31 - 1  # rows and counts are int32
@@ -87,6 +87,9 @@ def moe_routing_layout(topk_idx: torch.Tensor, num_experts: int, *, layout: str 
     whatever routing topk_idx holds at each replay. The same input gives the same output,
     bit for bit. ``pdl``: as ``rms_norm``'s.
     """
+    if torch.compiler.is_compiling():
+        return MoeRouting(*traced("moe_routing_layout", topk_idx, num_experts, layout=layout,
+                                  rows_per_expert=rows_per_expert, pdl=pdl))
     shape, strides, ptr, device = inspect("topk_idx", topk_idx, torch.int64, 2, align=8)
     require_contiguous_rows("topk_idx", shape, strides)
     tokens, k = shape
