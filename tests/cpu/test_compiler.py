@@ -6,6 +6,8 @@ meta device (the FFN block, a small Llama) get their RMSNorms and SwiGLUs fused 
 quantization, their parallel Linears joined and their residual adds moved into the GEMM;
 the plan's kernels and the CLI's report come from the same trace."""
 
+import sys
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -516,3 +518,65 @@ def test_compiling_a_model_whose_experts_loop_warns(caplog):
         assert not any("gate_up_proj" in n.name for n in gm.graph.nodes)
     grouped, _ = moe_block("mixtral")
     assert compiler.moe.looping_experts(grouped) == []
+
+
+def _generating_llama():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(1))
+    expected = model.generate(ids, max_new_tokens=6, do_sample=False,
+                              cache_implementation="static")
+    return transformers, model, ids, expected
+
+
+def _recording(monkeypatch) -> list:
+    """Every graph ptxforge's backend compiles from now on, by its first tensor input's
+    shape (a dynamic dimension as its symbol's name)."""
+    backend_module = sys.modules["ptxforge.compiler.backend"]
+    original, graphs = backend_module.backend, []
+
+    def recorded(gm, example_inputs, **options):
+        first = next(x for x in example_inputs if isinstance(x, torch.Tensor))
+        graphs.append(tuple(str(d) for d in first.shape))
+        return original(gm, example_inputs, **options)
+
+    monkeypatch.setattr(backend_module, "backend", recorded)
+    torch._dynamo.reset()
+    return graphs
+
+
+def _generate_compiled(transformers, model, ids, backend: str):
+    """model.generate with a static cache and transformers' own compile of the decode step
+    with ``backend`` (transformers makes it on a GPU; ``_compile_all_devices`` here)."""
+    from transformers.generation.configuration_utils import CompileConfig
+
+    compile_config = CompileConfig(backend=backend, fullgraph=False)
+    compile_config._compile_all_devices = True
+    return model.generate(ids, generation_config=transformers.GenerationConfig(
+        max_new_tokens=6, do_sample=False, cache_implementation="static",
+        compile_config=compile_config))
+
+
+def test_generate_with_a_forward_ptxforge_compiled_runs_its_graphs(monkeypatch):
+    """model.forward = ptxforge.compile(model.forward), transformers' documented recipe:
+    generate's own compile of the decode step used to trace through the wrapper (and
+    failed on its maybe_mark_dynamic); now the decode steps call the compiled forward,
+    whose ptxforge graphs (the prompt, then one token) give eager's tokens."""
+    transformers, model, ids, expected = _generating_llama()
+    graphs = _recording(monkeypatch)
+    model.forward = compiler.compile(model.forward)
+    assert torch.equal(_generate_compiled(transformers, model, ids, "inductor"), expected)
+    assert graphs[1:] == [("1", "1")] and len(graphs) == 2   # the prompt's, a token's
+
+
+def test_generate_with_ptxforge_as_transformers_compile_backend(monkeypatch):
+    """generation_config.compile_config with backend="ptxforge": transformers compiles the
+    decode step with ptxforge's backend, eager's tokens."""
+    transformers, model, ids, expected = _generating_llama()
+    graphs = _recording(monkeypatch)
+    assert torch.equal(_generate_compiled(transformers, model, ids, "ptxforge"), expected)
+    assert graphs == [("1", "1")]

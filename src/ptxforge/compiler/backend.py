@@ -176,11 +176,27 @@ def compile(model, *, fp8: bool = True, precompile: int | None = None,
         handle = compiled.register_forward_pre_hook(mark_once, with_kwargs=True)
         return compiled
 
+    _generate_with_this_forward(model)
+
     @functools.wraps(model)
     def call(*args, **kwargs):
-        mark_token_dims(args, kwargs)
+        # Under another torch.compile, Dynamo traces this call: no marking there.
+        if not torch.compiler.is_compiling():
+            mark_token_dims(args, kwargs)
         return compiled(*args, **kwargs)
     return call
+
+
+def _generate_with_this_forward(forward) -> None:
+    """``model.forward = ptxforge.compile(model.forward)`` on a transformers model: its
+    generate would compile each decode step again (``get_compiled_call``: torch.compile of
+    the model's ``__call__`` with transformers' own backend), tracing through this forward,
+    whose ptxforge graphs would then never run (a torch.compile inside another is ignored).
+    The model's compiled call becomes its plain call, which reaches the compiled forward."""
+    model = getattr(forward, "__self__", None)
+    if getattr(forward, "__name__", None) == "forward" and callable(
+            getattr(model, "get_compiled_call", None)):
+        model.get_compiled_call = lambda compile_config=None: model.__call__
 
 
 def token_dims(x: torch.Tensor) -> list[int]:
