@@ -545,6 +545,10 @@ def _recording(monkeypatch) -> list:
         return original(gm, example_inputs, **options)
 
     monkeypatch.setattr(backend_module, "backend", recorded)
+    # backend="ptxforge" resolves through Dynamo's registry, which keeps what it found.
+    from torch._dynamo.backends.registry import _COMPILER_FNS
+
+    monkeypatch.setitem(_COMPILER_FNS, "ptxforge", recorded)
     torch._dynamo.reset()
     return graphs
 
@@ -580,3 +584,15 @@ def test_generate_with_ptxforge_as_transformers_compile_backend(monkeypatch):
     graphs = _recording(monkeypatch)
     assert torch.equal(_generate_compiled(transformers, model, ids, "ptxforge"), expected)
     assert graphs == [("1", "1")]
+
+
+def test_generate_with_a_dynamic_cache_and_a_forward_ptxforge_compiled(monkeypatch):
+    """The default (dynamic) cache, which transformers does not compile itself: the
+    compiled forward gives eager's tokens, with three graphs for 12 new tokens (the
+    prompt, a first step, and once the cache grows its length dynamic), not one a step."""
+    transformers, model, ids, _ = _generating_llama()
+    expected = model.generate(ids, max_new_tokens=12, do_sample=False)
+    graphs = _recording(monkeypatch)
+    model.forward = compiler.compile(model.forward)
+    assert torch.equal(model.generate(ids, max_new_tokens=12, do_sample=False), expected)
+    assert len(graphs) == 3
