@@ -14,6 +14,9 @@
 #   bash bench/device_run.sh onnx [opsets, default 18,23]
 # Expert parallelism (a rank a GPU, as many as are visible; on one GPU two ranks under MPS):
 #   bash bench/device_run.sh ep
+# Text generation (Llama-3-8B's sizes; transformers' generate eager, with its own compile,
+# and with ptxforge's two recipes; the step's roofline):
+#   bash bench/device_run.sh generate
 set -u -o pipefail
 export PYTHONPATH=$PWD/src:$PWD/tests PYTHONUNBUFFERED=1
 export PTXFORGE_CACHE_DIR=/tmp/ptxforge-cache
@@ -44,6 +47,12 @@ if [ "${1:-}" = ep ]; then
   } > "$log" 2>&1
   grep -E "passed|failed|Error" "$log" | grep -v "^|" | tail -18
   sed -n '/### .*bench ep/,$p' "$log" | grep -v "^###\|^DEBUG\|[Ww]arn"
+  exit 0
+fi
+if [ "${1:-}" = generate ]; then
+  $py -m ptxforge.cli bench generate --json "$OUT/generate.json" --plot "$OUT/generate.png" \
+    > "$log" 2>&1
+  grep -v "^DEBUG\|[Ww]arn" "$log" | tail -24
   exit 0
 fi
 if [ "${1:-}" = moe ]; then

@@ -266,7 +266,7 @@ def cmd_bench(args) -> int:
         from .bench import onnx as onnx_bench
 
         opsets = tuple(int(opset) for opset in args.opsets.split(","))
-        result = onnx_bench.onnx_suite(opsets, args.layers)
+        result = onnx_bench.onnx_suite(opsets, _layers(args, 2))
         text, plot = onnx_bench.onnx_table(result), None
     elif args.suite == "ep":
         from .bench import ep as ep_bench
@@ -279,10 +279,15 @@ def cmd_bench(args) -> int:
             return 0
         text = ep_bench.ep_table(result)
         plot = ep_bench.ep_plot
+    elif args.suite == "generate":
+        from .bench import generate as generate_bench
+
+        result = generate_bench.generate_suite(layers=_layers(args, 32))
+        text, plot = generate_bench.generate_table(result), generate_bench.generate_plot
     elif args.suite == "model":
         from .bench import model as model_bench
 
-        result = model_bench.model_suite(args.models.split(","), args.layers)
+        result = model_bench.model_suite(args.models.split(","), _layers(args, 2))
         text, plot = model_bench.model_table(result), model_bench.model_plot
     else:
         result = bench.gemm_suite()
@@ -295,6 +300,11 @@ def cmd_bench(args) -> int:
         plot(result, args.plot)
     print(text)
     return 0
+
+
+def _layers(args, default: int) -> int:
+    """bench --layers, the suite's default where not given."""
+    return default if args.layers is None else args.layers
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -419,14 +429,14 @@ def main(argv=None) -> int:
     p.add_argument("--bf16", action="store_true", help="the backend's fp8=False plan")
     p = command("bench", "GPU benchmark side by side with torch")
     p.add_argument("suite", choices=["memory", "fp8-gemm", "grouped-gemm", "bf16-gemm", "decode",
-                                     "chain", "model", "onnx", "ep"])
+                                     "chain", "model", "onnx", "ep", "generate"])
     p.add_argument("--m", type=int, default=16384)
     p.add_argument("--k", type=int, default=7168)
     p.add_argument("--json", help="write the full results here")
     p.add_argument("--plot", help="write a PNG plot here")
     p.add_argument("--models", default="ffn,llama-8b", help="model suite: which models")
-    p.add_argument("--layers", type=int, default=2, help="model and onnx suites: transformers "
-                   "layers")
+    p.add_argument("--layers", type=int, help="model and onnx suites: transformers layers "
+                   "(default 2); generate suite: Llama-3-8B's layers (default all 32)")
     p.add_argument("--opsets", default="18,23", help="onnx suite: the opsets to export at")
     p.add_argument("--tokens", type=int, default=4096, help="ep suite: tokens a rank (--k: "
                    "the hidden size)")

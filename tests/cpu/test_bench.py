@@ -17,6 +17,7 @@ import torch
 from ptxforge import cli
 from ptxforge.bench import ep as ep_bench
 from ptxforge.bench import ep_layer, ranks
+from ptxforge.bench import generate as generate_bench
 from ptxforge.bench import model as model_bench
 from ptxforge.bench import ops as bench
 
@@ -332,6 +333,50 @@ class FakePyplot:
 
 
 GPU = "NVIDIA H200"
+
+
+def _llama_8b_config():
+    import types
+
+    from ptxforge import models
+
+    return types.SimpleNamespace(num_hidden_layers=32, **{
+        name: models.LLAMA_8B[name] for name in ("hidden_size", "intermediate_size",
+                                                 "num_attention_heads", "num_key_value_heads",
+                                                 "vocab_size")})
+
+
+def test_a_decode_step_reads_the_weights_the_lm_head_and_the_kv_cache():
+    """Llama-3-8B's sizes: about 8.0 GB a step at batch 1 (FP8 weights and the bf16
+    lm_head), and about 17 GB more of bf16 KV cache at batch 32 with 4096 tokens of
+    context (the issue's figures)."""
+    config = _llama_8b_config()
+    one = generate_bench.step_bytes(config, 1, 512)
+    assert one["weights"] == pytest.approx(32 * 218_103_808 * (1 + 4 / 128 ** 2))
+    assert one["lm_head"] == 2 * 128256 * 4096
+    assert 7.9e9 < one["total"] < 8.1e9
+    batch = generate_bench.step_bytes(config, 32, 4096)
+    assert batch["kv_cache"] == 2 * 32 * 32 * 2 * 8 * 128 * 4096
+    assert 16.5e9 < batch["kv_cache"] < 17.5e9
+    assert generate_bench.step_bytes(config, 1, 512, fp8=False)["weights"] == 2 * 32 * 218_103_808
+
+
+GENERATE_RESULT = {
+    "suite": "generate", "gpu": GPU, "copy_gbs": 4000.0, "layers": 32, "new_tokens": 128,
+    "rows": [dict(batch=1, prompt=512, candidate=c, ms=ms, tokens_per_s=1e3 / ms,
+                  step_bytes=dict(weights=7.0e9, lm_head=1.0e9, kv_cache=0.1e9, total=8.1e9),
+                  roofline_ms=2.025)
+             for c, ms in (("eager", 30.0), ("torch.compile", 9.0), ("ptxforge forward", 4.05),
+                           ("ptxforge backend", 5.0))]}
+
+
+def test_the_generate_table_reads_against_the_roofline():
+    table = generate_bench.generate_table(GENERATE_RESULT)
+    assert "| 1 x 512 | ptxforge forward | 4.05 | 247 | 2.00 |" in re.sub(" +", " ", table)
+    assert ("1 x 512: a step reads 8.10 GB (FP8 weights 7.00, lm_head 1.00, KV cache 0.10): "
+            "2.02 ms") in table
+
+
 PLOTTED = {   # suite -> (its module, suite, table and plot functions, a result to draw)
     "memory": (bench, "memory_suite", "memory_table", "memory_plot", {
         "suite": "memory", "gpu": GPU, "copy_gbs": 4000.0,
@@ -353,6 +398,8 @@ PLOTTED = {   # suite -> (its module, suite, table and plot functions, a result 
         "suite": "model", "gpu": GPU,
         "rows": [{"model": "FFN 7168/2048", "tokens": tokens, "candidate": candidate,
                   "wall_us": 10.0} for tokens in (64, 4096) for candidate in model_bench.CANDIDATES]}),
+    "generate": (generate_bench, "generate_suite", "generate_table", "generate_plot",
+                 GENERATE_RESULT),
     "ep": (ep_bench, "ep_suite", "ep_table", "ep_plot",
            dict(ep_bench._summary(_ep_ranks(), EP_PARAMS, 2, True, GPU), layer=_layer_summary())),
 }
