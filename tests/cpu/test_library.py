@@ -244,3 +244,23 @@ def test_a_traced_call_refuses_what_its_operator_cannot_take():
 
     with pytest.raises(ValueError, match="config= cannot be traced by torch.compile"):
         traced("fp8_gemm_nt", config=object())
+
+
+def test_a_public_function_called_inside_a_backend_runs_for_real():
+    """A compile backend runs inside torch.compile (ptxforge's quantizes weights there with
+    the real functions): the function then takes its own path, not its operator's (whose
+    CUDA implementation is the function again). On the CPU that path refuses the tensor."""
+    import ptxforge
+
+    raised = []
+
+    def backend(gm, example_inputs):
+        try:
+            ptxforge.quantize_fp8_per_block(torch.randn(256, 256).to(torch.bfloat16))
+        except Exception as error:   # noqa: BLE001 - the error itself is the check
+            raised.append(error)
+        return gm.forward
+
+    torch.compile(lambda x: x + 1, backend=backend)(torch.zeros(2))
+    (error,) = raised
+    assert str(error) == "w must be on a CUDA device, got cpu"   # not the operator's dispatch

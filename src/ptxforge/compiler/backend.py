@@ -181,7 +181,7 @@ def compile(model, *, fp8: bool = True, precompile: int | None = None,
     @functools.wraps(model)
     def call(*args, **kwargs):
         # Under another torch.compile, Dynamo traces this call: no marking there.
-        if not torch.compiler.is_compiling():
+        if not torch.compiler.is_dynamo_compiling():
             mark_token_dims(args, kwargs)
         return compiled(*args, **kwargs)
     return call

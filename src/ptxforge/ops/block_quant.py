@@ -38,7 +38,7 @@ def quantize_fp8_per_block(w: torch.Tensor, *, out=None, pdl: bool | None = None
     (q contiguous, scales with unit column stride). ``pdl``: launch with programmatic
     dependent launch (as ``rms_norm``'s); None: the process default, ``PTXFORGE_PDL``.
     """
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_dynamo_compiling():
         return traced("quantize_fp8_per_block", w, out=out, pdl=pdl)
     shape, strides, w_ptr, device = inspect("w", w, torch.bfloat16, 2)
     n, k = shape

@@ -74,7 +74,9 @@ def require_cuda(name: str, t: torch.Tensor, device: int) -> None:
 
 
 def traced(name: str, *args, out=None, config=None, **kwargs):
-    """What a public function runs while torch.compile (Dynamo) traces it: its
+    """What a public function runs while Dynamo traces it (``torch.compiler.
+    is_dynamo_compiling()``: false inside a compile backend, which may call the function
+    for real, as ptxforge's quantizing weights does): its
     torch.library operator, ``torch.ops.ptxforge.<name>``, which the graph records (the
     function's own checks read data pointers, which the tracer's fake tensors do not
     have); the results copied into ``out`` where the caller gave it. ``config=`` has no

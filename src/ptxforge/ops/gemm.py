@@ -248,7 +248,7 @@ def fp8_gemm_nt(a, b, d: torch.Tensor, c: torch.Tensor | None = None, *,
     Fast path: sa in the MN-major TMA-aligned layout that ``quantize_fp8_per_token``
     writes by default. A row-major sa is converted (one copy) on every call.
     """
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_dynamo_compiling():
         a, b = pair("a", a, "A and its scales"), pair("b", b, "B and its scales")
         return traced("fp8_gemm_nt", *a, *b, d, c, bias=bias, residual=residual, alpha=alpha,
                       num_sms=num_sms, pdl=pdl, config=config)
@@ -295,7 +295,7 @@ def bf16_gemm_nt(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor,
     ``c``, f32 [M, N] (``c`` may be ``d``: accumulate in place; another c is copied first).
     bias, residual, alpha, num_sms, config, pdl: as ``fp8_gemm_nt``'s.
     """
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_dynamo_compiling():
         return traced("bf16_gemm_nt", a, b, d, c, bias=bias, residual=residual, alpha=alpha,
                       num_sms=num_sms, pdl=pdl, config=config)
     (m, k), a_strides, a_ptr, device = inspect("a", a, torch.bfloat16, 2)
@@ -471,7 +471,7 @@ def m_grouped_fp8_gemm_nt_contiguous(a, b, d: torch.Tensor, m_indices: torch.Ten
     of a routing known only on the GPU costs only the rows it fills (``moe_routing_layout``
     writes it). num_sms, config, pdl: as ``fp8_gemm_nt``'s.
     """
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_dynamo_compiling():
         a, b = pair("a", a, "A and its scales"), pair("b", b, "B and its scales")
         return traced("m_grouped_fp8_gemm_nt_contiguous", *a, *b, d, m_indices,
                       rows_used=rows_used, num_sms=num_sms, pdl=pdl, config=config)
@@ -489,7 +489,7 @@ def m_grouped_bf16_gemm_nt_contiguous(a: torch.Tensor, b: torch.Tensor, d: torch
     """``m_grouped_fp8_gemm_nt_contiguous`` with bf16 operands and no scales: a bf16
     [M, K], b bf16 [G, N, K], d bf16 [M, N], m_indices int32 [M], rows_used (same
     contract)."""
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_dynamo_compiling():
         return traced("m_grouped_bf16_gemm_nt_contiguous", a, b, d, m_indices,
                       rows_used=rows_used, num_sms=num_sms, pdl=pdl, config=config)
     (m, k), a_strides, a_ptr, device = inspect("a", a, torch.bfloat16, 2)
@@ -517,7 +517,7 @@ def m_grouped_fp8_gemm_nt_masked(a, b, d: torch.Tensor, masked_m: torch.Tensor,
     are not meaningful: a tile that starts before masked_m[g] is written whole.
     num_sms, config, pdl: as ``fp8_gemm_nt``'s.
     """
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_dynamo_compiling():
         a, b = pair("a", a, "A and its scales"), pair("b", b, "B and its scales")
         return traced("m_grouped_fp8_gemm_nt_masked", *a, *b, d, masked_m, expected_m,
                       num_sms=num_sms, pdl=pdl, config=config)
@@ -537,7 +537,7 @@ def m_grouped_bf16_gemm_nt_masked(a: torch.Tensor, b: torch.Tensor, d: torch.Ten
                                   pdl: bool | None = None) -> None:
     """``m_grouped_fp8_gemm_nt_masked`` with bf16 operands and no scales: a bf16
     [G, M_max, K], b bf16 [G, N, K], d bf16 [G, M_max, N] (same contract)."""
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_dynamo_compiling():
         return traced("m_grouped_bf16_gemm_nt_masked", a, b, d, masked_m, expected_m,
                       num_sms=num_sms, pdl=pdl, config=config)
     (_, _, k), a_strides, a_ptr, device = inspect("a", a, torch.bfloat16, 3)

@@ -150,7 +150,7 @@ def moe_permute_quantize_fp8(x, rows: torch.Tensor, shape, *, out=None,
     Returns ``(q, scales)``: q e4m3 [*shape, H], scales f32 [*shape, ceil(H/128)] MN-major
     (``grouped_quantized``), or ``out`` with any scale strides; rows no pair names are left
     as they were. ``pdl``: as ``rms_norm``'s."""
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_dynamo_compiling():
         if isinstance(x, (tuple, list)):
             raise ValueError("moe_permute_quantize_fp8 of quantized rows ((q, scales)) has no "
                              "operator to trace: pass the bf16 rows under torch.compile")
@@ -234,7 +234,7 @@ def moe_silu_mul_quantize_fp8(d: torch.Tensor, rows: torch.Tensor, *, out=None,
     d: bf16 [R, 2I] or [E, M_max, 2I], contiguous. rows: int32 [T, k] as
     ``moe_permute_quantize_fp8``'s. Returns ``(q, scales)`` with d's leading shape and I
     columns (``grouped_quantized``), or ``out``."""
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_dynamo_compiling():
         return traced("moe_silu_mul_quantize_fp8", d, rows, out=out, pdl=pdl)
     shape, _, d_ptr, device = inspect("d", d, torch.bfloat16, (2, 3))
     if shape[-1] % 2 or not d.is_contiguous():

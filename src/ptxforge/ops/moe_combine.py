@@ -55,7 +55,7 @@ def moe_combine(y: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, *,
     write instead of allocating one; it must not overlap the inputs. T may be 0 (nothing
     is launched). ``pdl``: as ``rms_norm``'s. Returns out.
     """
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_dynamo_compiling():
         return traced("moe_combine", y, rows, weights, out=out, pdl=pdl)
     (r, hidden), y_strides, y_ptr, device = inspect("y", y, torch.bfloat16, 2)
     (tokens, topk), rows_ptr = _pair_table("rows", rows, torch.int32, device)

@@ -87,7 +87,7 @@ def moe_routing_layout(topk_idx: torch.Tensor, num_experts: int, *, layout: str 
     whatever routing topk_idx holds at each replay. The same input gives the same output,
     bit for bit. ``pdl``: as ``rms_norm``'s.
     """
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_dynamo_compiling():
         return MoeRouting(*traced("moe_routing_layout", topk_idx, num_experts, layout=layout,
                                   rows_per_expert=rows_per_expert, pdl=pdl))
     shape, strides, ptr, device = inspect("topk_idx", topk_idx, torch.int64, 2, align=8)

@@ -94,7 +94,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
     memory); None: the process default, ``PTXFORGE_PDL`` (off unless set). Same bits
     either way.
     """
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_dynamo_compiling():
         return traced("rms_norm", x, weight, eps, out=out, pdl=pdl)
     m, k, row_stride, x_ptr, device = _as_rows("x", x)
     w_ptr = _check_weight(weight, k, device)
@@ -131,7 +131,7 @@ def quantize_fp8_per_token(x: torch.Tensor, scale_layout: str = "mn_major", *, o
     writes into given tensors instead (q contiguous; scales of any strides, which then
     decide the layout). ``pdl``: as ``rms_norm``'s.
     """
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_dynamo_compiling():
         return traced("quantize_fp8_per_token", x, scale_layout, out=out, pdl=pdl)
     shape, strides, x_ptr, device = inspect("x", x, torch.bfloat16, 2)
     (m, k), row_stride = shape, strides[0]
@@ -150,7 +150,7 @@ def rms_norm_quantize_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e
     """``quantize_fp8_per_token(rms_norm(x, weight, eps))`` in one pass over x, without
     writing the bf16 intermediate: the same bits as the two calls. ``pdl``: as
     ``rms_norm``'s."""
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_dynamo_compiling():
         return traced("rms_norm_quantize_fp8", x, weight, eps, scale_layout, out=out, pdl=pdl)
     shape, strides, x_ptr, device = inspect("x", x, torch.bfloat16, 2)
     (m, k), row_stride = shape, strides[0]
@@ -180,7 +180,7 @@ def silu_mul_quantize_fp8(gate: torch.Tensor, up: torch.Tensor, scale_layout: st
     ``(q, scales)`` as ``quantize_fp8_per_token`` does, with ``scale_layout``, ``out`` and
     ``pdl`` as its.
     """
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_dynamo_compiling():
         return traced("silu_mul_quantize_fp8", gate, up, scale_layout, out=out, pdl=pdl)
     shape, g_strides, g_ptr, device = inspect("gate", gate, torch.bfloat16, 2)
     u_shape, u_strides, u_ptr, _ = inspect("up", up, torch.bfloat16, 2, device=device)
