@@ -579,7 +579,9 @@ class Buffer:
         (rows of x [N, H] in the dispatch's received order), rounded to bf16 once; +0 for
         a token that went nowhere. ``topk_weights`` (f32 [N, k], e.g. the dispatch's
         received weights) travel with the rows and are summed the same way, in f32.
-        Bitwise the same run to run. ``bias`` is not taken yet."""
+        Bitwise the same run to run. ``bias`` is not taken yet. After a direct dispatch,
+        x = ``combine_input(handle)`` without top-k weights is pulled instead: each rank
+        loads its tokens' rows from their ranks' buffers (the same bits)."""
         self.check_timeout()
         self._require_normal_buffer()
         if not isinstance(handle, DispatchHandle):
@@ -592,7 +594,8 @@ class Buffer:
                              f"{config.num_sms}")
         hidden, ptr, topk, weights_ptr = checks.combine_inputs(
             x, topk_weights, num_recv_tokens=handle.num_recv_tokens, device=self.device_index)
-        if handle.direct is not None and not topk and ptr == self.combine_input(handle).data_ptr():
+        if (handle.direct is not None and not topk
+                and ptr == self.memory.pointers[self.rank] + handle.direct.combine_x):
             return self._launch_pull(handle, config, previous_event, async_finish)
         cfg = combine_kernel.choose_config(self.arch, self.group_size, hidden, topk=topk,
                                            num_sms=config.num_sms, slots=config.ring_slots)
