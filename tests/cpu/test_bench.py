@@ -425,3 +425,26 @@ def test_bench_plot_draws_the_suite_s_result_with_its_plot(suite, monkeypatch, t
     path = str(tmp_path / "plot.png")
     assert cli.main(["bench", suite, "--plot", path]) == 0
     assert drawn == [(result, path)]
+
+
+def test_each_generate_candidate_gets_the_model_as_it_comes(monkeypatch):
+    """One model serves every candidate: "ptxforge forward" compiles its forward (and its
+    generate's compiled call becomes its plain call); the next candidate gets the class's
+    forward and compiled call back, and transformers' compiled call of an earlier one is
+    dropped."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=1, num_attention_heads=2,
+                                      num_key_value_heads=1)
+    model = transformers.LlamaForCausalLM(config).eval()
+    plain = type(model).forward
+    generate_bench._prepared(model, "ptxforge forward")
+    assert "forward" in model.__dict__ and "get_compiled_call" in model.__dict__
+    model._compiled_call = object()   # what transformers' own compile leaves
+    generate_bench._prepared(model, "torch.compile")
+    assert model.forward.__func__ is plain
+    assert not {"forward", "get_compiled_call", "_compiled_call"} & set(model.__dict__)
+    eager = generate_bench._generation_config("eager", 3)
+    assert eager.disable_compile and eager.min_new_tokens == eager.max_new_tokens == 3
+    assert generate_bench._generation_config("ptxforge backend", 3).compile_config.backend == \
+        "ptxforge"
