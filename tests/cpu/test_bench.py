@@ -427,7 +427,7 @@ def test_bench_plot_draws_the_suite_s_result_with_its_plot(suite, monkeypatch, t
     assert drawn == [(result, path)]
 
 
-def test_each_generate_candidate_gets_the_model_as_it_comes(monkeypatch):
+def test_each_generate_candidate_gets_the_model_as_it_comes():
     """One model serves every candidate: "ptxforge forward" compiles its forward (and its
     generate's compiled call becomes its plain call); the next candidate gets the class's
     forward and compiled call back, and transformers' compiled call of an earlier one is
