@@ -95,9 +95,16 @@ def _measure(rank: int, world: int, p: dict) -> dict | None:
         sweep.append(dict(sms=config.num_sms, slots=config.ring_slots, dispatch_us=dispatch_us,
                           combine_us=combine_us))
 
-    worst = _worst_case(world, (q, scales), idx, weights, (per_rank, per_expert, in_rank), p)
+    # The worst case's dispatch on SM_BUDGET SMs: a buffer with room for its received rows
+    # takes the path without rings; the rings get one sized for them alone.
+    at_budget = Config(SM_BUDGET, 128)
+    rings, roomy = (Buffer(dist.group.WORLD, buffer_size(
+        world, hidden, topk, fp8=True, config=at_budget, num_worst_tokens=n), timeout_s=60.0)
+        for n in (0, world * p["tokens"]))
+    layout = (per_rank, per_expert, in_rank)
+    worst = _worst_case(rings, roomy, at_budget, (q, scales), idx, weights, layout, p)
     peers = _peers(rank, world, in_rank, row_bytes, p) if distinct else {}
-    overlap = (_overlap(buffer, q, scales, idx, weights, per_rank, per_expert, in_rank, p)
+    overlap = (_overlap(buffer, roomy, at_budget, (q, scales), idx, weights, layout, p)
                if distinct else None)
     decode = _decode(rank, world, p)
     everyone = [None] * world
@@ -105,7 +112,9 @@ def _measure(rank: int, world: int, p: dict) -> dict | None:
                                           combine_bytes=combine_bytes, peers=peers,
                                           overlap=overlap, worst=worst,
                                           recv=int(handle.num_recv_tokens)))
-    buffer.destroy()
+    dist.barrier()
+    for used in (buffer, rings, roomy):
+        used.destroy()
     layer = None
     if p["layer_tokens"]:
         from . import ep_layer
@@ -164,28 +173,21 @@ def _summary(everyone: list, p: dict, world: int, distinct: bool, device_name: s
                        for key in everyone[0]["worst"]})
 
 
-def _worst_case(world: int, x, idx, weights, layout, p: dict) -> dict:
+def _worst_case(rings, roomy, config, x, idx, weights, layout, p: dict) -> dict:
     """A dispatch sized for the worst case (``num_worst_tokens``: no host synchronisation,
     the counts exchanged by the GPU's exchange kernel, which each call includes) and its
-    combine, on SM_BUDGET SMs: through the rings, and on a buffer with room for the
-    received rows, written in place by the direct dispatch (every SM sending) and
-    combined by the pull combine (every SM loading the rows from their ranks' buffers).
+    combine with ``config`` (SM_BUDGET SMs): through the buffer ``rings``, and through
+    ``roomy``, which has room for the received rows, written in place by the direct
+    dispatch (every SM sending) and combined by the pull combine (every SM loading the rows
+    from their ranks' buffers).
     ``calls`` dispatches, then ``calls`` combines, are captured in a CUDA graph each (the
     path never waits for the host) and replayed: a call's time by events over the replay,
     and each kernel's median from the profiler. Both ways receive and combine the same
     bits, or this raises."""
     import torch.distributed as dist
 
-    from ..ep import Buffer, Config, buffer_size
-
     per_rank, per_expert, in_rank = layout
-    worst = world * p["tokens"]
-    config = Config(SM_BUDGET, 128)
-    # A buffer with room for the received rows takes the direct dispatch: the rings get one
-    # sized for them alone.
-    rings, roomy = (Buffer(dist.group.WORLD, buffer_size(
-        world, p["hidden"], p["topk"], fp8=True, config=config, num_worst_tokens=n),
-        timeout_s=60.0) for n in (0, worst))
+    worst = dist.get_world_size() * p["tokens"]
     experts_output = torch.randn(worst, p["hidden"], device="cuda").bfloat16()
     times, received, combined = {}, [], []
     for name, through in (("rings", rings), ("direct", roomy)):
@@ -216,9 +218,6 @@ def _worst_case(world: int, x, idx, weights, layout, p: dict) -> dict:
         raise RuntimeError("the direct dispatch received other rows than the rings")
     if not torch.equal(*combined):
         raise RuntimeError("the pull combine summed other bits than the ring combine")
-    dist.barrier()
-    rings.destroy()
-    roomy.destroy()
     return times
 
 
@@ -342,22 +341,21 @@ def _peers(rank: int, world: int, in_rank, row_bytes: int, p: dict) -> dict:
     return out
 
 
-def _overlap(buffer, q, scales, idx, weights, per_rank, per_expert, in_rank, p) -> dict:
+def _overlap(buffer, roomy, config, x, idx, weights, layout, p) -> dict:
     """Dispatch + combine on SM_BUDGET SMs beside the received tokens' grouped FP8 GEMM
     (gate_up, N = GEMM_N) on the other SMs: each alone, then together on two streams;
     through the rings (cached calls) and, under "direct", the path without rings (a
-    dispatch sized for the worst case, its count exchange included, on a buffer with room
-    for the rows, and the pull combine)."""
+    dispatch sized for the worst case, its count exchange included, on ``roomy``, a buffer
+    with room for the rows, and the pull combine)."""
     import torch.distributed as dist
 
     from .. import ops
-    from ..ep import Buffer, Config, buffer_size
     from .ops import group_weights, padded_rows
 
-    config = Config(SM_BUDGET, 128)
+    per_rank, per_expert, in_rank = layout
     align = ops.get_mk_alignment_for_contiguous_layout()
     received, _, _, counts, handle, _ = buffer.dispatch(
-        (q, scales), num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+        x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
         num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=weights, config=config,
         expert_alignment=align)
     rows = []
@@ -371,20 +369,17 @@ def _overlap(buffer, q, scales, idx, weights, per_rank, per_expert, in_rank, p) 
     device = torch.cuda.current_device()
     gemm_sms = torch.cuda.get_device_properties(device).multi_processor_count - SM_BUDGET
     worst = dist.get_world_size() * p["tokens"]
-    roomy = Buffer(dist.group.WORLD, buffer_size(dist.get_world_size(), p["hidden"], p["topk"],
-                                                 fp8=True, config=config,
-                                                 num_worst_tokens=worst), timeout_s=60.0)
 
     def gemm():
         ops.m_grouped_fp8_gemm_nt_contiguous(a, b, d, m_indices, num_sms=gemm_sms)
 
     def through_rings():
-        buffer.dispatch((q, scales), handle=handle, config=config)
+        buffer.dispatch(x, handle=handle, config=config)
         buffer.combine(y, handle, config=config)
 
     def direct():
         *_, sent, _ = roomy.dispatch(
-            (q, scales), num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+            x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
             num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=weights,
             num_worst_tokens=worst, config=config)
         roomy.combine(roomy.combine_input(sent), sent, config=config)
@@ -393,8 +388,6 @@ def _overlap(buffer, q, scales, idx, weights, per_rank, per_expert, in_rank, p) 
     result = dict(gemm_sms=gemm_sms, comm_sms=SM_BUDGET, gemm_rows=len(rows), gemm_us=gemm_us)
     for name, comm in (("rings", through_rings), ("direct", direct)):
         result[name] = _beside(gemm, comm, gemm_us, p)
-    dist.barrier()
-    roomy.destroy()
     return result
 
 
