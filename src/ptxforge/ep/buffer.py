@@ -397,9 +397,8 @@ class Buffer:
                 send_layout=handle.send_layout.data_ptr(), num_recv=handle.num_recv.data_ptr(),
                 worst=region.rows, recv_x=region.x, recv_scales=region.scales,
                 recv_topk_idx=region.topk_idx, recv_topk_weights=region.topk_weights,
-                recv_src_idx=region.source, send_rows=send_rows.data_ptr(), rank=self.rank,
-                peers=self.peers.data_ptr(), error=self.record.device_pointer,
-                timeout_ns=int(self.timeout_s * 1e9))
+                recv_src_idx=region.source, send_rows=send_rows.data_ptr(),
+                **self._peer_arguments())
         event = call.finish(async_finish)
         rows, k = region.rows, inputs.topk
         received = (self._own_view(region.x, (rows, inputs.hidden), torch.float8_e4m3fn),
@@ -484,9 +483,7 @@ class Buffer:
             (1, 1, 1), torch.cuda.current_stream(device).cuda_stream,
             message=message.data_ptr(), words=message.numel(), channels=channels,
             worst=num_worst_tokens, out=gathered.data_ptr(), recv_layout=table.data_ptr(),
-            num_recv=num_recv.data_ptr(), send_layout=send.data_ptr(), rank=self.rank,
-            peers=self.peers.data_ptr(),
-            error=self.record.device_pointer, timeout_ns=int(self.timeout_s * 1e9))
+            num_recv=num_recv.data_ptr(), send_layout=send.data_ptr(), **self._peer_arguments())
         layout = None
         if num_worst_tokens:
             rows = num_worst_tokens
@@ -564,10 +561,14 @@ class Buffer:
         return (received, outputs.get("recv_topk_idx"), outputs.get("recv_topk_weights"),
                 per_expert, handle, event)
 
-    def _common_arguments(self, handle) -> dict:
+    def _peer_arguments(self) -> dict:
+        """What every kernel over the peers' buffers takes: this rank, the buffers, the
+        watchdog's record and time limit."""
         return dict(rank=self.rank, peers=self.peers.data_ptr(),
-                    recv_layout=handle.recv_layout.data_ptr(), error=self.record.device_pointer,
-                    timeout_ns=int(self.timeout_s * 1e9))
+                    error=self.record.device_pointer, timeout_ns=int(self.timeout_s * 1e9))
+
+    def _common_arguments(self, handle) -> dict:
+        return dict(recv_layout=handle.recv_layout.data_ptr(), **self._peer_arguments())
 
     # ------------------------------------------------------------------ combine
     def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights=None, bias=None,
@@ -631,8 +632,7 @@ class Buffer:
                 (config.num_sms, 1, 1), self.comm_stream.cuda_stream, x=handle.direct.combine_x,
                 send_rows=handle.send_rows.data_ptr(),
                 is_token_in_rank=handle.is_token_in_rank.data_ptr(), tokens=handle.num_tokens,
-                out=out.data_ptr(), rank=self.rank, peers=self.peers.data_ptr(),
-                error=self.record.device_pointer, timeout_ns=int(self.timeout_s * 1e9))
+                out=out.data_ptr(), **self._peer_arguments())
         return out, None, call.finish(async_finish)
 
     # ------------------------------------------------------------------ decode path
