@@ -196,13 +196,17 @@ def counter(k: KernelBuilder, buffer, plan: BufferPlan, name: str, channel, peer
 def wait_for_number(k, t, flags: int, own, source, cta, number, *, code: int, channel) -> None:
     """The thread waits (the watchdog: ``code``, ``channel``, peer ``source``) until flag
     [source][cta] of the [MAX_RANKS][2 * MAX_CHANNELS] u32 flags at byte ``flags`` of the
-    buffer ``own`` reaches ``number``. Such flags carry the numbers of calls, so they only
-    grow: arrived when flag - number, modulo 2^32, lies below 2^31."""
+    buffer ``own`` (``cta`` None: flag [source] of [MAX_RANKS] flags) reaches ``number``.
+    Such flags carry the numbers of calls, so they only grow: arrived when flag - number,
+    modulo 2^32, lies below 2^31."""
     at, seen, ahead = k.reg("u64", "flag_wait_at"), k.reg("u32", "flag_seen"), k.reg(
         "u32", "flag_ahead")
     reached = k.pred("arrived")
-    k.mad(at, source, 4 * 2 * MAX_CHANNELS, own, mode="wide")
-    k.mad(at, cta, 4, at, mode="wide")
+    if cta is None:
+        k.mad(at, source, 4, own, mode="wide")
+    else:
+        k.mad(at, source, 4 * 2 * MAX_CHANNELS, own, mode="wide")
+        k.mad(at, cta, 4, at, mode="wide")
 
     def arrived(value):
         k.sub(ahead, value, number)

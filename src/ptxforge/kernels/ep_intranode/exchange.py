@@ -47,7 +47,7 @@ from types import SimpleNamespace
 from ...arch import Arch
 from ...patterns.poll import Watchdog
 from ...ptx import KernelBuilder, LaunchShape, addr, sreg
-from .common import EXCHANGE_OVERFLOW, EXCHANGE_RECEIVE, buffer_of
+from .common import EXCHANGE_OVERFLOW, EXCHANGE_RECEIVE, buffer_of, wait_for_number
 from .plan import (EXCHANGE_FLAGS, EXCHANGE_SLOTS, HEADER_WORDS, MAX_CHANNELS, MAX_RANKS,
                    MESSAGE_WORDS)
 
@@ -117,21 +117,10 @@ def generate(cfg: ExchangeConfig) -> KernelBuilder:
             k.st(addr(flag), t.number, sem="release", scope="sys")
     with k.stage("wait: thread r polls this rank's flag[r] until it reaches n"):
         with k.if_(t.one_per_rank, "not_a_waiter"):
-            own, seen, ahead = k.reg("u64", "own_flag_at"), k.reg("u32", "flag"), k.reg(
-                "u32", "flag_ahead")
-            reached = k.pred("reached")
+            own = k.reg("u64", "own_buffer")
             buffer_of(k, own, t.peers, t.rank)
-            k.add(own, own, EXCHANGE_FLAGS)
-            k.mad(own, t.tid, 4, own, mode="wide")
-
-            def arrived(value):
-                # flag - n, modulo 2^32, below 2^31: the flag is n or past it.
-                k.sub(ahead, value, t.number)
-                k.setp("lt", reached, ahead, 1 << 31)
-                return reached
-
-            t.watchdog.wait(seen, addr(own), arrived, code=EXCHANGE_RECEIVE, channel=0,
-                            peer=t.tid)
+            wait_for_number(k, t, EXCHANGE_FLAGS, own, t.tid, None, t.number,
+                            code=EXCHANGE_RECEIVE, channel=0)
     k.bar_sync(0)
     with k.stage("read: every rank's slot (n & 1, r) into out[r]"):
         src, dst = k.reg("u64", "gathered_at"), k.reg("u64", "out_at")
