@@ -417,8 +417,7 @@ def _direct_dispatch(c: Case, number: int, worst: int, pace=None) -> list:
                                               num_sms=2 * c.channels), warps_per_peer=2)
     kernel = Kernel(direct_kernel.generate(cfg).ptx())
     k, m = cfg.topk, c.world.memory
-    region = ep_plan.DirectRegion(ep_plan.BufferPlan(c.ranks, c.channels, 64, c.hidden)
-                                  .combine_rings, worst, c.hidden, k)
+    region = _direct_region(c, worst)
     sim = Simulator(m, pace)
     send_rows = [m.alloc(4 * x.shape[0] * c.ranks) for x in c.x]
     for r in range(c.ranks):
@@ -452,14 +451,19 @@ def _direct_dispatch(c: Case, number: int, worst: int, pace=None) -> list:
     return outs
 
 
+def _direct_region(c: Case, worst: int) -> ep_plan.DirectRegion:
+    """Where a direct dispatch of ``worst`` rows puts its outputs (and its combine's
+    inputs) in each of the case's buffers: past the rings."""
+    return ep_plan.DirectRegion(ep_plan.BufferPlan(c.ranks, c.channels, 64, c.hidden)
+                                .combine_rings, worst, c.hidden, c.idx[0].shape[1])
+
+
 def _direct_case(case: dict) -> tuple:
     """An FP8 case whose buffers have room for every row sent (the worst case) past the
     rings, its layout run: (the case, the worst case's rows)."""
     c = Case(fp8=True, hidden=256, **case)
     worst = sum(x.shape[0] for x in c.x)
-    c.world = World(c.ranks, ep_plan.DirectRegion(
-        ep_plan.BufferPlan(c.ranks, c.channels, 64, c.hidden).combine_rings, worst, c.hidden,
-        c.idx[0].shape[1]).end)
+    c.world = World(c.ranks, _direct_region(c, worst).end)
     c.run_layout()
     return c, worst
 
@@ -492,8 +496,7 @@ def _pull_combine(c: Case, outs: list, ys: list, worst: int, pace=None) -> list:
     cfg = replace(pull_kernel.choose_config(SM90, c.ranks, c.hidden, num_sms=2 * c.channels),
                   warps=2)
     kernel, m = Kernel(pull_kernel.generate(cfg).ptx()), c.world.memory
-    region = ep_plan.DirectRegion(ep_plan.BufferPlan(c.ranks, c.channels, 64, c.hidden)
-                                  .combine_rings, worst, c.hidden, c.idx[0].shape[1])
+    region = _direct_region(c, worst)
     sim, combined = Simulator(m, pace), []
     for r in range(c.ranks):
         m.write(c.world.buffers[r] + region.combine_x, _bytes(ys[r]))
@@ -529,11 +532,7 @@ def test_the_pull_combine_gives_the_ring_combine_s_bits(case, pace):
 
 
 def test_a_rank_that_never_pulls_ends_in_the_watchdog():
-    c = Case(fp8=True, hidden=256, tokens=(20, 20))
-    worst = 40
-    c.world = World(2, ep_plan.DirectRegion(
-        ep_plan.BufferPlan(2, c.channels, 64, 256).combine_rings, worst, 256, 3).end)
-    c.run_layout()
+    c, _ = _direct_case(dict(tokens=(20, 20)))
     cfg = replace(pull_kernel.choose_config(SM90, 2, 256, num_sms=2), warps=1)
     m = c.world.memory
     sim = Simulator(m)
@@ -548,17 +547,12 @@ def test_a_rank_that_never_pulls_ends_in_the_watchdog():
 
 
 def test_a_rank_that_never_sends_directly_ends_in_the_watchdog():
-    c = Case(fp8=True, hidden=256, tokens=(20, 20))
-    worst = 40
-    c.world = World(2, ep_plan.DirectRegion(
-        ep_plan.BufferPlan(2, c.channels, 64, 256).combine_rings, worst, 256, 3).end)
-    c.run_layout()
+    c, worst = _direct_case(dict(tokens=(20, 20)))
     cfg = replace(direct_kernel.choose_config(SM90, 2, 256, 3, num_sms=2), warps_per_peer=1)
     # Rank 0 alone: its wait for rank 1's CTA 0 outlasts the limit.
     m = c.world.memory
     m.write(c.world.buffers[0] + ep_plan.EXCHANGE_FLAGS, struct.pack("<I", 1))
-    region = ep_plan.DirectRegion(ep_plan.BufferPlan(2, c.channels, 64, 256).combine_rings,
-                                  worst, 256, 3)
+    region = _direct_region(c, worst)
     scales = c.scales[0].t().contiguous().t()
     sim = Simulator(m)
     sim.launch("direct0", direct_kernel.generate(cfg).ptx(), 2 * cfg.channels, cfg.threads,
