@@ -231,15 +231,6 @@ def test_channel_bounds_cover_the_tokens_in_order(tokens, channels):
                       for c in range(channels)]
 
 
-@pytest.mark.parametrize("tokens, channels", [(0, 3), (1, 4), (10, 3), (64, 10), (4096, 10)])
-def test_channel_counts_sum_each_channels_tokens(tokens, channels):
-    from ptxforge.ep.buffer import channel_counts
-
-    in_rank = torch.rand(tokens, 3, generator=torch.Generator().manual_seed(tokens)) < 0.4
-    expected = [in_rank[b:e].sum(0).tolist() for b, e in ep_plan.channel_bounds(tokens, channels)]
-    assert channel_counts(in_rank, channels).tolist() == expected
-
-
 # ---------------------------------------------------------------------------- layout logic
 def _routing(tokens: int, experts: int, topk: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
@@ -586,10 +577,11 @@ def test_a_buffer_returns_the_config_stored_for_its_budget():
 
 
 def test_the_count_message_holds_the_signature_the_bad_indices_and_the_counts():
-    """What a dispatch without a handle tells the other ranks (the exchange kernel moves it,
-    tests/cpu/test_ep_sim.py): the signature's words, the top-k indices out of range, each
-    channel's tokens for each rank, the pairs per expert; read back, it gives the receive
-    layout, and a bad index is refused on every rank."""
+    """What a dispatch without a handle tells the other ranks: the header the host makes
+    (the signature's words, the top-k indices out of range: counted where the host reads
+    the messages, cached and not counted where it does not), then the counts the exchange
+    kernel adds (tests/cpu/test_ep_sim.py); read back, it gives the receive layout, and a
+    bad index is refused on every rank."""
     from ptxforge.ep import Buffer
     from ptxforge.ep.layout import message_of
 
@@ -597,24 +589,31 @@ def test_the_count_message_holds_the_signature_the_bad_indices_and_the_counts():
     idx = _routing(tokens, experts, 3, 5)
     idx[4, 1] = experts + 2   # out of range: counted, then refused on every rank
     _, per_expert, in_rank = reference.dispatch_layout(idx, experts, ranks)
-    buffer = Buffer.__new__(Buffer)   # the message needs the buffer's cache of headers alone
+    buffer = Buffer.__new__(Buffer)   # the header needs the buffer's cache of headers alone
     buffer._headers = {}
     signature = (("hidden", 256), ("fp8", True), ("topk", 3), ("num_experts", experts),
                  ("num_sms", 6), ("ring_slots", 64), ("expert_alignment", 1))
-    words = buffer.count_message(signature, in_rank, per_expert, idx, experts, channels)
-    assert words.dtype == torch.int32
-    assert words[:8].tolist() == [256, 1, 3, experts, 6, 64, 1, 1]
-    message = message_of(words.tolist(), channels, ranks)
-    assert message.signature == signature and message.bad_indices == 1
-    assert message.channel_counts == [in_rank[b:e].sum(0).tolist()
-                                      for b, e in ep_plan.channel_bounds(tokens, channels)]
-    assert message.expert_counts == per_expert.tolist()
+    counts = [n for b, e in ep_plan.channel_bounds(tokens, channels)
+              for n in in_rank[b:e].sum(0).tolist()]
+
+    def message(header):
+        assert header.dtype == torch.int32
+        return message_of(header.tolist() + counts + per_expert.tolist(), channels, ranks)
+
+    unchecked = buffer.message_header(signature, idx, experts, checked=False)
+    assert unchecked.tolist() == [256, 1, 3, experts, 6, 64, 1, 0]
+    assert buffer.message_header(signature, idx, experts, checked=False) is unchecked
+    read = message(buffer.message_header(signature, idx, experts, checked=True))
+    assert read.signature == signature and read.bad_indices == 1
+    assert read.channel_counts == [counts[c * ranks:(c + 1) * ranks] for c in range(channels)]
+    assert read.expert_counts == per_expert.tolist()
     with pytest.raises(ValueError, match="out of range"):
-        check_agreement([message] * ranks)
+        check_agreement([read] * ranks)
     idx[4, 1] = -1
     _, per_expert, in_rank = reference.dispatch_layout(idx, experts, ranks)
-    words = buffer.count_message(signature, in_rank, per_expert, idx, experts, channels)
-    messages = [message_of(words.tolist(), channels, ranks)] * ranks
+    counts = [n for b, e in ep_plan.channel_bounds(tokens, channels)
+              for n in in_rank[b:e].sum(0).tolist()]
+    messages = [message(buffer.message_header(signature, idx, experts, checked=True))] * ranks
     check_agreement(messages)
     layout = receive_layout(messages, 0, experts // ranks)
     assert layout.num_recv_tokens == 2 * int(in_rank[:, 0].sum())

@@ -321,60 +321,70 @@ def test_ranks_that_disagree_on_sizes_trap_on_the_signature():
     assert common.DISPATCH_MISMATCH in codes, codes
 
 
-def _exchanges(world, messages: dict, channels: int, pace=None, worst: int = 0) -> dict:
-    """One exchange on the ranks in ``messages`` (rank: its int32 words), run to the end;
-    every launched rank's (gathered rows, recv_layout [2, ranks, channels], num_recv,
-    send_layout [ranks, channels])."""
+def _exchanges(world, inputs: dict, channels: int, pace=None, worst: int = 0) -> dict:
+    """One exchange on the ranks in ``inputs`` (rank: its header words, is_token_in_rank,
+    pairs per expert), run to the end; every launched rank's (gathered rows, recv_layout
+    [2, ranks, channels], num_recv, send_layout [ranks, channels])."""
     kernel = Kernel(exchange_kernel.generate(exchange_kernel.choose_config(SM90,
                                                                            world.ranks)).ptx())
     sim, outs, m = Simulator(world.memory, pace), {}, world.memory
-    for rank, words in messages.items():
-        outs[rank] = (m.alloc(4 * world.ranks * len(words)), m.alloc(8 * world.ranks * channels),
-                      m.alloc(4), m.alloc(4 * world.ranks * channels))
+    for rank, (header, in_rank, per_expert) in inputs.items():
+        words = len(header) + channels * world.ranks + len(per_expert)
+        outs[rank] = (m.alloc(4 * world.ranks * words), m.alloc(8 * world.ranks * channels),
+                      m.alloc(4), m.alloc(4 * world.ranks * channels), words)
         sim.launch(f"exchange{rank}", kernel, 1, exchange_kernel.THREADS,
-                   message=m.put(struct.pack(f"<{len(words)}i", *words)), words=len(words),
-                   channels=channels, worst=worst, out=outs[rank][0], recv_layout=outs[rank][1],
-                   num_recv=outs[rank][2], send_layout=outs[rank][3], rank=rank,
-                   peers=world.peers,
-                   error=world.errors[rank], timeout_ns=TIMEOUT)
+                   header=m.put(struct.pack(f"<{len(header)}i", *header)),
+                   is_token_in_rank=m.put(_bytes(in_rank)), tokens=in_rank.shape[0],
+                   num_tokens_per_expert=m.put(struct.pack(f"<{len(per_expert)}i", *per_expert)),
+                   experts=len(per_expert), channels=channels, worst=worst, out=outs[rank][0],
+                   recv_layout=outs[rank][1], num_recv=outs[rank][2], send_layout=outs[rank][3],
+                   rank=rank, peers=world.peers, error=world.errors[rank], timeout_ns=TIMEOUT)
     sim.run()
-    return {rank: (_tensor(m, out, (world.ranks, len(messages[rank])), torch.int32).tolist(),
+    return {rank: (_tensor(m, out, (world.ranks, words), torch.int32).tolist(),
                    _tensor(m, table, (2, world.ranks, channels), torch.int32).tolist(),
                    _tensor(m, num_recv, (1,), torch.int32).item(),
                    _tensor(m, send, (world.ranks, channels), torch.int32).tolist())
-            for rank, (out, table, num_recv, send) in outs.items()}
+            for rank, (out, table, num_recv, send, words) in outs.items()}
 
 
-def _count_messages(g, ranks: int, channels: int, experts: int, extra: int = 0) -> dict:
-    """Every rank's message as the host packs it: a signature, bad indices 0, random
-    counts (and ``extra`` words past them, as a longer message would have)."""
+def _count_inputs(g, ranks: int, channels: int, experts: int, tokens=(40, 29, 0)) -> tuple:
+    """Every rank's exchange inputs (a signature's header with a bad-index count, a random
+    is_token_in_rank, random pairs per expert) and the message the host reads of each: the
+    header, each channel's tokens for each rank (plan.channel_bounds), the pairs."""
     header = signature_words((("hidden", 256), ("fp8", True), ("topk", 4),
                               ("num_experts", experts), ("num_sms", 2 * channels),
                               ("ring_slots", 64), ("expert_alignment", 1)))
-    size = channels * ranks + experts + extra
-    return {r: header + [0] + torch.randint(0, 50, (size,), generator=g).tolist()
-            for r in range(ranks)}
+    inputs, messages = {}, {}
+    for r in range(ranks):
+        in_rank = torch.rand(tokens[r], ranks, generator=g) < 0.6
+        per_expert = torch.randint(0, 50, (experts,), generator=g).tolist()
+        counts = [n for b, e in channel_bounds(tokens[r], channels)
+                  for n in in_rank[b:e].sum(0).tolist()]
+        inputs[r] = (header + [r], in_rank, per_expert)
+        messages[r] = header + [r] + counts + per_expert
+    return inputs, messages
 
 
 @pytest.mark.parametrize("pace", [None, lambda name, cta, tid: 1 + 40 * (name == "exchange1")],
                          ids=["even", "rank_1_slow"])
 def test_the_count_exchange_gives_every_rank_every_message_and_its_layout(pace):
-    """Three ranks, three exchanges (both parities, the first one again), messages longer
-    than the CTA's threads: every rank gathers every rank's words, in rank order, and its
+    """Three ranks (one without tokens), three exchanges (both parities, the first one
+    again), messages longer than the CTA's threads: every rank gathers every rank's
+    message as the host reads it (the counts the kernel made), in rank order, and its
     receive layout and rows as the host works them out."""
     world = World(3, exchange_kernel.slot_offset(1, 7) + 4 * 4616)
     g = torch.Generator().manual_seed(3)
     for number, channels in ((1, 3), (2, 5), (3, 1)):
-        messages = _count_messages(g, 3, channels, 12, extra=260)
-        gathered = _exchanges(world, messages, channels, pace)
+        inputs, messages = _count_inputs(g, 3, channels, 300, tokens=(70, 0, 45 + number))
+        gathered = _exchanges(world, inputs, channels, pace)
         parsed = [message_of(messages[r], channels, 3) for r in range(3)]
         for rank, (rows, table, num_recv, send) in gathered.items():
             assert rows == [messages[r] for r in range(3)]
-            expected = receive_layout(parsed, rank, 4)
+            expected = receive_layout(parsed, rank, 100)
             assert [n for part in table for row in part for n in row] == expected.table()
             assert num_recv == expected.num_recv_tokens
             # Where this rank's rows for rank d begin there: d's layout's offsets for it.
-            assert send == [receive_layout(parsed, d, 4).offsets[rank] for d in range(3)]
+            assert send == [receive_layout(parsed, d, 100).offsets[rank] for d in range(3)]
     # Each rank's flag[rank] in its own buffer counts its exchanges: the next is number 4.
     assert all(struct.unpack("<I", world.memory.read(world.buffers[r] + ep_plan.EXCHANGE_FLAGS
                                                      + 4 * r, 4)) == (3,) for r in range(3))
@@ -383,22 +393,22 @@ def test_the_count_exchange_gives_every_rank_every_message_and_its_layout(pace):
 
 def test_a_rank_that_skips_the_exchange_ends_in_the_watchdog():
     world = World(2, exchange_kernel.slot_offset(1, 7) + 4 * 4616)
-    messages = _count_messages(torch.Generator().manual_seed(0), 2, 2, 4)
-    _exchanges(world, messages, 2)
+    inputs, _ = _count_inputs(torch.Generator().manual_seed(0), 2, 2, 4)
+    _exchanges(world, inputs, 2)
     with pytest.raises(Trap, match="trap"):
-        _exchanges(world, {0: messages[0]}, 2)   # rank 1 never makes exchange 2
+        _exchanges(world, {0: inputs[0]}, 2)   # rank 1 never makes exchange 2
     assert world.record(0) == (common.EXCHANGE_RECEIVE, 0, 1, 1)  # its flag still at 1
 
 
 def test_more_rows_than_the_worst_case_trap_with_the_count():
     world = World(2, exchange_kernel.slot_offset(1, 7) + 4 * 4616)
-    messages = _count_messages(torch.Generator().manual_seed(1), 2, 2, 4)
+    inputs, messages = _count_inputs(torch.Generator().manual_seed(1), 2, 2, 4)
     parsed = [message_of(messages[r], 2, 2) for r in range(2)]
     rows = [receive_layout(parsed, r, 2).num_recv_tokens for r in range(2)]
     most = max(rows)
-    assert [out[2] for out in _exchanges(world, messages, 2, worst=most).values()] == rows
+    assert [out[2] for out in _exchanges(world, inputs, 2, worst=most).values()] == rows
     with pytest.raises(Trap, match="trap"):
-        _exchanges(world, messages, 2, worst=most - 1)   # room for one row fewer
+        _exchanges(world, inputs, 2, worst=most - 1)   # room for one row fewer
     busiest = rows.index(most)
     assert world.record(busiest) == (common.EXCHANGE_OVERFLOW, 0, busiest, most)
 

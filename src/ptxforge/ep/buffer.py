@@ -46,8 +46,8 @@ from ..kernels.ep_intranode import dispatch as dispatch_kernel
 from ..kernels.ep_intranode import exchange as exchange_kernel
 from ..kernels.ep_intranode import layout as layout_kernel
 from ..kernels.ep_intranode import pull as pull_kernel
-from ..kernels.ep_intranode.plan import (MAX_RANKS, RING_ALIGN, BufferPlan, DirectRegion,
-                                        DispatchSlot)
+from ..kernels.ep_intranode.plan import (HEADER_WORDS, MAX_RANKS, RING_ALIGN, BufferPlan,
+                                        DirectRegion, DispatchSlot)
 from ..ops.common import device_arch
 from . import checks, low_latency, tuning
 from .ipc import HostRecord, PeerMemory, device_tensor
@@ -120,17 +120,6 @@ class DispatchHandle:
     # buffer, and each token's row at each rank (int32 [T, ranks]); None otherwise.
     direct: DirectRegion | None = None
     send_rows: torch.Tensor | None = None
-
-
-def channel_counts(is_token_in_rank: torch.Tensor, channels: int) -> torch.Tensor:
-    """int64 [channels, ranks]: each channel's tokens (``plan.channel_bounds``: ceil(T /
-    channels) consecutive tokens each) that go to each rank, by one padded reduction (a
-    running sum over the tokens took 378 us for 4096 of them on an H200)."""
-    tokens, ranks = is_token_in_rank.shape
-    per = -(-tokens // channels)
-    padded = torch.nn.functional.pad(is_token_in_rank.to(torch.int64),
-                                     (0, 0, 0, channels * per - tokens))
-    return padded.view(channels, per, ranks).sum(1)
 
 
 def buffer_size(num_ranks: int, hidden: int, topk: int, *, fp8: bool = False,
@@ -470,20 +459,23 @@ class Buffer:
         signature = (("hidden", inputs.hidden), ("fp8", inputs.fp8), ("topk", inputs.topk),
                      ("num_experts", experts), ("num_sms", config.num_sms),
                      ("ring_slots", config.ring_slots), ("expert_alignment", expert_alignment))
-        message = self.count_message(signature, is_token_in_rank, num_tokens_per_expert,
-                                     topk_idx, experts, channels)
+        header = self.message_header(signature, topk_idx, experts,
+                                     checked=not num_worst_tokens)
         device = self.device_index
-        gathered = torch.empty((self.group_size, message.numel()), dtype=torch.int32,
-                               device=device)
+        words = HEADER_WORDS + channels * self.group_size + experts
+        gathered = torch.empty((self.group_size, words), dtype=torch.int32, device=device)
         table = torch.empty((2, self.group_size, channels), dtype=torch.int32, device=device)
         num_recv = torch.empty(1, dtype=torch.int32, device=device)
         send = torch.empty((self.group_size, channels), dtype=torch.int32, device=device)
         cfg = exchange_kernel.choose_config(self.arch, self.group_size)
         _launcher(device, cfg)(
             (1, 1, 1), torch.cuda.current_stream(device).cuda_stream,
-            message=message.data_ptr(), words=message.numel(), channels=channels,
-            worst=num_worst_tokens, out=gathered.data_ptr(), recv_layout=table.data_ptr(),
-            num_recv=num_recv.data_ptr(), send_layout=send.data_ptr(), **self._peer_arguments())
+            header=header.data_ptr(), is_token_in_rank=is_token_in_rank.data_ptr(),
+            tokens=inputs.tokens, num_tokens_per_expert=num_tokens_per_expert.data_ptr(),
+            experts=experts,
+            channels=channels, worst=num_worst_tokens, out=gathered.data_ptr(),
+            recv_layout=table.data_ptr(), num_recv=num_recv.data_ptr(),
+            send_layout=send.data_ptr(), **self._peer_arguments())
         layout = None
         if num_worst_tokens:
             rows = num_worst_tokens
@@ -503,23 +495,26 @@ class Buffer:
                               inputs.topk, is_token_in_rank, table, src_idx, layout, num_recv,
                               send)
 
-    def count_message(self, signature: tuple, is_token_in_rank, num_tokens_per_expert,
-                      topk_idx, experts: int, channels: int) -> torch.Tensor:
-        """This rank's message (``ep/layout.py``: the signature's words, the top-k indices
-        outside [-1, E), each channel's tokens for each rank, the pairs per expert), int32
-        on the device, made by a few kernels with no host synchronisation."""
+    def message_header(self, signature: tuple, topk_idx, experts: int, *,
+                       checked: bool) -> torch.Tensor:
+        """A count message's first HEADER_WORDS words, int32 on the device (``ep/layout.py``:
+        the signature's words, then the top-k indices outside [-1, E)); the exchange kernel
+        adds the counts. ``checked`` False (a dispatch sized for the worst case, whose host
+        reads no message): the bad indices are not counted, and the header is the cached
+        one, so the call runs no kernel to make it."""
         header = self._headers.get(signature)
         if header is None:
-            if is_token_in_rank.is_cuda and torch.cuda.is_current_stream_capturing():
+            if topk_idx.is_cuda and torch.cuda.is_current_stream_capturing():
                 raise ValueError(f"the first dispatch with {dict(signature)} copies its sizes to "
                                  f"the GPU, which a CUDA graph capture cannot do: run one "
                                  f"before capturing")
-            header = torch.tensor(signature_words(signature), dtype=torch.int32,
-                                  device=is_token_in_rank.device)
+            header = torch.tensor(signature_words(signature) + [0], dtype=torch.int32,
+                                  device=topk_idx.device)
             self._headers[signature] = header
+        if not checked:
+            return header
         bad = ((topk_idx < -1) | (topk_idx >= experts)).sum().view(1)
-        return torch.cat([header, bad.int(), channel_counts(is_token_in_rank, channels).flatten()
-                          .int(), num_tokens_per_expert.int()])
+        return torch.cat([header[:-1], bad.int()])
 
     def _launch_dispatch(self, launcher, cfg, inputs, x, topk_idx, topk_weights, handle,
                          previous_event, async_finish, allocate_on_comm_stream):

@@ -3,9 +3,12 @@ ranks' buffers, over NVLink, with no host collective; and this rank's receive la
 on the GPU. The host reads the gathered messages with one copy (a dispatch that checks
 and sizes on the host), or nothing at all (a dispatch sized for the worst case).
 
-A message is ``words`` int32 (``ep/layout.py`` packs it: the call's sizes, the rank's
-tokens for each rank on each channel, its pairs per expert, its top-k indices out of
-range). Each buffer holds, at ``plan.EXCHANGE_FLAGS``, a u32 flag per source rank, and
+A message is ``words`` int32 (``ep/layout.py`` reads it: the call's sizes and its top-k
+indices out of range, the rank's tokens for each rank on each channel, its pairs per
+expert). The kernel composes it in shared memory from the header (the sizes and the bad
+indices, from the host), is_token_in_rank (the channels' counts: ``plan.channel_bounds``'s
+tokens, counted by ballots) and the pairs per expert, so a dispatch runs no other kernel
+to make it. Each buffer holds, at ``plan.EXCHANGE_FLAGS``, a u32 flag per source rank, and
 at ``plan.EXCHANGE_SLOTS``, two sets (parities) of a slot per source rank, each of
 ``plan.MESSAGE_WORDS`` words. The exchanges are numbered 1, 2, ... from the buffer's
 creation (every rank makes the same exchanges); a rank's own flag[rank] holds the
@@ -13,6 +16,9 @@ number of its last one, so exchange n = that + 1 needs nothing from the host (a 
 graph replays it as it is). Exchange n uses parity n & 1:
 
     number     n = this rank's flag[rank] + 1
+    compose    the message in shared memory: thread i < HEADER_WORDS the header's word i,
+               warp w the counts of channels w, w + WARPS, ... (32 tokens a ballot per
+               rank), the threads the pairs per expert; bar.sync
     write      the CTA copies the message into slot (n & 1, rank) of every rank's buffer,
                its own included; each thread then fences its stores (fence.acq_rel.sys)
     publish    bar.sync; thread r stores n to rank r's flag[rank] with st.release.sys
@@ -35,8 +41,8 @@ so nothing is ever reset.
 A message's first words are the sizes every rank must share: a rank whose sizes differ
 may write a message of another length, and the host checks those words before it reads
 any count (``ep/layout.py``); a dispatch that does not read them relies on the rings'
-entry signatures instead (``plan.py``). Compile-time: the ranks. Run-time: the words,
-the channels, ``worst``.
+entry signatures instead (``plan.py``). Compile-time: the ranks. Run-time: the tokens,
+the channels, the experts, ``worst``.
 """
 
 from __future__ import annotations
@@ -52,6 +58,8 @@ from .plan import (EXCHANGE_FLAGS, EXCHANGE_SLOTS, HEADER_WORDS, MAX_CHANNELS, M
                    MESSAGE_WORDS)
 
 THREADS = 256
+WARPS = THREADS // 32
+BATCH = 32        # tokens a ballot counts
 
 
 @dataclass(frozen=True)
@@ -79,8 +87,11 @@ def slot_offset(parity: int, source: int) -> int:
 def generate(cfg: ExchangeConfig) -> KernelBuilder:
     k = KernelBuilder(cfg.name, target=cfg.target, max_threads=THREADS)
     k.launch = LaunchShape(block=THREADS)
-    p = SimpleNamespace(message=k.param("message", "u64"),  # int32 [words]: this rank's
-                        words=k.param("words", "u32"),
+    p = SimpleNamespace(header=k.param("header", "u64"),    # int32 [HEADER_WORDS]
+                        in_rank=k.param("is_token_in_rank", "u64"),  # bool [T, ranks]
+                        tokens=k.param("tokens", "u32"),
+                        per_expert=k.param("num_tokens_per_expert", "u64"),  # int32 [E]
+                        experts=k.param("experts", "u32"),
                         channels=k.param("channels", "u32"),
                         worst=k.param("worst", "u32"),       # the most rows received; 0: any
                         out=k.param("out", "u64"),           # int32 [ranks, words]
@@ -92,18 +103,18 @@ def generate(cfg: ExchangeConfig) -> KernelBuilder:
                         error=k.param("error", "u64"),       # the watchdog's record
                         timeout_ns=k.param("timeout_ns", "u64"))
     with k.stage("programmatic launch; wait for the kernel before this one"):
-        # A no-op unless launched programmatically; the message is the previous kernels'.
+        # A no-op unless launched programmatically; the inputs are the previous kernels'.
         k.griddepcontrol_launch_dependents()
         k.griddepcontrol_wait()
     t = _scalars(k, p, cfg.ranks)
+    message = _compose(k, cfg, p, t)
     with k.stage("write: the message into slot (n & 1, rank) of every rank's buffer"):
-        src, dst = k.reg("u64", "message_at"), k.reg("u64", "slot_at")
-        k.ld_param(src, p.message)
+        dst = k.reg("u64", "slot_at")
         for r in range(cfg.ranks):
             k.ld(dst, addr(t.peers, 8 * r), nc=True)   # rank r's buffer
             k.add(dst, dst, t.slots)
             k.mad(dst, t.rank, 4 * MESSAGE_WORDS, dst, mode="wide")
-            _copy_words(k, t, src, dst)
+            _copy_words(k, t, message, dst, source="shared")
         # Each thread's stores before the flag that publishes them (the flag's release is
         # one thread's; the fence makes every thread's stores visible at system scope).
         k.fence("acq_rel", "sys")
@@ -130,12 +141,88 @@ def generate(cfg: ExchangeConfig) -> KernelBuilder:
         row = k.reg("u64", "out_row_bytes")
         k.mul(row, t.words, 4, mode="wide")
         for _ in range(cfg.ranks):
-            _copy_words(k, t, src, dst, acquired=True)
+            _copy_words(k, t, src, dst, source="acquired")
             k.add(src, src, 4 * MESSAGE_WORDS)
             k.add(dst, dst, row)
     _receive_layout(k, cfg, p, t)
     _send_layout(k, cfg, p, t)
     return k
+
+
+def _compose(k: KernelBuilder, cfg: ExchangeConfig, p, t):
+    """This rank's message in shared memory (its u32 address): the header's words, each
+    channel's tokens for each rank, the pairs per expert."""
+    message = k.shared("message", 4 * MESSAGE_WORDS, align=16)
+    base, at, word = k.reg("u32", "message_smem"), k.reg("u32", "message_word_at"), k.reg(
+        "u32", "message_word")
+    src = k.reg("u64", "input_at")
+    k.mov(base, message)
+    channels, experts = k.reg("u32", "channels_"), k.reg("u32", "experts")
+    k.ld_param(channels, p.channels)
+    k.ld_param(experts, p.experts)
+    with k.stage("compose: the header's words (the sizes, the bad indices)"):
+        is_header = k.pred("header_word")
+        k.setp("lt", is_header, t.tid, HEADER_WORDS)
+        with k.if_(is_header, "not_a_header_word"):
+            k.ld_param(src, p.header)
+            k.mad(src, t.tid, 4, src, mode="wide")
+            k.ld(word, addr(src), nc=True)
+            k.mad(at, t.tid, 4, base)
+            k.st(addr(at), word, space="shared")
+    with k.stage("compose: the pairs per expert, past the channels' counts"):
+        first, i = k.reg("u32", "first_expert_word"), k.reg("u32", "expert")
+        k.mad(first, channels, 4 * cfg.ranks, base)
+        k.add(first, first, 4 * HEADER_WORDS)
+        with k.loop(i, experts, start=t.tid, step=THREADS, hint="expert_count"):
+            k.ld_param(src, p.per_expert)
+            k.mad(src, i, 4, src, mode="wide")
+            k.ld(word, addr(src), nc=True)
+            k.mad(at, i, 4, first)
+            k.st(addr(at), word, space="shared")
+    with k.stage("compose: warp w counts channels w, w + WARPS, ...: a ballot per rank"):
+        lane, warp = k.reg("u32", "lane"), k.reg("u32", "warp")
+        k.and_(lane, t.tid, 31)
+        k.shr(warp, t.tid, 5)
+        tokens, per, begin, end = (k.reg("u32", n) for n in ("tokens", "per_channel",
+                                                              "channel_begin", "channel_end"))
+        k.ld_param(tokens, p.tokens)
+        k.add(per, tokens, channels)
+        k.sub(per, per, 1)
+        k.div(per, per, channels)       # ceil(T / channels), as plan.channel_bounds
+        in_rank = k.reg("u64", "in_rank")
+        k.ld_param(in_rank, p.in_rank)
+        channel, batch, token, flag, n = (k.reg("u32", name) for name in (
+            "count_channel", "count_batch", "count_token", "count_flag", "count_n"))
+        counts = k.regs("u32", cfg.ranks, "count")
+        ballot, in_batch, goes = k.reg("b32", "count_ballot"), k.pred("count_in_batch"), k.pred(
+            "count_goes")
+        lane0 = k.pred("count_lane0")
+        k.setp("eq", lane0, lane, 0)
+        with k.loop(channel, channels, start=warp, step=WARPS, uniform=True, hint="channel"):
+            k.mul(begin, channel, per, mode="lo")
+            k.min(begin, begin, tokens)
+            k.add(end, begin, per)
+            k.min(end, end, tokens)
+            for count in counts:
+                k.mov(count, 0)
+            with k.loop(batch, end, start=begin, step=BATCH, uniform=True, hint="count_batch"):
+                k.add(token, batch, lane)
+                k.setp("lt", in_batch, token, end)
+                k.mad(src, token, cfg.ranks, in_rank, mode="wide")
+                for r, count in enumerate(counts):
+                    k.mov(flag, 0)
+                    with k.guard(in_batch):
+                        k.ld(flag, addr(src, r), nc=True, type="u8")
+                    k.setp("ne", goes, flag, 0)
+                    k.vote_sync(ballot, goes, mode="ballot")
+                    k.popc(n, ballot)
+                    k.add(count, count, n)
+            with k.if_(lane0, "not_the_counter"):
+                k.mad(at, channel, 4 * cfg.ranks, base)
+                for r, count in enumerate(counts):
+                    k.st(addr(at, 4 * (HEADER_WORDS + r)), count, space="shared")
+    k.bar_sync(0)
+    return base
 
 
 def _send_layout(k: KernelBuilder, cfg: ExchangeConfig, p, t) -> None:
@@ -256,7 +343,12 @@ def _scalars(k: KernelBuilder, p: SimpleNamespace, ranks: int) -> SimpleNamespac
                                                                    "number"))
     k.mov(t.tid, sreg.tid.x)
     k.ld_param(t.rank, p.rank)
-    k.ld_param(t.words, p.words)
+    # A message's words: the header, the channels' counts for every rank, the experts'.
+    channels, experts = k.reg("u32", "message_channels"), k.reg("u32", "message_experts")
+    k.ld_param(channels, p.channels)
+    k.ld_param(experts, p.experts)
+    k.mad(t.words, channels, ranks, experts)
+    k.add(t.words, t.words, HEADER_WORDS)
     t.peers = k.reg("u64", "peers")
     k.ld_param(t.peers, p.peers)
     # n: this rank's last exchange + 1, read before thread ``rank`` publishes n there.
@@ -280,17 +372,19 @@ def _scalars(k: KernelBuilder, p: SimpleNamespace, ranks: int) -> SimpleNamespac
     return t
 
 
-def _copy_words(k: KernelBuilder, t, src, dst, *, acquired: bool = False) -> None:
-    """words[i] of ``src`` to ``dst`` for i = tid, tid + THREADS, ... < words. A slot the
-    peers wrote is read after the flags' acquire and the barrier, past L1 (``acquired``);
-    the message itself is this kernel's input."""
+def _copy_words(k: KernelBuilder, t, src, dst, *, source: str) -> None:
+    """words[i] of ``src`` to ``dst`` for i = tid, tid + THREADS, ... < words. ``source``:
+    "shared" (the composed message, a u32 shared address), or "acquired" (a slot the peers
+    wrote, read after the flags' acquire and the barrier, past L1)."""
     i, value = k.reg("u32", "word"), k.reg("u32", "word_value")
-    at_src, at_dst = k.reg("u64", "word_src"), k.reg("u64", "word_dst")
+    at_dst = k.reg("u64", "word_dst")
+    at_src = k.reg("u32" if source == "shared" else "u64", "word_src")
     with k.loop(i, t.words, start=t.tid, step=THREADS, hint="copy_words"):
-        k.mad(at_src, i, 4, src, mode="wide")
         k.mad(at_dst, i, 4, dst, mode="wide")
-        if acquired:
-            k.ld(value, addr(at_src), eviction="L1::no_allocate")
+        if source == "shared":
+            k.mad(at_src, i, 4, src)
+            k.ld(value, addr(at_src), space="shared")
         else:
-            k.ld(value, addr(at_src), nc=True)
+            k.mad(at_src, i, 4, src, mode="wide")
+            k.ld(value, addr(at_src), eviction="L1::no_allocate")
         k.st(addr(at_dst), value, eviction="L1::no_allocate")
