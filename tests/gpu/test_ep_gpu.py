@@ -39,7 +39,7 @@ pytestmark = pytest.mark.gpu
 WORLD = 2
 TIMEOUT_S = float(os.environ.get("PTXFORGE_EP_TEST_TIMEOUT_S", 300))  # a scenario, JIT included
 KERNEL_TIMEOUT_S = 20.0  # the buffers' device-side time limit (two processes share a GPU)
-EXPERTS, TOPK = 8, 4
+EXPERTS, TOPK = 16, 4   # at 4 ranks still TOPK experts a rank
 
 
 # ---------------------------------------------------------------------------- process harness
@@ -124,21 +124,22 @@ def _assert_bitwise(got: torch.Tensor, expected: torch.Tensor, what: str) -> Non
 
 # ---------------------------------------------------------------------------- routings
 def _routing(rank: int, tokens: int, kind: str, seed: int) -> torch.Tensor:
-    """int64 [tokens, TOPK] expert indices (-1: none) of one rank."""
+    """int64 [tokens, TOPK] expert indices (-1: none) of one rank of the group."""
     g = torch.Generator().manual_seed(1000 * seed + rank)
+    world = dist.get_world_size()
     if not tokens:
         return torch.empty((0, TOPK), dtype=torch.int64)
     idx = torch.stack([torch.randperm(EXPERTS, generator=g)[:TOPK] for _ in range(tokens)])
     if kind == "random":
         idx[torch.rand(idx.shape, generator=g) < 0.25] = -1
     elif kind == "some_ranks_left_out":
-        # Token t: experts on rank t % 2 only, every third token on none at all.
-        local = torch.stack([torch.randperm(EXPERTS // WORLD, generator=g)[:TOPK]
+        # Token t: experts on rank t % world only, every third token on none at all.
+        local = torch.stack([torch.randperm(EXPERTS // world, generator=g)[:TOPK]
                              for _ in range(tokens)])
-        idx = local + (torch.arange(tokens) % WORLD).unsqueeze(1) * (EXPERTS // WORLD)
+        idx = local + (torch.arange(tokens) % world).unsqueeze(1) * (EXPERTS // world)
         idx[::3] = -1
     elif kind == "all_to_rank_0":
-        idx = torch.stack([torch.randperm(EXPERTS // WORLD, generator=g)[:TOPK]
+        idx = torch.stack([torch.randperm(EXPERTS // world, generator=g)[:TOPK]
                            for _ in range(tokens)])
     return idx.to(torch.int64)
 
@@ -164,7 +165,8 @@ def _dispatch_case(buffer: Buffer, rank: int, *, tokens: int, hidden: int, kind:
     # Column-major scales, as quantize_fp8_per_token's mn_major layout gives them.
     x_arg = (x_dev, scales.t().contiguous().t().to(dev)) if fp8 else x_dev
     per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(idx_dev, EXPERTS)
-    ref_rank, ref_expert, ref_in_rank = reference.dispatch_layout(idx, EXPERTS, WORLD)
+    ref_rank, ref_expert, ref_in_rank = reference.dispatch_layout(idx, EXPERTS,
+                                                                  dist.get_world_size())
     assert per_rank.cpu().tolist() == ref_rank.tolist(), (per_rank, ref_rank)
     assert per_expert.cpu().tolist() == ref_expert.tolist(), (per_expert, ref_expert)
     assert torch.equal(in_rank.cpu(), ref_in_rank)
@@ -210,7 +212,7 @@ def _dispatch_case(buffer: Buffer, rank: int, *, tokens: int, hidden: int, kind:
 def scenario_routings(rank: int, world: int) -> None:
     small = Config(num_sms=4, ring_slots=64)
     buffer = Buffer(dist.group.WORLD, buffer_size(world, 512, TOPK), timeout_s=KERNEL_TIMEOUT_S)
-    _dispatch_case(buffer, rank, tokens=96 - 35 * rank, hidden=256, kind="random", seed=0,
+    _dispatch_case(buffer, rank, tokens=96 - 20 * rank, hidden=256, kind="random", seed=0,
                    config=small)
     _dispatch_case(buffer, rank, tokens=50, hidden=512, kind="some_ranks_left_out", seed=1)
     _dispatch_case(buffer, rank, tokens=40 + rank, hidden=256, kind="all_to_rank_0", seed=2,
@@ -236,7 +238,7 @@ def scenario_direct(rank: int, world: int) -> None:
                                                  num_worst_tokens=worst),
                    timeout_s=KERNEL_TIMEOUT_S)
     dev = torch.device("cuda", torch.cuda.current_device())
-    for kind, tokens, seed in (("random", 100 - 37 * rank, 10), ("all_to_rank_0", 60, 11),
+    for kind, tokens, seed in (("random", 100 - 25 * rank, 10), ("all_to_rank_0", 60, 11),
                                ("random", 0 if rank else 90, 12)):
         x, scales, idx, weights = _inputs(rank, tokens, hidden, kind, seed, True)
         idx_dev = idx.to(dev)
@@ -277,7 +279,9 @@ def scenario_direct(rank: int, world: int) -> None:
 
 def scenario_errors(rank: int, world: int) -> None:
     """Disagreements and bad indices raise the same error on every rank, and leave the
-    buffer usable; a buffer too small is refused before launching."""
+    buffer usable; a buffer too small is refused before the dispatch launches (after the
+    count exchange: where ranks disagree on the rows' width, only some would find their
+    rows too wide, so every rank names the disagreement first)."""
     buffer = Buffer(dist.group.WORLD, buffer_size(world, 512, TOPK, config=Config(4, 64)),
                     num_sms=4, timeout_s=KERNEL_TIMEOUT_S)
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -297,7 +301,7 @@ def scenario_errors(rank: int, world: int) -> None:
     bad = idx.clone()
     if rank == 1:
         bad[3, 1] = EXPERTS + 5
-    with pytest.raises(ValueError, match=r"\[-1, 8\); out of range \(rank 1: 1\)"):
+    with pytest.raises(ValueError, match=rf"\[-1, {EXPERTS}\); out of range \(rank 1: 1\)"):
         dispatch(256, bad)
     with pytest.raises(ValueError, match="too small for a dispatch of 7168-wide rows"):
         dispatch(7168, idx)

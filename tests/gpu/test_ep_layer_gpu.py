@@ -71,7 +71,7 @@ def _tokens(rank: int, tokens: int, experts: int, top_k: int, kind: str, seed: i
     x = torch.randn(tokens, hidden, device="cuda", generator=g).bfloat16()
     scores = torch.rand(tokens, experts, device="cuda", generator=g)
     if kind == "rank0":
-        scores[:, experts // 2:] = -1.0
+        scores[:, experts // dist.get_world_size():] = -1.0
     weights, idx = scores.topk(top_k, dim=-1)
     weights = (weights / weights.sum(-1, keepdim=True)).float()
     if kind == "dropped":
@@ -176,7 +176,7 @@ def scenario_normal(rank: int, world: int) -> None:
     """The normal path (T above the decode capacity, or layout='contiguous'): uneven
     token counts, dropped pairs, every token to rank 0's experts, a rank with none."""
     layer = _Layer(rank, world)
-    for seed, (tokens, kind) in enumerate(((200 - 63 * rank, "uniform"),
+    for seed, (tokens, kind) in enumerate(((200 - 40 * rank, "uniform"),
                                            (150, "dropped"), (96 + rank, "rank0"))):
         x, idx, weights = _tokens(rank, tokens, EXPERTS, TOPK, kind, seed)
         layer.check(f"normal, {kind}, {tokens} tokens", rank, x, idx, weights)
@@ -251,7 +251,7 @@ def scenario_bounded(rank: int, world: int) -> None:
     whose replays on new tokens and routings give the eager call's bits."""
     layer = _Layer(rank, world)
     for bound, how in ((DIRECT_BOUND, "in place"), (DIRECT_BOUND + 100, "through the rings")):
-        for seed, (tokens, kind) in enumerate(((200 - 63 * rank, "uniform"), (150, "dropped"),
+        for seed, (tokens, kind) in enumerate(((200 - 40 * rank, "uniform"), (150, "dropped"),
                                                (96 + rank, "rank0"),
                                                (0 if rank else 120, "uniform"))):
             x, idx, weights = _tokens(rank, tokens, EXPERTS, TOPK, kind, 60 + seed)
