@@ -347,8 +347,6 @@ class Buffer:
                                             topk, fp8=inputs.fp8,
                                             with_topk=bool(inputs.topk), num_sms=config.num_sms,
                                             slots=config.ring_slots)
-        checks.require_buffer(self.num_nvl_bytes, cfg.plan.bytes_needed(cfg.slot),
-                              f"a dispatch of {inputs.hidden}-wide rows")
         # Built before the exchange, which every rank leaves together: a rank assembling its
         # kernel after it would let the peer's kernel spin meanwhile, on its timeout's clock.
         launcher = _launcher(self.device_index, cfg)
@@ -356,6 +354,10 @@ class Buffer:
             handle = self._exchange(inputs, is_token_in_rank, num_tokens_per_expert, topk_idx,
                                     experts, channels, expert_alignment, config,
                                     previous_event, num_worst_tokens)
+        # After the exchange, which refuses ranks that disagree on the sizes: a buffer too
+        # small is then every rank's error, not one rank's while the others wait for it.
+        checks.require_buffer(self.num_nvl_bytes, cfg.plan.bytes_needed(cfg.slot),
+                              f"a dispatch of {inputs.hidden}-wide rows")
         if num_worst_tokens and inputs.fp8 and inputs.topk:
             region = direct_region(cfg.plan.bytes_needed(cfg.slot), num_worst_tokens,
                                    inputs.hidden, inputs.topk)
