@@ -42,18 +42,22 @@ def _private_cache(tmp_path_factory, monkeypatch):
     (2, 128, 7168, 256, 8), (8, 256, 7168, 256, 8), (3, 5, 128, 6, 2), (2, 1, 256, 2, 1)])
 def test_plan_regions_are_aligned_and_disjoint(ranks, max_tokens, hidden, experts, topk):
     plan = LowLatencyPlan(ranks, max_tokens, hidden, experts, topk)
-    local = experts // ranks
-    assert plan.dispatch_received == 4 * experts
+    local, ctas = experts // ranks, plan.send_ctas
+    assert 1 <= ctas <= 16 and ranks * ctas <= 128  # a receiver's thread a flag
+    assert ctas * plan.send_chunk >= max_tokens > (ctas - 1) * plan.send_chunk
+    assert plan.dispatch_received >= 4 * ranks * ctas
     assert plan.dispatch_flags >= plan.dispatch_received + 4 * local * ranks
-    assert plan.combine_flags >= plan.dispatch_flags + 4 * local * ranks
-    assert plan.dispatch_slots >= plan.combine_flags + 4 * max_tokens * topk
-    assert plan.slot_scales >= hidden and plan.slot_source >= plan.slot_scales + hidden // 32
-    assert plan.slot_bytes >= plan.slot_source + 8 and plan.slot_bytes % 16 == 0
-    assert plan.dispatch_slot(local - 1, ranks - 1, max_tokens - 1) + plan.slot_bytes \
-        <= plan.combine_rows
+    assert plan.combine_flags >= plan.dispatch_flags + 4 * ranks * ctas
+    assert plan.dispatch_topk >= plan.combine_flags + 4 * max_tokens * topk
+    assert plan.dispatch_slots >= plan.dispatch_topk + 4 * ranks * max_tokens * topk
+    assert plan.slot_scales >= hidden and plan.slot_bytes >= plan.slot_scales + hidden // 32
+    assert plan.slot_bytes % 16 == 0
+    # A slot a (source, token): the token goes to a rank once, whatever its experts there.
+    assert plan.dispatch_slot(ranks - 1, max_tokens - 1) + plan.slot_bytes <= plan.combine_rows
     assert plan.bytes_needed == plan.combine_rows + max_tokens * topk * 2 * hidden
     assert all(offset % 16 == 0 for offset in (plan.dispatch_flags, plan.combine_flags,
-                                               plan.dispatch_slots, plan.combine_rows))
+                                               plan.dispatch_topk, plan.dispatch_slots,
+                                               plan.combine_rows))
     assert low_latency.buffer_size(max_tokens, hidden, ranks, experts, topk) == plan.bytes_needed
 
 
@@ -350,8 +354,10 @@ def test_calls_in_a_row_on_a_buffer_never_cleared():
         phases = ("send", "receive") if round == 2 else ("both",)
         received = w.dispatch(phases)
         w.combine(received, -1.0, phases)
-    sent = struct.unpack("<8I", w.memory.read(w.buffers[0] + w.plan.dispatch_sent, 32))
-    assert sent == (3,) * 8
+    flags = w.ranks * w.plan.send_ctas
+    sent = struct.unpack(f"<{flags}I", w.memory.read(w.buffers[0] + w.plan.dispatch_sent,
+                                                      4 * flags))
+    assert sent == (3,) * flags
 
 
 def test_a_rank_that_never_launches_ends_in_the_watchdog():

@@ -25,8 +25,8 @@ Roles (common.py: send CTAs first, then receive CTAs; ``WARPS`` warps each):
     receiver t (one CTA a token)  lane j < k of each warp: the pair's expert, its weight and
                                   the k position whose row it takes; lane j of warp 0 waits
                                   (ld.acquire.sys, timed) for that row's flag to carry the
-                                  dispatch's sequence number (dispatch_sent[e] of this
-                                  rank); bar.sync; each thread sums 16-byte vectors tid,
+                                  dispatch's sequence number (dispatch_sent of this
+                                  rank's send CTA 0 to e's rank); bar.sync; each thread sums 16-byte vectors tid,
                                   tid + threads, ... of the k rows.
 
 Memory orders and cache hints as in dispatch.py. Compile-time: ranks, max_tokens, hidden,
@@ -200,7 +200,10 @@ def _receive(k, cfg, p, t) -> None:
                 "u32", "expert")
             ready, flag_at = k.pred("arrived"), k.reg("u64", "flag_at")
             k.cvt(expert, index, dtype="u32", stype="u64")
-            k.mad(flag_at, expert, 4, t.own, mode="wide")
+            sender = k.reg("u32", "send_cta")  # send CTA 0 of the expert's rank
+            k.div(sender, expert, plan.local_experts)
+            k.mul(sender, sender, plan.send_ctas, mode="lo")
+            k.mad(flag_at, sender, 4, t.own, mode="wide")
             k.ld(expected, addr(flag_at, plan.dispatch_sent), sem="relaxed", scope="sys")
             pair = k.reg("u32", "pair")
             k.mad(pair, token, cfg.topk, r.first)

@@ -1,36 +1,43 @@
-"""Low-latency dispatch: each rank writes each (token, expert) pair of its tokens, quantized
-to FP8 beforehand (``ops.quantize_fp8_per_token``, row-major scales: once a token, not
-once a pair), straight into slot (l, this rank, i) of the expert's rank (plan.py); each
-rank then packs what its local experts received into the masked layout the grouped GEMM
-reads.
+"""Low-latency dispatch: each rank writes each of its tokens, quantized to FP8 beforehand
+(``ops.quantize_fp8_per_token``, row-major scales: once a token), once into every rank
+that holds one of its experts (slot (this rank, token) there, plan.py), with its top-k
+row as that rank's local experts; each rank's receivers then copy what its local experts
+were sent into the masked layout the grouped GEMM reads.
+
+Why once a rank and not once a (token, expert) pair: a token's k experts often share a
+rank (top-8 of 256 over 2 ranks: about 4 a rank), the NVLink bytes are what a decode
+dispatch waits for, and the receivers' copies into each expert's rows run at HBM speed.
 
 Roles (common.py: send CTAs first, then receive CTAs; ``WARPS`` warps each):
 
-    sender e (one CTA an expert)   warp w scans batches w, w + WARPS, ... of 32 tokens
-                                   (one a lane): the first k position naming e, a ballot,
-                                   the batch's count into shared memory; bar.sync; each
-                                   routed token's slot = the routed tokens before it (the
-                                   earlier batches' counts, then the ballot: token order,
-                                   no atomics). Warp w copies its batches' routed tokens
-                                   (the ballot's set bits): the e4m3 row (16-byte vectors,
-                                   one round), its scales, the (token, k position) pair.
-                                   bar.sync, then thread 0 takes the pair's next sequence
-                                   number and publishes
-                                   ``sequence << 9 | count`` into flag (l, this rank) of the
-                                   expert's rank with st.release.sys (count 0 too).
-    receiver l (one CTA a local    thread s < R waits (ld.acquire.sys, timed) for flag
-    expert)                        (l, s) to carry its next sequence number and shares the
-                                   count through shared memory; bar.sync; each source's
-                                   rows start after the counts of the ranks before it.
-                                   Warp w copies rows w, w + WARPS, ... of each source: the
-                                   e4m3 row, its scales (into MN-major recv_scales), and
-                                   (source rank, token, k position) into recv_src_info.
-                                   Thread 0 writes recv_count[l].
+    sender (d, c) (C CTAs a       warp w takes tokens w, w + WARPS, ... of its chunk
+    destination rank d)           (plan.send_chunk tokens): lane j < k loads the token's
+                                  j-th expert and stores it as d's local expert (-1: an
+                                  expert elsewhere, or none) into d's top-k row (this rank,
+                                  token); if a ballot finds one on d, the warp copies the
+                                  e4m3 row (16-byte vectors, one round) and its scales into
+                                  slot (this rank, token) of d. bar.sync, then thread 0
+                                  takes its next sequence number and publishes
+                                  ``sequence << 9 | tokens`` into flag (this rank, c) of d
+                                  with st.release.sys (every CTA, tokens or none).
+    receiver l (one CTA a local   thread (s, c) < R x C waits (ld.acquire.sys, timed) for
+    expert)                       flag (s, c) to carry the next sequence number of pair
+                                  (l, s); (s, 0) shares rank s's token count. bar.sync;
+                                  warp w scans each source's batches w, w + WARPS, ... of
+                                  32 tokens (one a lane): the first k position naming l in
+                                  the token's top-k row, a ballot, the batch's count into
+                                  shared memory; bar.sync; source s's rows follow those of
+                                  the sources before it, in token order (the earlier
+                                  batches' counts, then the ballot: no atomics). Warp w
+                                  copies its batches' routed tokens: slot (s, token)'s
+                                  e4m3 row, its scales (into MN-major recv_scales), and
+                                  (s, token, k position) into recv_src_info. Thread 0
+                                  writes recv_count[l].
 
 Memory orders: a sender's payload stores precede its flag's release (bar.sync, then one
-thread's release); a receiver's loads follow its acquire (the waiting thread's, passed on
-by bar.sync). Slots are read with weak loads that skip L1, never through the non-coherent
-path; the sender's inputs (x, topk_idx) through it.
+thread's release); a receiver's loads follow its acquires (the waiting threads', passed
+on by bar.sync). Slots and top-k rows are read with weak loads that skip L1, never
+through the non-coherent path; the sender's inputs (x, its scales, topk_idx) through it.
 
 Top-k indices outside [0, E) (-1 among them) route nowhere; a token naming an expert twice
 goes to it once (its first k position).
@@ -59,9 +66,14 @@ class DispatchConfig(common.LowLatencyConfig):
     KIND = "dispatch"
 
     @property
+    def send_grid(self) -> int:
+        """C send CTAs a destination rank."""
+        return self.ranks * self.plan.send_ctas
+
+    @property
     def grid(self) -> int:
-        """Send CTAs (one an expert), then receive CTAs (one a local expert)."""
-        return self.experts * self.sends + self.plan.local_experts * self.receives
+        """Send CTAs (C a destination rank), then receive CTAs (one a local expert)."""
+        return self.send_grid * self.sends + self.plan.local_experts * self.receives
 
 
 def choose_config(arch: Arch, ranks: int, max_tokens: int, hidden: int, experts: int,
@@ -74,7 +86,7 @@ def choose_config(arch: Arch, ranks: int, max_tokens: int, hidden: int, experts:
 def generate(cfg: DispatchConfig) -> KernelBuilder:
     k = common.kernel(cfg)
     p = _Params(k, cfg)
-    t = common.prologue(k, p, cfg.experts if cfg.phase == "both" else None)
+    t = common.prologue(k, p, cfg.send_grid if cfg.phase == "both" else None)
     common.roles(k, cfg, t, lambda: _send(k, cfg, p, t), lambda: _receive(k, cfg, p, t))
     return k
 
@@ -106,164 +118,128 @@ def advance_sequence(k: KernelBuilder, sequence) -> None:
 
 def _send(k, cfg, p, t) -> None:
     plan, s = cfg.plan, SimpleNamespace()
-    expert = t.index
-    with k.stage("sender: the expert's rank, its slots (l, this rank) there, the inputs"):
-        dest, local, pair = k.reg("u32", "dest_rank"), k.reg("u32", "local_expert"), k.reg(
-            "u32", "pair_index")
-        k.div(dest, expert, plan.local_experts)
-        k.rem(local, expert, plan.local_experts)
+    with k.stage("sender (d, c): rank d's buffer, this rank's top-k rows and slots there, "
+                 "the CTA's tokens"):
+        dest, cta = k.reg("u32", "dest_rank"), k.reg("u32", "send_cta")
+        k.div(dest, t.index, plan.send_ctas)
+        k.rem(cta, t.index, plan.send_ctas)
         peer = k.reg("u64", "peer_buffer")
         intranode.buffer_of(k, peer, t.peers, dest)
-        k.mad(pair, local, cfg.ranks, t.rank)
-        s.slots, s.flag_at = k.reg("u64", "slots"), k.reg("u64", "flag_at")
+        s.slots, s.topk_rows, s.flag_at = (k.reg("u64", name) for name in (
+            "slots", "topk_rows", "flag_at"))
         k.add(s.slots, peer, plan.dispatch_slots)
-        k.mad(s.slots, pair, cfg.max_tokens * plan.slot_bytes, s.slots, mode="wide")
+        k.mad(s.slots, t.rank, cfg.max_tokens * plan.slot_bytes, s.slots, mode="wide")
+        k.add(s.topk_rows, peer, plan.dispatch_topk)
+        k.mad(s.topk_rows, t.rank, 4 * cfg.max_tokens * cfg.topk, s.topk_rows, mode="wide")
+        flag = k.reg("u32", "flag_index")
+        k.mad(flag, t.rank, plan.send_ctas, cta)
         k.add(s.flag_at, peer, plan.dispatch_flags)
-        k.mad(s.flag_at, pair, 4, s.flag_at, mode="wide")
-        s.tokens, s.x, idx = k.reg("u32", "tokens"), k.reg("u64", "x"), k.reg("u64", "topk_idx")
+        k.mad(s.flag_at, flag, 4, s.flag_at, mode="wide")
+        s.first_expert = k.reg("u64", "first_expert")  # d's experts: [first, first + L)
+        k.mul(s.first_expert, dest, plan.local_experts, mode="wide")
+        s.tokens, s.x, s.x_scales, s.topk_idx = (k.reg(kind, name) for kind, name in (
+            ("u32", "tokens"), ("u64", "x"), ("u64", "x_scales"), ("u64", "topk_idx")))
         k.ld_param(s.tokens, p.tokens)
         k.ld_param(s.x, p.x)
-        s.x_scales = k.reg("u64", "x_scales")
         k.ld_param(s.x_scales, p.x_scales)
-        k.ld_param(idx, p.topk_idx)
-        wanted = k.reg("u64", "expert_wide")
-        k.cvt(wanted, expert, dtype="u64", stype="u32")
-        lanes_below = k.reg("u32", "lanes_below")
-        k.mov(lanes_below, sreg.lanemask_lt)
-    batches = -(-cfg.max_tokens // BATCH)
-    rounds = -(-batches // common.WARPS)  # the batches a warp scans: w, w + WARPS, ...
-    counts_at = k.reg("u32", "batch_counts_at")
-    k.mov(counts_at, k.shared("batch_counts", 4 * batches, align=4))
-    ballots, positions = k.regs("b32", rounds, "ballot"), k.regs("u32", rounds, "position")
-    token, n, batch = (k.reg("u32", name) for name in ("lane_token", "batch_count", "batch"))
-    idx_at, index, at = k.reg("u64", "idx_at"), k.reg("u64", "index"), k.reg("u32", "count_at")
-    in_batch, match, goes, exists = (k.pred(name) for name in (
-        "in_batch", "match", "goes", "batch_exists"))
-    with k.stage("scan: warp w's batches w, w + WARPS, ...: each lane's token's first k "
-                 "position naming the expert, a ballot, the batch's count to shared memory"):
-        for r in range(rounds):
-            k.add(batch, t.warp, common.WARPS * r)
-            k.mad(token, batch, BATCH, t.lane)
-            k.setp("lt", in_batch, token, s.tokens)
-            k.mad(idx_at, token, 8 * cfg.topk, idx, mode="wide")
-            k.mov(positions[r], cfg.topk)  # none
-            for j in reversed(range(cfg.topk)):  # the last match kept is the first position
-                k.mov(index, -1)
-                with k.guard(in_batch):
-                    k.ld(index, addr(idx_at, 8 * j), **intranode.INPUT_LOAD)
-                k.setp("eq", match, index, wanted)
-                with k.guard(match):
-                    k.mov(positions[r], j)
-            k.setp("lt", goes, positions[r], cfg.topk)
-            k.vote_sync(ballots[r], goes, mode="ballot")
-            k.popc(n, ballots[r])
-            k.setp("lt", exists, batch, batches)
-            k.and_pred(exists, exists, t.lane0)
-            k.mad(at, batch, 4, counts_at)
-            with k.guard(exists):
-                k.st(addr(at), n, space="shared")
-        k.bar_sync(0)
-    first, slot, before, earlier = (k.reg("u32", name) for name in (
-        "batch_first", "lane_slot", "routed_before", "earlier_batch"))
-    for r in range(rounds):
-        with k.stage("copy: the batch's routed tokens, their slots after the earlier batches'"):
-            k.add(batch, t.warp, common.WARPS * r)
-            k.setp("lt", exists, batch, batches)
-            with k.if_(exists, f"no_batch_{r}", uniform=True):
-                k.mul(first, batch, BATCH, mode="lo")
-                k.mov(before, 0)
-                with k.loop(earlier, batch, uniform=True, hint="earlier_batch"):
-                    k.mad(at, earlier, 4, counts_at)
-                    k.ld(n, addr(at), space="shared")
-                    k.add(before, before, n)
-                k.and_(slot, ballots[r], lanes_below)
-                k.popc(slot, slot)
-                k.add(slot, slot, before)
-                _send_batch(k, cfg, t, s, first, ballots[r], slot, positions[r])
-    with k.stage("publish: the CTA's rows, then sequence << 9 | count (st.release.sys)"):
+        k.ld_param(s.topk_idx, p.topk_idx)
+        first, end = k.reg("u32", "chunk_first"), k.reg("u32", "chunk_end")
+        k.mul(first, cta, plan.send_chunk, mode="lo")
+        k.add(end, first, plan.send_chunk)
+        k.min(end, end, s.tokens)
+        k.add(first, first, t.warp)
+    token = k.reg("u32", "token")
+    with k.loop(token, end, start=first, step=common.WARPS, uniform=True, hint="token"):
+        _send_token(k, cfg, t, s, token)
+    with k.stage("publish: the CTA's rows, then sequence << 9 | tokens (st.release.sys)"):
         k.bar_sync(0)
         with k.if_(t.thread0, "not_publishing"):
-            count = k.reg("u32", "count")  # the tokens routed to the expert
-            k.mov(count, 0)
-            for b in range(batches):
-                k.ld(n, addr(counts_at, 4 * b), space="shared")
-                k.add(count, count, n)
             sequence, sequence_at = k.reg("u32", "sequence"), k.reg("u64", "sequence_at")
-            k.mad(sequence_at, expert, 4, t.own, mode="wide")
+            k.mad(sequence_at, t.index, 4, t.own, mode="wide")  # (d, c): d * C + c
             k.ld(sequence, addr(sequence_at, plan.dispatch_sent), sem="relaxed", scope="sys")
             advance_sequence(k, sequence)
             k.st(addr(sequence_at, plan.dispatch_sent), sequence, sem="relaxed", scope="sys")
             word = k.reg("u32", "flag")
             k.shl(word, sequence, COUNT_BITS)
-            k.or_(word, word, count)
+            k.or_(word, word, s.tokens)
             k.st(addr(s.flag_at), word, sem="release", scope="sys")
 
 
-def _send_batch(k, cfg, t, s, first, ballot, slot, position) -> None:
-    """The batch's routed tokens (the set bits of ``ballot``, highest first), lane i's at
-    slot ``slot`` of lane i: the warp visits only those."""
-    bits, bit, i = k.reg("b32", "routed_bits"), k.reg("u32", "bit"), k.reg("u32", "batch_lane")
-    token_slot, token_position = k.reg("u32", "token_slot"), k.reg("u32", "token_position")
-    none_left = k.pred("none_left")
-    top, done = k.label("routed"), k.label("routed_end")
-    k.mov(bits, ballot)
-    k.place(top)
-    k.setp("eq", none_left, bits, 0)
-    with k.guard(none_left):
-        k.bra(done, uniform=True)
-    k.bfind(i, bits)
-    k.shl(bit, 1, i)
-    k.xor(bits, bits, bit)
-    k.shfl_sync(token_slot, slot, i, mode="idx")
-    k.shfl_sync(token_position, position, i, mode="idx")
-    token = k.reg("u32", "token")
-    k.add(token, first, i)
-    _send_token(k, cfg, t, s, token, token_slot, token_position)
-    k.bra(top, uniform=True)
-    k.place(done)
-
-
-def _send_token(k, cfg, t, s, token, slot, position) -> None:
-    """Copy x[token] (e4m3), its scales and its (token, k position) pair into slot
-    ``slot``: the scales' loads (one f32 a lane) issued first, then the row's (16-byte
-    vectors, up to COPY_UNROLL a lane at once), so that a row costs one load latency."""
+def _send_token(k, cfg, t, s, token) -> None:
+    """Lane j < k: the token's j-th expert as d's local expert (or -1) into d's top-k row;
+    then, if any lives on d, x[token] (e4m3) and its scales into the token's slot there:
+    the scales' loads (one f32 a lane) issued first, then the row's (16-byte vectors, up to
+    COPY_UNROLL a lane at once), so that a row costs one load latency."""
     plan = cfg.plan
-    src, dst = k.reg("u64", "x_row"), k.reg("u64", "slot_at")
-    k.mad(src, token, cfg.hidden, s.x, mode="wide")
-    k.mad(dst, slot, plan.slot_bytes, s.slots, mode="wide")
-    scale_row = k.reg("u64", "scale_row")
-    k.mul(scale_row, token, 4 * plan.scale_groups, mode="wide")
-    k.add(scale_row, scale_row, s.x_scales)
-    with k.stage("scales: one f32 a lane, loaded"):
-        scales, in_row = lane_words_load(k, scale_row, plan.scale_groups, t.lane,
-                                         load=intranode.INPUT_LOAD, name="scale")
-    with k.stage("row: the e4m3 bytes, 16 a lane at a time"):
-        warp_copy(k, dst, src, cfg.hidden, t.lane, load=intranode.INPUT_LOAD,
-                  store=intranode.STORE, unroll=common.COPY_UNROLL)
-    with k.stage("scales: stored"):
-        lane_words_store(k, dst, scales, in_row, t.lane, store=intranode.STORE, name="scale",
-                         offset=plan.slot_scales)
-    with k.if_(t.lane0, "not_lane0"):
-        k.st(addr(dst, plan.slot_source), token, **intranode.STORE)
-        k.st(addr(dst, plan.slot_source + 4), position, **intranode.STORE)
+    with k.stage("top-k: lane j's expert, as one of d's or -1, into d's top-k row"):
+        in_k, here, any_here = k.pred("in_k"), k.pred("expert_here"), k.pred("token_goes")
+        index, at = k.reg("u64", "index"), k.reg("u64", "index_at")
+        local, ballot = k.reg("u32", "local_expert"), k.reg("b32", "experts_here")
+        k.setp("lt", in_k, t.lane, cfg.topk)
+        k.mad(at, token, 8 * cfg.topk, s.topk_idx, mode="wide")
+        k.mad(at, t.lane, 8, at, mode="wide")
+        k.mov(index, -1)
+        with k.guard(in_k):
+            k.ld(index, addr(at), **intranode.INPUT_LOAD)
+        k.sub(index, index, s.first_expert)  # -1 and indices outside [0, E) wrap high
+        k.setp("lt", here, index, plan.local_experts)
+        k.and_pred(here, here, in_k)
+        k.mov(local, -1)
+        with k.guard(here):
+            k.cvt(local, index, dtype="u32", stype="u64")
+        k.mad(at, token, 4 * cfg.topk, s.topk_rows, mode="wide")
+        k.mad(at, t.lane, 4, at, mode="wide")
+        with k.guard(in_k):
+            k.st(addr(at), local, **intranode.STORE)
+        k.vote_sync(ballot, here, mode="ballot")
+        k.setp("ne", any_here, ballot, 0)
+    with k.if_(any_here, "token_stays", uniform=True):
+        src, dst = k.reg("u64", "x_row"), k.reg("u64", "slot_at")
+        k.mad(src, token, cfg.hidden, s.x, mode="wide")
+        k.mad(dst, token, plan.slot_bytes, s.slots, mode="wide")
+        scale_row = k.reg("u64", "scale_row")
+        k.mul(scale_row, token, 4 * plan.scale_groups, mode="wide")
+        k.add(scale_row, scale_row, s.x_scales)
+        with k.stage("scales: one f32 a lane, loaded"):
+            scales, in_row = lane_words_load(k, scale_row, plan.scale_groups, t.lane,
+                                             load=intranode.INPUT_LOAD, name="scale")
+        with k.stage("row: the e4m3 bytes, 16 a lane at a time"):
+            warp_copy(k, dst, src, cfg.hidden, t.lane, load=intranode.INPUT_LOAD,
+                      store=intranode.STORE, unroll=common.COPY_UNROLL)
+        with k.stage("scales: stored"):
+            lane_words_store(k, dst, scales, in_row, t.lane, store=intranode.STORE,
+                             name="scale", offset=plan.slot_scales)
 
 
 def _receive(k, cfg, p, t) -> None:
     plan, local = cfg.plan, t.index
-    with k.stage("receiver: thread s < R waits for flag (l, s) to carry its next sequence number"):
-        counts_at = k.reg("u32", "counts_at")
-        k.mov(counts_at, k.shared("counts", 4 * cfg.ranks, align=4))
-        waiter = k.pred("waiter")
-        k.setp("lt", waiter, t.tid, cfg.ranks)
+    flags = cfg.ranks * plan.send_ctas
+    with k.stage("receiver: thread (s, c) < R x C waits for flag (s, c) to carry pair "
+                 "(l, s)'s next sequence number"):
+        tokens_at = k.reg("u32", "source_tokens_at")
+        k.mov(tokens_at, k.shared("source_tokens", 4 * cfg.ranks, align=4))
+        waiter, first_cta = k.pred("waiter"), k.pred("first_cta")
+        source, cta = k.reg("u32", "source"), k.reg("u32", "send_cta")
+        expected, pair_at = k.reg("u32", "sequence"), k.reg("u64", "pair_at")
+        k.setp("lt", waiter, t.tid, flags)
+        k.div(source, t.tid, plan.send_ctas)
+        k.rem(cta, t.tid, plan.send_ctas)
+        k.setp("eq", first_cta, cta, 0)
+        k.and_pred(first_cta, first_cta, waiter)
+        pair = k.reg("u32", "pair_index")
+        k.mad(pair, local, cfg.ranks, source)
+        k.mad(pair_at, pair, 4, t.own, mode="wide")
+        k.mov(expected, 0)
+        with k.guard(waiter):
+            k.ld(expected, addr(pair_at, plan.dispatch_received), sem="relaxed", scope="sys")
+        advance_sequence(k, expected)
+        # Every waiter has its number before (s, 0) stores the next one.
+        k.bar_sync(0)
         with k.if_(waiter, "not_waiting"):
-            pair, seen, got = k.reg("u32", "pair_index"), k.reg("u32", "flag_seen"), k.reg(
-                "u32", "sequence_seen")
-            expected, at = k.reg("u32", "sequence"), k.reg("u64", "pair_at")
+            seen, got, at = k.reg("u32", "flag_seen"), k.reg("u32", "sequence_seen"), k.reg(
+                "u64", "flag_at")
             ready = k.pred("arrived")
-            k.mad(pair, local, cfg.ranks, t.tid)
-            k.mad(at, pair, 4, t.own, mode="wide")
-            k.ld(expected, addr(at, plan.dispatch_received), sem="relaxed", scope="sys")
-            advance_sequence(k, expected)
+            k.mad(at, t.tid, 4, t.own, mode="wide")  # flag (s, c): s * C + c
 
             def arrived(flag):
                 k.shr(got, flag, COUNT_BITS)
@@ -271,18 +247,31 @@ def _receive(k, cfg, p, t) -> None:
                 return ready
 
             t.watchdog.wait(seen, addr(at, plan.dispatch_flags), arrived,
-                            code=intranode.LL_DISPATCH_RECEIVE, channel=local, peer=t.tid)
-            k.st(addr(at, plan.dispatch_received), expected, sem="relaxed", scope="sys")
-            k.and_(seen, seen, (1 << COUNT_BITS) - 1)
-            shared_at = k.reg("u32", "count_at")
-            k.mad(shared_at, t.tid, 4, counts_at)
-            k.st(addr(shared_at), seen, space="shared")
+                            code=intranode.LL_DISPATCH_RECEIVE, channel=local, peer=source)
+            with k.if_(first_cta, "not_first_cta"):
+                k.st(addr(pair_at, plan.dispatch_received), expected, sem="relaxed",
+                     scope="sys")
+                k.and_(seen, seen, (1 << COUNT_BITS) - 1)
+                shared_at = k.reg("u32", "tokens_at")
+                k.mad(shared_at, source, 4, tokens_at)
+                k.st(addr(shared_at), seen, space="shared")
         k.bar_sync(0)
+    batches = -(-cfg.max_tokens // BATCH)
+    rounds = -(-batches // common.WARPS)  # the batches a warp scans: w, w + WARPS, ...
+    counts_at = k.reg("u32", "batch_counts_at")
+    k.mov(counts_at, k.shared("batch_counts", 4 * cfg.ranks * batches, align=4))
+    scan = [_scan(k, cfg, t, s, tokens_at, counts_at, batches, rounds)
+            for s in range(cfg.ranks)]
+    k.bar_sync(0)
     with k.stage("each source's count and first row; recv_count[l]"):
+        n = k.reg("u32", "batch_count")
         counts = k.regs("u32", cfg.ranks, "count")
         firsts = k.regs("u32", cfg.ranks, "first_row")
         for s in range(cfg.ranks):
-            k.ld(counts[s], addr(counts_at, 4 * s), space="shared")
+            k.mov(counts[s], 0)
+            for b in range(batches):
+                k.ld(n, addr(counts_at, 4 * (s * batches + b)), space="shared")
+                k.add(counts[s], counts[s], n)
             if s == 0:
                 k.mov(firsts[0], 0)
             else:
@@ -293,36 +282,119 @@ def _receive(k, cfg, p, t) -> None:
             k.ld_param(at, p.recv_count)
             k.mad(at, local, 4, at, mode="wide")
             k.st(addr(at), total)
-    i = k.reg("u32", "slot_index")
-    for s in range(cfg.ranks):
-        with k.loop(i, counts[s], start=t.warp, step=common.WARPS, uniform=True,
-                    hint=f"source_{s}_row"):
-            _receive_row(k, cfg, p, t, s, i, firsts[s])
+    for s, (ballots, positions) in enumerate(scan):
+        _copy_source(k, cfg, p, t, s, firsts[s], counts_at, batches, ballots, positions)
 
 
-def _receive_row(k, cfg, p, t, source: int, i, first) -> None:
-    """Slot (l, source, i) to row first + i of expert l's rows: the e4m3 row, its scales,
-    its (source rank, token, k position). The scales' and the pair's loads go out with
-    the row's, so that a row costs one load latency."""
+def _scan(k, cfg, t, source: int, tokens_at, counts_at, batches: int, rounds: int):
+    """Warp w's batches w, w + WARPS, ... of source ``source``'s tokens: each lane's
+    token's first k position naming the local expert in its top-k row (k: none), a
+    ballot, the batch's count into shared memory. Returns (ballots, positions), a
+    register a round."""
+    plan, local = cfg.plan, t.index
+    ballots = k.regs("b32", rounds, f"ballot_{source}")
+    positions = k.regs("u32", rounds, f"position_{source}")
+    with k.stage(f"scan: source {source}'s top-k rows naming the local expert"):
+        tokens, token, n, batch, value = (k.reg("u32", name) for name in (
+            "source_token_count", "lane_token", "batch_count", "batch", "top_k_value"))
+        row_at, at = k.reg("u64", "top_k_row"), k.reg("u32", "count_at")
+        in_batch, match, goes, exists = (k.pred(name) for name in (
+            "in_batch", "match", "goes", "batch_exists"))
+        k.ld(tokens, addr(tokens_at, 4 * source), space="shared")
+        for r in range(rounds):
+            k.add(batch, t.warp, common.WARPS * r)
+            k.mad(token, batch, BATCH, t.lane)
+            k.setp("lt", in_batch, token, tokens)
+            k.mad(row_at, token, 4 * cfg.topk, t.own, mode="wide")
+            k.add(row_at, row_at, plan.dispatch_topk + 4 * source * cfg.max_tokens * cfg.topk)
+            k.mov(positions[r], cfg.topk)  # none
+            for j in reversed(range(cfg.topk)):  # the last match kept is the first position
+                k.mov(value, -1)
+                with k.guard(in_batch):
+                    k.ld(value, addr(row_at, 4 * j), **intranode.PAYLOAD_LOAD)
+                k.setp("eq", match, value, local)
+                with k.guard(match):
+                    k.mov(positions[r], j)
+            k.setp("lt", goes, positions[r], cfg.topk)
+            k.vote_sync(ballots[r], goes, mode="ballot")
+            k.popc(n, ballots[r])
+            k.setp("lt", exists, batch, batches)
+            k.and_pred(exists, exists, t.lane0)
+            k.mad(at, batch, 4, counts_at)
+            with k.guard(exists):
+                k.st(addr(at, 4 * source * batches), n, space="shared")
+    return ballots, positions
+
+
+def _copy_source(k, cfg, p, t, source: int, first_row, counts_at, batches: int, ballots,
+                 positions) -> None:
+    """Warp w's batches of source ``source``: each routed token's row at first_row + the
+    routed tokens before it (the earlier batches' counts, then the ballot)."""
+    lanes_below = k.reg("u32", "lanes_below")
+    k.mov(lanes_below, sreg.lanemask_lt)
+    first, slot, before, earlier, n, batch, at = (k.reg("u32", name) for name in (
+        "batch_first", "lane_slot", "routed_before", "earlier_batch", "batch_count", "batch",
+        "count_at"))
+    exists = k.pred("batch_exists")
+    for r, (ballot, position) in enumerate(zip(ballots, positions)):
+        with k.stage(f"copy: source {source}'s batch's routed tokens, after the earlier "
+                     f"batches'"):
+            k.add(batch, t.warp, common.WARPS * r)
+            k.setp("lt", exists, batch, batches)
+            with k.if_(exists, f"no_batch_{source}_{r}", uniform=True):
+                k.mul(first, batch, BATCH, mode="lo")
+                k.mov(before, first_row)
+                with k.loop(earlier, batch, uniform=True, hint="earlier_batch"):
+                    k.mad(at, earlier, 4, counts_at)
+                    k.ld(n, addr(at, 4 * source * batches), space="shared")
+                    k.add(before, before, n)
+                k.and_(slot, ballot, lanes_below)
+                k.popc(slot, slot)
+                k.add(slot, slot, before)
+                _receive_batch(k, cfg, p, t, source, first, ballot, slot, position)
+
+
+def _receive_batch(k, cfg, p, t, source: int, first, ballot, row, position) -> None:
+    """The batch's routed tokens (the set bits of ``ballot``, highest first), lane i's to
+    row ``row`` of lane i: the warp visits only those."""
+    bits, bit, i = k.reg("b32", "routed_bits"), k.reg("u32", "bit"), k.reg("u32", "batch_lane")
+    token_row, token_position = k.reg("u32", "token_row"), k.reg("u32", "token_position")
+    none_left = k.pred("none_left")
+    top, done = k.label("routed"), k.label("routed_end")
+    k.mov(bits, ballot)
+    k.place(top)
+    k.setp("eq", none_left, bits, 0)
+    with k.guard(none_left):
+        k.bra(done, uniform=True)
+    k.bfind(i, bits)
+    k.shl(bit, 1, i)
+    k.xor(bits, bits, bit)
+    k.shfl_sync(token_row, row, i, mode="idx")
+    k.shfl_sync(token_position, position, i, mode="idx")
+    token = k.reg("u32", "token")
+    k.add(token, first, i)
+    _receive_row(k, cfg, p, t, source, token, token_row, token_position)
+    k.bra(top, uniform=True)
+    k.place(done)
+
+
+def _receive_row(k, cfg, p, t, source: int, token, i, position) -> None:
+    """Slot (source, token) to row i of expert l's rows: the e4m3 row, its scales, its
+    (source rank, token, k position). The scales' loads go out with the row's, so that a
+    row costs one load latency."""
     plan, local = cfg.plan, t.index
     rows = cfg.ranks * cfg.max_tokens
     slot, row, src, dst = k.reg("u32", "slot"), k.reg("u32", "row"), k.reg(
         "u64", "slot_at"), k.reg("u64", "out_row")
-    k.mad(slot, local, cfg.ranks, source)
-    k.mad(slot, slot, cfg.max_tokens, i)
+    k.add(slot, token, source * cfg.max_tokens)
     k.mad(src, slot, plan.slot_bytes, t.own, mode="wide")
     k.add(src, src, plan.dispatch_slots)
-    k.add(row, first, i)
-    k.mad(row, local, rows, row)  # among all experts' rows
+    k.mad(row, local, rows, i)  # among all experts' rows
     group, at = k.reg("u32", "group"), k.reg("u64", "scale_at")
-    token, position = k.reg("u32", "token"), k.reg("u32", "position")
-    with k.stage("load: the scales (lane g: group g), the (token, k position) pair"):
+    with k.stage("load: the scales (lane g: group g)"):
         scales, in_row = lane_words_load(k, src, plan.scale_groups, t.lane,
                                          load=intranode.PAYLOAD_LOAD, name="scale",
                                          offset=plan.slot_scales)
-        with k.guard(t.lane0):
-            k.ld(token, addr(src, plan.slot_source), **intranode.PAYLOAD_LOAD)
-            k.ld(position, addr(src, plan.slot_source + 4), **intranode.PAYLOAD_LOAD)
     with k.stage("the row: e4m3 bytes, 16 a lane at a time"):
         k.ld_param(dst, p.recv_x)
         k.mad(dst, row, cfg.hidden, dst, mode="wide")
@@ -336,8 +408,7 @@ def _receive_row(k, cfg, p, t, source: int, i, first) -> None:
         k.ld_param(group_stride, p.scale_group_stride)
         for trip in range(len(scales)):
             k.add(group, t.lane, 32 * trip)
-            k.add(element, first, i)
-            k.mad(element, group, group_stride, element)
+            k.mad(element, group, group_stride, i)
             k.mad(element, local, expert_stride, element)
             k.ld_param(at, p.recv_scales)
             k.mad(at, element, 4, at, mode="wide")

@@ -2,36 +2,43 @@
 kernel generators (the offsets they emit).
 
 Each rank allocates one buffer, mapped by every other rank (CUDA IPC, ``peers[r]``). For
-R ranks, E experts (L = E / R on each rank), T = max_tokens and k experts a token:
+R ranks, E experts (L = E / R on each rank), T = max_tokens, k experts a token and C
+send CTAs a destination rank (``send_ctas``):
 
     | sequence numbers (this rank's own):                                               |
-    |   dispatch_sent     [E]    u32  dispatches this rank sent to expert e             |
+    |   dispatch_sent     [R][C] u32  dispatches this rank's send CTA c sent to rank d  |
     |   dispatch_received [L][R] u32  dispatches local expert l received from rank s   |
-    | dispatch_flags [L][R] u32: written by rank s, sequence << 9 | count               |
+    | dispatch_flags [R][C] u32: written by rank s's send CTA c, sequence << 9 | tokens |
     | combine_flags  [T][k] u32: written by the rank of the pair's expert, sequence     |
-    | dispatch slots [L][R][T]: an e4m3 row (H bytes), its H / 128 f32 scales, and its  |
-    |                (source token, k position) u32 pair                                |
+    | dispatch_topk  [R][T][k] i32: rank s's token t's experts as this rank's local     |
+    |                experts (-1: an expert elsewhere, or none)                         |
+    | dispatch slots [R][T]: token t of rank s, if it names an expert here: its e4m3    |
+    |                row (H bytes) and its H / 128 f32 scales                           |
     | combine rows   [T][k]: a bf16 row (2 H bytes) a (token, k position) pair          |
 
-Protocol. Slot (l, s, i) holds the i-th token of rank s (in token order) routed to local
-expert l: the position is a scan over the tokens, so the layout is the same run to run.
-After its rows, rank s publishes ``sequence << 9 | count`` into flag (l, s) of the
-expert's rank with st.release.sys; the receiver waits (ld.acquire.sys, timed) until the
-flag carries the sequence number it expects. The combine returns pair (t, j)'s row into
-combine row (t, j) of rank s and publishes flag (t, j) = the dispatch's sequence number.
+Protocol. A token goes to a rank once, whatever number of its experts live there: slot
+(s, t) holds token t of rank s, and every local expert's receiver reads it from there
+(the rank's experts then take their rows in the layout the grouped GEMM reads). Rank s's
+send CTA c writes its share of the tokens (their top-k rows to every rank, their rows to
+the ranks they name), then publishes ``sequence << 9 | tokens`` into flag (s, c) of the
+destination with st.release.sys; a receiver waits (ld.acquire.sys, timed) until each of
+the R x C flags carries the sequence number it expects. The combine returns pair (t,
+j)'s row into combine row (t, j) of rank s and publishes flag (t, j) = the dispatch's
+sequence number.
 
 Sequence numbers instead of clearing: the buffer starts zeroed and is never cleared.
-Each end keeps the count of dispatches per pair it sends or receives on in its own
-buffer (``dispatch_sent``, ``dispatch_received``; the thread that publishes or waits on
-a pair reads, increments and stores it, so no atomics and no grid-wide step): every
-dispatch publishes every (expert, source rank) pair once, count 0 included, so both ends
-count alike, and a flag from an earlier call carries an older number. The combine reuses
-its dispatch's numbers (the sender's ``dispatch_received``, the receiver's
-``dispatch_sent``): one combine a dispatch. Numbers run 1 .. 2**23 - 1 and wrap to 1, so
-a zeroed flag never matches. A call's receive half must end on every rank before any
-rank's next send of the same kind rewrites its slots: the dispatch -> combine -> dispatch
-chain guarantees it (a rank's next dispatch follows its combine, which waited for every
-peer's combine send, which followed that peer's dispatch receive).
+Each end keeps the count of dispatches it sends or receives on in its own buffer
+(``dispatch_sent`` a send CTA, ``dispatch_received`` a (local expert, source) pair; the
+thread that publishes or waits reads, increments and stores it, so no atomics and no
+grid-wide step): every dispatch publishes every flag once, so both ends count alike,
+and a flag from an earlier call carries an older number. The combine reuses its
+dispatch's numbers (the sender's ``dispatch_received``, the receiver's
+``dispatch_sent`` of the expert's rank and CTA 0): one combine a dispatch. Numbers run
+1 .. 2**23 - 1 and wrap to 1, so a zeroed flag never matches. A call's receive half must
+end on every rank before any rank's next send of the same kind rewrites its slots: the
+dispatch -> combine -> dispatch chain guarantees it (a rank's next dispatch follows its
+combine, which waited for every peer's combine send, which followed that peer's dispatch
+receive).
 """
 
 from __future__ import annotations
@@ -46,6 +53,8 @@ SEQUENCE_MAX = (1 << (32 - COUNT_BITS)) - 1
 SCALE_GROUP = 128
 ALIGN = 16
 REGION_ALIGN = 1024
+MAX_SEND_CTAS = 16        # a destination's send CTAs: R x C flags, one a receiver's thread
+TOKENS_PER_SEND_CTA = 8   # at least: two a warp, each a row's copy in flight
 
 
 def _aligned(n: int, to: int = ALIGN) -> int:
@@ -90,19 +99,23 @@ class LowLatencyPlan:
     def scale_groups(self) -> int:
         return self.hidden // SCALE_GROUP
 
+    @property
+    def send_ctas(self) -> int:
+        """C: the CTAs that send to each rank, each a ``send_chunk`` of the tokens."""
+        return min(MAX_SEND_CTAS, -(-self.max_tokens // TOKENS_PER_SEND_CTA))
+
+    @property
+    def send_chunk(self) -> int:
+        return -(-self.max_tokens // self.send_ctas)
+
     # ---- a dispatch slot
     @property
     def slot_scales(self) -> int:
         return _aligned(self.hidden)
 
     @property
-    def slot_source(self) -> int:
-        """The (source token, k position) pair of a slot."""
-        return self.slot_scales + _aligned(4 * self.scale_groups)
-
-    @property
     def slot_bytes(self) -> int:
-        return self.slot_source + ALIGN
+        return self.slot_scales + _aligned(4 * self.scale_groups)
 
     # ---- the regions
     @property
@@ -111,7 +124,7 @@ class LowLatencyPlan:
 
     @property
     def dispatch_received(self) -> int:
-        return 4 * self.experts
+        return _aligned(4 * self.ranks * self.send_ctas)
 
     @property
     def dispatch_flags(self) -> int:
@@ -119,20 +132,24 @@ class LowLatencyPlan:
 
     @property
     def combine_flags(self) -> int:
-        return _aligned(self.dispatch_flags + 4 * self.local_experts * self.ranks)
+        return _aligned(self.dispatch_flags + 4 * self.ranks * self.send_ctas)
+
+    @property
+    def dispatch_topk(self) -> int:
+        return _aligned(self.combine_flags + 4 * self.max_tokens * self.topk)
 
     @property
     def dispatch_slots(self) -> int:
-        return _aligned(self.combine_flags + 4 * self.max_tokens * self.topk, REGION_ALIGN)
+        return _aligned(self.dispatch_topk + 4 * self.ranks * self.max_tokens * self.topk,
+                        REGION_ALIGN)
 
-    def dispatch_slot(self, local_expert: int, source: int, index: int) -> int:
-        """Byte offset of slot (local_expert, source, index)."""
-        return self.dispatch_slots + (
-            (local_expert * self.ranks + source) * self.max_tokens + index) * self.slot_bytes
+    def dispatch_slot(self, source: int, token: int) -> int:
+        """Byte offset of slot (source, token)."""
+        return self.dispatch_slots + (source * self.max_tokens + token) * self.slot_bytes
 
     @property
     def combine_rows(self) -> int:
-        return _aligned(self.dispatch_slot(self.local_experts, 0, 0), REGION_ALIGN)
+        return _aligned(self.dispatch_slot(self.ranks, 0), REGION_ALIGN)
 
     @property
     def bytes_needed(self) -> int:
