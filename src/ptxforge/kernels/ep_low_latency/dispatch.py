@@ -20,22 +20,19 @@ Roles (common.py: send CTAs first, then receive CTAs; ``WARPS`` warps each):
                                   takes its next sequence number and publishes
                                   ``sequence << 9 | tokens`` into flag (this rank, c) of d
                                   with st.release.sys (every CTA, tokens or none).
-    receiver (l, s) (one CTA a    thread (s', c) < R x C waits (ld.acquire.sys, timed)
-    local expert and source)      for flag (s', c) to carry the next sequence number of
-                                  pair (l, s) (every pair's number moves once a call, so
-                                  they are all the same); (s', 0) shares rank s''s token
-                                  count. bar.sync; warp w scans each source's batches w, w
-                                  + WARPS, ... of 32 tokens (one a lane): the first k
-                                  position naming l in the token's top-k row, a ballot,
-                                  the batch's count into shared memory; bar.sync; source
-                                  s's rows follow those of the sources before it, in token
-                                  order (the earlier batches' counts, then the ballot: no
-                                  atomics). Warp w copies source s's routed tokens of its
-                                  batches: slot (s, token)'s e4m3 row, its scales (into
-                                  MN-major recv_scales), and (s, token, k position) into
-                                  recv_src_info. CTA (l, 0) writes recv_count[l]. A CTA a
-                                  source, not a local expert: a call's time is its slowest
-                                  receiver's rows, one after another in each warp.
+    receiver l (one CTA a local   thread (s, c) < R x C waits (ld.acquire.sys, timed) for
+    expert)                       flag (s, c) to carry the next sequence number of pair
+                                  (l, s); (s, 0) shares rank s's token count. bar.sync;
+                                  warp w scans each source's batches w, w + WARPS, ... of
+                                  32 tokens (one a lane): the first k position naming l in
+                                  the token's top-k row, a ballot, the batch's count into
+                                  shared memory; bar.sync; source s's rows follow those of
+                                  the sources before it, in token order (the earlier
+                                  batches' counts, then the ballot: no atomics). Warp w
+                                  copies its batches' routed tokens: slot (s, token)'s
+                                  e4m3 row, its scales (into MN-major recv_scales), and
+                                  (s, token, k position) into recv_src_info. Thread 0
+                                  writes recv_count[l].
 
 Memory orders: a sender's payload stores precede its flag's release (bar.sync, then one
 thread's release); a receiver's loads follow its acquires (the waiting threads', passed
@@ -75,9 +72,8 @@ class DispatchConfig(common.LowLatencyConfig):
 
     @property
     def grid(self) -> int:
-        """Send CTAs (C a destination rank), then receive CTAs (one a local expert and
-        source rank)."""
-        return self.send_grid * self.sends + self.experts * self.receives
+        """Send CTAs (C a destination rank), then receive CTAs (one a local expert)."""
+        return self.send_grid * self.sends + self.plan.local_experts * self.receives
 
 
 def choose_config(arch: Arch, ranks: int, max_tokens: int, hidden: int, experts: int,
@@ -216,13 +212,10 @@ def _send_token(k, cfg, t, s, token) -> None:
 
 
 def _receive(k, cfg, p, t) -> None:
-    plan = cfg.plan
+    plan, local = cfg.plan, t.index
     flags = cfg.ranks * plan.send_ctas
-    with k.stage("receiver (l, s): thread (s', c) < R x C waits for flag (s', c) to carry "
-                 "pair (l, s)'s next sequence number"):
-        local, mine = k.reg("u32", "local_expert"), k.reg("u32", "copied_source")
-        k.div(local, t.index, cfg.ranks)
-        k.rem(mine, t.index, cfg.ranks)
+    with k.stage("receiver: thread (s, c) < R x C waits for flag (s, c) to carry pair "
+                 "(l, s)'s next sequence number"):
         tokens_at = k.reg("u32", "source_tokens_at")
         k.mov(tokens_at, k.shared("source_tokens", 4 * cfg.ranks, align=4))
         waiter, first_cta = k.pred("waiter"), k.pred("first_cta")
@@ -234,15 +227,19 @@ def _receive(k, cfg, p, t) -> None:
         k.setp("eq", first_cta, cta, 0)
         k.and_pred(first_cta, first_cta, waiter)
         pair = k.reg("u32", "pair_index")
-        k.mad(pair, local, cfg.ranks, mine)
+        k.mad(pair, local, cfg.ranks, source)
         k.mad(pair_at, pair, 4, t.own, mode="wide")
-        k.ld(expected, addr(pair_at, plan.dispatch_received), sem="relaxed", scope="sys")
+        k.mov(expected, 0)
+        with k.guard(waiter):
+            k.ld(expected, addr(pair_at, plan.dispatch_received), sem="relaxed", scope="sys")
         advance_sequence(k, expected)
+        # Every waiter has its number before (s, 0) stores the next one.
+        k.bar_sync(0)
         with k.if_(waiter, "not_waiting"):
             seen, got, at = k.reg("u32", "flag_seen"), k.reg("u32", "sequence_seen"), k.reg(
                 "u64", "flag_at")
             ready = k.pred("arrived")
-            k.mad(at, t.tid, 4, t.own, mode="wide")  # flag (s', c): s' * C + c
+            k.mad(at, t.tid, 4, t.own, mode="wide")  # flag (s, c): s * C + c
 
             def arrived(flag):
                 k.shr(got, flag, COUNT_BITS)
@@ -252,19 +249,18 @@ def _receive(k, cfg, p, t) -> None:
             t.watchdog.wait(seen, addr(at, plan.dispatch_flags), arrived,
                             code=intranode.LL_DISPATCH_RECEIVE, channel=local, peer=source)
             with k.if_(first_cta, "not_first_cta"):
+                k.st(addr(pair_at, plan.dispatch_received), expected, sem="relaxed",
+                     scope="sys")
                 k.and_(seen, seen, (1 << COUNT_BITS) - 1)
                 shared_at = k.reg("u32", "tokens_at")
                 k.mad(shared_at, source, 4, tokens_at)
                 k.st(addr(shared_at), seen, space="shared")
-        # Every thread has read the pair's number (above) before thread 0 stores the next.
         k.bar_sync(0)
-        with k.if_(t.thread0, "not_counting_calls"):
-            k.st(addr(pair_at, plan.dispatch_received), expected, sem="relaxed", scope="sys")
     batches = -(-cfg.max_tokens // BATCH)
     rounds = -(-batches // common.WARPS)  # the batches a warp scans: w, w + WARPS, ...
     counts_at = k.reg("u32", "batch_counts_at")
     k.mov(counts_at, k.shared("batch_counts", 4 * cfg.ranks * batches, align=4))
-    scan = [_scan(k, cfg, t, local, s, tokens_at, counts_at, batches, rounds)
+    scan = [_scan(k, cfg, t, s, tokens_at, counts_at, batches, rounds)
             for s in range(cfg.ranks)]
     k.bar_sync(0)
     with k.stage("each source's count and first row; recv_count[l]"):
@@ -282,27 +278,20 @@ def _receive(k, cfg, p, t) -> None:
                 k.add(firsts[s], firsts[s - 1], counts[s - 1])
         total, at = k.reg("u32", "received"), k.reg("u64", "recv_count_at")
         k.add(total, firsts[-1], counts[-1])
-        writes = k.pred("writes_count")
-        k.setp("eq", writes, mine, 0)
-        k.and_pred(writes, writes, t.thread0)
-        with k.if_(writes, "not_counting"):
+        with k.if_(t.thread0, "not_counting"):
             k.ld_param(at, p.recv_count)
             k.mad(at, local, 4, at, mode="wide")
             k.st(addr(at), total)
-    copies = k.pred("copies_source")
     for s, (ballots, positions) in enumerate(scan):
-        k.setp("eq", copies, mine, s)
-        with k.if_(copies, f"not_source_{s}", uniform=True):
-            _copy_source(k, cfg, p, t, local, s, firsts[s], counts_at, batches, ballots,
-                         positions)
+        _copy_source(k, cfg, p, t, s, firsts[s], counts_at, batches, ballots, positions)
 
 
-def _scan(k, cfg, t, local, source: int, tokens_at, counts_at, batches: int, rounds: int):
+def _scan(k, cfg, t, source: int, tokens_at, counts_at, batches: int, rounds: int):
     """Warp w's batches w, w + WARPS, ... of source ``source``'s tokens: each lane's
     token's first k position naming the local expert in its top-k row (k: none), a
     ballot, the batch's count into shared memory. Returns (ballots, positions), a
     register a round."""
-    plan = cfg.plan
+    plan, local = cfg.plan, t.index
     ballots = k.regs("b32", rounds, f"ballot_{source}")
     positions = k.regs("u32", rounds, f"position_{source}")
     with k.stage(f"scan: source {source}'s top-k rows naming the local expert"):
@@ -337,8 +326,8 @@ def _scan(k, cfg, t, local, source: int, tokens_at, counts_at, batches: int, rou
     return ballots, positions
 
 
-def _copy_source(k, cfg, p, t, local, source: int, first_row, counts_at, batches: int,
-                 ballots, positions) -> None:
+def _copy_source(k, cfg, p, t, source: int, first_row, counts_at, batches: int, ballots,
+                 positions) -> None:
     """Warp w's batches of source ``source``: each routed token's row at first_row + the
     routed tokens before it (the earlier batches' counts, then the ballot)."""
     lanes_below = k.reg("u32", "lanes_below")
@@ -362,10 +351,10 @@ def _copy_source(k, cfg, p, t, local, source: int, first_row, counts_at, batches
                 k.and_(slot, ballot, lanes_below)
                 k.popc(slot, slot)
                 k.add(slot, slot, before)
-                _receive_batch(k, cfg, p, t, local, source, first, ballot, slot, position)
+                _receive_batch(k, cfg, p, t, source, first, ballot, slot, position)
 
 
-def _receive_batch(k, cfg, p, t, local, source: int, first, ballot, row, position) -> None:
+def _receive_batch(k, cfg, p, t, source: int, first, ballot, row, position) -> None:
     """The batch's routed tokens (the set bits of ``ballot``, highest first), lane i's to
     row ``row`` of lane i: the warp visits only those."""
     bits, bit, i = k.reg("b32", "routed_bits"), k.reg("u32", "bit"), k.reg("u32", "batch_lane")
@@ -384,16 +373,16 @@ def _receive_batch(k, cfg, p, t, local, source: int, first, ballot, row, positio
     k.shfl_sync(token_position, position, i, mode="idx")
     token = k.reg("u32", "token")
     k.add(token, first, i)
-    _receive_row(k, cfg, p, t, local, source, token, token_row, token_position)
+    _receive_row(k, cfg, p, t, source, token, token_row, token_position)
     k.bra(top, uniform=True)
     k.place(done)
 
 
-def _receive_row(k, cfg, p, t, local, source: int, token, i, position) -> None:
+def _receive_row(k, cfg, p, t, source: int, token, i, position) -> None:
     """Slot (source, token) to row i of expert l's rows: the e4m3 row, its scales, its
     (source rank, token, k position). The scales' loads go out with the row's, so that a
     row costs one load latency."""
-    plan = cfg.plan
+    plan, local = cfg.plan, t.index
     rows = cfg.ranks * cfg.max_tokens
     slot, row, src, dst = k.reg("u32", "slot"), k.reg("u32", "row"), k.reg(
         "u64", "slot_at"), k.reg("u64", "out_row")

@@ -3,7 +3,7 @@ kernel generators (the offsets they emit).
 
 Each rank allocates one buffer, mapped by every other rank (CUDA IPC, ``peers[r]``). For
 R ranks, E experts (L = E / R on each rank), T = max_tokens, k experts a token and C
-send CTAs a destination rank (``send_ctas``, R x C <= 128):
+send CTAs a destination rank (``send_ctas``):
 
     | sequence numbers (this rank's own):                                               |
     |   dispatch_sent     [R][C] u32  dispatches this rank's send CTA c sent to rank d  |
@@ -53,8 +53,8 @@ SEQUENCE_MAX = (1 << (32 - COUNT_BITS)) - 1
 SCALE_GROUP = 128
 ALIGN = 16
 REGION_ALIGN = 1024
-SEND_FLAGS = 128          # at most R x C flags: one a receiver's thread
-TOKENS_PER_SEND_CTA = 4   # at least: one a warp, so that every row's copy is in flight at once
+MAX_SEND_CTAS = 16        # a destination's send CTAs: R x C flags, one a receiver's thread
+TOKENS_PER_SEND_CTA = 8   # at least: two a warp, each a row's copy in flight
 
 
 def _aligned(n: int, to: int = ALIGN) -> int:
@@ -102,7 +102,7 @@ class LowLatencyPlan:
     @property
     def send_ctas(self) -> int:
         """C: the CTAs that send to each rank, each a ``send_chunk`` of the tokens."""
-        return min(SEND_FLAGS // self.ranks, -(-self.max_tokens // TOKENS_PER_SEND_CTA))
+        return min(MAX_SEND_CTAS, -(-self.max_tokens // TOKENS_PER_SEND_CTA))
 
     @property
     def send_chunk(self) -> int:
