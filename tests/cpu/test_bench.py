@@ -370,6 +370,14 @@ GENERATE_RESULT = {
                            ("ptxforge backend", 5.0))]}
 
 
+def test_a_generate_run_that_failed_is_named_in_the_table():
+    rows = [dict(GENERATE_RESULT["rows"][0], candidate="torch.compile", ms=None,
+                 tokens_per_s=None, error="AcceleratorError: CUDA error: device-side assert")]
+    table = generate_bench.generate_table(dict(GENERATE_RESULT, rows=rows))
+    assert "| 1 x 512 | torch.compile | failed | - | - |" in re.sub(" +", " ", table)
+    assert "1 x 512, torch.compile failed: AcceleratorError: CUDA error" in table
+
+
 def test_the_generate_table_reads_against_the_roofline():
     table = generate_bench.generate_table(GENERATE_RESULT)
     assert "| 1 x 512 | ptxforge forward | 4.05 | 247 | 2.00 |" in re.sub(" +", " ", table)
@@ -428,22 +436,19 @@ def test_bench_plot_draws_the_suite_s_result_with_its_plot(suite, monkeypatch, t
 
 
 def test_each_generate_candidate_gets_the_model_as_it_comes():
-    """One model serves every candidate: "ptxforge forward" compiles its forward (and its
-    generate's compiled call becomes its plain call); the next candidate gets the class's
-    forward and compiled call back, and transformers' compiled call of an earlier one is
-    dropped."""
+    """Each candidate runs in a process of its own: "ptxforge forward" compiles its forward
+    (and its generate's compiled call becomes its plain call); the others take the model as
+    transformers made it."""
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
                                       num_hidden_layers=1, num_attention_heads=2,
                                       num_key_value_heads=1)
     model = transformers.LlamaForCausalLM(config).eval()
     plain = type(model).forward
+    generate_bench._prepared(model, "torch.compile")
+    assert model.forward.__func__ is plain and "forward" not in model.__dict__
     generate_bench._prepared(model, "ptxforge forward")
     assert "forward" in model.__dict__ and "get_compiled_call" in model.__dict__
-    model._compiled_call = object()   # what transformers' own compile leaves
-    generate_bench._prepared(model, "torch.compile")
-    assert model.forward.__func__ is plain
-    assert not {"forward", "get_compiled_call", "_compiled_call"} & set(model.__dict__)
     eager = generate_bench._generation_config("eager", 3)
     assert eager.disable_compile and eager.min_new_tokens == eager.max_new_tokens == 3
     assert generate_bench._generation_config("ptxforge backend", 3).compile_config.backend == \

@@ -101,31 +101,53 @@ def per_token_ms(model, ids, candidate: str) -> float:
 
 
 def _prepared(model, candidate: str):
-    """The model as the candidate runs it: a fresh Dynamo, no compiled call left from
-    another candidate, and for "ptxforge forward" the forward ptxforge compiled."""
-    torch._dynamo.reset()
-    for attribute in ("_compiled_call", "_last_compile_config", "get_compiled_call", "forward"):
-        model.__dict__.pop(attribute, None)
+    """The model as the candidate runs it: for "ptxforge forward", its forward compiled by
+    ptxforge."""
     if candidate == "ptxforge forward":
         model.forward = compiler.compile(model.forward)
     return model
 
 
+def _case_ms(candidate: str, batch: int, prompt: int, layers: int) -> float:
+    """In a process of its own: the candidate's ms a new token at (batch, prompt), on the
+    model and prompt every candidate gets (the same seeds)."""
+    model = _prepared(llama_8b_for_generation(layers), candidate)
+    ids = torch.randint(0, model.config.vocab_size, (batch, prompt), device="cuda",
+                        generator=torch.Generator("cuda").manual_seed(batch * prompt))
+    return per_token_ms(model, ids, candidate)
+
+
 def generate_suite(cases=CASES, candidates=CANDIDATES, layers: int = 32) -> dict:
+    """Each (case, candidate) in a spawned process of its own, as a user runs one: a
+    candidate leaves state behind that the next would run into (transformers' static cache
+    and its compiled call, Dynamo's caches, CUDA graphs), and a device-side assert leaves
+    the process's CUDA context unusable. A run that raises is reported (``error``: its
+    last line) and the others go on."""
+    import multiprocessing
+
+    import transformers
+
     from .ops import Timer, copy_bandwidth_gbs
 
     copy_gbs = copy_bandwidth_gbs(Timer())
-    model = llama_8b_for_generation(layers)
+    config = transformers.LlamaConfig(**models.LLAMA_8B, num_hidden_layers=layers)
+    spawn = multiprocessing.get_context("spawn")
     rows = []
     for batch, prompt in cases:
-        ids = torch.randint(0, model.config.vocab_size, (batch, prompt), device="cuda")
-        needed = step_bytes(model.config, batch, prompt + 1 + NEW_TOKENS // 2)
+        needed = step_bytes(config, batch, prompt + 1 + NEW_TOKENS // 2)
         for candidate in candidates:
-            ms = per_token_ms(_prepared(model, candidate), ids, candidate)
-            rows.append(dict(batch=batch, prompt=prompt, candidate=candidate, ms=ms,
-                             tokens_per_s=batch * 1e3 / ms, step_bytes=needed,
-                             roofline_ms=needed["total"] / copy_gbs / 1e6))
-        _prepared(model, "eager")
+            row = dict(batch=batch, prompt=prompt, candidate=candidate, ms=None,
+                       tokens_per_s=None, step_bytes=needed,
+                       roofline_ms=needed["total"] / copy_gbs / 1e6)
+            with spawn.Pool(1) as pool:
+                try:
+                    row["ms"] = pool.apply(_case_ms, (candidate, batch, prompt, layers))
+                    row["tokens_per_s"] = batch * 1e3 / row["ms"]
+                except Exception as error:  # the run's own failure, reported in its row
+                    row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0]}"
+            rows.append(row)
+            print(f"{batch} x {prompt}, {candidate}: "
+                  f"{row.get('error') or format(row['ms'], '.2f') + ' ms a token'}", flush=True)
     return {"suite": "generate", "gpu": torch.cuda.get_device_name(), "copy_gbs": copy_gbs,
             "layers": layers, "new_tokens": NEW_TOKENS, "rows": rows}
 
@@ -133,6 +155,8 @@ def generate_suite(cases=CASES, candidates=CANDIDATES, layers: int = 32) -> dict
 def generate_table(result: dict) -> str:
     rows = [[f"{r['batch']} x {r['prompt']}", r["candidate"], f"{r['ms']:.2f}",
              f"{r['tokens_per_s']:.0f}", f"{r['ms'] / r['roofline_ms']:.2f}"]
+            if r["ms"] is not None else
+            [f"{r['batch']} x {r['prompt']}", r["candidate"], "failed", "-", "-"]
             for r in result["rows"]]
     lines = [f"{result['gpu']}: Llama-3-8B sizes, {result['layers']} layers, greedy generate "
              f"with a static cache, {result['new_tokens']} new tokens; ms a new token (CUDA "
@@ -144,6 +168,10 @@ def generate_table(result: dict) -> str:
     seen = {}
     for r in result["rows"]:
         seen.setdefault((r["batch"], r["prompt"]), r)
+    for r in result["rows"]:
+        if r.get("error"):
+            lines.append(f"  {r['batch']} x {r['prompt']}, {r['candidate']} failed: "
+                         f"{r['error']}")
     for (batch, prompt), r in seen.items():
         b = r["step_bytes"]
         lines.append(f"  {batch} x {prompt}: a step reads {b['total'] / 1e9:.2f} GB (FP8 "
@@ -161,7 +189,7 @@ def generate_plot(result: dict, path: str) -> None:
     fig, axes = plt.subplots(1, len(cases), figsize=(4.5 * len(cases), 4), squeeze=False)
     for ax, (batch, prompt) in zip(axes[0], cases):
         rows = [r for r in result["rows"] if (r["batch"], r["prompt"]) == (batch, prompt)]
-        ax.bar(range(len(rows)), [r["ms"] for r in rows],
+        ax.bar(range(len(rows)), [r["ms"] or 0.0 for r in rows],  # a failed run: no bar
                color=["tab:orange" if r["candidate"].startswith("ptxforge") else "0.6"
                       for r in rows])
         ax.axhline(rows[0]["roofline_ms"], color="black", linestyle="--", label="roofline")
