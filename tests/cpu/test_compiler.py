@@ -333,6 +333,50 @@ def test_the_graph_runner_runs_the_function_itself_without_a_gpu():
     assert runner._key((None, x, torch.tensor(0.5))) != runner._key((None, x, torch.tensor(2.0)))
 
 
+def test_a_graph_is_for_the_tensors_it_holds_in_place():
+    """A static input other than a parameter (transformers' static KV cache, which
+    mark_static_address leaves unguarded and generate makes anew) may be another tensor at
+    the next call: a graph replayed then would read and write the earlier one."""
+    runner = compiler.graphs.GraphRunner(lambda *args: args[0], [0], [1])
+    x, cache = torch.ones(2), torch.zeros(4, 8)
+    assert runner._key((x, cache)) == runner._key((x.clone(), cache))
+    assert runner._key((x, cache)) != runner._key((x, torch.zeros(4, 8)))
+    assert runner._key((x, cache)) != runner._key((x, cache[:2]))
+
+
+def test_the_backend_holds_buffers_and_marked_tensors_in_place_by_address(monkeypatch):
+    """mode="reduce-overhead": the inputs copied into a graph are the ones that change;
+    a marked static tensor (and a buffer) is read in place, its address part of the key;
+    parameters are neither."""
+    made = []
+
+    class Recording(compiler.graphs.GraphRunner):
+        def __init__(self, fn, changing, held=()):
+            super().__init__(fn, changing, held)
+            made.append(self)
+
+    monkeypatch.setattr(compiler.graphs, "GraphRunner", Recording)
+
+    class Cached(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(8, 8)
+            self.cache = torch.zeros(4, 8)
+            torch._dynamo.mark_static_address(self.cache)
+
+        def forward(self, x, position):
+            self.cache.index_copy_(0, position, self.proj(x))
+            return self.cache.sum(0)
+
+    model = Cached()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=compiler.backend, mode="reduce-overhead")
+    with torch.no_grad():
+        compiled(torch.ones(1, 8), torch.tensor([1]))
+    (runner,) = made
+    assert len(runner.changing) == 2 and len(runner.held) == 1
+
+
 def test_precompile_assembles_what_a_model_needs(capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("PTXFORGE_CACHE_DIR", str(tmp_path))
     assert cli.main(["precompile", "--model", "ffn", "--tokens", "64"]) == 0

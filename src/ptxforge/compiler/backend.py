@@ -95,7 +95,10 @@ def backend(gm: torch.fx.GraphModule, example_inputs, *, fp8: bool = True,
         # original weights, an eps the passes took as a constant) need no copy.
         changing = [i for i, (node, value) in enumerate(zip(placeholders, example_inputs))
                     if node.users and not is_static(node, value)]
-        compiled = graphs.GraphRunner(compiled, changing)
+        held = [i for i, (node, value) in enumerate(zip(placeholders, example_inputs))
+                if node.users and is_static(node, value)
+                and not isinstance(value, torch.nn.Parameter)]
+        compiled = graphs.GraphRunner(compiled, changing, held)
     # Outside the graphs: a replay runs no Python, the check must run before it.
     return FoldedWeights(compiled, gm.ptxforge_folded)
 

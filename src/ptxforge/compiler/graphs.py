@@ -14,7 +14,12 @@ capture runs nothing): an expert-parallel layer's ranks pair each call's communi
 with the other ranks' calls, whichever of the three each rank makes.
 
 The model's parameters and buffers (the inputs Dynamo marks static) are read where they
-are: a graph holds their addresses, as it holds the weights the passes quantized. The
+are: a graph holds their addresses, as it holds the weights the passes quantized. A
+static input other than a parameter may be another tensor at the next call without
+Dynamo compiling again (``torch._dynamo.mark_static_address`` leaves the address
+unguarded unless asked: transformers' static KV cache, made anew by each ``generate``):
+its address is part of a graph's key, so a new one gets a graph of its own instead of a
+replay into the tensor of an earlier call. The
 outputs are cloned because the next replay overwrites the graph's own. Inductor's CUDA
 graphs (cudagraph trees) do the same job with more bookkeeping per call (measured in
 docs/performance.md); this runner is what ``mode="reduce-overhead"`` means here.
@@ -45,16 +50,18 @@ class _Graph:
 
 class GraphRunner:
     """``fn`` (the compiled graph: flat tensor and int inputs -> tensors) replayed as CUDA
-    graphs; ``changing``: the positions of the inputs a call may change (the others, the
-    parameters, keep their addresses and are read in place)."""
+    graphs; ``changing``: the positions of the inputs a call may change (the others are
+    read in place); ``held``: those of the inputs read in place that may be other tensors
+    at another call (static inputs but parameters), whose addresses a graph is for."""
 
-    def __init__(self, fn, changing: list[int]):
-        self.fn, self.changing = fn, changing
+    def __init__(self, fn, changing: list[int], held: list[int] = ()):
+        self.fn, self.changing, self.held = fn, changing, tuple(held)
         self.graphs: dict[tuple, _Graph | None] = {}   # None: this shape runs without one
         self.pool = None
 
     def _key(self, inputs) -> tuple:
-        return tuple(_signature(x) for x in map(inputs.__getitem__, self.changing))
+        return (tuple(_signature(x) for x in map(inputs.__getitem__, self.changing)),
+                tuple(_address(inputs[i]) for i in self.held))
 
     def __call__(self, *inputs):
         key = self._key(inputs)
@@ -109,6 +116,11 @@ def _signature(x):
     if x.device.type == "cpu" and x.numel() == 1:
         return x.item()
     return x.shape, x.stride(), x.dtype, x.device
+
+
+def _address(x):
+    """Where a graph reads and writes an input it holds in place."""
+    return (x.data_ptr(), x.shape, x.stride(), x.dtype) if isinstance(x, torch.Tensor) else x
 
 
 def _map(value, fn):
