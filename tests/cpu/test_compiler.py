@@ -7,6 +7,7 @@ quantization, their parallel Linears joined and their residual adds moved into t
 the plan's kernels and the CLI's report come from the same trace."""
 
 import sys
+import types
 
 import pytest
 
@@ -331,6 +332,26 @@ def test_the_graph_runner_runs_the_function_itself_without_a_gpu():
     assert list(runner.graphs.values()) == [None]      # this shape: no graph (no CUDA)
     # a CPU scalar (a float attribute Dynamo lifted) is part of a graph's key by value
     assert runner._key((None, x, torch.tensor(0.5))) != runner._key((None, x, torch.tensor(2.0)))
+
+
+def test_the_graph_runner_keeps_the_most_recently_used_graphs(monkeypatch):
+    """Past MAX_GRAPHS, the graph used longest ago goes (a generate's cache is new each
+    time: its graph is never replayed after it)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(compiler.graphs, "MAX_GRAPHS", 2)
+    runner = compiler.graphs.GraphRunner(lambda *args: args[1], [0], [1])
+    replays = []
+    idle = types.SimpleNamespace(replay=lambda: replays.append(1))
+    monkeypatch.setattr(runner, "_capture", lambda inputs: (
+        compiler.graphs._Graph(idle, [], inputs[1]), inputs[1]))
+    x, caches = torch.ones(2), [torch.zeros(3) for _ in range(3)]
+    runner(x, caches[0])
+    runner(x, caches[1])
+    runner(x, caches[0])                  # replayed: now the most recently used
+    runner(x, caches[2])
+    assert replays == [1]
+    assert [key[1][0][0] for key in runner.graphs] == [caches[0].data_ptr(),
+                                                        caches[2].data_ptr()]
 
 
 def test_a_graph_is_for_the_tensors_it_holds_in_place():

@@ -27,12 +27,13 @@ docs/performance.md); this runner is what ``mode="reduce-overhead"`` means here.
 
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass
 
 import torch
 
-# Graphs kept per compiled function: one per token count a server sees; past it, calls of
-# new shapes run without a graph.
+# Graphs kept per compiled function, the least recently used dropped first: one per token
+# count a server sees, and one per generate where its static cache is new each time.
 MAX_GRAPHS = 64
 # A graph saves the launches, and costs a copy of the changing inputs in: above this many
 # bytes of them the call runs without one (the FFN block at 4096 tokens, 58 MB of x: its
@@ -56,7 +57,8 @@ class GraphRunner:
 
     def __init__(self, fn, changing: list[int], held: list[int] = ()):
         self.fn, self.changing, self.held = fn, changing, tuple(held)
-        self.graphs: dict[tuple, _Graph | None] = {}   # None: this shape runs without one
+        # None: this shape runs without one. Oldest use first.
+        self.graphs: collections.OrderedDict[tuple, _Graph | None] = collections.OrderedDict()
         self.pool = None
 
     def _key(self, inputs) -> tuple:
@@ -66,11 +68,15 @@ class GraphRunner:
     def __call__(self, *inputs):
         key = self._key(inputs)
         entry = self.graphs.get(key, False)
-        if entry is False and self._worth(inputs):
-            self.graphs[key], outputs = self._capture(inputs)
-            return outputs
         if entry is False:
+            if len(self.graphs) >= MAX_GRAPHS:
+                self.graphs.popitem(last=False)
+            if self._worth(inputs):
+                self.graphs[key], outputs = self._capture(inputs)
+                return outputs
             self.graphs[key] = entry = None
+        else:
+            self.graphs.move_to_end(key)
         if entry is None:
             return self.fn(*inputs)
         for i, copy in entry.inputs:
@@ -80,8 +86,7 @@ class GraphRunner:
 
     def _worth(self, inputs) -> bool:
         tensors = [inputs[i] for i in self.changing if isinstance(inputs[i], torch.Tensor)]
-        return (len(self.graphs) < MAX_GRAPHS and torch.cuda.is_available()
-                and sum(x.nbytes for x in tensors) <= MAX_COPY_BYTES)
+        return torch.cuda.is_available() and sum(x.nbytes for x in tensors) <= MAX_COPY_BYTES
 
     def _capture(self, inputs) -> tuple:
         """(the graph of a call on ``inputs``, the warm-up's outputs)."""
