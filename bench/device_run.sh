@@ -15,8 +15,9 @@
 # Expert parallelism (a rank a GPU, as many as are visible; on one GPU two ranks under MPS):
 #   bash bench/device_run.sh ep
 # Text generation (Llama-3-8B's sizes; transformers' generate eager, with its own compile,
-# and with ptxforge's two recipes; the step's roofline):
-#   bash bench/device_run.sh generate
+# and with ptxforge's recipes; the step's roofline), a process each (case, candidate); all
+# 32 layers take a call a case:
+#   bash bench/device_run.sh generate [cases, default 1x512] [layers, default 32]
 set -u -o pipefail
 export PYTHONPATH=$PWD/src:$PWD/tests PYTHONUNBUFFERED=1
 export PTXFORGE_CACHE_DIR=/tmp/ptxforge-cache
@@ -50,8 +51,8 @@ if [ "${1:-}" = ep ]; then
   exit 0
 fi
 if [ "${1:-}" = generate ]; then
-  $py -m ptxforge.cli bench generate --json "$OUT/generate.json" --plot "$OUT/generate.png" \
-    > "$log" 2>&1
+  $py -m ptxforge.cli bench generate --cases "${2:-1x512}" --layers "${3:-32}" \
+    --json "$OUT/generate.json" --plot "$OUT/generate.png" > "$log" 2>&1
   grep -v "^DEBUG\|[Ww]arn" "$log" | tail -24
   exit 0
 fi

@@ -282,7 +282,8 @@ def cmd_bench(args) -> int:
     elif args.suite == "generate":
         from .bench import generate as generate_bench
 
-        result = generate_bench.generate_suite(layers=_layers(args, 32))
+        cases = tuple(tuple(int(n) for n in case.split("x")) for case in args.cases.split(","))
+        result = generate_bench.generate_suite(cases, layers=_layers(args, 32))
         text, plot = generate_bench.generate_table(result), generate_bench.generate_plot
     elif args.suite == "model":
         from .bench import model as model_bench
@@ -445,6 +446,8 @@ def main(argv=None) -> int:
     p.add_argument("--world", type=int, default=2,
                    help="ep suite: ranks (a GPU each, or all on one GPU under MPS; under "
                         "torchrun the launcher's)")
+    p.add_argument("--cases", default="1x512,32x4096",
+                   help="generate suite: batch x prompt tokens, comma-separated")
     p.add_argument("--layer-tokens", default="4096,128",
                    help="ep suite: the MoE layer's tokens a rank ('' for none)")
     command("demo", "run (GPU) or assemble (CPU) every kernel, with checks")

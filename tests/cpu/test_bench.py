@@ -435,6 +435,16 @@ def test_bench_plot_draws_the_suite_s_result_with_its_plot(suite, monkeypatch, t
     assert drawn == [(result, path)]
 
 
+def test_bench_generate_takes_its_cases_and_layers(monkeypatch):
+    seen = []
+    monkeypatch.setattr(cli, "_gpu_available", lambda: True)
+    monkeypatch.setattr(bench, "host_overhead", lambda: {})
+    monkeypatch.setattr(generate_bench, "generate_suite",
+                        lambda cases, layers: seen.append((cases, layers)) or GENERATE_RESULT)
+    assert cli.main(["bench", "generate", "--cases", "1x512,8x128", "--layers", "4"]) == 0
+    assert seen == [(((1, 512), (8, 128)), 4)]
+
+
 def test_each_generate_candidate_gets_the_model_as_it_comes():
     """Each candidate runs in a process of its own: "ptxforge forward" compiles its forward
     (and its generate's compiled call becomes its plain call); the others take the model as
