@@ -112,6 +112,49 @@ def test_a_small_llama_compiles_onto_ptxforge_gemms():
     assert calc_diff(got, expected) <= 2e-3
 
 
+@pytest.mark.parametrize("recipe", ["forward", "backend"])
+def test_generate_follows_eager_step_by_step(recipe):
+    """transformers' generate, static cache, greedy, twice: the same tokens run to run, and
+    each step's logits against eager bf16's while the tokens agree (a near-tie can take
+    another token, after which the steps differ by design): calc_diff <= 2e-4 with the
+    forward compiled with fp8=False; with the FP8 recipe (transformers' compile with
+    backend="ptxforge", which takes no fp8 option), within the recipe's error, printed."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.generation.configuration_utils import CompileConfig
+
+    config = transformers.LlamaConfig(vocab_size=2048, hidden_size=1024, intermediate_size=2048,
+                                      num_hidden_layers=2, num_attention_heads=8,
+                                      num_key_value_heads=4)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    ids = torch.randint(0, 2048, (2, 32), device="cuda",
+                        generator=torch.Generator("cuda").manual_seed(1))
+    options = dict(max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=0,
+                   cache_implementation="static", output_logits=True,
+                   return_dict_in_generate=True, attention_mask=torch.ones_like(ids))
+    eager = model.generate(ids, disable_compile=True, **options)
+    torch._dynamo.reset()
+    if recipe == "forward":
+        model.forward = compiler.compile(model.forward, fp8=False)
+        options["disable_compile"] = True
+        limit = 2e-4
+    else:
+        options["compile_config"] = CompileConfig(backend="ptxforge", fullgraph=False)
+        limit = 5e-2    # the FP8 recipe's error on random weights, logits near a tie
+    runs = [model.generate(ids, **options) for _ in range(2)]
+    assert torch.equal(runs[0].sequences, runs[1].sequences)
+    got = runs[0]
+    diffs = []
+    for step, (mine, theirs) in enumerate(zip(got.logits, eager.logits)):
+        diffs.append(calc_diff(mine, theirs))
+        if not torch.equal(got.sequences[:, :32 + step + 1], eager.sequences[:, :32 + step + 1]):
+            break
+    print(f"{recipe}: calc_diff of each step's logits against eager bf16: "
+          f"{', '.join(f'{d:.1e}' for d in diffs)}")
+    assert max(diffs) <= limit, diffs
+
+
 def test_reduce_overhead_replays_cuda_graphs_with_the_same_bits():
     model = Ffn(1024, 512).cuda().to(torch.bfloat16)
     torch._dynamo.reset()
