@@ -157,9 +157,7 @@ def _compose(k: KernelBuilder, cfg: ExchangeConfig, p, t):
         "u32", "message_word")
     src = k.reg("u64", "input_at")
     k.mov(base, message)
-    channels, experts = k.reg("u32", "channels_"), k.reg("u32", "experts")
-    k.ld_param(channels, p.channels)
-    k.ld_param(experts, p.experts)
+    channels, experts = t.channels, t.experts
     with k.stage("compose: the header's words (the sizes, the bad indices)"):
         is_header = k.pred("header_word")
         k.setp("lt", is_header, t.tid, HEADER_WORDS)
@@ -232,13 +230,12 @@ def _send_layout(k: KernelBuilder, cfg: ExchangeConfig, p, t) -> None:
     ranks before this one, then of this rank's channels one by one."""
     with k.stage("send layout: where this rank's rows for rank d begin there, per channel"):
         with k.if_(t.one_per_rank, "not_a_destination"):
-            channels, total, value = k.reg("u32", "send_channels"), k.reg(
-                "u32", "send_total"), k.reg("u32", "send_count")
+            channels = t.channels
+            total, value = k.reg("u32", "send_total"), k.reg("u32", "send_count")
             source, channel, word = k.reg("u32", "send_source"), k.reg(
                 "u32", "send_channel"), k.reg("u32", "send_word")
             slot, at, out = k.reg("u64", "send_slot"), k.reg("u64", "send_at"), k.reg(
                 "u64", "send_out")
-            k.ld_param(channels, p.channels)
             buffer_of(k, slot, t.peers, t.rank)
             k.add(slot, slot, t.slots)
 
@@ -271,8 +268,7 @@ def _receive_layout(k: KernelBuilder, cfg: ExchangeConfig, p, t) -> None:
     its entry's count and first row."""
     counts = k.shared("recv_counts", 4 * MAX_RANKS * MAX_CHANNELS, align=16)
     firsts = k.shared("recv_firsts", 4 * MAX_RANKS * MAX_CHANNELS, align=16)
-    channels, entries = k.reg("u32", "channels"), k.reg("u32", "entries")
-    k.ld_param(channels, p.channels)
+    channels, entries = t.channels, k.reg("u32", "entries")
     k.mul(entries, channels, cfg.ranks, mode="lo")
     mine, source, channel = k.pred("my_entry"), k.reg("u32", "source"), k.reg("u32", "channel")
     count, first = k.reg("u32", "entry_count"), k.reg("u32", "entry_first")
@@ -335,19 +331,19 @@ def _receive_layout(k: KernelBuilder, cfg: ExchangeConfig, p, t) -> None:
 
 
 def _scalars(k: KernelBuilder, p: SimpleNamespace, ranks: int) -> SimpleNamespace:
-    """The thread's index, the parameters it uses, the exchange's number n, the slots of
-    parity n & 1 (a byte offset in every buffer), whether it is one of the first
-    ``ranks`` threads."""
+    """The thread's index, the parameters it uses (the channels and experts among them,
+    loaded once), the exchange's number n, the slots of parity n & 1 (a byte offset in
+    every buffer), whether it is one of the first ``ranks`` threads."""
     t = SimpleNamespace()
     t.tid, t.rank, t.words, t.number = (k.reg("u32", n) for n in ("tid", "rank", "words",
                                                                    "number"))
     k.mov(t.tid, sreg.tid.x)
     k.ld_param(t.rank, p.rank)
     # A message's words: the header, the channels' counts for every rank, the experts'.
-    channels, experts = k.reg("u32", "message_channels"), k.reg("u32", "message_experts")
-    k.ld_param(channels, p.channels)
-    k.ld_param(experts, p.experts)
-    k.mad(t.words, channels, ranks, experts)
+    t.channels, t.experts = k.reg("u32", "channels"), k.reg("u32", "experts")
+    k.ld_param(t.channels, p.channels)
+    k.ld_param(t.experts, p.experts)
+    k.mad(t.words, t.channels, ranks, t.experts)
     k.add(t.words, t.words, HEADER_WORDS)
     t.peers = k.reg("u64", "peers")
     k.ld_param(t.peers, p.peers)

@@ -26,8 +26,9 @@ Roles (common.py: send CTAs first, then receive CTAs; ``WARPS`` warps each):
                                   the k position whose row it takes; lane j of warp 0 waits
                                   (ld.acquire.sys, timed) for that row's flag to carry the
                                   dispatch's sequence number (dispatch_sent of this
-                                  rank's send CTA 0 to e's rank); bar.sync; each thread sums 16-byte vectors tid,
-                                  tid + threads, ... of the k rows.
+                                  rank's send CTA 0 to e's rank); bar.sync; each thread
+                                  sums 16-byte vectors tid, tid + threads, ... of the k
+                                  rows.
 
 Memory orders and cache hints as in dispatch.py. Compile-time: ranks, max_tokens, hidden,
 experts, k, phase. Run-time: tokens, this rank, the pointers.
