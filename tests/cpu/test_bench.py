@@ -349,7 +349,7 @@ def _llama_8b_config():
 def test_a_decode_step_reads_the_weights_the_lm_head_and_the_kv_cache():
     """Llama-3-8B's sizes: about 8.0 GB a step at batch 1 (FP8 weights and the bf16
     lm_head), and about 17 GB more of bf16 KV cache at batch 32 with 4096 tokens of
-    context (the issue's figures)."""
+    context: the roofline the generate targets are stated against."""
     config = _llama_8b_config()
     one = generate_bench.step_bytes(config, 1, 512)
     assert one["weights"] == pytest.approx(32 * 218_103_808 * (1 + 4 / 128 ** 2))

@@ -222,15 +222,10 @@ def _worst_case(rings, roomy, config, x, idx, weights, layout, p: dict) -> dict:
 
 
 def _worst_case_kernel(name: str) -> str | None:
-    """A worst-case dispatch's and combine's kernels: the count exchange, either dispatch
-    kernel and either combine kernel."""
-    if name.startswith("ep_exchange_"):
-        return "exchange"
-    if name.startswith(("ep_intranode_dispatch_", "ep_direct_dispatch_")):
-        return "dispatch"
-    if name.startswith(("ep_intranode_combine_", "ep_pull_combine_")):
-        return "combine"
-    return None
+    """A worst-case dispatch's and combine's kernels (OVERLAP_KERNELS's but the GEMM): the
+    count exchange, either dispatch kernel and either combine kernel."""
+    return next((op for op, prefixes in OVERLAP_KERNELS.items()
+                 if op != "gemm" and name.startswith(prefixes)), None)
 
 
 def _decode(rank: int, world: int, p: dict) -> dict:
@@ -413,6 +408,7 @@ def _beside(gemm, comm, gemm_us: float, p: dict) -> dict:
                 over_longer=both_us / max(gemm_us, comm_us), kernels=kernels)
 
 
+# The kernels of a dispatch + combine beside the grouped GEMM, by name prefix.
 OVERLAP_KERNELS = {"gemm": ("sm90_",), "exchange": ("ep_exchange_",),
                    "dispatch": ("ep_intranode_dispatch", "ep_direct_dispatch"),
                    "combine": ("ep_intranode_combine", "ep_pull_combine")}
