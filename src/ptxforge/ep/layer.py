@@ -243,8 +243,10 @@ def _decode(buffer: Buffer, x, topk_idx, topk_weights, gate_up, down, sizes) -> 
     ranks = buffer.group_size
     experts = local * ranks
     capacity = decode_capacity(buffer, hidden, experts)
-    received, recv_count, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, capacity,
-                                                                     experts)
+    # The weights go with the tokens: each experts' rank then sums its pairs of a token and
+    # the combine returns one row a (token, rank), not one a pair.
+    received, recv_count, handle, _, _ = buffer.low_latency_dispatch(
+        x, topk_idx, capacity, experts, topk_weights=topk_weights)
     rows_per_expert = ranks * capacity
     # The GEMMs' tile hint: the pairs an expert receives when every rank has this rank's T.
     expected = moe.expected_rows(ranks * tokens, top_k, experts)
