@@ -26,8 +26,10 @@ decode path (``layout='masked'``; few tokens; nothing waits for the host: captur
     --m_grouped_fp8_gemm_nt_masked (gate_up)--> [L, M, 2I]
     --moe_silu_mul_quantize_fp8 on the received rows (listed on the GPU)--> [L, M, I]
     --m_grouped_fp8_gemm_nt_masked (down)--> y [L, M, H]
-    --Buffer.low_latency_combine--> out [T, H]: each token's sum in k order of its weights
-                                    times its experts' rows, in f32, rounded once
+    --Buffer.low_latency_combine--> out [T, H]: the weights went with the dispatch, so
+                                    each experts' rank sums its pairs of a token (k order,
+                                    f32, rounded to bf16) and the token's rank sums those
+                                    in rank order in f32, rounded once
 
 The decode path's T_max is the buffer's: the most tokens a rank its low-latency buffer
 holds for these sizes (``decode_capacity``), so every rank lays the rows out alike.
@@ -38,9 +40,9 @@ its own kernels): where their token counts may fall on both sides of the capacit
 ``layout`` or ``max_tokens_per_rank``.
 
 Numerics. The FP8 recipe is the one-GPU op's: each token quantized once per token, the
-same GEMMs and SwiGLU. The decode path sums a token's k rows in k order in f32 as the
-one-GPU combine does; the normal path rounds each rank's part to bf16 before the sum
-over ranks, so it differs from the one-GPU op by a bf16 rounding of the parts.
+same GEMMs and SwiGLU. Both paths round each rank's part of a token to bf16 before the sum
+over ranks, so they differ from the one-GPU op (all k rows summed in f32) by a bf16
+rounding of the parts.
 """
 
 from __future__ import annotations
