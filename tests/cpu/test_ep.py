@@ -509,9 +509,9 @@ def test_decode_sizes_are_checked_with_the_other_ranks_once(monkeypatch):
     from ptxforge.ep import Buffer, low_latency
     from ptxforge.ep.layout import Message
 
-    def sizes(hidden, topk=8):
+    def sizes(hidden, topk=8, weights=False):
         return (("num_max_dispatch_tokens_per_rank", 128), ("hidden", hidden),
-                ("num_experts", 256), ("topk", topk))
+                ("num_experts", 256), ("topk", topk), ("topk_weights", weights))
 
     buffer = Buffer.__new__(Buffer)  # the check reads these attributes alone
     buffer.group, buffer.group_size, buffer._low_latency_sizes = None, 2, set()
@@ -523,11 +523,12 @@ def test_decode_sizes_are_checked_with_the_other_ranks_once(monkeypatch):
         out[:] = [message, Message(peers[0], [], [], 0)]
 
     monkeypatch.setattr(dist, "all_gather_object", all_gather_object)
-    monkeypatch.setattr(low_latency, "prepare", lambda group, *args: built.append(args))
+    monkeypatch.setattr(low_latency, "prepare",
+                        lambda group, *args, summed: built.append((*args, summed)))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     buffer._agree_on_low_latency_sizes(sizes(7168))
     buffer._agree_on_low_latency_sizes(sizes(7168))
-    assert len(calls) == 1 and built == [(128, 7168, 256, 8)]
+    assert len(calls) == 1 and built == [(128, 7168, 256, 8, False)]
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     buffer._agree_on_low_latency_sizes(sizes(7168))  # agreed on: nothing to exchange
     with pytest.raises(ValueError, match="run one before capturing"):
@@ -537,6 +538,10 @@ def test_decode_sizes_are_checked_with_the_other_ranks_once(monkeypatch):
     with pytest.raises(ValueError, match="disagree on the dispatch: hidden: rank 0 has 7168, "
                                          "rank 1 has 4096; topk: rank 0 has 6, rank 1 has 8"):
         buffer._agree_on_low_latency_sizes(sizes(7168, topk=6))
+    # The weights sent with the dispatch or not: the combines differ, so every rank agrees.
+    peers[0] = sizes(7168)
+    with pytest.raises(ValueError, match="topk_weights: rank 0 has True, rank 1 has False"):
+        buffer._agree_on_low_latency_sizes(sizes(7168, weights=True))
 
 
 # ---------------------------------------------------------------------------- stored config

@@ -7,6 +7,7 @@ launches (the watchdog's record and trap)."""
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 
 import pytest
@@ -48,15 +49,21 @@ def test_plan_regions_are_aligned_and_disjoint(ranks, max_tokens, hidden, expert
     assert plan.dispatch_received >= 4 * ranks * ctas
     assert plan.dispatch_flags >= plan.dispatch_received + 4 * local * ranks
     assert plan.combine_flags >= plan.dispatch_flags + 4 * ranks * ctas
-    assert plan.dispatch_topk >= plan.combine_flags + 4 * max_tokens * topk
-    assert plan.dispatch_slots >= plan.dispatch_topk + 4 * ranks * max_tokens * topk
+    # A token's combine rows and flags: one a pair, or (summed) one a rank.
+    assert plan.combine_slots == max(topk, ranks)
+    assert plan.dispatch_topk >= plan.combine_flags + 4 * max_tokens * plan.combine_slots
+    pairs = 4 * ranks * max_tokens * topk
+    assert plan.dispatch_weights >= plan.dispatch_topk + pairs
+    assert plan.dispatch_rows >= plan.dispatch_weights + pairs
+    assert plan.dispatch_slots >= plan.dispatch_rows + pairs
     assert plan.slot_scales >= hidden and plan.slot_bytes >= plan.slot_scales + hidden // 32
     assert plan.slot_bytes % 16 == 0
     # A slot a (source, token): the token goes to a rank once, whatever its experts there.
     assert plan.dispatch_slot(ranks - 1, max_tokens - 1) + plan.slot_bytes <= plan.combine_rows
-    assert plan.bytes_needed == plan.combine_rows + max_tokens * topk * 2 * hidden
+    assert plan.bytes_needed == plan.combine_rows + max_tokens * plan.combine_slots * 2 * hidden
     assert all(offset % 16 == 0 for offset in (plan.dispatch_flags, plan.combine_flags,
-                                               plan.dispatch_topk, plan.dispatch_slots,
+                                               plan.dispatch_topk, plan.dispatch_weights,
+                                               plan.dispatch_rows, plan.dispatch_slots,
                                                plan.combine_rows))
     assert low_latency.buffer_size(max_tokens, hidden, ranks, experts, topk) == plan.bytes_needed
 
@@ -75,8 +82,11 @@ def test_sequence_numbers_skip_zero():
     (2, 128, 7168, 256, 8), (8, 128, 7168, 256, 8), (4, 256, 4096, 64, 6), (3, 7, 384, 6, 2),
     (2, 16, 128, 8, 16)])
 def test_variants_assemble_without_spills(phase, ranks, max_tokens, hidden, experts, topk):
-    for kernel in (dispatch_kernel, combine_kernel):
-        cfg = kernel.choose_config(SM90, ranks, max_tokens, hidden, experts, topk, phase=phase)
+    summed = combine_kernel.choose_config(SM90, ranks, max_tokens, hidden, experts, topk,
+                                          phase=phase, summed=True)
+    for kernel, cfg in ((dispatch_kernel, None), (combine_kernel, None), (combine_kernel, summed)):
+        cfg = cfg or kernel.choose_config(SM90, ranks, max_tokens, hidden, experts, topk,
+                                          phase=phase)
         compiled = assembles_cleanly(kernel.generate(cfg))
         assert compiled.launch.cooperative == (phase == "both")
         assert compiled.launch.block == cfg.threads
@@ -97,10 +107,10 @@ def test_protocol_in_the_ptx():
     assert sum("ld.acquire.sys.global.u32" in line for line in lines) == 2
     assert sum(line == "trap;" for line in lines) == 1
     nc = [line for line in lines if ".nc" in line]
-    # Only the sender's inputs (the quantized rows, their scales, top-k) and the buffers'
-    # addresses, which the host wrote before the launch.
+    # Only the sender's inputs (the quantized rows, their scales, top-k and its weights)
+    # and the buffers' addresses, which the host wrote before the launch.
     assert nc and all("%copy" in line or "%scale" in line or "%index" in line or
-                      "_buffer" in line for line in nc), nc
+                      "%weight" in line or "_buffer" in line for line in nc), nc
     # The receivers read the slots the peers wrote: never through the non-coherent path.
     receive = lines[next(i for i, line in enumerate(lines) if line.startswith("$L_not_a_sender")):]
     assert not [line for line in receive if ".nc" in line and "_buffer" not in line]
@@ -183,6 +193,16 @@ def test_sizes_and_combine_argument_errors():
         low_latency.check_combine(y, idx[:2], w[:2], handle, device=0)
     with pytest.raises(ValueError, match="must be on a CUDA device"):
         low_latency.check_combine(y, idx, w, handle, device=0)
+    # Weights sent with the dispatch: its combine takes that tensor, not another.
+    with pytest.raises(ValueError, match=r"topk_weights must have shape \(4, 2\)"):
+        low_latency.check_dispatch(x, idx, num_max_dispatch_tokens_per_rank=8, num_experts=8,
+                                   ranks=2, device=0, topk_weights=w[:2])
+    with pytest.raises(TypeError, match="topk_weights must have dtype torch.float32"):
+        low_latency.check_dispatch(x, idx, num_max_dispatch_tokens_per_rank=8, num_experts=8,
+                                   ranks=2, device=0, topk_weights=w.bfloat16())
+    weighted = dataclasses.replace(handle, weights=w)
+    with pytest.raises(ValueError, match="topk_weights must be the tensor the dispatch was"):
+        low_latency.check_combine(y, idx, w.clone(), weighted, device=0)
 
 
 # ---------------------------------------------------------------------------- simulation
@@ -243,7 +263,7 @@ class World:
             self.idx.append(idx)
             self.weights.append(torch.rand(idx.shape, generator=g))
 
-    def launch_dispatch(self, sim, rank, phase="both"):
+    def launch_dispatch(self, sim, rank, phase="both", weighted=False):
         cfg = dispatch_kernel.choose_config(SM90, self.ranks, self.max_tokens, self.hidden,
                                             self.experts, self.topk, phase=phase)
         m, args = self.memory, self.common(rank)
@@ -253,7 +273,9 @@ class World:
             q, scales = quantize_fp8_per_token(self.x[rank]) if len(self.x[rank]) else (
                 torch.empty(0, self.hidden, dtype=torch.float8_e4m3fn), torch.empty(0))
             args.update(x=m.put(_bytes(q)), x_scales=m.put(_bytes(scales.contiguous())),
-                        topk_idx=m.put(_bytes(self.idx[rank])), tokens=self.x[rank].shape[0])
+                        topk_idx=m.put(_bytes(self.idx[rank])), tokens=self.x[rank].shape[0],
+                        topk_weights=m.put(_bytes(self.weights[rank]) or b"\0") if weighted
+                        else 0)
         out = {}
         if cfg.receives:
             padded = -(-self.rows // 4) * 4  # MN-major, TMA-aligned columns
@@ -292,44 +314,52 @@ class World:
             got.append(have)
         return got
 
-    def dispatch(self, phases=("both",)):
+    def dispatch(self, phases=("both",), weighted=False):
         """Every rank's dispatch, one phase, or the send halves run to completion before the
-        receive halves launch; checked."""
+        receive halves launch; checked. ``weighted``: the top-k weights go with it."""
         outs = None
         for phase in phases:
             sim = Simulator(self.memory)
-            launched = [self.launch_dispatch(sim, r, phase) for r in range(self.ranks)]
+            launched = [self.launch_dispatch(sim, r, phase, weighted)
+                        for r in range(self.ranks)]
             sim.run()
             outs = launched if launched[0] else outs
         return self.check_dispatch(outs)
 
-    def combine(self, received, scale: float, phases=("both",)):
+    def combine(self, received, scale: float, phases=("both",), summed=False):
         """Every rank's experts' outputs (the received rows dequantized, times ``scale``,
-        plus the rank), combined and checked."""
+        plus the rank), combined and checked; ``summed``: after a dispatch given the
+        weights, each rank sums its pairs of a token before sending."""
         m = self.memory
         ys = [((got["x"].float() * got["scales"].repeat_interleave(128, 2)) * scale + r)
               .bfloat16() for r, got in enumerate(received)]
         outs = [m.alloc(2 * self.hidden * max(1, self.x[r].shape[0])) for r in range(self.ranks)]
         for phase in phases:
             cfg = combine_kernel.choose_config(SM90, self.ranks, self.max_tokens, self.hidden,
-                                               self.experts, self.topk, phase=phase)
+                                               self.experts, self.topk, phase=phase,
+                                               summed=summed)
             sim = Simulator(m)
             for r in range(self.ranks):
                 args = self.common(r)
                 if cfg.sends:
-                    args.update(x=m.put(_bytes(ys[r])), src_info=m.put(_bytes(received[r]["src_info"])),
+                    args.update(x=m.put(_bytes(ys[r])))
+                if cfg.sends and not summed:
+                    args.update(src_info=m.put(_bytes(received[r]["src_info"])),
                                 recv_count=m.put(_bytes(received[r]["count"])))
                 if cfg.receives:
                     args.update(topk_idx=m.put(_bytes(self.idx[r]) or b"\0"),
-                                topk_weights=m.put(_bytes(self.weights[r]) or b"\0"),
                                 tokens=self.x[r].shape[0], out=outs[r])
+                if cfg.receives and not summed:
+                    args.update(topk_weights=m.put(_bytes(self.weights[r]) or b"\0"))
                 sim.launch(f"combine_{phase}{r}", combine_kernel.generate(cfg).ptx(),
                            cfg.grid(self.x[r].shape[0]), cfg.threads, **args)
             sim.run()
         for r in range(self.ranks):
             tokens = self.x[r].shape[0]
             got = _tensor(m, outs[r], (tokens, self.hidden), torch.bfloat16)
-            expected = reference.low_latency_combine(r, ys, self.idx, self.weights, self.experts)
+            combine = reference.low_latency_combine_summed if summed else \
+                reference.low_latency_combine
+            expected = combine(r, ys, self.idx, self.weights, self.experts)
             assert _bytes(got) == _bytes(expected), r
 
 
@@ -345,19 +375,37 @@ def test_dispatch_and_combine_match_the_references(world, tokens):
     w.combine(received, 0.5)
 
 
+@pytest.mark.parametrize("world, tokens", [
+    (dict(), (12, 7)),
+    (dict(ranks=3, experts=6, topk=2, hidden=384), (5, 0, 9)),
+    (dict(experts=2, topk=1, hidden=128, max_tokens=40), (33, 40)),
+    (dict(ranks=4, experts=8, topk=4, max_tokens=6), (6, 2, 0, 5)),
+], ids=["two_ranks", "three_ranks", "one_expert_a_rank", "four_ranks"])
+def test_a_dispatch_given_weights_and_its_summed_combine(world, tokens):
+    """The dispatch sends the top-k weights with the tokens (the same received rows); the
+    combine then sums a token's pairs on each experts' rank (k order, f32, one bf16 row a
+    (token, rank)) and the token's rank sums those in rank order: the reference's bits."""
+    w = World(**world)
+    w.inputs(tokens)
+    received = w.dispatch(weighted=True)
+    w.combine(received, 0.5, summed=True)
+
+
 def test_calls_in_a_row_on_a_buffer_never_cleared():
-    """Three dispatch/combine rounds with new inputs each, the halves launched apart in the
-    last: each round's flags carry the next sequence number, never an older one."""
+    """Five dispatch/combine rounds with new inputs each, the last two with the weights
+    and the summed combine, the halves launched apart in the third and the fifth: each
+    round's flags carry the next sequence number, never an older one."""
     w = World(max_tokens=10)
-    for round, tokens in enumerate(((10, 6), (3, 9), (0, 10))):
+    for round, tokens in enumerate(((10, 6), (3, 9), (0, 10), (7, 7), (10, 1))):
         w.inputs(tokens)
-        phases = ("send", "receive") if round == 2 else ("both",)
-        received = w.dispatch(phases)
-        w.combine(received, -1.0, phases)
+        phases = ("send", "receive") if round in (2, 4) else ("both",)
+        summed = round >= 3   # the summed combine goes on from the same numbers
+        received = w.dispatch(phases, weighted=summed)
+        w.combine(received, -1.0, phases, summed=summed)
     flags = w.ranks * w.plan.send_ctas
     sent = struct.unpack(f"<{flags}I", w.memory.read(w.buffers[0] + w.plan.dispatch_sent,
                                                       4 * flags))
-    assert sent == (3,) * flags
+    assert sent == (5,) * flags
 
 
 def test_a_rank_that_never_launches_ends_in_the_watchdog():

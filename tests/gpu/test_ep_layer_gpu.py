@@ -7,11 +7,11 @@ bits run to run; the decode path captured in a CUDA graph and replayed on new in
 a DeepSeek-V3-shaped block (H = 7168, I = 2048, 256 experts, top-8, 256 tokens a rank).
 
 Against the one-GPU op: the FP8 recipe is the same (each token quantized once per token,
-the same GEMMs and SwiGLU). The decode path sums a token's k rows in k order in f32 as the
-one-GPU combine does, so it may well give the same bits; the normal path rounds each
-rank's part to bf16 before the sum over ranks. Both are held to calc_diff <= 1e-5 against
-it, and each comparison prints its numbers (``-s`` shows them): calc_diff, the largest
-difference, the rows that differ.
+the same GEMMs and SwiGLU). Both paths round each rank's part of a token to bf16 before the
+sum over ranks (the decode path's dispatch sends the weights, so each experts' rank sums
+its pairs), where the one-GPU combine sums all k rows in f32. Both are held to calc_diff
+<= 1e-5 against it, and each comparison prints its numbers (``-s`` shows them):
+calc_diff, the largest difference, the rows that differ.
 
 The harness (spawned processes, gloo, MPS on one GPU) is test_ep_gpu.py's:
 

@@ -37,24 +37,27 @@ def _inputs(rank: int, tokens: int, seed: int):
 
 
 def scenario_rounds(rank: int, world: int) -> None:
-    """Four dispatch/combine rounds with new inputs (the last two through the receive
-    hooks), each against the references, the combine run twice per dispatch's rows."""
+    """Six dispatch/combine rounds with new inputs (the third, fourth and sixth through the
+    receive hooks; the last two with the weights sent by the dispatch and the combine
+    summed on the experts' ranks), each against the references."""
     buffer = _buffer(world)
     dev = torch.device("cuda", buffer.device_index)
-    for seed, tokens in enumerate((MAX_TOKENS, 17, 1, 40)):
-        hooked = seed >= 2
+    for seed, tokens in enumerate((MAX_TOKENS, 17, 1, 40, 33, MAX_TOKENS)):
+        hooked, summed = seed in (2, 3, 5), seed >= 4
         x, idx, weights = _inputs(rank, tokens, seed)
+        idx, weights = idx.to(dev), weights.to(dev)
         (recv_x, recv_scales), recv_count, handle, _, hook = buffer.low_latency_dispatch(
-            x.to(dev), idx.to(dev), MAX_TOKENS, EXPERTS, return_recv_hook=hooked)
+            x.to(dev), idx, MAX_TOKENS, EXPERTS, return_recv_hook=hooked,
+            topk_weights=weights if summed else None)
         if hooked:
             hook()
-        y = _check_dispatch(rank, seed, (x, idx, weights), recv_x, recv_scales, recv_count,
-                            handle)
-        combined, _, hook = buffer.low_latency_combine(y, idx.to(dev), weights.to(dev), handle,
+        inputs = (x, idx.cpu(), weights.cpu())
+        y = _check_dispatch(rank, seed, inputs, recv_x, recv_scales, recv_count, handle)
+        combined, _, hook = buffer.low_latency_combine(y, idx, weights, handle,
                                                        return_recv_hook=hooked)
         if hooked:
             hook()
-        _check_combine(rank, seed, (x, idx, weights), y, combined)
+        _check_combine(rank, seed, inputs, y, combined, summed)
     torch.cuda.synchronize()
     buffer.destroy()
 
@@ -74,12 +77,13 @@ def _check_dispatch(rank, seed, inputs, recv_x, recv_scales, recv_count, handle)
     return (recv_x.float() * scales * 0.5 + rank).bfloat16()
 
 
-def _check_combine(rank, seed, inputs, y, combined):
+def _check_combine(rank, seed, inputs, y, combined, summed=False):
     everyone = _gather(inputs)
     ys = _gather(y.cpu())
-    _assert_bitwise(combined, reference.low_latency_combine(
-        rank, ys, [e[1] for e in everyone], [e[2] for e in everyone], EXPERTS),
-        f"round {seed}: combined rows")
+    combine = reference.low_latency_combine_summed if summed else reference.low_latency_combine
+    _assert_bitwise(combined, combine(rank, ys, [e[1] for e in everyone],
+                                      [e[2] for e in everyone], EXPERTS),
+                    f"round {seed}: combined rows{' (summed)' if summed else ''}")
 
 
 def scenario_graph(rank: int, world: int) -> None:

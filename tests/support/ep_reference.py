@@ -116,6 +116,38 @@ def low_latency_dispatch(rank: int, xs: list, topk_idxs: list, num_experts: int,
     return {"x": x, "scales": scales, "src_info": src_info, "count": count}
 
 
+def _low_latency_row(rank: int, topk_idxs: list, expert: int, t: int) -> int:
+    """Where token t of ``rank`` lies among expert ``expert``'s low-latency received rows."""
+    start = sum(len(_routed(topk_idxs[s], expert)[0]) for s in range(rank))
+    tokens, _ = _routed(topk_idxs[rank], expert)
+    return start + int((tokens < t).sum())
+
+
+def low_latency_combine_summed(rank: int, ys: list, topk_idxs: list, topk_weights: list,
+                               num_experts: int) -> torch.Tensor:
+    """The combine after a dispatch given the top-k weights: each rank d holding pairs of
+    token t sums them, from +0, in k order, ``part = part + row.float() * weight`` (each
+    product and sum rounded to f32), rounded to bf16; rank ``rank`` sums those parts from
+    +0 in rank order in f32, rounded to bf16 once."""
+    ranks = len(ys)
+    per_rank = num_experts // ranks
+    idx, weights = topk_idxs[rank], topk_weights[rank].float()
+    acc = torch.zeros((idx.shape[0], ys[0].shape[2]), dtype=torch.float32)
+    for t in range(idx.shape[0]):
+        for d in range(ranks):
+            part = None
+            for j in range(idx.shape[1]):
+                expert = int(idx[t, j])
+                if not 0 <= expert < num_experts or expert // per_rank != d:
+                    continue
+                row = _low_latency_row(rank, topk_idxs, expert, t)
+                term = ys[d][expert % per_rank, row].float() * weights[t, j]
+                part = (torch.zeros_like(term) if part is None else part) + term
+            if part is not None:
+                acc[t] = acc[t] + part.bfloat16().float()
+    return acc.bfloat16()
+
+
 def low_latency_combine(rank: int, ys: list, topk_idxs: list, topk_weights: list,
                         num_experts: int) -> torch.Tensor:
     """What ``rank`` gets back when every rank d returns ys[d] (bf16 [L, R * max_tokens, H],
@@ -132,8 +164,6 @@ def low_latency_combine(rank: int, ys: list, topk_idxs: list, topk_weights: list
             if not 0 <= expert < num_experts:
                 continue
             d, local = divmod(expert, per_rank)
-            start = sum(len(_routed(topk_idxs[s], expert)[0]) for s in range(rank))
-            tokens, _ = _routed(idx, expert)
-            row = start + int((tokens < t).sum())
+            row = _low_latency_row(rank, topk_idxs, expert, t)
             acc[t] = acc[t] + ys[d][local, row].float() * weights[t, j]
     return acc.bfloat16()

@@ -233,7 +233,9 @@ def _decode(rank: int, world: int, p: dict) -> dict:
     pairs captured in one CUDA graph, replayed after a host barrier under the profiler;
     each kernel's median time (a pair's kernels wait for the peer's, so this is the time
     from the later rank's start), and the replay's time per pair by events; then the same
-    with the receive hooks, each half's kernel timed apart."""
+    with the receive hooks, each half's kernel timed apart; then both again with the
+    weights sent by the dispatch (the MoE layer's decode path), whose combine sums on the
+    experts' ranks (``combine_summed_us``, ``summed_pair_us``)."""
     import torch.distributed as dist
 
     from ..ep import Buffer
@@ -244,9 +246,10 @@ def _decode(rank: int, world: int, p: dict) -> dict:
     x, _, idx, weights = _routing(rank, DECODE_TOKENS, experts, topk, hidden)
     y = torch.randn(experts // world, world * DECODE_TOKENS, hidden, device="cuda").bfloat16()
 
-    def pair(hooked: bool):
-        _, _, handle, _, hook = buffer.low_latency_dispatch(x, idx, DECODE_TOKENS, experts,
-                                                            return_recv_hook=hooked)
+    def pair(hooked: bool, summed: bool):
+        _, _, handle, _, hook = buffer.low_latency_dispatch(
+            x, idx, DECODE_TOKENS, experts, return_recv_hook=hooked,
+            topk_weights=weights if summed else None)
         if hooked:
             hook()
         _, _, hook = buffer.low_latency_combine(y, idx, weights, handle, return_recv_hook=hooked)
@@ -254,17 +257,21 @@ def _decode(rank: int, world: int, p: dict) -> dict:
             hook()
 
     result = {}
-    for hooked in (False, True):
-        pair(hooked)  # every kernel built and loaded before the capture
-        torch.cuda.synchronize()
-        dist.barrier()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(DECODE_PAIRS):
-                pair(hooked)
-        if not hooked:
-            result["pair_us"] = batch_us(graph.replay, 1, p["repeats"]) / DECODE_PAIRS
-        result.update(_replay_kernel_medians(graph, p["repeats"], _low_latency_kernel))
+    for summed in (False, True):
+        for hooked in (False, True):
+            pair(hooked, summed)  # every kernel built and loaded before the capture
+            torch.cuda.synchronize()
+            dist.barrier()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for _ in range(DECODE_PAIRS):
+                    pair(hooked, summed)
+            if not hooked:
+                result["summed_pair_us" if summed else "pair_us"] = batch_us(
+                    graph.replay, 1, p["repeats"]) / DECODE_PAIRS
+            medians = _replay_kernel_medians(graph, p["repeats"], _low_latency_kernel)
+            result.update(medians if summed else
+                          {name: us for name, us in medians.items() if "summed" not in name})
     buffer.destroy()
     return result
 
@@ -274,7 +281,9 @@ def _low_latency_kernel(name: str) -> str | None:
     kernel), dispatch_send_us, dispatch_receive_us, the same for combine."""
     if not name.startswith("ep_ll_"):
         return None
-    op, phase = name.split("_")[2:4]  # ep_ll_<op>_<phase>_...
+    op, phase = name.split("_")[2:4]  # ep_ll_<op>_<phase>_..., "_summed" last if it is
+    if name.endswith("_summed"):
+        op += "_summed"
     return f"{op}_us" if phase == "both" else f"{op}_{phase}_us"
 
 
@@ -487,6 +496,12 @@ def ep_table(result: dict) -> str:
         text += ("\n  halves apart (the hooks): " + ", ".join(
             f"{op} {phase} {d[f'{op}_{phase}_us']:.1f} us" for op in ("dispatch", "combine")
             for phase in ("send", "receive")))
+    if "combine_summed_us" in d:
+        text += (f"\n  the weights sent with the dispatch (the layer's): combine summed on "
+                 f"the experts' ranks {d['combine_summed_us']:.1f} us (send "
+                 f"{d['combine_summed_send_us']:.1f}, receive "
+                 f"{d['combine_summed_receive_us']:.1f} apart); a pair "
+                 f"{d['summed_pair_us']:.1f} us")
     for rank, o in enumerate(result["overlap"]):
         if not o:
             continue

@@ -644,7 +644,8 @@ class Buffer:
                              num_max_dispatch_tokens_per_rank: int, num_experts: int,
                              cumulative_local_expert_recv_stats=None, use_fp8: bool = True,
                              round_scale: bool = False, use_ue8m0: bool = False,
-                             async_finish: bool = False, return_recv_hook: bool = False):
+                             async_finish: bool = False, return_recv_hook: bool = False,
+                             topk_weights: torch.Tensor | None = None):
         """Send each token (bf16 [T, H], T <= num_max_dispatch_tokens_per_rank <= 256),
         quantized to e4m3 with 1 x 128 scales, to the ranks of its experts, on the current
         stream with no host synchronisation. Returns ``((recv_x e4m3 [L, M, H], recv_scales
@@ -653,22 +654,27 @@ class Buffer:
         first, each source's in token order: the masked layout (``masked_m = recv_count``)
         of ``m_grouped_fp8_gemm_nt_masked``. ``hook``: with ``return_recv_hook``, the call
         launched the send half only and the hook launches the receive half; else None.
-        Each dispatch is followed by one combine, or by nothing, before the next."""
+        Each dispatch is followed by one combine, or by nothing, before the next.
+        ``topk_weights`` (f32 [T, k], optional, not DeepEP's): sent with the tokens, so that
+        the combine (given the same tensor) sums a token's pairs on each experts' rank and
+        returns one row a (token, rank) instead of one a pair."""
         self.check_timeout()
         self._check_low_latency_options(async_finish, cumulative_local_expert_recv_stats=(
             cumulative_local_expert_recv_stats, None), use_fp8=(use_fp8, True),
             round_scale=(round_scale, False), use_ue8m0=(use_ue8m0, False))
         sizes = low_latency.check_dispatch(
             x, topk_idx, num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
-            num_experts=num_experts, ranks=self.group_size, device=self.device_index)
+            num_experts=num_experts, ranks=self.group_size, device=self.device_index,
+            topk_weights=topk_weights)
         _, hidden, topk = sizes
         self._agree_on_low_latency_sizes((
             ("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank),
-            ("hidden", hidden), ("num_experts", num_experts), ("topk", topk)))
+            ("hidden", hidden), ("num_experts", num_experts), ("topk", topk),
+            ("topk_weights", topk_weights is not None)))
         received, recv_count, handle, hook = low_latency.launch_dispatch(
             self.low_latency_group, x, topk_idx, sizes,
             max_tokens=num_max_dispatch_tokens_per_rank, num_experts=num_experts,
-            return_recv_hook=return_recv_hook)
+            return_recv_hook=return_recv_hook, topk_weights=topk_weights)
         return received, recv_count, handle, self._current_event(), hook
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor,
@@ -702,7 +708,8 @@ class Buffer:
                              f"do: run one before capturing")
         sizes = dict(signature)
         low_latency.prepare(self.low_latency_group, sizes["num_max_dispatch_tokens_per_rank"],
-                            sizes["hidden"], sizes["num_experts"], sizes["topk"])
+                            sizes["hidden"], sizes["num_experts"], sizes["topk"],
+                            summed=sizes["topk_weights"])
         messages = [None] * self.group_size
         dist.all_gather_object(messages, Message(signature, [], [], 0), group=self.group)
         check_agreement(messages)

@@ -26,8 +26,10 @@ decode path (``layout='masked'``; few tokens; nothing waits for the host: captur
     --m_grouped_fp8_gemm_nt_masked (gate_up)--> [L, M, 2I]
     --moe_silu_mul_quantize_fp8 on the received rows (listed on the GPU)--> [L, M, I]
     --m_grouped_fp8_gemm_nt_masked (down)--> y [L, M, H]
-    --Buffer.low_latency_combine--> out [T, H]: each token's sum in k order of its weights
-                                    times its experts' rows, in f32, rounded once
+    --Buffer.low_latency_combine--> out [T, H]: the weights went with the dispatch, so
+                                    each experts' rank sums its pairs of a token (k order,
+                                    f32, rounded to bf16) and the token's rank sums those
+                                    in rank order in f32, rounded once
 
 The decode path's T_max is the buffer's: the most tokens a rank its low-latency buffer
 holds for these sizes (``decode_capacity``), so every rank lays the rows out alike.
@@ -38,9 +40,9 @@ its own kernels): where their token counts may fall on both sides of the capacit
 ``layout`` or ``max_tokens_per_rank``.
 
 Numerics. The FP8 recipe is the one-GPU op's: each token quantized once per token, the
-same GEMMs and SwiGLU. The decode path sums a token's k rows in k order in f32 as the
-one-GPU combine does; the normal path rounds each rank's part to bf16 before the sum
-over ranks, so it differs from the one-GPU op by a bf16 rounding of the parts.
+same GEMMs and SwiGLU. Both paths round each rank's part of a token to bf16 before the sum
+over ranks, so they differ from the one-GPU op (all k rows summed in f32) by a bf16
+rounding of the parts.
 """
 
 from __future__ import annotations
@@ -243,8 +245,10 @@ def _decode(buffer: Buffer, x, topk_idx, topk_weights, gate_up, down, sizes) -> 
     ranks = buffer.group_size
     experts = local * ranks
     capacity = decode_capacity(buffer, hidden, experts)
-    received, recv_count, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, capacity,
-                                                                     experts)
+    # The weights go with the tokens: each experts' rank then sums its pairs of a token and
+    # the combine returns one row a (token, rank), not one a pair.
+    received, recv_count, handle, _, _ = buffer.low_latency_dispatch(
+        x, topk_idx, capacity, experts, topk_weights=topk_weights)
     rows_per_expert = ranks * capacity
     # The GEMMs' tile hint: the pairs an expert receives when every rank has this rank's T.
     expected = moe.expected_rows(ranks * tokens, top_k, experts)

@@ -78,6 +78,9 @@ class Handle:
     tokens: int
     src_info: torch.Tensor    # int32 [L, R * max_tokens, 3]: source rank, token, k position
     recv_count: torch.Tensor  # int32 [L]
+    # The top-k weights the dispatch sent with the tokens (f32 [T, k]): the combine then sums
+    # a token's pairs on each experts' rank and sends one row a (token, rank) back.
+    weights: torch.Tensor | None = None
 
 
 def buffer_size(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
@@ -90,7 +93,7 @@ def buffer_size(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: i
 
 
 def check_dispatch(x, topk_idx, *, num_max_dispatch_tokens_per_rank: int, num_experts: int,
-                   ranks: int, device: int) -> tuple[int, int, int]:
+                   ranks: int, device: int, topk_weights=None) -> tuple[int, int, int]:
     """A dispatch's arguments, checked before anything touches the GPU; (tokens, hidden,
     k)."""
     for name, value in (("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank),
@@ -109,8 +112,17 @@ def check_dispatch(x, topk_idx, *, num_max_dispatch_tokens_per_rank: int, num_ex
     if tokens > num_max_dispatch_tokens_per_rank:
         raise ValueError(f"x must have at most num_max_dispatch_tokens_per_rank "
                          f"({num_max_dispatch_tokens_per_rank}) tokens, got {tokens}")
+    if topk_weights is not None:
+        shape, _, _, weights_index = inspect("topk_weights", topk_weights, torch.float32, 2,
+                                             align=4, rows=False)
+        require_shape("topk_weights", shape, (tokens, topk))
+        if not topk_weights.is_contiguous():
+            raise ValueError(f"topk_weights must be contiguous, got strides "
+                             f"{topk_weights.stride()}")
     check_device("x", x, index, device)
     check_device("topk_idx", topk_idx, idx_index, device)
+    if topk_weights is not None:
+        check_device("topk_weights", topk_weights, weights_index, device)
     return tokens, hidden, topk
 
 
@@ -134,6 +146,9 @@ def check_combine(x, topk_idx, topk_weights, handle: Handle, *, device: int) -> 
     for name, t in (("x", x), ("topk_idx", topk_idx), ("topk_weights", topk_weights)):
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous, got strides {t.stride()}")
+    if handle.weights is not None and topk_weights is not handle.weights:
+        raise ValueError("topk_weights must be the tensor the dispatch was given (its "
+                         "weights already went to the experts' ranks), got another tensor")
     for name, t, at in (("x", x, index), ("topk_idx", topk_idx, idx_index),
                         ("topk_weights", topk_weights, weights_index)):
         check_device(name, t, at, device)
@@ -148,13 +163,15 @@ def _launcher(device_index: int, cfg):
     return compiled.launcher(device_index), tuple(p.name for p in compiled.params)
 
 
-def prepare(group: Group, max_tokens: int, hidden: int, experts: int, topk: int) -> None:
-    """Build and load the one-launch dispatch and combine for these sizes now: a rank
-    assembling its kernel while its peer's already waits would eat into the peer's time
-    limit. (The hooks' halves are built at their first use.)"""
+def prepare(group: Group, max_tokens: int, hidden: int, experts: int, topk: int, *,
+            summed: bool = False) -> None:
+    """Build and load the one-launch dispatch and combine for these sizes now (the combine
+    that sums on the experts' ranks where the dispatch sends weights): a rank assembling
+    its kernel while its peer's already waits would eat into the peer's time limit. (The
+    hooks' halves are built at their first use.)"""
     args = (group.arch, group.ranks, max_tokens, hidden, experts, topk)
     _launcher(group.device_index, dispatch_kernel.choose_config(*args))
-    _launcher(group.device_index, combine_kernel.choose_config(*args))
+    _launcher(group.device_index, combine_kernel.choose_config(*args, summed=summed))
 
 
 def _require_buffer(group: Group, plan: LowLatencyPlan) -> None:
@@ -199,7 +216,8 @@ def dispatch(group: Group, x: torch.Tensor, topk_idx: torch.Tensor, *,
 
 
 def launch_dispatch(group: Group, x: torch.Tensor, topk_idx: torch.Tensor, sizes: tuple, *,
-                    max_tokens: int, num_experts: int, return_recv_hook: bool):
+                    max_tokens: int, num_experts: int, return_recv_hook: bool,
+                    topk_weights: torch.Tensor | None = None):
     """``dispatch`` after ``check_dispatch`` gave ``sizes`` (tokens, hidden, k)."""
     tokens, hidden, topk = sizes
     plan = LowLatencyPlan(group.ranks, max_tokens, hidden, num_experts, topk)
@@ -215,6 +233,7 @@ def launch_dispatch(group: Group, x: torch.Tensor, topk_idx: torch.Tensor, sizes
     # Each token quantized once (the row kernel), not once for each expert it goes to.
     q, q_scales = ops.quantize_fp8_per_token(x, "row_major")
     arguments = dict(x=q.data_ptr(), x_scales=q_scales.data_ptr(), topk_idx=topk_idx.data_ptr(),
+                     topk_weights=0 if topk_weights is None else topk_weights.data_ptr(),
                      tokens=tokens,
                      recv_x=recv_x.data_ptr(), recv_scales=scales.data_ptr(),
                      scale_expert_stride=groups * aligned, scale_group_stride=aligned,
@@ -224,7 +243,7 @@ def launch_dispatch(group: Group, x: torch.Tensor, topk_idx: torch.Tensor, sizes
         group.arch, group.ranks, max_tokens, hidden, num_experts, topk, phase=phase),
         return_recv_hook, lambda cfg: cfg.grid, arguments)
     handle = Handle(group.ranks, max_tokens, num_experts, hidden, topk, tokens, src_info,
-                    recv_count)
+                    recv_count, topk_weights)
     return (recv_x, recv_scales), recv_count, handle, hook
 
 
@@ -246,6 +265,6 @@ def combine(group: Group, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights:
                      out=out.data_ptr(), **_common(group))
     hook = _run(group, lambda phase: combine_kernel.choose_config(
         group.arch, handle.ranks, handle.max_tokens, handle.hidden, handle.experts,
-        handle.topk, phase=phase), return_recv_hook, lambda cfg: cfg.grid(handle.tokens),
-        arguments)
+        handle.topk, phase=phase, summed=handle.weights is not None), return_recv_hook,
+        lambda cfg: cfg.grid(handle.tokens), arguments)
     return out, hook

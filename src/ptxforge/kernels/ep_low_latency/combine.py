@@ -30,6 +30,21 @@ Roles (common.py: send CTAs first, then receive CTAs; ``WARPS`` warps each):
                                   sums 16-byte vectors tid, tid + threads, ... of the k
                                   rows.
 
+Summed (``summed``: the dispatch was given the top-k weights, which it left with each
+pair's row in the experts' rank's buffer): a row a (token, rank) instead of a pair.
+
+    sender (s, t) (a CTA a source  lane j < k: pair j's local expert, weight and row
+    rank and token, looping)       (dispatch_topk, dispatch_weights, dispatch_rows); if any
+                                   lives here, the CTA sums those rows times their weights
+                                   in k order in f32 (the reduction below), rounds to bf16
+                                   into combine row (this rank, t) of rank s; bar.sync;
+                                   thread 0 publishes flag (this rank, t) there = the
+                                   dispatch's sequence number.
+    receiver t (one CTA a token)   lane d < R of warp 0, where a pair of the token lives
+                                   on rank d: waits for flag (d, t); bar.sync; the ranks'
+                                   rows summed in rank order from +0 in f32, rounded to
+                                   bf16 once.
+
 Memory orders and cache hints as in dispatch.py. Compile-time: ranks, max_tokens, hidden,
 experts, k, phase. Run-time: tokens, this rank, the pointers.
 """
@@ -45,28 +60,43 @@ from ...patterns.copy import VECTOR_BYTES, warp_copy
 from ...ptx import KernelBuilder, addr
 from ..ep_intranode import common as intranode
 from . import common
+from .plan import COUNT_BITS
 
 # CTAs a local expert's rows are sent by: an expert receives up to R x max_tokens rows,
 # and its slowest sender sets the kernel's time.
 SEND_CTAS = 2
 SENDERS = SEND_CTAS * common.WARPS  # warps
+# Summed: a CTA sums a (source, token)'s rows; with the receivers (up to 256 tokens) a
+# launch of both halves stays within the CTAs 132 SMs hold at once (4 an SM).
+SUMMED_SEND_CTAS = 256
 
 
 @dataclass(frozen=True)
 class CombineConfig(common.LowLatencyConfig):
     KIND = "combine"
+    summed: bool = False   # each rank sums its pairs of a token (a dispatch given weights)
+
+    @property
+    def name(self) -> str:
+        return super().name + ("_summed" if self.summed else "")
+
+    @property
+    def send_grid(self) -> int:
+        """SEND_CTAS a local expert; summed: a CTA a (source, token), up to
+        SUMMED_SEND_CTAS."""
+        if self.summed:
+            return min(self.ranks * self.max_tokens, SUMMED_SEND_CTAS)
+        return SEND_CTAS * self.plan.local_experts
 
     def grid(self, tokens: int) -> int:
-        """Send CTAs (SEND_CTAS a local expert), then receive CTAs (one of ``tokens``); at
-        least one CTA."""
-        return max(1, SEND_CTAS * self.plan.local_experts * self.sends
-                   + tokens * self.receives)
+        """Send CTAs, then receive CTAs (one of ``tokens``); at least one CTA."""
+        return max(1, self.send_grid * self.sends + tokens * self.receives)
 
 
 def choose_config(arch: Arch, ranks: int, max_tokens: int, hidden: int, experts: int,
-                  topk: int, *, phase: str = "both") -> CombineConfig:
+                  topk: int, *, phase: str = "both", summed: bool = False) -> CombineConfig:
     common.check(arch, ranks, max_tokens, hidden, experts, topk, phase, "combine")
-    return CombineConfig(ranks, max_tokens, hidden, experts, topk, phase, arch.target)
+    return CombineConfig(ranks, max_tokens, hidden, experts, topk, phase, arch.target, summed)
 
 
 def generate(cfg: CombineConfig) -> KernelBuilder:
@@ -74,17 +104,22 @@ def generate(cfg: CombineConfig) -> KernelBuilder:
     p = SimpleNamespace()
     if cfg.sends:
         p.x = k.param("x", "u64")                    # bf16 [L, R * max_tokens, H], contiguous
-        p.src_info = k.param("src_info", "u64")      # int32 [L, R * max_tokens, 3]
-        p.recv_count = k.param("recv_count", "u64")  # int32 [L]
+        if not cfg.summed:
+            p.src_info = k.param("src_info", "u64")      # int32 [L, R * max_tokens, 3]
+            p.recv_count = k.param("recv_count", "u64")  # int32 [L]
     if cfg.receives:
         p.topk_idx = k.param("topk_idx", "u64")          # int64 [T, k]
-        p.topk_weights = k.param("topk_weights", "u64")  # f32 [T, k]
+        if not cfg.summed:
+            p.topk_weights = k.param("topk_weights", "u64")  # f32 [T, k]
         p.tokens = k.param("tokens", "u32")
         p.out = k.param("out", "u64")                    # bf16 [T, H]
     common.declare_common_params(k, p)
-    t = common.prologue(k, p, SEND_CTAS * cfg.plan.local_experts if cfg.phase == "both"
-                        else None)
-    common.roles(k, cfg, t, lambda: _send(k, cfg, p, t), lambda: _receive(k, cfg, p, t))
+    t = common.prologue(k, p, cfg.send_grid if cfg.phase == "both" else None)
+    if cfg.summed:
+        common.roles(k, cfg, t, lambda: _send_summed(k, cfg, p, t),
+                     lambda: _receive_summed(k, cfg, p, t))
+    else:
+        common.roles(k, cfg, t, lambda: _send(k, cfg, p, t), lambda: _receive(k, cfg, p, t))
     return k
 
 
@@ -125,7 +160,7 @@ def _send(k, cfg, p, t) -> None:
             with k.guard(valid):
                 k.ld(sequence, addr(at, plan.dispatch_received), sem="relaxed", scope="sys")
                 intranode.buffer_of(k, peer, t.peers, source)
-            k.mad(pair, token, cfg.topk, position)
+            k.mad(pair, token, plan.combine_slots, position)
             k.mad(flag_at, pair, 4, peer, mode="wide")
             k.vote_sync(ballot, valid, mode="ballot")
             k.popc(n, ballot)
@@ -150,8 +185,8 @@ def _send(k, cfg, p, t) -> None:
                 k.st(addr(flag_at, plan.combine_flags), sequence, sem="release", scope="sys")
 
 
-def _receive(k, cfg, p, t) -> None:
-    plan = cfg.plan
+def _receiver_token(k, p, t):
+    """Receive CTA t's token; CTAs past the call's tokens exit."""
     token = t.index
     tokens = k.reg("u32", "tokens")
     k.ld_param(tokens, p.tokens)
@@ -159,6 +194,12 @@ def _receive(k, cfg, p, t) -> None:
     k.setp("ge", beyond, token, tokens)
     with k.guard(beyond):
         k.exit()
+    return token
+
+
+def _receive(k, cfg, p, t) -> None:
+    plan = cfg.plan
+    token = _receiver_token(k, p, t)
     r = SimpleNamespace()
     with k.stage("lane j < k: pair j's expert, weight, and the k position whose row it takes"):
         pair_lane, is_pair, same, earlier = k.pred("is_pair"), k.pred("valid"), k.pred(
@@ -207,7 +248,7 @@ def _receive(k, cfg, p, t) -> None:
             k.mad(flag_at, sender, 4, t.own, mode="wide")
             k.ld(expected, addr(flag_at, plan.dispatch_sent), sem="relaxed", scope="sys")
             pair = k.reg("u32", "pair")
-            k.mad(pair, token, cfg.topk, r.first)
+            k.mad(pair, token, plan.combine_slots, r.first)
             k.mad(flag_at, pair, 4, t.own, mode="wide")
 
             def arrived(flag):
@@ -233,36 +274,186 @@ def _reduce(k, cfg, p, t, r, token) -> None:
             k.shfl_sync(first, flag, j, mode="idx")
             k.setp("ne", has[j], first, 0)
             k.shfl_sync(first, r.first, j, mode="idx")
-            k.mad(pair, token, cfg.topk, first)
+            k.mad(pair, token, plan.combine_slots, first)
             k.mad(rows[j], pair, row_bytes, t.own, mode="wide")
             k.add(rows[j], rows[j], plan.combine_rows)
             k.shfl_sync(weights[j], r.weight, j, mode="idx")
-    with k.stage("sum the pairs in k order, f32 (mul.rn, add.rn), one 16-byte vector a thread"):
+    out = k.reg("u64", "out")
+    k.ld_param(out, p.out)
+    k.mad(out, token, row_bytes, out, mode="wide")
+    _sum_rows(k, cfg, t, has, rows, weights, out, store={})
+
+
+def _sum_rows(k, cfg, t, has, rows, weights, dst, *, store: dict) -> None:
+    """dst (a bf16 row) = the rows at ``rows`` whose ``has`` holds, times ``weights`` (None:
+    as they are), summed in their order from +0 in f32, each product and sum rounded to
+    f32 (mul.rn, add.rn: no fma), rounded to bf16 once; one 16-byte vector a thread at a
+    time, every row's load of it issued before the sums."""
+    row_bytes = 2 * cfg.hidden
+    with k.stage("sum the rows in order, f32 (mul.rn, add.rn), one 16-byte vector a thread"):
         vectors = row_bytes // VECTOR_BYTES
         v, offset, at = k.reg("u32", "vector"), k.reg("u64", "vector_offset"), k.reg(
             "u64", "at")
-        data = [k.regs("b32", 4, f"pair{j}_") for j in range(cfg.topk)]
+        data = [k.regs("b32", 4, f"pair{j}_") for j in range(len(rows))]
         acc, halves = k.regs("f32", 8, "acc"), k.regs("f32", 2, "half")
         packed = k.regs("b32", 4, "sum")
-        out = k.reg("u64", "out")
-        k.ld_param(out, p.out)
-        k.mad(out, token, row_bytes, out, mode="wide")
         with k.loop(v, vectors, start=t.tid, step=cfg.threads, hint="vector"):
             k.mul(offset, v, VECTOR_BYTES, mode="wide")
-            for j in range(cfg.topk):
+            for j in range(len(rows)):
                 k.add(at, rows[j], offset)
                 with k.guard(has[j]):
                     k.ld(data[j], addr(at), **intranode.PAYLOAD_LOAD)
             for a in acc:
                 k.mov(a, 0.0)
-            for j in range(cfg.topk):
+            for j in range(len(rows)):
                 for w, word in enumerate(data[j]):
                     fp8.unpack_bf16x2(k, halves[0], halves[1], word)
                     for h in (0, 1):
-                        k.mul(halves[h], halves[h], weights[j], rnd="rn")
+                        if weights is not None:
+                            k.mul(halves[h], halves[h], weights[j], rnd="rn")
                         with k.guard(has[j]):
                             k.add(acc[2 * w + h], acc[2 * w + h], halves[h], rnd="rn")
             for w, word in enumerate(packed):
                 k.cvt(word, acc[2 * w + 1], acc[2 * w], dtype="bf16x2", rnd="rn")
-            k.add(at, out, offset)
-            k.st(addr(at), packed)
+            k.add(at, dst, offset)
+            k.st(addr(at), packed, **store)
+
+
+# ---------------------------------------------------------------------------- summed
+# A dispatch given the top-k weights leaves them, each pair's row and each source's token
+# count in the experts' rank's buffer: that rank then sums its experts' rows of a token
+# and sends one row back a (token, rank), not one a pair.
+
+
+def _send_summed(k, cfg, p, t) -> None:
+    plan, row_bytes = cfg.plan, 2 * cfg.hidden
+    pairs = cfg.ranks * cfg.max_tokens
+    q, source, token, tokens, word = (k.reg("u32", name) for name in (
+        "source_token", "source", "token", "source_tokens", "flag_word"))
+    at, peer, dst, x = (k.reg("u64", name) for name in ("at", "peer_buffer", "sum_row", "x"))
+    in_k, valid, beyond = k.pred("in_k"), k.pred("valid"), k.pred("beyond")
+    local, row, weight, ballot = k.reg("u32", "local_expert"), k.reg("u32", "pair_row"), \
+        k.reg("f32", "pair_weight"), k.reg("b32", "pairs_here")
+    has = k.regs("pred", cfg.topk, "has")
+    rows = k.regs("u64", cfg.topk, "row_at")
+    weights = k.regs("f32", cfg.topk, "w")
+    k.ld_param(x, p.x)
+    k.setp("lt", in_k, t.lane, cfg.topk)
+    # CTA c takes (source, token) pairs c, c + send CTAs, ...
+    with k.loop(q, pairs, start=t.index, step=cfg.send_grid, uniform=True, hint="pair"):
+        with k.stage("the pair's source and token; past the source's tokens: nothing"):
+            k.div(source, q, cfg.max_tokens)
+            k.rem(token, q, cfg.max_tokens)
+            # The source's token count, from its dispatch flag (send CTA 0's).
+            k.mul(word, source, plan.send_ctas, mode="lo")
+            k.mad(at, word, 4, t.own, mode="wide")
+            k.ld(tokens, addr(at, plan.dispatch_flags), **intranode.PAYLOAD_LOAD)
+            k.and_(tokens, tokens, (1 << COUNT_BITS) - 1)
+            k.setp("ge", beyond, token, tokens)
+        with k.if_(~beyond, "token_beyond", uniform=True):
+            with k.stage("lane j < k: pair j's local expert, weight and row (dispatch_rows)"):
+                k.mad(word, q, cfg.topk, t.lane)
+                k.mad(at, word, 4, t.own, mode="wide")
+                k.mov(local, -1)
+                with k.guard(in_k):
+                    k.ld(local, addr(at, plan.dispatch_topk), **intranode.PAYLOAD_LOAD)
+                    k.ld(weight, addr(at, plan.dispatch_weights), **intranode.PAYLOAD_LOAD)
+                    k.ld(row, addr(at, plan.dispatch_rows), **intranode.PAYLOAD_LOAD)
+                k.setp("lt", valid, local, plan.local_experts)  # -1 compares above, unsigned
+                k.vote_sync(ballot, valid, mode="ballot")
+                pick = k.reg("u32", "lane_value")
+                for j in range(cfg.topk):
+                    k.shfl_sync(pick, row, j, mode="idx")
+                    k.mad(rows[j], pick, row_bytes, x, mode="wide")
+                    k.shfl_sync(weights[j], weight, j, mode="idx")
+                    k.and_(pick, ballot, 1 << j)
+                    k.setp("ne", has[j], pick, 0)
+            any_here = k.pred("any_here")
+            k.setp("ne", any_here, ballot, 0)
+            with k.if_(any_here, "none_here", uniform=True):
+                k.mul(word, t.rank, cfg.max_tokens, mode="lo")
+                k.add(word, word, token)  # slot (this rank, token) at the source
+                intranode.buffer_of(k, peer, t.peers, source)
+                k.mad(dst, word, row_bytes, peer, mode="wide")
+                k.add(dst, dst, plan.combine_rows)
+                _sum_rows(k, cfg, t, has, rows, weights, dst, store=intranode.STORE)
+                with k.stage("publish: the CTA's row, then the dispatch's sequence number"):
+                    k.bar_sync(0)
+                    with k.if_(t.thread0, "not_publishing"):
+                        sequence = k.reg("u32", "sequence")  # pair (0, source)'s
+                        k.mad(at, source, 4, t.own, mode="wide")
+                        k.ld(sequence, addr(at, plan.dispatch_received), sem="relaxed",
+                             scope="sys")
+                        k.mad(at, word, 4, peer, mode="wide")
+                        k.st(addr(at, plan.combine_flags), sequence, sem="release",
+                             scope="sys")
+                    # The next pair's loads may not pass this one's: its registers.
+                    k.bar_sync(0)
+
+
+def _receive_summed(k, cfg, p, t) -> None:
+    plan, row_bytes = cfg.plan, 2 * cfg.hidden
+    token = _receiver_token(k, p, t)
+    has = k.regs("pred", cfg.ranks, "from")
+    rows = k.regs("u64", cfg.ranks, "row_at")
+    with k.stage("the ranks holding a pair of the token: ballots of lane j's expert rank"):
+        in_k, valid, on_d = k.pred("in_k"), k.pred("valid"), k.pred("on_rank")
+        index, at = k.reg("u64", "index"), k.reg("u64", "idx_at")
+        expert, rank, ballot = k.reg("u32", "expert"), k.reg("u32", "expert_rank"), k.reg(
+            "b32", "ranks_ballot")
+        k.setp("lt", in_k, t.lane, cfg.topk)
+        k.ld_param(at, p.topk_idx)
+        k.mad(at, token, 8 * cfg.topk, at, mode="wide")
+        k.mad(at, t.lane, 8, at, mode="wide")
+        k.mov(index, -1)
+        with k.guard(in_k):
+            k.ld(index, addr(at), **intranode.INPUT_LOAD)
+        # -1 and every index past the experts compare above E unsigned.
+        k.setp("lt", valid, index, cfg.experts)
+        k.cvt(expert, index, dtype="u32", stype="u64")
+        k.div(rank, expert, plan.local_experts)
+        slot = k.reg("u32", "slot")
+        for d in range(cfg.ranks):
+            k.setp("eq", on_d, rank, d)
+            k.and_pred(on_d, on_d, valid)
+            k.vote_sync(ballot, on_d, mode="ballot")
+            k.setp("ne", has[d], ballot, 0)
+            k.add(slot, token, d * cfg.max_tokens)
+            k.mad(rows[d], slot, row_bytes, t.own, mode="wide")
+            k.add(rows[d], rows[d], plan.combine_rows)
+    with k.stage("warp 0, lane d < R holding a pair: wait for rank d's row of the token"):
+        waiter, warp0 = k.pred("waiter"), k.pred("warp0")
+        k.setp("eq", warp0, t.warp, 0)
+        k.setp("lt", waiter, t.lane, cfg.ranks)
+        k.and_pred(waiter, waiter, warp0)
+        pick = k.reg("u32", "lane_has")
+        k.mov(pick, 0)
+        for d in range(cfg.ranks):  # lane d: has[d]
+            lane_d = k.pred("lane_d")
+            k.setp("eq", lane_d, t.lane, d)
+            k.and_pred(lane_d, lane_d, has[d])
+            with k.guard(lane_d):
+                k.mov(pick, 1)
+        k.setp("ne", on_d, pick, 0)
+        k.and_pred(waiter, waiter, on_d)
+        with k.if_(waiter, "not_waiting"):
+            expected, seen, flag_at = k.reg("u32", "sequence"), k.reg("u32", "flag_seen"), \
+                k.reg("u64", "flag_at")
+            ready = k.pred("arrived")
+            k.mul(slot, t.lane, plan.send_ctas, mode="lo")  # rank d's send CTA 0
+            k.mad(flag_at, slot, 4, t.own, mode="wide")
+            k.ld(expected, addr(flag_at, plan.dispatch_sent), sem="relaxed", scope="sys")
+            k.mad(slot, t.lane, cfg.max_tokens, token)
+            k.mad(flag_at, slot, 4, t.own, mode="wide")
+
+            def arrived(flag):
+                k.setp("eq", ready, flag, expected)
+                return ready
+
+            t.watchdog.wait(seen, addr(flag_at, plan.combine_flags), arrived,
+                            code=intranode.LL_COMBINE_RECEIVE, channel=token, peer=t.lane)
+        k.bar_sync(0)
+    out = k.reg("u64", "out")
+    k.ld_param(out, p.out)
+    k.mad(out, token, row_bytes, out, mode="wide")
+    _sum_rows(k, cfg, t, has, rows, None, out, store={})

@@ -99,6 +99,7 @@ class _Params:
             self.x = k.param("x", "u64")                    # e4m3 [T, H], contiguous
             self.x_scales = k.param("x_scales", "u64")      # f32 [T, H / 128], contiguous
             self.topk_idx = k.param("topk_idx", "u64")      # int64 [T, k], contiguous
+            self.topk_weights = k.param("topk_weights", "u64")  # f32 [T, k], or 0: none
             self.tokens = k.param("tokens", "u32")          # T <= max_tokens
         common.declare_common_params(k, self)
         if cfg.receives:
@@ -143,6 +144,9 @@ def _send(k, cfg, p, t) -> None:
         k.ld_param(s.x, p.x)
         k.ld_param(s.x_scales, p.x_scales)
         k.ld_param(s.topk_idx, p.topk_idx)
+        s.topk_weights, s.weighted = k.reg("u64", "topk_weights"), k.pred("weighted")
+        k.ld_param(s.topk_weights, p.topk_weights)
+        k.setp("ne", s.weighted, s.topk_weights, 0)
         first, end = k.reg("u32", "chunk_first"), k.reg("u32", "chunk_end")
         k.mul(first, cta, plan.send_chunk, mode="lo")
         k.add(end, first, plan.send_chunk)
@@ -191,6 +195,16 @@ def _send_token(k, cfg, t, s, token) -> None:
         k.mad(at, t.lane, 4, at, mode="wide")
         with k.guard(in_k):
             k.st(addr(at), local, **intranode.STORE)
+        # Its weight beside it, for a combine that sums on the experts' rank.
+        weighted, weight, weight_at = k.pred("lane_weighted"), k.reg("f32", "weight"), k.reg(
+            "u64", "weight_at")
+        k.and_pred(weighted, in_k, s.weighted)
+        k.mad(weight_at, token, 4 * cfg.topk, s.topk_weights, mode="wide")
+        k.mad(weight_at, t.lane, 4, weight_at, mode="wide")
+        with k.guard(weighted):
+            k.ld(weight, addr(weight_at), **intranode.INPUT_LOAD)
+            k.st(addr(at, plan.dispatch_weights - plan.dispatch_topk), weight,
+                 **intranode.STORE)
         k.vote_sync(ballot, here, mode="ballot")
         k.setp("ne", any_here, ballot, 0)
     with k.if_(any_here, "token_stays", uniform=True):
@@ -420,3 +434,16 @@ def _receive_row(k, cfg, p, t, source: int, token, i, position) -> None:
             k.st(addr(at), source, type="u32")
             k.st(addr(at, 4), token)
             k.st(addr(at, 8), position)
+    with k.stage("lane j < k naming the local expert: the row into dispatch_rows (s, token, j)"):
+        in_k, names = k.pred("in_k"), k.pred("names_expert")
+        value, pair = k.reg("u32", "top_k_value"), k.reg("u32", "pair_index")
+        k.setp("lt", in_k, t.lane, cfg.topk)
+        k.mad(pair, token, cfg.topk, t.lane)
+        k.add(pair, pair, source * cfg.max_tokens * cfg.topk)
+        k.mad(at, pair, 4, t.own, mode="wide")
+        k.mov(value, -1)
+        with k.guard(in_k):
+            k.ld(value, addr(at, plan.dispatch_topk), **intranode.PAYLOAD_LOAD)
+        k.setp("eq", names, value, local)
+        with k.guard(names):
+            k.st(addr(at, plan.dispatch_rows), row, **intranode.STORE)

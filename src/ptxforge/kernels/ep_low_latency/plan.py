@@ -9,12 +9,17 @@ send CTAs a destination rank (``send_ctas``):
     |   dispatch_sent     [R][C] u32  dispatches this rank's send CTA c sent to rank d  |
     |   dispatch_received [L][R] u32  dispatches local expert l received from rank s   |
     | dispatch_flags [R][C] u32: written by rank s's send CTA c, sequence << 9 | tokens |
-    | combine_flags  [T][k] u32: written by the rank of the pair's expert, sequence     |
+    | combine_flags  [T][S] u32 (S = max(k, R)): pair (t, j)'s, written by the rank of  |
+    |                its expert, or (summed) rank d's at [d][t]: the sequence number    |
     | dispatch_topk  [R][T][k] i32: rank s's token t's experts as this rank's local     |
     |                experts (-1: an expert elsewhere, or none)                         |
+    | dispatch_weights [R][T][k] f32: their top-k weights (a dispatch given them)       |
+    | dispatch_rows  [R][T][k] u32: the row of pair (s, t, j) among the local experts'  |
+    |                received rows (pairs naming a local expert)                        |
     | dispatch slots [R][T]: token t of rank s, if it names an expert here: its e4m3    |
     |                row (H bytes) and its H / 128 f32 scales                           |
-    | combine rows   [T][k]: a bf16 row (2 H bytes) a (token, k position) pair          |
+    | combine rows   [T][S]: a bf16 row (2 H bytes) a (token, k position) pair, or      |
+    |                (summed) rank d's sum of its pairs of token t at [d][t]            |
 
 Protocol. A token goes to a rank once, whatever number of its experts live there: slot
 (s, t) holds token t of rank s, and every local expert's receiver reads it from there
@@ -135,13 +140,29 @@ class LowLatencyPlan:
         return _aligned(self.dispatch_flags + 4 * self.ranks * self.send_ctas)
 
     @property
+    def combine_slots(self) -> int:
+        """A token's combine rows and flags: one a pair, or (summed) one a rank."""
+        return max(self.topk, self.ranks)
+
+    @property
     def dispatch_topk(self) -> int:
-        return _aligned(self.combine_flags + 4 * self.max_tokens * self.topk)
+        return _aligned(self.combine_flags + 4 * self.max_tokens * self.combine_slots)
+
+    @property
+    def _pair_words(self) -> int:
+        return 4 * self.ranks * self.max_tokens * self.topk
+
+    @property
+    def dispatch_weights(self) -> int:
+        return _aligned(self.dispatch_topk + self._pair_words)
+
+    @property
+    def dispatch_rows(self) -> int:
+        return _aligned(self.dispatch_weights + self._pair_words)
 
     @property
     def dispatch_slots(self) -> int:
-        return _aligned(self.dispatch_topk + 4 * self.ranks * self.max_tokens * self.topk,
-                        REGION_ALIGN)
+        return _aligned(self.dispatch_rows + self._pair_words, REGION_ALIGN)
 
     def dispatch_slot(self, source: int, token: int) -> int:
         """Byte offset of slot (source, token)."""
@@ -153,4 +174,4 @@ class LowLatencyPlan:
 
     @property
     def bytes_needed(self) -> int:
-        return self.combine_rows + self.max_tokens * self.topk * 2 * self.hidden
+        return self.combine_rows + self.max_tokens * self.combine_slots * 2 * self.hidden
