@@ -25,7 +25,7 @@ import torch
 
 from .. import jit
 from ..ops import common
-from . import expert_parallel, graphs, moe, passes, precompile
+from . import expert_parallel, graphs, moe, passes, precompile, steps
 from .rewriting import Replacement, is_static, traced_size
 
 log = logging.getLogger("ptxforge.compiler")
@@ -141,7 +141,7 @@ class FoldedWeights:
 
 
 def compile(model, *, fp8: bool = True, precompile: int | None = None,
-            dynamic: bool | None = None, ep_group=None, **options):
+            dynamic: bool | None = None, ep_group=None, step_graphs: bool = False, **options):
     """``torch.compile(model, backend=ptxforge's, **options)``, its token dimensions dynamic:
     one compile for every token count (M is a run-time argument of every kernel).
     ``fp8=False`` keeps bf16 numerics (ptxforge's BF16 GEMM); ``precompile=16384``: assemble
@@ -150,7 +150,9 @@ def compile(model, *, fp8: bool = True, precompile: int | None = None,
     process group; every rank of it calls ``compile``): the experts of each transformers
     MoE block sharded over the group, E/ranks a rank, run by ``ptxforge.ep``
     (``expert_parallel.py``: its normal path, or with ``mode="reduce-overhead"`` its decode
-    path); the router and a shared expert stay whole on every rank.
+    path); the router and a shared expert stay whole on every rank. ``step_graphs``: calls
+    of few tokens (a decode step) replayed as whole CUDA graphs, Dynamo and the model's
+    Python inside (``steps.py``).
 
     ``dynamic=None`` (the default): the first call's tensors have their token dimensions
     marked dynamic before Dynamo traces them (``token_dims``), and no others; True or False
@@ -167,26 +169,33 @@ def compile(model, *, fp8: bool = True, precompile: int | None = None,
     compiled = torch.compile(model, backend=functools.partial(backend, fp8=fp8,
                                                               precompile=precompile, ep=ep),
                              dynamic=dynamic, **options)
-    if dynamic is not None:
+    if dynamic is not None and not step_graphs:
         return compiled
     if isinstance(compiled, torch.nn.Module):
-        # A pre-hook of the compiled module runs before Dynamo's frame, in Python; it
-        # removes itself after the first call, which leaves later calls no hook to run.
-        def mark_once(module, args, kwargs):
-            mark_token_dims(args, kwargs)
-            handle.remove()
+        if dynamic is None:
+            # A pre-hook of the compiled module runs before Dynamo's frame, in Python; it
+            # removes itself after the first call, which leaves later calls no hook to run.
+            def mark_once(module, args, kwargs):
+                mark_token_dims(args, kwargs)
+                handle.remove()
 
-        handle = compiled.register_forward_pre_hook(mark_once, with_kwargs=True)
-        return compiled
+            handle = compiled.register_forward_pre_hook(mark_once, with_kwargs=True)
+        return steps.StepModule(compiled) if step_graphs else compiled
 
     _generate_with_this_forward(model)
 
-    @functools.wraps(model)
-    def call(*args, **kwargs):
+    def traced(*args, **kwargs):
         # Under another torch.compile, Dynamo traces this call: no marking there.
-        if not torch.compiler.is_dynamo_compiling():
+        if dynamic is None and not torch.compiler.is_dynamo_compiling():
             mark_token_dims(args, kwargs)
         return compiled(*args, **kwargs)
+
+    run = steps.StepGraphs(traced) if step_graphs else traced
+
+    @functools.wraps(model)
+    def call(*args, **kwargs):
+        return run(*args, **kwargs)
+    call.steps = run if step_graphs else None   # the runner, to look at its graphs
     return call
 
 
