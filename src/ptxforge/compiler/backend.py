@@ -26,7 +26,7 @@ import torch
 from .. import jit
 from ..ops import common
 from . import expert_parallel, graphs, moe, passes, precompile, steps
-from .rewriting import Replacement, is_static, traced_size
+from .rewriting import Replacement, is_static, token_dims, traced_size
 
 log = logging.getLogger("ptxforge.compiler")
 
@@ -209,15 +209,6 @@ def _generate_with_this_forward(forward) -> None:
     if getattr(forward, "__name__", None) == "forward" and callable(
             getattr(model, "get_compiled_call", None)):
         model.get_compiled_call = lambda compile_config=None: model.__call__
-
-
-def token_dims(x: torch.Tensor) -> list[int]:
-    """The dimensions of a model's input tensor that change with the tokens: every one
-    longer than 1 (a dimension of 1, a batch of one, stays static), but a floating-point
-    tensor's last (its features: hidden states [tokens, hidden], [batch, tokens, hidden];
-    token ids and masks [batch, tokens] have no feature dimension)."""
-    features = 1 if x.is_floating_point() else 0
-    return [d for d in range(x.dim() - features) if x.shape[d] > 1]
 
 
 def mark_token_dims(args, kwargs) -> None:

@@ -42,6 +42,8 @@ import math
 
 import torch
 
+from .rewriting import token_dims
+
 log = logging.getLogger("ptxforge")
 
 MAX_TOKENS = 256     # a call is captured when its tensors' token dimensions hold at most this
@@ -170,10 +172,7 @@ def _leaf_key(x):
 
 def _tokens(tensors: list) -> int:
     """The fewest tokens an argument tensor holds: the product of its token dimensions
-    (``backend.token_dims``: every dimension longer than 1 but a float tensor's
-    features)."""
-    from .backend import token_dims
-
+    (``token_dims``: every dimension longer than 1 but a float tensor's features)."""
     return min(math.prod(x.shape[d] for d in token_dims(x)) for x in tensors)
 
 
