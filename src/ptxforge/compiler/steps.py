@@ -20,8 +20,8 @@ updates where they are) is part of the graph's key by identity, and the graph ke
 alive, so another object (the next ``generate``'s cache) gets a graph of its own. The
 arguments that are tensors (positional, or keyword: the top level only, so that nothing
 inside an object is ever copied) go in by copy: a graph reads its own. The outputs'
-tensors at the top level (a tensor, a tuple's, a transformers ModelOutput's fields) are
-cloned; anything else comes back as the capture returned it (the cache object).
+tensors (in lists, tuples and dicts: a transformers ModelOutput's fields) are cloned;
+any other object comes back as the capture returned it (the cache object).
 
 A call's tokens: the fewest any argument tensor holds (the product of its token
 dimensions): the token ids of a decode step hold one a sequence, where a mask over the
@@ -42,6 +42,7 @@ import math
 
 import torch
 
+from . import graphs
 from .rewriting import token_dims
 
 log = logging.getLogger("ptxforge")
@@ -127,15 +128,8 @@ class _Step:
         own = [copies.get(i, x) for i, x in enumerate(leaves)]
         positional, names = spec
         args, kwargs = own[:positional], dict(zip(names, own[positional:]))
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            warm = fn(*args, **kwargs)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
         pool = pool if pool is not None else torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=pool):
-            outputs = fn(*args, **kwargs)
+        graph, warm, outputs = graphs.warm_and_capture(lambda: fn(*args, **kwargs), pool)
         held = [x for x in leaves if not isinstance(x, torch.Tensor)]
         return cls(graph, copies, held, outputs, pool), warm
 
@@ -143,20 +137,7 @@ class _Step:
         for i, copy in self.copies.items():
             copy.copy_(leaves[i])
         self.graph.replay()
-        return _fresh(self.outputs)
-
-
-def _fresh(outputs):
-    """The outputs with their top-level tensors cloned (the next replay overwrites the
-    graph's own)."""
-    clone = lambda x: x.clone() if isinstance(x, torch.Tensor) else x
-    if isinstance(outputs, torch.Tensor):
-        return outputs.clone()
-    if isinstance(outputs, dict):   # a transformers ModelOutput is an OrderedDict
-        return type(outputs)(**{name: clone(x) for name, x in outputs.items()})
-    if isinstance(outputs, (tuple, list)):
-        return type(outputs)(map(clone, outputs))
-    return outputs
+        return graphs.map_tensors(self.outputs, torch.Tensor.clone)
 
 
 def _leaf_key(x):
