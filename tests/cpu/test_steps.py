@@ -170,3 +170,8 @@ def test_compile_with_step_graphs_wraps_the_compiled_call():
                                                       "compiled._orig_mod.bias"}
     x = torch.randn(2, 4)
     torch.testing.assert_close(compiled(x), model(x))
+
+
+def test_step_graphs_and_reduce_overhead_are_one_or_the_other():
+    with pytest.raises(ValueError, match="pass one or the other"):
+        compiler.compile(torch.nn.Linear(4, 4), step_graphs=True, mode="reduce-overhead")

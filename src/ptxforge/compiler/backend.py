@@ -159,6 +159,9 @@ def compile(model, *, fp8: bool = True, precompile: int | None = None,
     go to torch.compile as they are (True makes every dimension dynamic: more guards, whose
     host time every call pays: Dynamo alone took 102.7 us a call of Llama-3-8B's 2 layers at
     64 tokens with True, 62.0 with the token dimensions alone, measured on the H200)."""
+    if step_graphs and options.get("mode") == "reduce-overhead":
+        raise ValueError("step_graphs=True captures whole calls, and mode='reduce-overhead' "
+                         "captures the compiled graphs inside them: pass one or the other")
     ep = None if ep_group is None else expert_parallel.expert_parallel(
         model, ep_group, fp8=fp8, decode=options.get("mode") == "reduce-overhead")
     if isinstance(model, torch.nn.Module) and (looping := moe.looping_experts(model)):
