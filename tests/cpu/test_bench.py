@@ -463,6 +463,10 @@ def test_each_generate_candidate_gets_the_model_as_it_comes():
     assert model.forward.__func__ is plain and "forward" not in model.__dict__
     generate_bench._prepared(model, "ptxforge forward")
     assert "forward" in model.__dict__ and "get_compiled_call" in model.__dict__
+    assert model.forward.steps is None
+    del model.forward
+    generate_bench._prepared(model, "ptxforge steps")    # its decode steps as CUDA graphs
+    assert model.forward.steps is not None
     eager = generate_bench._generation_config("eager", 3)
     assert eager.disable_compile and eager.min_new_tokens == eager.max_new_tokens == 3
     assert generate_bench._generation_config("ptxforge backend", 3).compile_config.backend == \

@@ -171,6 +171,52 @@ def test_reduce_overhead_replays_cuda_graphs_with_the_same_bits():
             assert torch.equal(got, copy)
 
 
+def test_step_graphs_replay_whole_calls_with_the_same_bits():
+    """step_graphs=True: calls of few tokens captured whole (Dynamo and the module inside)
+    and replayed, the compiled module's bits; many tokens run as they are."""
+    model = Ffn(1024, 512).cuda().to(torch.bfloat16)
+    torch._dynamo.reset()
+    plain = compiler.compile(model)
+    stepped = compiler.compile(model, step_graphs=True)
+    with torch.no_grad():
+        outputs = []
+        for tokens in (64, 5, 64, 300, 5):
+            x = torch.randn(tokens, 1024, device="cuda", dtype=torch.bfloat16)
+            got = stepped(x)
+            assert torch.equal(got, plain(x))
+            outputs.append((got, got.clone()))
+        for got, copy in outputs:
+            assert torch.equal(got, copy)
+    assert stepped.steps.refused is None and len(stepped.steps.graphs) == 2   # 64 and 5
+
+
+def test_generate_with_step_graphs_gives_the_uncaptured_tokens():
+    """transformers' generate, static cache, the forward compiled with step_graphs: the
+    decode steps replay one graph a generate (its cache held in place), the same tokens as
+    the same compiled forward without them, two generates in a row."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    ids = torch.randint(0, 512, (1, 16), device="cuda")
+    options = dict(max_new_tokens=12, do_sample=False, cache_implementation="static",
+                   disable_compile=True)
+    torch._dynamo.reset()
+    model.forward = compiler.compile(model.forward)
+    expected = model.generate(ids, **options)
+    del model.forward
+    torch._dynamo.reset()
+    model.forward = compiler.compile(model.forward, step_graphs=True)
+    for _ in range(2):
+        assert torch.equal(model.generate(ids, **options), expected)
+    runner = model.forward.steps
+    assert runner.refused is None, runner.refused
+    assert len(runner.graphs) == 2     # a decode step's graph for each generate's cache
+
+
 @pytest.mark.parametrize("mode", [None, "reduce-overhead"])
 def test_a_weight_changed_after_compile_is_refused_not_used_stale(mode):
     model = Ffn(1024, 512).cuda().to(torch.bfloat16)

@@ -7,6 +7,7 @@ greedy, every new token forced (no end of sequence), as a user runs it:
                         (torch.compile of the model's call, its default CompileConfig:
                         Inductor, reduce-overhead)
     ptxforge forward    ``model.forward = ptxforge.compile(model.forward)``
+    ptxforge steps      the same with ``step_graphs=True``: each decode step one CUDA graph
     ptxforge backend    ``generation_config.compile_config`` with ``backend="ptxforge"``
 
 Per case (batch x prompt) and candidate: the time a new token takes, from two timed
@@ -32,7 +33,8 @@ from . import format_table, pyplot
 CASES = ((1, 512), (32, 4096))     # (batch, prompt tokens)
 NEW_TOKENS = 128
 ROUNDS = 3
-CANDIDATES = ("eager", "torch.compile", "ptxforge forward", "ptxforge backend")
+CANDIDATES = ("eager", "torch.compile", "ptxforge forward", "ptxforge steps",
+              "ptxforge backend")
 SCALE_BLOCK = 128                  # an FP8 weight's f32 scale covers 128 x 128 elements
 
 
@@ -102,9 +104,10 @@ def per_token_ms(model, ids, candidate: str) -> float:
 
 def _prepared(model, candidate: str):
     """The model as the candidate runs it: for "ptxforge forward", its forward compiled by
-    ptxforge."""
-    if candidate == "ptxforge forward":
-        model.forward = compiler.compile(model.forward)
+    ptxforge; for "ptxforge steps", the same with its decode steps as whole CUDA graphs."""
+    if candidate in ("ptxforge forward", "ptxforge steps"):
+        model.forward = compiler.compile(model.forward,
+                                         step_graphs=candidate == "ptxforge steps")
     return model
 
 

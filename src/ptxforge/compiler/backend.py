@@ -25,8 +25,8 @@ import torch
 
 from .. import jit
 from ..ops import common
-from . import expert_parallel, graphs, moe, passes, precompile
-from .rewriting import Replacement, is_static, traced_size
+from . import expert_parallel, graphs, moe, passes, precompile, steps
+from .rewriting import Replacement, is_static, token_dims, traced_size
 
 log = logging.getLogger("ptxforge.compiler")
 
@@ -141,7 +141,7 @@ class FoldedWeights:
 
 
 def compile(model, *, fp8: bool = True, precompile: int | None = None,
-            dynamic: bool | None = None, ep_group=None, **options):
+            dynamic: bool | None = None, ep_group=None, step_graphs: bool = False, **options):
     """``torch.compile(model, backend=ptxforge's, **options)``, its token dimensions dynamic:
     one compile for every token count (M is a run-time argument of every kernel).
     ``fp8=False`` keeps bf16 numerics (ptxforge's BF16 GEMM); ``precompile=16384``: assemble
@@ -150,13 +150,18 @@ def compile(model, *, fp8: bool = True, precompile: int | None = None,
     process group; every rank of it calls ``compile``): the experts of each transformers
     MoE block sharded over the group, E/ranks a rank, run by ``ptxforge.ep``
     (``expert_parallel.py``: its normal path, or with ``mode="reduce-overhead"`` its decode
-    path); the router and a shared expert stay whole on every rank.
+    path); the router and a shared expert stay whole on every rank. ``step_graphs``: calls
+    of few tokens (a decode step) replayed as whole CUDA graphs, Dynamo and the model's
+    Python inside (``steps.py``).
 
     ``dynamic=None`` (the default): the first call's tensors have their token dimensions
     marked dynamic before Dynamo traces them (``token_dims``), and no others; True or False
     go to torch.compile as they are (True makes every dimension dynamic: more guards, whose
     host time every call pays: Dynamo alone took 102.7 us a call of Llama-3-8B's 2 layers at
     64 tokens with True, 62.0 with the token dimensions alone, measured on the H200)."""
+    if step_graphs and options.get("mode") == "reduce-overhead":
+        raise ValueError("step_graphs=True captures whole calls, and mode='reduce-overhead' "
+                         "captures the compiled graphs inside them: pass one or the other")
     ep = None if ep_group is None else expert_parallel.expert_parallel(
         model, ep_group, fp8=fp8, decode=options.get("mode") == "reduce-overhead")
     if isinstance(model, torch.nn.Module) and (looping := moe.looping_experts(model)):
@@ -167,26 +172,33 @@ def compile(model, *, fp8: bool = True, precompile: int | None = None,
     compiled = torch.compile(model, backend=functools.partial(backend, fp8=fp8,
                                                               precompile=precompile, ep=ep),
                              dynamic=dynamic, **options)
-    if dynamic is not None:
+    if dynamic is not None and not step_graphs:
         return compiled
     if isinstance(compiled, torch.nn.Module):
-        # A pre-hook of the compiled module runs before Dynamo's frame, in Python; it
-        # removes itself after the first call, which leaves later calls no hook to run.
-        def mark_once(module, args, kwargs):
-            mark_token_dims(args, kwargs)
-            handle.remove()
+        if dynamic is None:
+            # A pre-hook of the compiled module runs before Dynamo's frame, in Python; it
+            # removes itself after the first call, which leaves later calls no hook to run.
+            def mark_once(module, args, kwargs):
+                mark_token_dims(args, kwargs)
+                handle.remove()
 
-        handle = compiled.register_forward_pre_hook(mark_once, with_kwargs=True)
-        return compiled
+            handle = compiled.register_forward_pre_hook(mark_once, with_kwargs=True)
+        return steps.StepModule(compiled) if step_graphs else compiled
 
     _generate_with_this_forward(model)
 
-    @functools.wraps(model)
-    def call(*args, **kwargs):
+    def traced(*args, **kwargs):
         # Under another torch.compile, Dynamo traces this call: no marking there.
-        if not torch.compiler.is_dynamo_compiling():
+        if dynamic is None and not torch.compiler.is_dynamo_compiling():
             mark_token_dims(args, kwargs)
         return compiled(*args, **kwargs)
+
+    run = steps.StepGraphs(traced) if step_graphs else traced
+
+    @functools.wraps(model)
+    def call(*args, **kwargs):
+        return run(*args, **kwargs)
+    call.steps = run if step_graphs else None   # the runner, to look at its graphs
     return call
 
 
@@ -200,15 +212,6 @@ def _generate_with_this_forward(forward) -> None:
     if getattr(forward, "__name__", None) == "forward" and callable(
             getattr(model, "get_compiled_call", None)):
         model.get_compiled_call = lambda compile_config=None: model.__call__
-
-
-def token_dims(x: torch.Tensor) -> list[int]:
-    """The dimensions of a model's input tensor that change with the tokens: every one
-    longer than 1 (a dimension of 1, a batch of one, stays static), but a floating-point
-    tensor's last (its features: hidden states [tokens, hidden], [batch, tokens, hidden];
-    token ids and masks [batch, tokens] have no feature dimension)."""
-    features = 1 if x.is_floating_point() else 0
-    return [d for d in range(x.dim() - features) if x.shape[d] > 1]
 
 
 def mark_token_dims(args, kwargs) -> None:

@@ -82,7 +82,7 @@ class GraphRunner:
         for i, copy in entry.inputs:
             copy.copy_(inputs[i])
         entry.graph.replay()
-        return _map(entry.outputs, torch.Tensor.clone)
+        return map_tensors(entry.outputs, torch.Tensor.clone)
 
     def _worth(self, inputs) -> bool:
         tensors = [inputs[i] for i in self.changing if isinstance(inputs[i], torch.Tensor)]
@@ -95,21 +95,28 @@ class GraphRunner:
         args = list(inputs)
         for i, copy in copies:
             args[i] = copy
-        # Warm up on a side stream, as torch's graph capture asks: lazy work (assembling
-        # kernels, allocating workspaces) happens before the capture, not inside it.
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            warm = self.fn(*args)
-        current = torch.cuda.current_stream()
-        current.wait_stream(stream)
-        _map(warm, lambda t: t.record_stream(current))   # (allocated on the side stream)
-        graph = torch.cuda.CUDAGraph()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=self.pool):
-            outputs = self.fn(*args)
+        graph, warm, outputs = warm_and_capture(lambda: self.fn(*args), self.pool)
         return _Graph(graph, copies, outputs), warm
+
+
+def warm_and_capture(call, pool) -> tuple:
+    """(graph, the warm-up's outputs, the captured call's outputs): ``call()`` once on a
+    side stream, as torch's graph capture asks (lazy work, assembling kernels, allocating
+    workspaces, a static cache's first state, happens before the capture, not inside it),
+    then captured into the memory pool ``pool``."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        warm = call()
+    current = torch.cuda.current_stream()
+    current.wait_stream(stream)
+    map_tensors(warm, lambda t: t.record_stream(current))   # (allocated on the side stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        outputs = call()
+    return graph, warm, outputs
 
 
 def _signature(x):
@@ -128,9 +135,13 @@ def _address(x):
     return (x.data_ptr(), x.shape, x.stride(), x.dtype) if isinstance(x, torch.Tensor) else x
 
 
-def _map(value, fn):
+def map_tensors(value, fn):
+    """``value`` with ``fn`` applied to the tensors in it, through lists, tuples and dicts
+    (a transformers ModelOutput is one); any other object as it is."""
     if isinstance(value, torch.Tensor):
         return fn(value)
     if isinstance(value, (list, tuple)):
-        return type(value)(_map(v, fn) for v in value)
+        return type(value)(map_tensors(v, fn) for v in value)
+    if isinstance(value, dict):
+        return type(value)(**{name: map_tensors(v, fn) for name, v in value.items()})
     return value

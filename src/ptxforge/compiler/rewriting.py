@@ -63,6 +63,15 @@ def traced_size(size) -> int:
     return size if isinstance(size, int) else int(size.node.hint)
 
 
+def token_dims(x: torch.Tensor) -> list[int]:
+    """The dimensions of a model's input tensor that change with the tokens: every one
+    longer than 1 (a dimension of 1, a batch of one, stays static), but a floating-point
+    tensor's last (its features: hidden states [tokens, hidden], [batch, tokens, hidden];
+    token ids and masks [batch, tokens] have no feature dimension)."""
+    features = 1 if x.is_floating_point() else 0
+    return [d for d in range(x.dim() - features) if x.shape[d] > 1]
+
+
 def is_static(node, example) -> bool:
     """Dynamo lifts parameters and buffers to placeholders it marks static."""
     marked = node.meta.get("tensor_dict", {}).get("_dynamo_static_input_type") is not None
