@@ -120,11 +120,13 @@ def test_protocol_in_the_ptx():
     assert sum("st.release.sys.global.u32" in line for line in lines) == 1
     assert sum("ld.acquire.sys.global.u32" in line for line in lines) == 2
     receive = lines[next(i for i, line in enumerate(lines) if line.startswith("$L_not_a_sender")):]
+    # Each of a thread's SUM_UNROLL vectors: a load a pair, and the pairs summed in k order.
     rows = [line for line in receive if "{%pair" in line]
-    assert len(rows) == 3 and not [line for line in rows if ".nc" in line], rows
+    unroll = combine_kernel.SUM_UNROLL
+    assert len(rows) == 3 * unroll and not [line for line in rows if ".nc" in line], rows
     assert not any("fma" in line for line in lines)
     adds = [line for line in lines if line.startswith("@%has") and "add.rn.f32" in line]
-    assert [line.split()[0] for line in adds[::8]] == ["@%has0", "@%has1", "@%has2"]
+    assert [line.split()[0] for line in adds[::8]] == ["@%has0", "@%has1", "@%has2"] * unroll
 
 
 def test_kernels_refuse_what_they_cannot_take():

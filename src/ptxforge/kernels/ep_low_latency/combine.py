@@ -69,6 +69,11 @@ SENDERS = SEND_CTAS * common.WARPS  # warps
 # Summed: a CTA sums a (source, token)'s rows; with the receivers (up to 256 tokens) a
 # launch of both halves stays within the CTAs 132 SMs hold at once (4 an SM).
 SUMMED_SEND_CTAS = 256
+# 16-byte vectors a thread sums at once: a summed send CTA's row (7168 bf16 = 896 vectors)
+# takes 7 load latencies in a row at 1, and 4 at 2. The rows' words in flight stay within
+# SUM_WORDS registers (8 rows x 2 vectors), under MIN_CTAS_PER_SM's 128 a thread.
+SUM_UNROLL = 2
+SUM_WORDS = 64
 
 
 @dataclass(frozen=True)
@@ -287,36 +292,58 @@ def _reduce(k, cfg, p, t, r, token) -> None:
 def _sum_rows(k, cfg, t, has, rows, weights, dst, *, store: dict) -> None:
     """dst (a bf16 row) = the rows at ``rows`` whose ``has`` holds, times ``weights`` (None:
     as they are), summed in their order from +0 in f32, each product and sum rounded to
-    f32 (mul.rn, add.rn: no fma), rounded to bf16 once; one 16-byte vector a thread at a
-    time, every row's load of it issued before the sums."""
+    f32 (mul.rn, add.rn: no fma), rounded to bf16 once. A thread takes up to SUM_UNROLL
+    16-byte vectors at a time (tid, tid + threads, ...), every row's load of them issued
+    before the sums: the loads' latency, paid once a round, is what a CTA's few rows cost."""
     row_bytes = 2 * cfg.hidden
-    with k.stage("sum the rows in order, f32 (mul.rn, add.rn), one 16-byte vector a thread"):
-        vectors = row_bytes // VECTOR_BYTES
-        v, offset, at = k.reg("u32", "vector"), k.reg("u64", "vector_offset"), k.reg(
-            "u64", "at")
-        data = [k.regs("b32", 4, f"pair{j}_") for j in range(len(rows))]
+    vectors = row_bytes // VECTOR_BYTES
+    unroll = max(1, min(SUM_UNROLL, SUM_WORDS // (4 * len(rows))))
+    step = cfg.threads * unroll
+    with k.stage("sum the rows in order, f32 (mul.rn, add.rn), a few 16-byte vectors a "
+                 "thread"):
+        v, at = k.reg("u32", "vector"), k.reg("u64", "at")
+        vector = k.regs("u32", unroll, "vector_u")
+        offset = k.regs("u64", unroll, "vector_offset")
+        # Vector u of a round lies in the row unless the rounds cover it exactly (u = 0 always).
+        in_row = [None] + [k.pred(f"in_row{u}") if vectors % step else None
+                           for u in range(1, unroll)]
+        load = [[has[j] if in_row[u] is None else k.pred(f"load{u}_{j}")
+                 for j in range(len(rows))] for u in range(unroll)]
+        data = [[k.regs("b32", 4, f"pair{j}_v{u}_") for j in range(len(rows))]
+                for u in range(unroll)]
         acc, halves = k.regs("f32", 8, "acc"), k.regs("f32", 2, "half")
         packed = k.regs("b32", 4, "sum")
-        with k.loop(v, vectors, start=t.tid, step=cfg.threads, hint="vector"):
-            k.mul(offset, v, VECTOR_BYTES, mode="wide")
-            for j in range(len(rows)):
-                k.add(at, rows[j], offset)
-                with k.guard(has[j]):
-                    k.ld(data[j], addr(at), **intranode.PAYLOAD_LOAD)
-            for a in acc:
-                k.mov(a, 0.0)
-            for j in range(len(rows)):
-                for w, word in enumerate(data[j]):
-                    fp8.unpack_bf16x2(k, halves[0], halves[1], word)
-                    for h in (0, 1):
-                        if weights is not None:
-                            k.mul(halves[h], halves[h], weights[j], rnd="rn")
-                        with k.guard(has[j]):
-                            k.add(acc[2 * w + h], acc[2 * w + h], halves[h], rnd="rn")
-            for w, word in enumerate(packed):
-                k.cvt(word, acc[2 * w + 1], acc[2 * w], dtype="bf16x2", rnd="rn")
-            k.add(at, dst, offset)
-            k.st(addr(at), packed, **store)
+        with k.loop(v, vectors, start=t.tid, step=step, hint="vector"):
+            for u in range(unroll):
+                k.add(vector[u], v, u * cfg.threads)
+                k.mul(offset[u], vector[u], VECTOR_BYTES, mode="wide")
+                if in_row[u] is not None:
+                    k.setp("lt", in_row[u], vector[u], vectors)
+                for j in range(len(rows)):
+                    if in_row[u] is not None:
+                        k.and_pred(load[u][j], has[j], in_row[u])
+                    k.add(at, rows[j], offset[u])
+                    with k.guard(load[u][j]):
+                        k.ld(data[u][j], addr(at), **intranode.PAYLOAD_LOAD)
+            for u in range(unroll):
+                for a in acc:
+                    k.mov(a, 0.0)
+                for j in range(len(rows)):
+                    for w, word in enumerate(data[u][j]):
+                        fp8.unpack_bf16x2(k, halves[0], halves[1], word)
+                        for h in (0, 1):
+                            if weights is not None:
+                                k.mul(halves[h], halves[h], weights[j], rnd="rn")
+                            with k.guard(has[j]):
+                                k.add(acc[2 * w + h], acc[2 * w + h], halves[h], rnd="rn")
+                for w, word in enumerate(packed):
+                    k.cvt(word, acc[2 * w + 1], acc[2 * w], dtype="bf16x2", rnd="rn")
+                k.add(at, dst, offset[u])
+                if in_row[u] is None:
+                    k.st(addr(at), packed, **store)
+                else:
+                    with k.guard(in_row[u]):
+                        k.st(addr(at), packed, **store)
 
 
 # ---------------------------------------------------------------------------- summed
