@@ -394,8 +394,9 @@ def _receive_batch(k, cfg, p, t, source: int, first, ballot, row, position) -> N
 
 def _receive_row(k, cfg, p, t, source: int, token, i, position) -> None:
     """Slot (source, token) to row i of expert l's rows: the e4m3 row, its scales, its
-    (source rank, token, k position). The scales' loads go out with the row's, so that a
-    row costs one load latency."""
+    (source rank, token, k position), and i into dispatch_rows for each k position naming
+    l. The scales' and the top-k row's loads go out with the row's, so that a row costs
+    one load latency."""
     plan, local = cfg.plan, t.index
     rows = cfg.ranks * cfg.max_tokens
     slot, row, src, dst = k.reg("u32", "slot"), k.reg("u32", "row"), k.reg(
@@ -405,10 +406,20 @@ def _receive_row(k, cfg, p, t, source: int, token, i, position) -> None:
     k.add(src, src, plan.dispatch_slots)
     k.mad(row, local, rows, i)  # among all experts' rows
     group, at = k.reg("u32", "group"), k.reg("u64", "scale_at")
-    with k.stage("load: the scales (lane g: group g)"):
+    with k.stage("load: the scales (lane g: group g), lane j < k the token's j-th local expert"):
         scales, in_row = lane_words_load(k, src, plan.scale_groups, t.lane,
                                          load=intranode.PAYLOAD_LOAD, name="scale",
                                          offset=plan.slot_scales)
+        in_k, names = k.pred("in_k"), k.pred("names_expert")
+        value, pair, pair_at = k.reg("u32", "top_k_value"), k.reg("u32", "pair_index"), k.reg(
+            "u64", "pair_at")
+        k.setp("lt", in_k, t.lane, cfg.topk)
+        k.mad(pair, token, cfg.topk, t.lane)
+        k.add(pair, pair, source * cfg.max_tokens * cfg.topk)
+        k.mad(pair_at, pair, 4, t.own, mode="wide")
+        k.mov(value, -1)
+        with k.guard(in_k):
+            k.ld(value, addr(pair_at, plan.dispatch_topk), **intranode.PAYLOAD_LOAD)
     with k.stage("the row: e4m3 bytes, 16 a lane at a time"):
         k.ld_param(dst, p.recv_x)
         k.mad(dst, row, cfg.hidden, dst, mode="wide")
@@ -435,15 +446,6 @@ def _receive_row(k, cfg, p, t, source: int, token, i, position) -> None:
             k.st(addr(at, 4), token)
             k.st(addr(at, 8), position)
     with k.stage("lane j < k naming the local expert: the row into dispatch_rows (s, token, j)"):
-        in_k, names = k.pred("in_k"), k.pred("names_expert")
-        value, pair = k.reg("u32", "top_k_value"), k.reg("u32", "pair_index")
-        k.setp("lt", in_k, t.lane, cfg.topk)
-        k.mad(pair, token, cfg.topk, t.lane)
-        k.add(pair, pair, source * cfg.max_tokens * cfg.topk)
-        k.mad(at, pair, 4, t.own, mode="wide")
-        k.mov(value, -1)
-        with k.guard(in_k):
-            k.ld(value, addr(at, plan.dispatch_topk), **intranode.PAYLOAD_LOAD)
         k.setp("eq", names, value, local)
         with k.guard(names):
-            k.st(addr(at, plan.dispatch_rows), row, **intranode.STORE)
+            k.st(addr(pair_at, plan.dispatch_rows), row, **intranode.STORE)
