@@ -331,6 +331,9 @@ class Kernel:
             if special is not None:
                 return special
             return lambda th: th.regs[text]
+        if text.startswith("!%"):  # a negated predicate
+            name = text[1:]
+            return lambda th: int(not th.regs[name])
         if text.startswith("0f"):
             bits = int(text[2:], 16)
             return lambda th: bits

@@ -37,9 +37,11 @@ pair's row in the experts' rank's buffer): a row a (token, rank) instead of a pa
     rank and token, looping)       (dispatch_topk, dispatch_weights, dispatch_rows); if any
                                    lives here, the CTA sums those rows times their weights
                                    in k order in f32 (the reduction below), rounds to bf16
-                                   into combine row (this rank, t) of rank s; bar.sync;
-                                   thread 0 publishes flag (this rank, t) there = the
-                                   dispatch's sequence number.
+                                   into combine row (this rank, t) of rank s. Once all its
+                                   pairs' rows are out: bar.sync, and thread i publishes
+                                   iteration i's flag (this rank, t) at s = the dispatch's
+                                   sequence number (the releases wait for the rows' stores
+                                   together, not once a pair).
     receiver t (one CTA a token)   lane d < R of warp 0, where a pair of the token lives
                                    on rank d: waits for flag (d, t); bar.sync; the ranks'
                                    rows summed in rank order from +0 in f32, rounded to
@@ -355,67 +357,85 @@ def _sum_rows(k, cfg, t, has, rows, weights, dst, *, store: dict) -> None:
 def _send_summed(k, cfg, p, t) -> None:
     plan, row_bytes = cfg.plan, 2 * cfg.hidden
     pairs = cfg.ranks * cfg.max_tokens
+    # A CTA's (source, token) pairs: c, c + send CTAs, ...; iteration i's flag (its address,
+    # or 0: nothing sent) waits in shared memory until all the CTA's rows are out.
+    iterations = -(-pairs // cfg.send_grid)
     q, source, token, tokens, word = (k.reg("u32", name) for name in (
         "source_token", "source", "token", "source_tokens", "flag_word"))
-    at, peer, dst, x = (k.reg("u64", name) for name in ("at", "peer_buffer", "sum_row", "x"))
+    at, peer, dst, x, flag_at = (k.reg("u64", name) for name in (
+        "at", "peer_buffer", "sum_row", "x", "flag_at"))
     in_k, valid, beyond = k.pred("in_k"), k.pred("valid"), k.pred("beyond")
     local, row, weight, ballot = k.reg("u32", "local_expert"), k.reg("u32", "pair_row"), \
         k.reg("f32", "pair_weight"), k.reg("b32", "pairs_here")
     has = k.regs("pred", cfg.topk, "has")
     rows = k.regs("u64", cfg.topk, "row_at")
     weights = k.regs("f32", cfg.topk, "w")
+    entry_at, entries = k.reg("u32", "flag_entry"), k.reg("u32", "flag_entries")
+    k.mov(entries, k.shared("flags_to_publish", 8 * iterations, align=8))
+    k.mov(entry_at, entries)
     k.ld_param(x, p.x)
     k.setp("lt", in_k, t.lane, cfg.topk)
-    # CTA c takes (source, token) pairs c, c + send CTAs, ...
     with k.loop(q, pairs, start=t.index, step=cfg.send_grid, uniform=True, hint="pair"):
-        with k.stage("the pair's source and token; past the source's tokens: nothing"):
+        with k.stage("the pair's source and token; lane j < k: pair j's local expert, "
+                     "weight and row (dispatch_rows), loaded with the source's token count"):
             k.div(source, q, cfg.max_tokens)
             k.rem(token, q, cfg.max_tokens)
-            # The source's token count, from its dispatch flag (send CTA 0's).
-            k.mul(word, source, plan.send_ctas, mode="lo")
+            k.mul(word, source, plan.send_ctas, mode="lo")  # send CTA 0's flag: the count
             k.mad(at, word, 4, t.own, mode="wide")
             k.ld(tokens, addr(at, plan.dispatch_flags), **intranode.PAYLOAD_LOAD)
+            k.mad(word, q, cfg.topk, t.lane)
+            k.mad(at, word, 4, t.own, mode="wide")
+            k.mov(local, -1)
+            with k.guard(in_k):
+                k.ld(local, addr(at, plan.dispatch_topk), **intranode.PAYLOAD_LOAD)
+                k.ld(weight, addr(at, plan.dispatch_weights), **intranode.PAYLOAD_LOAD)
+                k.ld(row, addr(at, plan.dispatch_rows), **intranode.PAYLOAD_LOAD)
+            # A token past the source's count left stale entries: nothing lives here.
             k.and_(tokens, tokens, (1 << COUNT_BITS) - 1)
             k.setp("ge", beyond, token, tokens)
-        with k.if_(~beyond, "token_beyond", uniform=True):
-            with k.stage("lane j < k: pair j's local expert, weight and row (dispatch_rows)"):
-                k.mad(word, q, cfg.topk, t.lane)
-                k.mad(at, word, 4, t.own, mode="wide")
-                k.mov(local, -1)
-                with k.guard(in_k):
-                    k.ld(local, addr(at, plan.dispatch_topk), **intranode.PAYLOAD_LOAD)
-                    k.ld(weight, addr(at, plan.dispatch_weights), **intranode.PAYLOAD_LOAD)
-                    k.ld(row, addr(at, plan.dispatch_rows), **intranode.PAYLOAD_LOAD)
-                k.setp("lt", valid, local, plan.local_experts)  # -1 compares above, unsigned
-                k.vote_sync(ballot, valid, mode="ballot")
-                pick = k.reg("u32", "lane_value")
-                for j in range(cfg.topk):
-                    k.shfl_sync(pick, row, j, mode="idx")
-                    k.mad(rows[j], pick, row_bytes, x, mode="wide")
-                    k.shfl_sync(weights[j], weight, j, mode="idx")
-                    k.and_(pick, ballot, 1 << j)
-                    k.setp("ne", has[j], pick, 0)
-            any_here = k.pred("any_here")
-            k.setp("ne", any_here, ballot, 0)
-            with k.if_(any_here, "none_here", uniform=True):
-                k.mul(word, t.rank, cfg.max_tokens, mode="lo")
-                k.add(word, word, token)  # slot (this rank, token) at the source
-                intranode.buffer_of(k, peer, t.peers, source)
-                k.mad(dst, word, row_bytes, peer, mode="wide")
-                k.add(dst, dst, plan.combine_rows)
-                _sum_rows(k, cfg, t, has, rows, weights, dst, store=intranode.STORE)
-                with k.stage("publish: the CTA's row, then the dispatch's sequence number"):
-                    k.bar_sync(0)
-                    with k.if_(t.thread0, "not_publishing"):
-                        sequence = k.reg("u32", "sequence")  # pair (0, source)'s
-                        k.mad(at, source, 4, t.own, mode="wide")
-                        k.ld(sequence, addr(at, plan.dispatch_received), sem="relaxed",
-                             scope="sys")
-                        k.mad(at, word, 4, peer, mode="wide")
-                        k.st(addr(at, plan.combine_flags), sequence, sem="release",
-                             scope="sys")
-                    # The next pair's loads may not pass this one's: its registers.
-                    k.bar_sync(0)
+            k.setp("lt", valid, local, plan.local_experts)  # -1 compares above, unsigned
+            k.and_pred(valid, valid, ~beyond)
+            k.vote_sync(ballot, valid, mode="ballot")
+            pick = k.reg("u32", "lane_value")
+            for j in range(cfg.topk):
+                k.shfl_sync(pick, row, j, mode="idx")
+                k.mad(rows[j], pick, row_bytes, x, mode="wide")
+                k.shfl_sync(weights[j], weight, j, mode="idx")
+                k.and_(pick, ballot, 1 << j)
+                k.setp("ne", has[j], pick, 0)
+        any_here = k.pred("any_here")
+        k.setp("ne", any_here, ballot, 0)
+        k.mov(flag_at, 0)
+        with k.if_(any_here, "none_here", uniform=True):
+            k.mul(word, t.rank, cfg.max_tokens, mode="lo")
+            k.add(word, word, token)  # slot (this rank, token) at the source
+            intranode.buffer_of(k, peer, t.peers, source)
+            k.mad(dst, word, row_bytes, peer, mode="wide")
+            k.add(dst, dst, plan.combine_rows)
+            _sum_rows(k, cfg, t, has, rows, weights, dst, store=intranode.STORE)
+            k.mad(flag_at, word, 4, peer, mode="wide")
+            k.add(flag_at, flag_at, plan.combine_flags)
+        with k.guard(t.thread0):
+            k.st(addr(entry_at), flag_at, space="shared")
+        k.add(entry_at, entry_at, 8)
+    with k.stage("publish: the CTA's rows, then thread i its iteration's flag = the "
+                 "dispatch's sequence number (st.release.sys)"):
+        k.bar_sync(0)
+        mine = k.pred("publishes")
+        k.mad(q, t.tid, cfg.send_grid, t.index)  # thread i: iteration i's pair
+        k.setp("lt", mine, t.tid, iterations)
+        k.setp("lt", valid, q, pairs)
+        k.and_pred(mine, mine, valid)
+        with k.if_(mine, "not_publishing"):
+            k.mad(entry_at, t.tid, 8, entries)
+            k.ld(flag_at, addr(entry_at), space="shared")
+            k.setp("ne", valid, flag_at, 0)
+            with k.guard(valid):
+                sequence = k.reg("u32", "sequence")  # pair (0, source)'s
+                k.div(source, q, cfg.max_tokens)
+                k.mad(at, source, 4, t.own, mode="wide")
+                k.ld(sequence, addr(at, plan.dispatch_received), sem="relaxed", scope="sys")
+                k.st(addr(flag_at), sequence, sem="release", scope="sys")
 
 
 def _receive_summed(k, cfg, p, t) -> None:
