@@ -369,7 +369,9 @@ class World:
     (dict(), (12, 7)),                                         # 2 ranks, 4 experts each
     (dict(ranks=3, experts=6, topk=2, hidden=384), (5, 0, 9)),  # a rank with no tokens; 3 groups
     (dict(experts=2, topk=1, hidden=128, max_tokens=40), (33, 40)),  # > 32 tokens an expert
-], ids=["two_ranks", "three_ranks", "one_expert_a_rank"])
+    # 3 sources x 3 batches of 32 tokens: a receive CTA's warps take two rounds of units
+    (dict(ranks=3, experts=6, topk=2, hidden=128, max_tokens=72), (70, 33, 72)),
+], ids=["two_ranks", "three_ranks", "one_expert_a_rank", "two_rounds_of_units"])
 def test_dispatch_and_combine_match_the_references(world, tokens):
     w = World(**world)
     w.inputs(tokens)

@@ -22,7 +22,7 @@ PHASES = ("send", "receive", "both")
 WARPS = 4  # a CTA's warps: enough rows in flight per expert or token, many CTAs an SM
 # CTAs an SM must hold (at most 128 registers a thread): a cooperative launch of E + L
 # CTAs (384 for 256 experts over 2 ranks) fits 132 SMs; ptxas's own choice for these
-# kernels (40 registers) spilled.
+# kernels (40 registers) spilled. A kernel's config may take other values (the dispatch's).
 MIN_CTAS_PER_SM = 4
 # The 16-byte vectors of a row a lane has in flight: a decode call's CTA copies a few rows,
 # one after another, so each copy's latency is its cost; 16 cover a 7168-byte e4m3 row
@@ -36,6 +36,8 @@ class LowLatencyConfig:
     (or both) it runs. ``KIND`` (the subclass's): "dispatch" or "combine"."""
 
     KIND: ClassVar[str]
+    WARPS: ClassVar[int] = WARPS
+    MIN_CTAS_PER_SM: ClassVar[int] = MIN_CTAS_PER_SM
     ranks: int
     max_tokens: int
     hidden: int
@@ -63,7 +65,7 @@ class LowLatencyConfig:
 
     @property
     def threads(self) -> int:
-        return 32 * WARPS
+        return 32 * self.WARPS
 
 
 def check(arch: Arch, ranks: int, max_tokens: int, hidden: int, experts: int, topk: int,
@@ -78,11 +80,11 @@ def check(arch: Arch, ranks: int, max_tokens: int, hidden: int, experts: int, to
 
 
 def kernel(cfg: LowLatencyConfig) -> KernelBuilder:
-    """The variant's builder: CTAs of ``WARPS`` warps, MIN_CTAS_PER_SM of them an SM; a
+    """The variant's builder: CTAs of ``cfg.WARPS`` warps, ``cfg.MIN_CTAS_PER_SM`` an SM; a
     launch of both halves is cooperative (its receivers wait for senders that must be
     resident)."""
     k = KernelBuilder(cfg.name, target=cfg.target, max_threads=cfg.threads,
-                      min_blocks_per_sm=MIN_CTAS_PER_SM)
+                      min_blocks_per_sm=cfg.MIN_CTAS_PER_SM)
     k.launch = LaunchShape(block=cfg.threads, cooperative=cfg.phase == "both")
     return k
 

@@ -64,6 +64,12 @@ BATCH = 32                 # tokens a warp scans at once, one a lane
 @dataclass(frozen=True)
 class DispatchConfig(common.LowLatencyConfig):
     KIND = "dispatch"
+    # A send warp a token of its CTA's 8, and a local expert's receive units (a source's
+    # batch of 32 tokens, about one routed row at 4 ranks) over twice the warps: each warp
+    # pays half the load latencies in a row. Two such CTAs an SM keep 128 registers a
+    # thread; R x C + L CTAs (160 for 256 experts over 2 or 8 ranks) fit 264.
+    WARPS = 8
+    MIN_CTAS_PER_SM = 2
 
     @property
     def send_grid(self) -> int:
@@ -153,7 +159,7 @@ def _send(k, cfg, p, t) -> None:
         k.min(end, end, s.tokens)
         k.add(first, first, t.warp)
     token = k.reg("u32", "token")
-    with k.loop(token, end, start=first, step=common.WARPS, uniform=True, hint="token"):
+    with k.loop(token, end, start=first, step=cfg.WARPS, uniform=True, hint="token"):
         _send_token(k, cfg, t, s, token)
     with k.stage("publish: the CTA's rows, then sequence << 9 | tokens (st.release.sys)"):
         k.bar_sync(0)
@@ -270,105 +276,134 @@ def _receive(k, cfg, p, t) -> None:
                 k.mad(shared_at, source, 4, tokens_at)
                 k.st(addr(shared_at), seen, space="shared")
         k.bar_sync(0)
-    batches = -(-cfg.max_tokens // BATCH)
-    rounds = -(-batches // common.WARPS)  # the batches a warp scans: w, w + WARPS, ...
-    counts_at = k.reg("u32", "batch_counts_at")
-    k.mov(counts_at, k.shared("batch_counts", 4 * cfg.ranks * batches, align=4))
-    scan = [_scan(k, cfg, t, s, tokens_at, counts_at, batches, rounds)
-            for s in range(cfg.ranks)]
+    units = _Units(cfg)
+    counts_at, firsts_at = k.reg("u32", "unit_counts_at"), k.reg("u32", "unit_firsts_at")
+    k.mov(counts_at, k.shared("unit_counts", 4 * units.count, align=4))
+    k.mov(firsts_at, k.shared("unit_firsts", 4 * (units.count + 1), align=4))
+    ballots, positions = _scan(k, cfg, t, units, tokens_at, counts_at)
     k.bar_sync(0)
-    with k.stage("each source's count and first row; recv_count[l]"):
-        n = k.reg("u32", "batch_count")
-        counts = k.regs("u32", cfg.ranks, "count")
-        firsts = k.regs("u32", cfg.ranks, "first_row")
-        for s in range(cfg.ranks):
-            k.mov(counts[s], 0)
-            for b in range(batches):
-                k.ld(n, addr(counts_at, 4 * (s * batches + b)), space="shared")
-                k.add(counts[s], counts[s], n)
-            if s == 0:
-                k.mov(firsts[0], 0)
-            else:
-                k.add(firsts[s], firsts[s - 1], counts[s - 1])
-        total, at = k.reg("u32", "received"), k.reg("u64", "recv_count_at")
-        k.add(total, firsts[-1], counts[-1])
-        with k.if_(t.thread0, "not_counting"):
-            k.ld_param(at, p.recv_count)
-            k.mad(at, local, 4, at, mode="wide")
-            k.st(addr(at), total)
-    for s, (ballots, positions) in enumerate(scan):
-        _copy_source(k, cfg, p, t, s, firsts[s], counts_at, batches, ballots, positions)
+    _unit_firsts(k, cfg, p, t, units, counts_at, firsts_at)
+    k.bar_sync(0)
+    _copy_units(k, cfg, p, t, units, firsts_at, ballots, positions)
 
 
-def _scan(k, cfg, t, source: int, tokens_at, counts_at, batches: int, rounds: int):
-    """Warp w's batches w, w + WARPS, ... of source ``source``'s tokens: each lane's
-    token's first k position naming the local expert in its top-k row (k: none), a
-    ballot, the batch's count into shared memory. Returns (ballots, positions), a
-    register a round."""
+class _Units:
+    """The receive's work: unit u = (source s, batch b) = s x batches + b, a batch
+    ``BATCH`` tokens of source s (one a lane); warp w takes units w, w + WARPS, ..., a
+    round each, so that a local expert's few rows a source spread over all its warps.
+    Their order is the rows' order: source s's rows follow the earlier sources', in token
+    order."""
+
+    def __init__(self, cfg: DispatchConfig):
+        self.batches = -(-cfg.max_tokens // BATCH)
+        self.count = cfg.ranks * self.batches
+        self.rounds = -(-self.count // cfg.WARPS)
+
+    def coordinates(self, k, t, cfg, r: int, unit, source, batch, exists) -> None:
+        """Round r's unit of this warp, its source and batch, and whether it exists."""
+        k.add(unit, t.warp, cfg.WARPS * r)
+        k.setp("lt", exists, unit, self.count)
+        k.div(source, unit, self.batches)
+        k.rem(batch, unit, self.batches)
+
+
+def _scan(k, cfg, t, units: _Units, tokens_at, counts_at):
+    """Each round's unit: lane i's token's first k position naming the local expert in
+    its top-k row (k: none), a ballot, the unit's count into shared memory; every round's
+    top-k loads issued before the first match. Returns (ballots, positions), a register
+    a round."""
     plan, local = cfg.plan, t.index
-    ballots = k.regs("b32", rounds, f"ballot_{source}")
-    positions = k.regs("u32", rounds, f"position_{source}")
-    with k.stage(f"scan: source {source}'s top-k rows naming the local expert"):
-        tokens, token, n, batch, value = (k.reg("u32", name) for name in (
-            "source_token_count", "lane_token", "batch_count", "batch", "top_k_value"))
-        row_at, at = k.reg("u64", "top_k_row"), k.reg("u32", "count_at")
-        in_batch, match, goes, exists = (k.pred(name) for name in (
-            "in_batch", "match", "goes", "batch_exists"))
-        k.ld(tokens, addr(tokens_at, 4 * source), space="shared")
-        for r in range(rounds):
-            k.add(batch, t.warp, common.WARPS * r)
+    ballots = k.regs("b32", units.rounds, "ballot")
+    positions = k.regs("u32", units.rounds, "position")
+    values = [k.regs("u32", cfg.topk, f"top_k_{r}_") for r in range(units.rounds)]
+    unit, source, batch, tokens, token, n = (k.reg("u32", name) for name in (
+        "unit", "source", "batch", "source_token_count", "lane_token", "unit_count"))
+    row_at, at = k.reg("u64", "top_k_row"), k.reg("u32", "count_at")
+    exists, in_batch, match, goes = (k.pred(name) for name in (
+        "unit_exists", "in_batch", "match", "goes"))
+    with k.stage("scan: each round's unit's top-k rows, loaded"):
+        for r in range(units.rounds):
+            units.coordinates(k, t, cfg, r, unit, source, batch, exists)
+            k.mad(at, source, 4, tokens_at)
+            k.mov(tokens, 0)
+            with k.guard(exists):
+                k.ld(tokens, addr(at), space="shared")
             k.mad(token, batch, BATCH, t.lane)
             k.setp("lt", in_batch, token, tokens)
+            k.and_pred(in_batch, in_batch, exists)
+            k.mad(token, source, cfg.max_tokens, token)  # slot (source, token)
             k.mad(row_at, token, 4 * cfg.topk, t.own, mode="wide")
-            k.add(row_at, row_at, plan.dispatch_topk + 4 * source * cfg.max_tokens * cfg.topk)
-            k.mov(positions[r], cfg.topk)  # none
-            for j in reversed(range(cfg.topk)):  # the last match kept is the first position
+            for j, value in enumerate(values[r]):
                 k.mov(value, -1)
                 with k.guard(in_batch):
-                    k.ld(value, addr(row_at, 4 * j), **intranode.PAYLOAD_LOAD)
-                k.setp("eq", match, value, local)
+                    k.ld(value, addr(row_at, plan.dispatch_topk + 4 * j),
+                         **intranode.PAYLOAD_LOAD)
+    with k.stage("scan: the first k position naming the local expert, a ballot, the count"):
+        for r in range(units.rounds):
+            k.mov(positions[r], cfg.topk)  # none
+            for j in reversed(range(cfg.topk)):  # the last match kept is the first position
+                k.setp("eq", match, values[r][j], local)
                 with k.guard(match):
                     k.mov(positions[r], j)
             k.setp("lt", goes, positions[r], cfg.topk)
             k.vote_sync(ballots[r], goes, mode="ballot")
             k.popc(n, ballots[r])
-            k.setp("lt", exists, batch, batches)
+            k.add(unit, t.warp, cfg.WARPS * r)
+            k.setp("lt", exists, unit, units.count)
             k.and_pred(exists, exists, t.lane0)
-            k.mad(at, batch, 4, counts_at)
+            k.mad(at, unit, 4, counts_at)
             with k.guard(exists):
-                k.st(addr(at, 4 * source * batches), n, space="shared")
+                k.st(addr(at), n, space="shared")
     return ballots, positions
 
 
-def _copy_source(k, cfg, p, t, source: int, first_row, counts_at, batches: int, ballots,
-                 positions) -> None:
-    """Warp w's batches of source ``source``: each routed token's row at first_row + the
-    routed tokens before it (the earlier batches' counts, then the ballot)."""
+def _unit_firsts(k, cfg, p, t, units: _Units, counts_at, firsts_at) -> None:
+    """Thread u <= units: unit u's first row, the units before it's counts summed (thread
+    ``units.count``: the expert's rows, into recv_count[l])."""
+    with k.stage("each unit's first row; recv_count[l]"):
+        mine, last = k.pred("sums_a_unit"), k.pred("counts_rows")
+        k.setp("le", mine, t.tid, units.count)
+        with k.if_(mine, "not_summing"):
+            before, earlier, n, at = (k.reg("u32", name) for name in (
+                "rows_before", "earlier_unit", "earlier_count", "earlier_at"))
+            k.mov(before, 0)
+            with k.loop(earlier, t.tid, hint="earlier_unit"):
+                k.mad(at, earlier, 4, counts_at)
+                k.ld(n, addr(at), space="shared")
+                k.add(before, before, n)
+            k.mad(at, t.tid, 4, firsts_at)
+            k.st(addr(at), before, space="shared")
+            k.setp("eq", last, t.tid, units.count)
+            with k.guard(last):
+                count_at = k.reg("u64", "recv_count_at")
+                k.ld_param(count_at, p.recv_count)
+                k.mad(count_at, t.index, 4, count_at, mode="wide")
+                k.st(addr(count_at), before)
+
+
+def _copy_units(k, cfg, p, t, units: _Units, firsts_at, ballots, positions) -> None:
+    """Each round's unit's routed tokens: lane i's to the unit's first row + the routed
+    lanes below it."""
     lanes_below = k.reg("u32", "lanes_below")
     k.mov(lanes_below, sreg.lanemask_lt)
-    first, slot, before, earlier, n, batch, at = (k.reg("u32", name) for name in (
-        "batch_first", "lane_slot", "routed_before", "earlier_batch", "batch_count", "batch",
-        "count_at"))
-    exists = k.pred("batch_exists")
+    unit, source, batch, first, slot, at = (k.reg("u32", name) for name in (
+        "unit", "source", "batch", "batch_first", "lane_slot", "first_at"))
+    exists = k.pred("unit_exists")
     for r, (ballot, position) in enumerate(zip(ballots, positions)):
-        with k.stage(f"copy: source {source}'s batch's routed tokens, after the earlier "
-                     f"batches'"):
-            k.add(batch, t.warp, common.WARPS * r)
-            k.setp("lt", exists, batch, batches)
-            with k.if_(exists, f"no_batch_{source}_{r}", uniform=True):
+        with k.stage(f"copy: round {r}'s unit's routed tokens, after the earlier units' rows"):
+            units.coordinates(k, t, cfg, r, unit, source, batch, exists)
+            with k.if_(exists, f"no_unit_{r}", uniform=True):
                 k.mul(first, batch, BATCH, mode="lo")
-                k.mov(before, first_row)
-                with k.loop(earlier, batch, uniform=True, hint="earlier_batch"):
-                    k.mad(at, earlier, 4, counts_at)
-                    k.ld(n, addr(at, 4 * source * batches), space="shared")
-                    k.add(before, before, n)
-                k.and_(slot, ballot, lanes_below)
-                k.popc(slot, slot)
+                k.mad(at, unit, 4, firsts_at)
+                k.ld(slot, addr(at), space="shared")
+                before = k.reg("u32", "routed_below")
+                k.and_(before, ballot, lanes_below)
+                k.popc(before, before)
                 k.add(slot, slot, before)
                 _receive_batch(k, cfg, p, t, source, first, ballot, slot, position)
 
 
-def _receive_batch(k, cfg, p, t, source: int, first, ballot, row, position) -> None:
+def _receive_batch(k, cfg, p, t, source, first, ballot, row, position) -> None:
     """The batch's routed tokens (the set bits of ``ballot``, highest first), lane i's to
     row ``row`` of lane i: the warp visits only those."""
     bits, bit, i = k.reg("b32", "routed_bits"), k.reg("u32", "bit"), k.reg("u32", "batch_lane")
@@ -392,7 +427,7 @@ def _receive_batch(k, cfg, p, t, source: int, first, ballot, row, position) -> N
     k.place(done)
 
 
-def _receive_row(k, cfg, p, t, source: int, token, i, position) -> None:
+def _receive_row(k, cfg, p, t, source, token, i, position) -> None:
     """Slot (source, token) to row i of expert l's rows: the e4m3 row, its scales, its
     (source rank, token, k position), and i into dispatch_rows for each k position naming
     l. The scales' and the top-k row's loads go out with the row's, so that a row costs
@@ -401,7 +436,7 @@ def _receive_row(k, cfg, p, t, source: int, token, i, position) -> None:
     rows = cfg.ranks * cfg.max_tokens
     slot, row, src, dst = k.reg("u32", "slot"), k.reg("u32", "row"), k.reg(
         "u64", "slot_at"), k.reg("u64", "out_row")
-    k.add(slot, token, source * cfg.max_tokens)
+    k.mad(slot, source, cfg.max_tokens, token)
     k.mad(src, slot, plan.slot_bytes, t.own, mode="wide")
     k.add(src, src, plan.dispatch_slots)
     k.mad(row, local, rows, i)  # among all experts' rows
@@ -414,8 +449,7 @@ def _receive_row(k, cfg, p, t, source: int, token, i, position) -> None:
         value, pair, pair_at = k.reg("u32", "top_k_value"), k.reg("u32", "pair_index"), k.reg(
             "u64", "pair_at")
         k.setp("lt", in_k, t.lane, cfg.topk)
-        k.mad(pair, token, cfg.topk, t.lane)
-        k.add(pair, pair, source * cfg.max_tokens * cfg.topk)
+        k.mad(pair, slot, cfg.topk, t.lane)
         k.mad(pair_at, pair, 4, t.own, mode="wide")
         k.mov(value, -1)
         with k.guard(in_k):
