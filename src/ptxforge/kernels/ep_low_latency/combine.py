@@ -34,8 +34,7 @@ Summed (``summed``: the dispatch was given the top-k weights, which it left with
 pair's row in the experts' rank's buffer): a row a (token, rank) instead of a pair.
 
     sender (s, t) (a CTA a source  lane j < k: pair j's local expert, weight and row
-    rank and token, looping)       (dispatch_topk, dispatch_weights, dispatch_rows, loaded
-                                   while the CTA's pair before is summed); if any
+    rank and token, looping)       (dispatch_topk, dispatch_weights, dispatch_rows); if any
                                    lives here, the CTA sums those rows times their weights
                                    in k order in f32 (the reduction below), rounds to bf16
                                    into combine row (this rank, t) of rank s. Once all its
@@ -376,43 +375,21 @@ def _send_summed(k, cfg, p, t) -> None:
     k.mov(entry_at, entries)
     k.ld_param(x, p.x)
     k.setp("lt", in_k, t.lane, cfg.topk)
-    ahead = SimpleNamespace(q=k.reg("u32", "next_pair"), tokens=k.reg("u32", "next_tokens"),
-                            local=k.reg("u32", "next_local"), weight=k.reg("f32", "next_weight"),
-                            row=k.reg("u32", "next_row"), more=k.pred("more_pairs"),
-                            lane=k.pred("next_in_k"))
-
-    def load_ahead():
-        """Pair ahead.q's source's token count and, lane j < k, its pair j's local expert,
-        weight and row (dispatch_rows), if it is one of the CTA's."""
-        k.setp("lt", ahead.more, ahead.q, pairs)
-        k.and_pred(ahead.lane, ahead.more, in_k)
-        k.div(word, ahead.q, cfg.max_tokens)
-        k.mul(word, word, plan.send_ctas, mode="lo")  # send CTA 0's flag: the count
-        k.mad(at, word, 4, t.own, mode="wide")
-        with k.guard(ahead.more):
-            k.ld(ahead.tokens, addr(at, plan.dispatch_flags), **intranode.PAYLOAD_LOAD)
-        k.mad(word, ahead.q, cfg.topk, t.lane)
-        k.mad(at, word, 4, t.own, mode="wide")
-        k.mov(ahead.local, -1)
-        with k.guard(ahead.lane):
-            k.ld(ahead.local, addr(at, plan.dispatch_topk), **intranode.PAYLOAD_LOAD)
-            k.ld(ahead.weight, addr(at, plan.dispatch_weights), **intranode.PAYLOAD_LOAD)
-            k.ld(ahead.row, addr(at, plan.dispatch_rows), **intranode.PAYLOAD_LOAD)
-
-    with k.stage("the CTA's first pair's entries, loaded"):
-        k.mov(ahead.q, t.index)
-        load_ahead()
     with k.loop(q, pairs, start=t.index, step=cfg.send_grid, uniform=True, hint="pair"):
-        with k.stage("the pair's source, token and entries (loaded a pair ahead); the next "
-                     "pair's loaded, to arrive while this one's rows are summed"):
+        with k.stage("the pair's source and token; lane j < k: pair j's local expert, "
+                     "weight and row (dispatch_rows), loaded with the source's token count"):
             k.div(source, q, cfg.max_tokens)
             k.rem(token, q, cfg.max_tokens)
-            k.mov(tokens, ahead.tokens)
-            k.mov(local, ahead.local)
-            k.mov(weight, ahead.weight)
-            k.mov(row, ahead.row)
-            k.add(ahead.q, q, cfg.send_grid)
-            load_ahead()
+            k.mul(word, source, plan.send_ctas, mode="lo")  # send CTA 0's flag: the count
+            k.mad(at, word, 4, t.own, mode="wide")
+            k.ld(tokens, addr(at, plan.dispatch_flags), **intranode.PAYLOAD_LOAD)
+            k.mad(word, q, cfg.topk, t.lane)
+            k.mad(at, word, 4, t.own, mode="wide")
+            k.mov(local, -1)
+            with k.guard(in_k):
+                k.ld(local, addr(at, plan.dispatch_topk), **intranode.PAYLOAD_LOAD)
+                k.ld(weight, addr(at, plan.dispatch_weights), **intranode.PAYLOAD_LOAD)
+                k.ld(row, addr(at, plan.dispatch_rows), **intranode.PAYLOAD_LOAD)
             # A token past the source's count left stale entries: nothing lives here.
             k.and_(tokens, tokens, (1 << COUNT_BITS) - 1)
             k.setp("ge", beyond, token, tokens)
