@@ -1,11 +1,13 @@
 """The decode runner (``compiler/steps.py``) on the CPU: which calls it captures, what a
 graph is keyed on (argument tensors' shapes by copy, other objects by identity), when it
-stops capturing and why, and the outputs it returns. The capture itself is replaced by a
-stand-in that runs the call again on the graph's own argument copies, which is what a
-replay computes; the CUDA side runs in tests/gpu/test_compiler_gpu.py."""
+stops capturing and why, the outputs it returns, and when ``compile`` puts it in. The
+capture itself is replaced by a stand-in that runs the call again on the graph's own
+argument copies, which is what a replay computes, and the tensors are taken for GPU
+ones; the CUDA side runs in tests/gpu/test_compiler_gpu.py."""
 
 from __future__ import annotations
 
+import importlib
 import logging
 
 import pytest
@@ -18,7 +20,8 @@ from ptxforge.compiler import steps  # noqa: E402
 
 class _Replayed:
     """A captured call's stand-in: replay runs ``fn`` on the copies and writes its
-    tensors into the captured outputs' own, as a graph's replay would."""
+    tensors into the captured outputs' own, as a graph's replay would (whatever the
+    tensors: in inference mode, which writes into inference tensors too)."""
 
     def __init__(self, fn, copies, held, outputs, own, spec):
         self.fn, self.copies, self.held, self.outputs = fn, copies, held, outputs
@@ -30,18 +33,20 @@ class _Replayed:
             copy.copy_(leaves[i])
         positional, names = self.spec
         result = self.fn(*self.own[:positional], **dict(zip(names, self.own[positional:])))
-        self.outputs["logits"].copy_(result["logits"])
+        with torch.inference_mode():
+            self.outputs["logits"].copy_(result["logits"])
         self.replays += 1
         return compiler.graphs.map_tensors(self.outputs, torch.Tensor.clone)
 
 
 @pytest.fixture
 def captures(monkeypatch):
-    """Every capture made, through the stand-in; CUDA reported present."""
+    """Every capture made, through the stand-in; every tensor taken for a GPU one; the test
+    under ``torch.no_grad``, as transformers' generate calls the model."""
     made = []
 
     def capture(fn, leaves, spec, pool):
-        copies = {i: x.clone() for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)}
+        copies = steps.own_copies(leaves)
         own = [copies.get(i, x) for i, x in enumerate(leaves)]
         positional, names = spec
         outputs = fn(*own[:positional], **dict(zip(names, own[positional:])))
@@ -51,8 +56,9 @@ def captures(monkeypatch):
         return step, compiler.graphs.map_tensors(outputs, torch.Tensor.clone)
 
     monkeypatch.setattr(steps._Step, "capture", staticmethod(capture))
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    return made
+    monkeypatch.setattr(steps, "_on_gpu", lambda tensors: True)
+    with torch.no_grad():
+        yield made
 
 
 class _Cache:
@@ -137,8 +143,9 @@ def test_shapes_that_change_every_call_stop_the_captures_with_a_reason(captures,
     assert cache.total.tolist() == [12.0] * 4      # every call ran once
 
 
+@torch.no_grad()
 def test_a_call_that_cannot_be_captured_runs_as_it_is(monkeypatch, caplog):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(steps, "_on_gpu", lambda tensors: True)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
 
     def capture(fn, leaves, spec, pool):
@@ -155,23 +162,116 @@ def test_a_call_that_cannot_be_captured_runs_as_it_is(monkeypatch, caplog):
     assert "without CUDA graphs" in caplog.text
 
 
-def test_without_a_gpu_every_call_runs_as_it_is():
-    runner = steps.StepGraphs(_forward)
-    out = runner(input_ids=torch.tensor([[2]]), cache_position=torch.tensor([0]),
-                 past_key_values=_Cache())
-    assert out["logits"].item() == 4.0 and runner.graphs == {} and runner.refused is None
+@torch.no_grad()
+def test_calls_on_cpu_tensors_run_as_they_are(monkeypatch):
+    """A CPU model, on a machine with a GPU or without: a graph would replay nothing."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    runner, cache = steps.StepGraphs(_forward), _Cache()
+    for _ in range(3):
+        out = _step(runner, cache, 2)
+        assert out["logits"].item() == 4.0
+    assert runner.graphs == {} and not runner.seen and runner.refused is None
+    assert cache.total.tolist() == [6.0] * 4       # every call ran once
 
 
-def test_compile_with_step_graphs_wraps_the_compiled_call():
+def test_calls_that_autograd_records_run_as_they_are_and_later_ones_capture(captures):
+    """A replay's cloned outputs would carry no autograd history: with grad enabled a call
+    runs as it is, refuses nothing and leaves no key seen; under no_grad or inference_mode
+    the same step captures and replays."""
+    weight = torch.tensor(2.0, requires_grad=True)
+
+    def forward(input_ids, cache_position, past_key_values):
+        return _forward(input_ids * weight, cache_position, past_key_values)
+
+    runner, cache = steps.StepGraphs(forward), _Cache()
+    with torch.enable_grad():
+        for _ in range(3):
+            out = _step(runner, cache, 1)
+            assert out["logits"].item() == 4.0 and out["logits"].grad_fn is not None
+    assert captures == [] and not runner.seen and runner.refused is None
+    with torch.inference_mode():
+        for _ in range(3):
+            assert _step(runner, cache, 1)["logits"].item() == 4.0
+    assert len(captures) == 1 and captures[0].replays == 1
+    with torch.enable_grad():
+        out = _step(runner, cache, 3)
+    assert out["logits"].item() == 12.0 and out["logits"].grad_fn is not None
+    assert captures[0].replays == 1                # ran as it is, the graph kept
+    assert _step(runner, cache, 3)["logits"].item() == 12.0 and captures[0].replays == 2
+
+
+class _Frozen:
+    """A captured call's stand-in that, as a graph's replay, runs none of its Python."""
+
+    pool = None
+
+    def __init__(self, outputs):
+        self.outputs = outputs
+
+    def replay(self, leaves):
+        return self.outputs.clone()
+
+
+@torch.no_grad()
+def test_a_weight_changed_after_the_capture_is_refused_before_a_replay(monkeypatch):
+    """backend.FoldedWeights checks the weights in Python, which a replay does not run: the
+    capture keeps the check and the runner makes it before each replay."""
+    backend = importlib.import_module("ptxforge.compiler.backend")
+    weight = torch.ones(4)
+    compiled = backend.FoldedWeights(lambda x: x * 2, [weight])
+
+    def capture(fn, leaves, spec, pool):
+        outputs = fn(*leaves)
+        return _Frozen(outputs), outputs.clone()
+
+    monkeypatch.setattr(steps._Step, "capture", staticmethod(capture))
+    monkeypatch.setattr(steps, "_on_gpu", lambda tensors: True)
+    runner = steps.StepGraphs(compiled)
+    for _ in range(3):
+        assert runner(torch.ones(1, 4)).tolist() == [[2.0] * 4]
+    (step,) = runner.graphs.values()
+    assert step.checks == (compiled.check,)
+    weight.mul_(2)
+    with pytest.raises(RuntimeError, match="compile the model again"):
+        runner(torch.ones(1, 4))
+
+
+@pytest.mark.parametrize("step_graphs", [None, True])
+def test_compile_wraps_the_compiled_call_by_default_or_when_asked(step_graphs):
     model = torch.nn.Linear(4, 4)
-    compiled = compiler.compile(model, step_graphs=True)
+    compiled = compiler.compile(model, step_graphs=step_graphs)
     assert isinstance(compiled, steps.StepModule)
     assert set(dict(compiled.named_parameters())) == {"compiled._orig_mod.weight",
                                                       "compiled._orig_mod.bias"}
+    assert compiled.in_features == 4               # the model's attributes, through it
     x = torch.randn(2, 4)
     torch.testing.assert_close(compiled(x), model(x))
+    call = compiler.compile(lambda x: model(x), step_graphs=step_graphs)
+    assert isinstance(call.steps, steps.StepGraphs)
+    torch.testing.assert_close(call(x), model(x))
 
 
-def test_step_graphs_and_reduce_overhead_are_one_or_the_other():
+@pytest.mark.parametrize("options", [dict(step_graphs=False), dict(mode="reduce-overhead"),
+                                     dict(mode="max-autotune"),
+                                     dict(options={"triton.cudagraphs": True})])
+def test_compile_leaves_the_call_unwrapped_when_asked_or_with_cuda_graphs_inside(options):
+    model = torch.nn.Linear(4, 4)
+    assert not isinstance(compiler.compile(model, **options), steps.StepModule)
+    assert compiler.compile(lambda x: model(x), **options).steps is None
+
+
+def test_compile_leaves_the_call_unwrapped_with_an_ep_group(monkeypatch):
+    """The expert-parallel normal path synchronises with the host: no capture holds it."""
+    backend = importlib.import_module("ptxforge.compiler.backend")
+    monkeypatch.setattr(backend.expert_parallel, "expert_parallel", lambda *a, **k: None)
+    model = torch.nn.Linear(4, 4)
+    assert not isinstance(compiler.compile(model, ep_group=object()), steps.StepModule)
+    assert isinstance(compiler.compile(model, ep_group=object(), step_graphs=True),
+                      steps.StepModule)
+
+
+@pytest.mark.parametrize("options", [dict(mode="reduce-overhead"), dict(mode="max-autotune"),
+                                     dict(options={"triton.cudagraphs": True})])
+def test_step_graphs_and_cuda_graphs_inside_are_one_or_the_other(options):
     with pytest.raises(ValueError, match="pass one or the other"):
-        compiler.compile(torch.nn.Linear(4, 4), step_graphs=True, mode="reduce-overhead")
+        compiler.compile(torch.nn.Linear(4, 4), step_graphs=True, **options)

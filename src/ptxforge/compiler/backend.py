@@ -39,6 +39,17 @@ log = logging.getLogger("ptxforge.compiler")
 INDUCTOR_DEFAULTS = {"realize_reads_threshold": 0}
 
 
+def inductor_settings(mode: str | None, options: dict | None) -> dict:
+    """Inductor's settings for torch.compile's ``mode`` and ``options``: INDUCTOR_DEFAULTS,
+    under the mode's, under the options. ``"triton.cudagraphs"`` among them: the compiled
+    graphs run as CUDA graphs (``mode="reduce-overhead"`` or ``"max-autotune"``)."""
+    import torch._inductor
+
+    # (list_mode_options(None) lists every mode on some torch versions)
+    return {**INDUCTOR_DEFAULTS, **(torch._inductor.list_mode_options(mode) if mode else {}),
+            **(options or {})}
+
+
 def _device_arch(device):
     """The description of ``device``, or the reason there is none (a string)."""
     try:
@@ -74,7 +85,6 @@ def backend(gm: torch.fx.GraphModule, example_inputs, *, fp8: bool = True,
     ptxforge's runner (``graphs.py``), not Inductor's. Seconds spent in the passes and in
     assembly are left in ``gm.ptxforge_seconds``. ``ep``: the experts sharded over a group
     (``compile``'s ep_group)."""
-    import torch._inductor
     from torch._inductor.compile_fx import compile_fx
 
     start = time.perf_counter()
@@ -84,9 +94,7 @@ def backend(gm: torch.fx.GraphModule, example_inputs, *, fp8: bool = True,
     assemble(gm, precompile)
     seconds["assembly"] = time.perf_counter() - start
     gm.ptxforge_seconds = seconds
-    # (list_mode_options(None) lists every mode on some torch versions)
-    patches = {**INDUCTOR_DEFAULTS, **(torch._inductor.list_mode_options(mode) if mode else {}),
-               **(options or {})}
+    patches = inductor_settings(mode, options)
     replay = patches.pop("triton.cudagraphs", False)
     compiled = compile_fx(gm, example_inputs, config_patches=patches)
     if replay:
@@ -126,22 +134,28 @@ class FoldedWeights:
     """The compiled function, refusing to run once a weight the passes copied into it (to
     quantize or join) has changed in place since (its version counter moved, as
     ``load_state_dict`` and ``param.copy_`` move it): a stale result otherwise. Costs about
-    a microsecond a call; changes through ``param.data`` are not seen."""
+    a microsecond a call; changes through ``param.data`` are not seen. A whole call captured
+    by the decode runner runs the check before each replay (``steps.check_on_replay``)."""
 
     def __init__(self, fn, weights):
         self.fn, self.weights = fn, tuple(weights)
         self.versions = tuple(w._version for w in self.weights)
 
-    def __call__(self, *args):
+    def check(self) -> None:
         if tuple(w._version for w in self.weights) != self.versions:
             raise RuntimeError("ptxforge: a weight changed after the model was compiled (the "
                                "compiled graph holds its quantized copy); compile the model "
                                "again after loading weights")
+
+    def __call__(self, *args):
+        self.check()
+        steps.check_on_replay(self.check)
         return self.fn(*args)
 
 
 def compile(model, *, fp8: bool = True, precompile: int | None = None,
-            dynamic: bool | None = None, ep_group=None, step_graphs: bool = False, **options):
+            dynamic: bool | None = None, ep_group=None, step_graphs: bool | None = None,
+            **options):
     """``torch.compile(model, backend=ptxforge's, **options)``, its token dimensions dynamic:
     one compile for every token count (M is a run-time argument of every kernel).
     ``fp8=False`` keeps bf16 numerics (ptxforge's BF16 GEMM); ``precompile=16384``: assemble
@@ -150,18 +164,32 @@ def compile(model, *, fp8: bool = True, precompile: int | None = None,
     process group; every rank of it calls ``compile``): the experts of each transformers
     MoE block sharded over the group, E/ranks a rank, run by ``ptxforge.ep``
     (``expert_parallel.py``: its normal path, or with ``mode="reduce-overhead"`` its decode
-    path); the router and a shared expert stay whole on every rank. ``step_graphs``: calls
-    of few tokens (a decode step) replayed as whole CUDA graphs, Dynamo and the model's
-    Python inside (``steps.py``).
+    path); the router and a shared expert stay whole on every rank.
+
+    ``step_graphs`` (the decode runner, ``steps.py``): calls on the GPU of few tokens (at
+    most 256: a decode step) replayed as whole CUDA graphs, Dynamo and the model's Python
+    inside, while autograd is not recording (under ``torch.no_grad`` or
+    ``torch.inference_mode``, as transformers' generate runs; other calls run as they are).
+    None (the default) turns it on, except where the compiled graphs are CUDA graphs
+    themselves (``mode="reduce-overhead"`` or ``"max-autotune"``: a graph inside a captured
+    call) and with ``ep_group`` (the expert-parallel normal path synchronises with the host,
+    which a capture cannot hold); True turns it on (an error with CUDA graphs inside), False
+    off. When on, the runner is the result's ``steps`` (``max_tokens``, ``max_graphs``).
 
     ``dynamic=None`` (the default): the first call's tensors have their token dimensions
     marked dynamic before Dynamo traces them (``token_dims``), and no others; True or False
     go to torch.compile as they are (True makes every dimension dynamic: more guards, whose
     host time every call pays: Dynamo alone took 102.7 us a call of Llama-3-8B's 2 layers at
     64 tokens with True, 62.0 with the token dimensions alone, measured on the H200)."""
-    if step_graphs and options.get("mode") == "reduce-overhead":
-        raise ValueError("step_graphs=True captures whole calls, and mode='reduce-overhead' "
-                         "captures the compiled graphs inside them: pass one or the other")
+    inner_graphs = inductor_settings(options.get("mode"),
+                                     options.get("options")).get("triton.cudagraphs", False)
+    if step_graphs and inner_graphs:
+        given = (f"mode={options['mode']!r}" if options.get("mode")
+                 else "options={'triton.cudagraphs': True}")
+        raise ValueError(f"step_graphs=True captures whole calls, and {given} captures the "
+                         f"compiled graphs inside them: pass one or the other")
+    if step_graphs is None:
+        step_graphs = not inner_graphs and ep_group is None
     ep = None if ep_group is None else expert_parallel.expert_parallel(
         model, ep_group, fp8=fp8, decode=options.get("mode") == "reduce-overhead")
     if isinstance(model, torch.nn.Module) and (looping := moe.looping_experts(model)):

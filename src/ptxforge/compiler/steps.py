@@ -1,18 +1,27 @@
-"""Whole calls of a compiled model as CUDA graphs: the decode runner. A call whose
-tensors are small (few tokens: a decode step) is captured the second time its key (the
-shapes of its arguments, the objects it holds) comes, with the model's Python, Dynamo's
-guards and every kernel launch inside, and later calls with that key only copy their
-tensors in, replay and clone the outputs: no Dynamo, no model code on the hot path.
+"""Whole calls of a compiled model as CUDA graphs: the decode runner, on by default for a
+model on a GPU (``ptxforge.compile``'s ``step_graphs``). A call whose tensors are on the GPU
+and small (few tokens: a decode step) is captured the second time its key (the shapes of
+its arguments, the objects it holds) comes, with the model's Python, Dynamo's guards and
+every kernel launch inside, and later calls with that key only copy their tensors in,
+replay and clone the outputs: no Dynamo, no model code on the hot path.
 
-    call(*args, **kwargs) --few tokens, key captured---> copy the argument tensors into the
+    call(*args, **kwargs) --autograd recording, a CPU
+                            tensor, many tokens, a new
+                            key, or refused-----------> the compiled function as it is
+                          --few tokens, key seen once--> run once (warm-up), capture
+                          --few tokens, key captured---> the captured call's weight checks,
+                                                         copy the argument tensors into the
                                                          graph's own, replay, clone its
                                                          output tensors
-                          --few tokens, key seen once--> run once (warm-up), capture
-                          --a new key, many tokens,
-                            or refused----------------> the compiled function as it is
 
 Why the second time: a generate's prompt comes once for its cache, and capturing it would
 cost a capture that is never replayed; its decode steps come again and again.
+
+Why not while autograd records (``torch.is_grad_enabled()``: a training step, or a call
+outside ``torch.no_grad``/``torch.inference_mode``): a replay's cloned outputs carry no
+autograd history, or the capture's, so a backward through them would be wrong. Such a
+call runs as it is and changes nothing: the next call under ``no_grad`` may capture.
+transformers' ``generate`` runs under ``torch.no_grad``, so its decode steps capture.
 
 What a graph holds in place, not copied: every argument that is not a tensor (a
 transformers cache object, and through it its key and value tensors, which the call
@@ -23,6 +32,10 @@ inside an object is ever copied) go in by copy: a graph reads its own. The outpu
 tensors (in lists, tuples and dicts: a transformers ModelOutput's fields) are cloned;
 any other object comes back as the capture returned it (the cache object).
 
+A replay runs none of the call's Python: the checks the compiled call makes on itself
+(``backend.FoldedWeights``: a weight changed since the compile) register with the capture
+(``check_on_replay``) and run before each replay instead.
+
 A call's tokens: the fewest any argument tensor holds (the product of its token
 dimensions): the token ids of a decode step hold one a sequence, where a mask over the
 whole static cache holds its length.
@@ -31,7 +44,8 @@ At most MAX_GRAPHS graphs are kept, the least recently replayed dropped first: e
 ``generate`` makes a new static cache, so its graphs are never replayed after it ends. A
 call that cannot be captured (a copy from the host, a synchronisation, a shape that
 changes every step as a dynamic cache's does) runs as it is from then on, with one
-logged reason.
+logged reason. ``max_tokens`` and ``max_graphs`` are the runner's attributes (``.steps``
+of what ``ptxforge.compile`` returns), read at every call.
 """
 
 from __future__ import annotations
@@ -52,6 +66,15 @@ MAX_GRAPHS = 16      # graphs kept per runner, the least recently replayed dropp
 GROWING = 8          # new keys in a row: the shapes change every call
 SEEN = 64            # keys remembered as seen once
 
+_capturing: list[list] = []   # a list per capture in progress: the checks its call made
+
+
+def check_on_replay(check) -> None:
+    """Called by a check the compiled call makes on itself (``backend.FoldedWeights``): the
+    capture in progress, if any, keeps ``check`` to run before each replay of its graph."""
+    if _capturing:
+        _capturing[-1].append(check)
+
 
 class StepGraphs:
     """``fn`` (the compiled model or forward) with its small calls replayed as whole CUDA
@@ -67,17 +90,19 @@ class StepGraphs:
         self._new_in_a_row = 0
 
     def __call__(self, *args, **kwargs):
-        if self.refused or torch.compiler.is_dynamo_compiling() or not torch.cuda.is_available():
+        if self.refused or torch.is_grad_enabled() or torch.compiler.is_dynamo_compiling():
             return self.fn(*args, **kwargs)
         names = tuple(kwargs)
         leaves = [*args, *kwargs.values()]
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-        if not tensors or _tokens(tensors) > self.max_tokens:
+        if not tensors or not _on_gpu(tensors) or _tokens(tensors) > self.max_tokens:
             return self.fn(*args, **kwargs)
         spec = (len(args), names)
         key = (spec, tuple(map(_leaf_key, leaves)))
         step = self.graphs.get(key)
         if step is not None:
+            for check in step.checks:
+                check()
             self._new_in_a_row = 0
             self.graphs.move_to_end(key)
             return step.replay(leaves)
@@ -91,6 +116,7 @@ class StepGraphs:
                 self.seen.popitem(last=False)
             return self.fn(*args, **kwargs)
         del self.seen[key]
+        _capturing.append([])
         try:
             step, outputs = _Step.capture(self.fn, leaves, spec, self.pool)
         except Exception as error:  # a capture the call's code forbids: run it as it is
@@ -98,6 +124,9 @@ class StepGraphs:
             return self._refuse(f"the call could not be captured: {type(error).__name__}: "
                                 f"{str(error).splitlines()[0] if str(error) else ''}",
                                 args, kwargs)
+        finally:
+            checks = _capturing.pop()
+        step.checks = tuple(dict.fromkeys(checks))   # each made twice: warm-up, capture
         self.pool = step.pool
         self.graphs[key] = step
         if len(self.graphs) > self.max_graphs:
@@ -113,18 +142,20 @@ class StepGraphs:
 
 class _Step:
     """One captured call: its graph, its own copies of the argument tensors (by position
-    among the leaves), the leaves it holds (objects, kept alive) and its outputs."""
+    among the leaves), the leaves it holds (objects, kept alive), its outputs and the
+    checks to run before a replay (``check_on_replay``)."""
 
     def __init__(self, graph, copies: dict, held: list, outputs, pool):
         self.graph, self.copies, self.held, self.outputs, self.pool = (
             graph, copies, held, outputs, pool)
+        self.checks: tuple = ()
 
     @classmethod
     def capture(cls, fn, leaves: list, spec, pool):
         """(the step, the warm-up call's outputs): a warm-up call on a side stream (kernels
         assembled, workspaces allocated, lazy state such as a static cache's made), then
         the capture on the same argument copies."""
-        copies = {i: x.clone() for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)}
+        copies = own_copies(leaves)
         own = [copies.get(i, x) for i, x in enumerate(leaves)]
         positional, names = spec
         args, kwargs = own[:positional], dict(zip(names, own[positional:]))
@@ -140,6 +171,14 @@ class _Step:
         return graphs.map_tensors(self.outputs, torch.Tensor.clone)
 
 
+def own_copies(leaves: list) -> dict:
+    """A graph's own copies of the argument tensors, by position among the leaves: normal
+    tensors even when captured under ``torch.inference_mode``, so that a replay outside it
+    may copy into them (an inference tensor takes no in-place write there)."""
+    with torch.inference_mode(False):
+        return {i: x.clone() for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)}
+
+
 def _leaf_key(x):
     """What a graph captured for argument leaf ``x`` depends on: a tensor's shape, strides,
     dtype and device (its data is copied in); a number, string or None itself; any other
@@ -151,6 +190,12 @@ def _leaf_key(x):
     return ("object", id(x))
 
 
+def _on_gpu(tensors: list) -> bool:
+    """Whether every argument tensor is on a CUDA device: a graph records GPU work only, so
+    a CPU model's captured call would replay nothing."""
+    return all(x.is_cuda for x in tensors)
+
+
 def _tokens(tensors: list) -> int:
     """The fewest tokens an argument tensor holds: the product of its token dimensions
     (``token_dims``: every dimension longer than 1 but a float tensor's features)."""
@@ -159,7 +204,8 @@ def _tokens(tensors: list) -> int:
 
 class StepModule(torch.nn.Module):
     """A compiled module whose calls go through StepGraphs; its parameters and buffers are
-    the module's (``compiled``, a submodule)."""
+    the module's (``compiled``, a submodule), and so are the attributes it lacks itself
+    (the model's ``config``, ...), as torch.compile's module gives them."""
 
     def __init__(self, compiled: torch.nn.Module):
         super().__init__()
@@ -168,3 +214,12 @@ class StepModule(torch.nn.Module):
 
     def forward(self, *args, **kwargs):
         return self.steps(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            compiled = self.__dict__.get("_modules", {}).get("compiled")
+            if compiled is None:
+                raise
+            return getattr(compiled, name)
