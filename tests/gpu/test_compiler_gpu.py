@@ -158,7 +158,7 @@ def test_generate_follows_eager_step_by_step(recipe):
 def test_reduce_overhead_replays_cuda_graphs_with_the_same_bits():
     model = Ffn(1024, 512).cuda().to(torch.bfloat16)
     torch._dynamo.reset()
-    plain = compiler.compile(model)
+    plain = compiler.compile(model, step_graphs=False)
     graphs = compiler.compile(model, mode="reduce-overhead")
     with torch.no_grad():
         outputs = []
@@ -172,12 +172,13 @@ def test_reduce_overhead_replays_cuda_graphs_with_the_same_bits():
 
 
 def test_step_graphs_replay_whole_calls_with_the_same_bits():
-    """step_graphs=True: calls of few tokens captured whole (Dynamo and the module inside)
-    and replayed, the compiled module's bits; many tokens run as they are."""
+    """Step graphs (the default): calls of few tokens captured whole (Dynamo and the
+    module inside) and replayed, the uncaptured compiled module's bits; many tokens run as
+    they are."""
     model = Ffn(1024, 512).cuda().to(torch.bfloat16)
     torch._dynamo.reset()
-    plain = compiler.compile(model)
-    stepped = compiler.compile(model, step_graphs=True)
+    plain = compiler.compile(model, step_graphs=False)
+    stepped = compiler.compile(model)
     with torch.no_grad():
         outputs = []
         for tokens in (64, 5, 64, 300, 5):
@@ -191,7 +192,7 @@ def test_step_graphs_replay_whole_calls_with_the_same_bits():
 
 
 def test_generate_with_step_graphs_gives_the_uncaptured_tokens():
-    """transformers' generate, static cache, the forward compiled with step_graphs: the
+    """transformers' generate, static cache, the forward compiled with step graphs: the
     decode steps replay one graph a generate (its cache held in place), the same tokens as
     the same compiled forward without them, two generates in a row."""
     transformers = pytest.importorskip("transformers")
@@ -205,11 +206,11 @@ def test_generate_with_step_graphs_gives_the_uncaptured_tokens():
     options = dict(max_new_tokens=12, do_sample=False, cache_implementation="static",
                    disable_compile=True)
     torch._dynamo.reset()
-    model.forward = compiler.compile(model.forward)
+    model.forward = compiler.compile(model.forward, step_graphs=False)
     expected = model.generate(ids, **options)
     del model.forward
     torch._dynamo.reset()
-    model.forward = compiler.compile(model.forward, step_graphs=True)
+    model.forward = compiler.compile(model.forward)
     for _ in range(2):
         assert torch.equal(model.generate(ids, **options), expected)
     runner = model.forward.steps

@@ -6,8 +6,10 @@ greedy, every new token forced (no end of sequence), as a user runs it:
     torch.compile       transformers' generate as it comes: it compiles each decode step
                         (torch.compile of the model's call, its default CompileConfig:
                         Inductor, reduce-overhead)
-    ptxforge forward    ``model.forward = ptxforge.compile(model.forward)``
-    ptxforge steps      the same with ``step_graphs=True``: each decode step one CUDA graph
+    ptxforge forward    ``model.forward = ptxforge.compile(model.forward, step_graphs=False)``:
+                        the compiled forward, Dynamo's frame and guards every step
+    ptxforge steps      ``model.forward = ptxforge.compile(model.forward)`` (the default:
+                        each decode step one CUDA graph)
     ptxforge backend    ``generation_config.compile_config`` with ``backend="ptxforge"``
 
 Per case (batch x prompt) and candidate: the time a new token takes, from two timed
@@ -103,8 +105,9 @@ def per_token_ms(model, ids, candidate: str) -> float:
 
 
 def _prepared(model, candidate: str):
-    """The model as the candidate runs it: for "ptxforge forward", its forward compiled by
-    ptxforge; for "ptxforge steps", the same with its decode steps as whole CUDA graphs."""
+    """The model as the candidate runs it: for "ptxforge steps", its forward compiled by
+    ptxforge as it comes (decode steps as whole CUDA graphs); for "ptxforge forward", the
+    same without step graphs."""
     if candidate in ("ptxforge forward", "ptxforge steps"):
         model.forward = compiler.compile(model.forward,
                                          step_graphs=candidate == "ptxforge steps")
