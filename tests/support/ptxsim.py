@@ -3,8 +3,7 @@
 It runs the builder's PTX for the instruction subset the EP kernels use (integer and
 predicate arithmetic, f32 adds, products, maxima and reciprocals, bf16 packing, e4m3
 conversion, loads and stores of the global, shared and param spaces, reductions, ballots,
-shuffles, named barriers, branches, trap; mbarriers and the bulk copies between global and
-shared memory, which land at once), one Python object a thread. Several launches (one a simulated rank) run interleaved over one flat
+shuffles, named barriers, branches, trap), one Python object a thread. Several launches (one a simulated rank) run interleaved over one flat
 global memory, so a kernel's loads and stores reach its peers' buffers as they would
 through CUDA IPC.
 
@@ -167,11 +166,8 @@ class Kernel:
             self.shared_bytes = -(-self.shared_bytes // int(align)) * int(align)
             self.shared[name] = self.shared_bytes
             self.shared_bytes += int(size)
-        # Dynamic shared memory lies past the static buffers (its size is the launch's).
-        for align, name in re.findall(r"^\.extern \.shared \.align (\d+) \.b8 (\w+)\[\];", ptx,
-                                      re.M):
-            self.shared_bytes = -(-self.shared_bytes // int(align)) * int(align)
-            self.shared[name] = self.shared_bytes
+        if re.search(r"^\.extern \.shared", ptx, re.M):
+            raise NotImplementedError("dynamic shared memory")
         self.params = re.findall(r"\.param \.\w+ (\w+)", ptx)
         body = ptx[ptx.index("{") + 1:ptx.rindex("}")]
         self.code, self.labels, self.polls = [], {}, []
@@ -282,10 +278,6 @@ class Kernel:
             return _assign(ops[0], lambda th: a(th) & out)
         if kind in ("ld", "st", "red"):
             return self._memory(opcode, q, ops)
-        if kind == "mbarrier":
-            return self._mbarrier(q, ops)
-        if kind == "cp" and q[1:3] == ["async", "bulk"]:
-            return self._bulk(opcode, ops)
         if kind in ("vote", "shfl", "bar"):
             return None  # collectives and barriers: the scheduler's
         raise NotImplementedError(f"ptxsim: {opcode}")
@@ -332,63 +324,6 @@ class Kernel:
             th.store(space, at, struct.pack(fmt, (old + value(th)) & mask))
         return reduce
 
-    def _mbarrier(self, q, ops):
-        """init (the arrivals a phase needs), arrive.expect_tx (one arrival, bytes to come),
-        try_wait.parity (has the phase of that parity completed?); the state is the CTA's,
-        by shared address."""
-        if q[1] == "init":
-            at, count = self._shared_address(ops[0]), self._reader(ops[1])
-
-            def init(th):
-                th.cta.mbarriers[at(th)] = dict(count=count(th), pending=count(th), tx=0,
-                                                phase=0)
-            return init
-        if q[1] == "arrive" and q[2] == "expect_tx":
-            at, nbytes = self._shared_address(ops[1]), self._reader(ops[2])
-
-            def arrive(th):
-                bar = th.cta.mbarriers[at(th)]
-                bar["pending"] -= 1
-                bar["tx"] += nbytes(th)
-                _complete(bar)
-            return arrive
-        if q[1] == "try_wait" and q[2] == "parity":
-            at, parity = self._shared_address(ops[1]), self._reader(ops[2])
-            return _assign(ops[0], lambda th: int(th.cta.mbarriers[at(th)]["phase"] & 1
-                                                  != parity(th) & 1))
-        raise NotImplementedError(f"ptxsim: mbarrier.{'.'.join(q[1:])}")
-
-    def _bulk(self, opcode, ops):
-        """Bulk copies land at once (a load completes its bytes on its mbarrier), so the
-        groups that track them have nothing to wait for."""
-        if opcode.startswith(("cp.async.bulk.commit_group", "cp.async.bulk.wait_group")):
-            return lambda th: None
-        dst, src, nbytes = self._shared_address(ops[0]), self._shared_address(ops[1]), \
-            self._reader(ops[2])
-        if opcode.startswith("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx"):
-            bar = self._shared_address(ops[3])
-
-            def load(th):
-                n = nbytes(th)
-                th.store("shared", dst(th), th.load("global", src(th), n))
-                barrier = th.cta.mbarriers[bar(th)]
-                barrier["tx"] -= n
-                _complete(barrier)
-            return load
-        if opcode.startswith("cp.async.bulk.global.shared::cta.bulk_group"):
-            def store(th):
-                n = nbytes(th)
-                th.store("global", dst(th), th.load("shared", src(th), n))
-            return store
-        raise NotImplementedError(f"ptxsim: {opcode}")
-
-    def _shared_address(self, text: str):
-        """An address operand ``[reg+offset]`` (any space) as a function of the thread."""
-        base, sign, offset = _ADDRESS.match(text).groups()
-        offset = int(offset or 0) * (-1 if sign == "-" else 1)
-        value = self._reader(base)
-        return lambda th: value(th) + offset
-
     def _reader(self, text: str):
         """A function of the thread giving the operand's value (bits, unsigned)."""
         if text.startswith("%"):
@@ -411,13 +346,6 @@ class Kernel:
         raise NotImplementedError(f"ptxsim: operand {text}")
 
 
-def _complete(bar: dict) -> None:
-    """An mbarrier whose arrivals and bytes are all in moves to its next phase."""
-    if bar["pending"] == 0 and bar["tx"] == 0:
-        bar["phase"] += 1
-        bar["pending"] = bar["count"]
-
-
 def _assign(dest: str, compute):
     def run(th):
         th.regs[dest] = compute(th)
@@ -438,7 +366,6 @@ class _Cta:
         self.index, self.threads = index, threads
         self.shared = bytearray(max(shared_bytes, 1))
         self.barriers: dict[int, list] = {}
-        self.mbarriers: dict[int, dict] = {}
 
 
 class _Thread:
@@ -462,13 +389,13 @@ class _Thread:
 
 
 class _Launch:
-    def __init__(self, name, kernel, grid, block, args, dynamic_shared: int):
+    def __init__(self, name, kernel, grid, block, args):
         missing = set(kernel.params) - set(args)
         extra = set(args) - set(kernel.params)
         if missing or extra:
             raise TypeError(f"{name}: missing {sorted(missing)}, unknown {sorted(extra)}")
         self.name, self.kernel, self.args = name, kernel, args
-        self.ctas = [_Cta(i, block, kernel.shared_bytes + dynamic_shared) for i in range(grid)]
+        self.ctas = [_Cta(i, block, kernel.shared_bytes) for i in range(grid)]
 
 
 class Simulator:
@@ -480,12 +407,9 @@ class Simulator:
         self._warps: dict = {}
         self._pace = pace
 
-    def launch(self, name: str, ptx_or_kernel, grid: int, block: int, *,
-               dynamic_shared: int = 0, **args) -> None:
-        """``args``: the kernel's parameters by name; ``dynamic_shared``: the bytes of its
-        dynamic shared memory."""
+    def launch(self, name: str, ptx_or_kernel, grid: int, block: int, **args) -> None:
         kernel = ptx_or_kernel if isinstance(ptx_or_kernel, Kernel) else Kernel(ptx_or_kernel)
-        launch = _Launch(name, kernel, grid, block, args, dynamic_shared)
+        launch = _Launch(name, kernel, grid, block, args)
         for cta in launch.ctas:
             for tid in range(block):
                 self.threads.append(_Thread(self, launch, cta, tid))

@@ -76,15 +76,6 @@ SUMMED_SEND_CTAS = 256
 # SUM_WORDS registers (8 rows x 2 vectors), under MIN_CTAS_PER_SM's 128 a thread.
 SUM_UNROLL = 2
 SUM_WORDS = 64
-# A summed send CTA's rows (bf16) in shared memory: two stages while they fit the 48 KB of
-# static shared memory a CTA may declare, less SHARED_RESERVE for its other buffers (hidden
-# <= 12032), else one (hidden <= 24064); 4 CTAs an SM hold them (228 KB).
-SHARED_ROWS_BYTES = 48 * 1024 - 1024
-MAX_SUMMED_HIDDEN = SHARED_ROWS_BYTES // 2
-
-
-def summed_stages(hidden: int) -> int:
-    return 2 if 2 * (2 * hidden) <= SHARED_ROWS_BYTES else 1
 
 
 @dataclass(frozen=True)
@@ -112,9 +103,6 @@ class CombineConfig(common.LowLatencyConfig):
 def choose_config(arch: Arch, ranks: int, max_tokens: int, hidden: int, experts: int,
                   topk: int, *, phase: str = "both", summed: bool = False) -> CombineConfig:
     common.check(arch, ranks, max_tokens, hidden, experts, topk, phase, "combine")
-    if summed and hidden > MAX_SUMMED_HIDDEN:
-        raise ValueError(f"the summed low-latency combine takes hidden up to "
-                         f"{MAX_SUMMED_HIDDEN} (a row in shared memory), got {hidden}")
     return CombineConfig(ranks, max_tokens, hidden, experts, topk, phase, arch.target, summed)
 
 
@@ -304,8 +292,7 @@ def _reduce(k, cfg, p, t, r, token) -> None:
 
 
 def _sum_rows(k, cfg, t, has, rows, weights, dst, *, store: dict) -> None:
-    """dst (a bf16 row, global or, with ``store``'s space "shared", shared memory) = the
-    rows at ``rows`` whose ``has`` holds, times ``weights`` (None:
+    """dst (a bf16 row) = the rows at ``rows`` whose ``has`` holds, times ``weights`` (None:
     as they are), summed in their order from +0 in f32, each product and sum rounded to
     f32 (mul.rn, add.rn: no fma), rounded to bf16 once. A thread takes up to SUM_UNROLL
     16-byte vectors at a time (tid, tid + threads, ...), every row's load of them issued
@@ -317,8 +304,6 @@ def _sum_rows(k, cfg, t, has, rows, weights, dst, *, store: dict) -> None:
     with k.stage("sum the rows in order, f32 (mul.rn, add.rn), a few 16-byte vectors a "
                  "thread"):
         v, at = k.reg("u32", "vector"), k.reg("u64", "at")
-        shared = store.get("space") == "shared"   # dst: a shared-memory address (u32)
-        dst_at = k.reg("u32" if shared else "u64", "dst_at")
         vector = k.regs("u32", unroll, "vector_u")
         offset = k.regs("u64", unroll, "vector_offset")
         # Vector u of a round lies in the row unless the rounds cover it exactly (u = 0 always).
@@ -355,15 +340,12 @@ def _sum_rows(k, cfg, t, has, rows, weights, dst, *, store: dict) -> None:
                                 k.add(acc[2 * w + h], acc[2 * w + h], halves[h], rnd="rn")
                 for w, word in enumerate(packed):
                     k.cvt(word, acc[2 * w + 1], acc[2 * w], dtype="bf16x2", rnd="rn")
-                if shared:
-                    k.mad(dst_at, vector[u], VECTOR_BYTES, dst)
-                else:
-                    k.add(dst_at, dst, offset[u])
+                k.add(at, dst, offset[u])
                 if in_row[u] is None:
-                    k.st(addr(dst_at), packed, **store)
+                    k.st(addr(at), packed, **store)
                 else:
                     with k.guard(in_row[u]):
-                        k.st(addr(dst_at), packed, **store)
+                        k.st(addr(at), packed, **store)
 
 
 # ---------------------------------------------------------------------------- summed
@@ -390,13 +372,6 @@ def _send_summed(k, cfg, p, t) -> None:
     weights = k.regs("f32", cfg.topk, "w")
     entry_at, entries = k.reg("u32", "flag_entry"), k.reg("u32", "flag_entries")
     k.mov(entries, k.shared("flags_to_publish", 8 * iterations, align=8))
-    # A row is summed into a stage in shared memory, then moved to its peer by one bulk
-    # store, which the CTA leaves in flight while it sums its next row into the other stage.
-    stages = summed_stages(cfg.hidden)
-    stage, stage_toggle = k.reg("u32", "stage"), k.reg("u32", "stage_toggle")
-    k.mov(stage, k.shared("summed_rows", stages * row_bytes, align=128))
-    k.add(stage_toggle, stage, row_bytes)
-    k.xor(stage_toggle, stage_toggle, stage)   # stage ^ toggle: the other stage
     k.mov(entry_at, entries)
     k.ld_param(x, p.x)
     k.setp("lt", in_k, t.lane, cfg.topk)
@@ -432,36 +407,19 @@ def _send_summed(k, cfg, p, t) -> None:
         k.setp("ne", any_here, ballot, 0)
         k.mov(flag_at, 0)
         with k.if_(any_here, "none_here", uniform=True):
-            with k.stage("the stage free: the bulk store two rows back has read it"):
-                with k.guard(t.thread0):
-                    k.cp_async_bulk_wait_group(stages - 1, read=True)
-                k.bar_sync(0)
-            _sum_rows(k, cfg, t, has, rows, weights, stage, store=dict(space="shared"))
-            with k.stage("the row from the stage into combine row (this rank, t) of rank s "
-                         "by one bulk store"):
-                k.fence_proxy_async("shared::cta")  # the sums' writes, to the bulk copy
-                k.bar_sync(0)
-                k.mul(word, t.rank, cfg.max_tokens, mode="lo")
-                k.add(word, word, token)  # slot (this rank, token) at the source
-                intranode.buffer_of(k, peer, t.peers, source)
-                k.mad(dst, word, row_bytes, peer, mode="wide")
-                k.add(dst, dst, plan.combine_rows)
-                with k.if_(t.thread0, "not_storing"):
-                    k.cp_async_bulk_store(addr(dst), addr(stage), row_bytes)
-                    k.cp_async_bulk_commit_group()
-                k.mad(flag_at, word, 4, peer, mode="wide")
-                k.add(flag_at, flag_at, plan.combine_flags)
-                if stages > 1:
-                    k.xor(stage, stage, stage_toggle)
+            k.mul(word, t.rank, cfg.max_tokens, mode="lo")
+            k.add(word, word, token)  # slot (this rank, token) at the source
+            intranode.buffer_of(k, peer, t.peers, source)
+            k.mad(dst, word, row_bytes, peer, mode="wide")
+            k.add(dst, dst, plan.combine_rows)
+            _sum_rows(k, cfg, t, has, rows, weights, dst, store=intranode.STORE)
+            k.mad(flag_at, word, 4, peer, mode="wide")
+            k.add(flag_at, flag_at, plan.combine_flags)
         with k.guard(t.thread0):
             k.st(addr(entry_at), flag_at, space="shared")
         k.add(entry_at, entry_at, 8)
-    with k.stage("publish: the rows' bulk stores complete and ordered before the generic "
-                 "proxy, then thread i its iteration's flag = the dispatch's sequence "
-                 "number (st.release.sys)"):
-        with k.if_(t.thread0, "not_draining"):
-            k.cp_async_bulk_wait_group(0)
-            k.fence_proxy_async("global")
+    with k.stage("publish: the CTA's rows, then thread i its iteration's flag = the "
+                 "dispatch's sequence number (st.release.sys)"):
         k.bar_sync(0)
         mine = k.pred("publishes")
         k.mad(q, t.tid, cfg.send_grid, t.index)  # thread i: iteration i's pair
