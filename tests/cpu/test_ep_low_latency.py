@@ -384,7 +384,9 @@ def test_dispatch_and_combine_match_the_references(world, tokens):
     (dict(ranks=3, experts=6, topk=2, hidden=384), (5, 0, 9)),
     (dict(experts=2, topk=1, hidden=128, max_tokens=40), (33, 40)),
     (dict(ranks=4, experts=8, topk=4, max_tokens=6), (6, 2, 0, 5)),
-], ids=["two_ranks", "three_ranks", "one_expert_a_rank", "four_ranks"])
+    # 3 x 100 (source, token) pairs over 256 send CTAs: some send two rows, then two flags
+    (dict(ranks=3, experts=6, topk=2, hidden=128, max_tokens=100), (100, 41, 97)),
+], ids=["two_ranks", "three_ranks", "one_expert_a_rank", "four_ranks", "two_rows_a_cta"])
 def test_a_dispatch_given_weights_and_its_summed_combine(world, tokens):
     """The dispatch sends the top-k weights with the tokens (the same received rows); the
     combine then sums a token's pairs on each experts' rank (k order, f32, one bf16 row a
