@@ -112,6 +112,14 @@ def test_a_small_llama_compiles_onto_ptxforge_gemms():
     assert calc_diff(got, expected) <= 2e-3
 
 
+def _small_llama(transformers, **sizes):
+    """A 2-layer LlamaForCausalLM of ``sizes``, bf16 on the GPU, seeded weights."""
+    config = transformers.LlamaConfig(num_hidden_layers=2, **sizes)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        return transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
+
+
 @pytest.mark.parametrize("recipe", ["forward", "backend"])
 def test_generate_follows_eager_step_by_step(recipe):
     """transformers' generate, static cache, greedy, twice: the same tokens run to run, and
@@ -122,12 +130,8 @@ def test_generate_follows_eager_step_by_step(recipe):
     transformers = pytest.importorskip("transformers")
     from transformers.generation.configuration_utils import CompileConfig
 
-    config = transformers.LlamaConfig(vocab_size=2048, hidden_size=1024, intermediate_size=2048,
-                                      num_hidden_layers=2, num_attention_heads=8,
-                                      num_key_value_heads=4)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    model = _small_llama(transformers, vocab_size=2048, hidden_size=1024,
+                         intermediate_size=2048, num_attention_heads=8, num_key_value_heads=4)
     ids = torch.randint(0, 2048, (2, 32), device="cuda",
                         generator=torch.Generator("cuda").manual_seed(1))
     options = dict(max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=0,
@@ -196,12 +200,8 @@ def test_generate_with_step_graphs_gives_the_uncaptured_tokens():
     decode steps replay one graph a generate (its cache held in place), the same tokens as
     the same compiled forward without them, two generates in a row."""
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512,
-                                      num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    model = _small_llama(transformers, vocab_size=512, hidden_size=256, intermediate_size=512,
+                         num_attention_heads=4, num_key_value_heads=2)
     ids = torch.randint(0, 512, (1, 16), device="cuda")
     options = dict(max_new_tokens=12, do_sample=False, cache_implementation="static",
                    disable_compile=True)
