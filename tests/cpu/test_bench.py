@@ -34,7 +34,10 @@ def test_decode_rows_are_deepgemms_weights_at_decode_sizes():
     assert sorted(masked) == sorted((groups, tokens, n, k)
                                     for groups, tokens in ((8, 8), (8, 32), (32, 8), (32, 32))
                                     for n, k in ((4096, 7168), (7168, 2048)))
-    assert len(problems) == 2 * 48 + 8
+    llama = [(m, n, k) for f, _, m, n, k in problems if f == "fp8 llama"]
+    assert sorted(llama) == sorted((m, n, k) for m in (1, 8, 32) for n, k in (
+        (6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)))
+    assert len(problems) == 2 * 48 + 8 + 12
 
 
 def test_fp8_bytes_counted_by_hand():
@@ -109,8 +112,11 @@ def test_decode_suite_row_arithmetic(monkeypatch):
     assert first["of_copy"] == pytest.approx(0.8) and first["speedup"] == pytest.approx(1.5)
     assert first["of_roofline"] == pytest.approx(15_154_240 / 4000e9 / 10e-6)
     assert first["calc_diff"] == 0.0
-    assert (last["family"], last["peer_ms"], last["speedup"]) == ("masked fp8", None, None)
-    assert [s["rows"] for s in result["summary"]] == [48, 48, 8]
+    masked = [r for r in result["rows"] if r["family"] == "masked fp8"]
+    assert all((r["peer_ms"], r["speedup"]) == (None, None) for r in masked)
+    assert (last["family"], last["m"], last["n"], last["k"]) == ("fp8 llama", 32, 4096, 14336)
+    assert last["speedup"] == pytest.approx(1.5)
+    assert [s["rows"] for s in result["summary"]] == [48, 48, 8, 12]
 
 
 def test_bench_decode_writes_json_and_plot(monkeypatch, tmp_path, capsys):

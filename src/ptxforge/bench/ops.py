@@ -475,7 +475,13 @@ def bf16_gemm_plot(result: dict, path: str) -> None:
 DECODE_M = (1, 2, 4, 8, 16, 32, 64, 128)
 DECODE_MASKED = [(groups, tokens, n, k) for n, k in ((4096, 7168), (7168, 2048))
                  for groups, tokens in ((8, 8), (8, 32), (32, 8), (32, 32))]
-DECODE_PEERS = {"fp8": "cuBLAS blockwise", "bf16": "cuBLAS a @ b.t()"}
+# Llama-3-8B's Linears as a text-generation step runs them (qkv, o, gate_up, down: N x K),
+# at batch 1, 8 and 32: weights of 17-117 MB, where a kernel's fixed costs show beside its
+# weight stream (`ptxforge bench generate`'s step).
+LLAMA_DECODE_SHAPES = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))
+LLAMA_DECODE_M = (1, 8, 32)
+DECODE_PEERS = {"fp8": "cuBLAS blockwise", "bf16": "cuBLAS a @ b.t()",
+                "fp8 llama": "cuBLAS blockwise"}
 
 
 def decode_problems():
@@ -486,6 +492,9 @@ def decode_problems():
                 yield family, 1, m, n, k
     for groups, tokens, n, k in DECODE_MASKED:
         yield "masked fp8", groups, tokens, n, k
+    for n, k in LLAMA_DECODE_SHAPES:
+        for m in LLAMA_DECODE_M:
+            yield "fp8 llama", 1, m, n, k
 
 
 def gemm_bytes(rows_per_group, n: int, k: int, fp8: bool = True) -> int:
