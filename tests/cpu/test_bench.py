@@ -477,3 +477,15 @@ def test_each_generate_candidate_gets_the_model_as_it_comes():
     assert eager.disable_compile and eager.min_new_tokens == eager.max_new_tokens == 3
     assert generate_bench._generation_config("ptxforge backend", 3).compile_config.backend == \
         "ptxforge"
+
+
+def test_the_ep_report_gives_the_copy_engines_to_every_peer():
+    """With three ranks or more, rank 0's copies to every other GPU at once (a dispatch by
+    the copy engines alone) sit beside the one-peer P2P copy."""
+    ranks = _ep_ranks()
+    ranks[0]["peers"] = dict(ranks[0]["peers"], p2p_every_peer_gbs=1020.0)
+    table = ep_bench.ep_table(ep_bench._summary(ranks, EP_PARAMS, 4, True, "NVIDIA H200"))
+    assert ("copy engines, GPU 0 to the 3 others at once (256 MiB each): 1020 GB/s out\n"
+            "P2P copy engine, 1 GiB one direction: 394 GB/s") in table
+    assert "copy engines" not in ep_bench.ep_table(
+        ep_bench._summary(_ep_ranks(), EP_PARAMS, 2, True, "NVIDIA H200"))

@@ -32,6 +32,7 @@ SM_BUDGET = 20          # SMs the communication may take beside the experts' GEM
 GEMM_N = 4096           # the experts' gate_up width beside the communication (DeepSeek-V3)
 DECODE_TOKENS = 128     # the decode target's tokens a rank
 DECODE_PAIRS = 10       # dispatch + combine pairs a captured graph holds
+EVERY_PEER_BYTES = 256 << 20   # a copy to each peer at once, beside the 1-GiB P2P copy
 LAYER_TOKENS = (4096, 128)  # the MoE layer's tokens a rank: its normal path, its decode path
 
 
@@ -309,10 +310,13 @@ def _replay_kernel_medians(graph, repeats: int, key) -> dict:
 
 
 def _peers(rank: int, world: int, in_rank, row_bytes: int, p: dict) -> dict:
-    """The copy engine's one-direction P2P copy of 1 GiB (rank 0 to rank 1's GPU), and
-    NCCL's all_to_all_single: the FP8 dispatch's bytes (each rank's rows to each rank as
-    uint8 rows of row_bytes), the bf16 combine's (the rows back) and the anchor's bf16
-    4096 x 7168."""
+    """The copy engine's one-direction P2P copy of 1 GiB (rank 0 to rank 1's GPU); with
+    three ranks or more, rank 0's copies of EVERY_PEER_BYTES to every other rank's GPU at
+    once, a stream each (what a dispatch by the copy engines alone would move: at top-8 of
+    256 over 4 ranks about 90% of the tokens go to each rank, so sending every token to
+    every rank costs about 10% more bytes and no SM); and NCCL's all_to_all_single: the FP8
+    dispatch's bytes (each rank's rows to each rank as uint8 rows of row_bytes), the bf16
+    combine's (the rows back) and the anchor's bf16 4096 x 7168."""
     import torch.distributed as dist
 
     out = {}
@@ -321,6 +325,8 @@ def _peers(rank: int, world: int, in_rank, row_bytes: int, p: dict) -> dict:
         dst = torch.empty(1 << 30, dtype=torch.uint8, device=1)
         out["p2p_copy_gbs"] = (1 << 30) / batch_us(lambda: dst.copy_(src), 1, 5,
                                                     together=False) / 1e3
+        if world > 2:
+            out["p2p_every_peer_gbs"] = _every_peer_gbs(src[:EVERY_PEER_BYTES], world)
     dist.barrier()
     nccl = dist.new_group(backend="nccl")
     to_rank = in_rank.sum(0).tolist()
@@ -343,6 +349,24 @@ def _peers(rank: int, world: int, in_rank, row_bytes: int, p: dict) -> dict:
         lambda: dist.all_to_all_single(square_out, square, group=nccl), p["calls"], p["repeats"])
     dist.destroy_process_group(nccl)
     return out
+
+
+def _every_peer_gbs(src: torch.Tensor, world: int) -> float:
+    """GB/s out of GPU 0 while it copies ``src`` to each of GPUs 1 .. world - 1 at once, a
+    stream each (the copy engines), bytes sent over the time of all the copies."""
+    dsts = [torch.empty_like(src, device=d) for d in range(1, world)]
+    streams = [torch.cuda.Stream(0) for _ in dsts]
+
+    def every_peer():
+        current = torch.cuda.current_stream(0)
+        for dst, stream in zip(dsts, streams):
+            stream.wait_stream(current)
+            with torch.cuda.stream(stream):
+                dst.copy_(src, non_blocking=True)
+        for stream in streams:
+            current.wait_stream(stream)
+
+    return len(dsts) * src.numel() / batch_us(every_peer, 1, 5, together=False) / 1e3
 
 
 def _overlap(buffer, roomy, config, x, idx, weights, layout, p) -> dict:
@@ -471,6 +495,10 @@ def ep_table(result: dict) -> str:
             text += f"\n{op}: {gbs:.0f} GB/s = {gbs / peers['p2p_copy_gbs']:.0%} of the P2P copy"
         nccl_gbs = result["dispatch_bytes_per_rank"] / peers["nccl_dispatch_bytes_us"] / 1e3
         combine_gbs = result["combine_bytes_per_rank"] / peers["nccl_combine_bytes_us"] / 1e3
+        if "p2p_every_peer_gbs" in peers:
+            text += (f"\ncopy engines, GPU 0 to the {result['world'] - 1} others at once "
+                     f"({EVERY_PEER_BYTES >> 20} MiB each): {peers['p2p_every_peer_gbs']:.0f} "
+                     f"GB/s out")
         text += (f"\nP2P copy engine, 1 GiB one direction: {peers['p2p_copy_gbs']:.0f} GB/s"
                  f"\nNCCL all_to_all_single, the FP8 dispatch's bytes: "
                  f"{peers['nccl_dispatch_bytes_us']:.1f} us ({nccl_gbs:.0f} GB/s); the bf16 "
