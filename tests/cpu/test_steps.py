@@ -7,6 +7,8 @@ ones; the CUDA side runs in tests/gpu/test_compiler_gpu.py."""
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import importlib
 import logging
 
@@ -45,20 +47,35 @@ def captures(monkeypatch):
     under ``torch.no_grad``, as transformers' generate calls the model."""
     made = []
 
-    def capture(fn, leaves, spec, pool):
-        copies = steps.own_copies(leaves)
+    def capture(fn, leaves, copies, spec, pool):
         own = [copies.get(i, x) for i, x in enumerate(leaves)]
         positional, names = spec
-        outputs = fn(*own[:positional], **dict(zip(names, own[positional:])))
+        # A capture runs nothing: the stand-in's outputs come from a call on throwaway
+        # copies of the objects (a cache written once per call, as on the GPU).
+        scratch = [x if isinstance(x, torch.Tensor) else _scratch(x) for x in own]
+        outputs = fn(*scratch[:positional], **dict(zip(names, scratch[positional:])))
+        originals = {id(s): x for s, x in zip(scratch, own) if s is not x}
+        outputs = {name: originals.get(id(value), value) for name, value in outputs.items()}
         step = _Replayed(fn, copies, [x for x in leaves if not isinstance(x, torch.Tensor)],
                          outputs, own, spec)
         made.append(step)
-        return step, compiler.graphs.map_tensors(outputs, torch.Tensor.clone)
+        return step
 
     monkeypatch.setattr(steps._Step, "capture", staticmethod(capture))
+    monkeypatch.setattr(steps._Step, "warm_up",
+                        staticmethod(lambda fn, args, kwargs: fn(*args, **kwargs)))
     monkeypatch.setattr(steps, "_on_gpu", lambda tensors: True)
     with torch.no_grad():
         yield made
+
+
+def _scratch(obj):
+    """A throwaway copy of an object argument, its tensors cloned."""
+    scratch = copy.copy(obj)
+    for name, value in vars(obj).items():
+        if isinstance(value, torch.Tensor):
+            setattr(scratch, name, value.detach().clone())
+    return scratch
 
 
 class _Cache:
@@ -144,21 +161,50 @@ def test_shapes_that_change_every_call_stop_the_captures_with_a_reason(captures,
 
 
 @torch.no_grad()
-def test_a_call_that_cannot_be_captured_runs_as_it_is(monkeypatch, caplog):
+def test_a_call_that_cannot_be_captured_runs_as_it_is_once(monkeypatch, caplog):
+    """The capture fails after the warm-up ran the call: the warm-up's outputs are the
+    call's, and nothing runs twice (an expert-parallel rank would pair an extra call's
+    communication with its peers' next)."""
     monkeypatch.setattr(steps, "_on_gpu", lambda tensors: True)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(steps._Step, "warm_up",
+                        staticmethod(lambda fn, args, kwargs: fn(*args, **kwargs)))
 
-    def capture(fn, leaves, spec, pool):
+    def capture(fn, leaves, copies, spec, pool):
         raise RuntimeError("Cannot copy between CPU and CUDA tensors during CUDA graph capture")
 
     monkeypatch.setattr(steps._Step, "capture", staticmethod(capture))
     runner, cache = steps.StepGraphs(_forward), _Cache()
     with caplog.at_level(logging.WARNING, logger="ptxforge"):
-        for _ in range(2):
+        for _ in range(3):
             out = _step(runner, cache, 3, 1)
             assert out["logits"].item() == 7.0
     assert "could not be captured: RuntimeError: Cannot copy between CPU and CUDA" in \
         runner.refused
+    assert "without CUDA graphs" in caplog.text
+    assert cache.total.tolist() == [9.0] * 4      # three calls, each run once
+
+
+def _accumulate(x, total):
+    total += x.sum()
+    return {"logits": total * 1}
+
+
+@pytest.mark.parametrize("inference", [False, True])
+def test_a_call_writing_an_argument_in_place_stops_the_captures(captures, caplog, inference):
+    """Its warm-up wrote the caller's tensor (its version counter moved; an inference
+    tensor's values changed): a graph would write its own copy, so the calls run as they
+    are from then on, each writing the caller's tensor."""
+    runner = steps.StepGraphs(_accumulate)
+    with torch.inference_mode() if inference else contextlib.nullcontext():
+        total = torch.zeros(())
+        with caplog.at_level(logging.WARNING, logger="ptxforge"):
+            for _ in range(4):
+                runner(torch.ones(1, 2), total=total)
+    assert total.item() == 8.0
+    assert captures == []
+    assert runner.refused == ("the call writes its argument 'total' in place, where a graph "
+                              "would write its own copy")
     assert "without CUDA graphs" in caplog.text
 
 
@@ -220,11 +266,12 @@ def test_a_weight_changed_after_the_capture_is_refused_before_a_replay(monkeypat
     weight = torch.ones(4)
     compiled = backend.FoldedWeights(lambda x: x * 2, [weight])
 
-    def capture(fn, leaves, spec, pool):
-        outputs = fn(*leaves)
-        return _Frozen(outputs), outputs.clone()
+    def capture(fn, leaves, copies, spec, pool):
+        return _Frozen(fn(*leaves))
 
     monkeypatch.setattr(steps._Step, "capture", staticmethod(capture))
+    monkeypatch.setattr(steps._Step, "warm_up",
+                        staticmethod(lambda fn, args, kwargs: fn(*args, **kwargs)))
     monkeypatch.setattr(steps, "_on_gpu", lambda tensors: True)
     runner = steps.StepGraphs(compiled)
     for _ in range(3):
@@ -261,13 +308,14 @@ def test_compile_leaves_the_call_unwrapped_when_asked_or_with_cuda_graphs_inside
 
 
 def test_compile_leaves_the_call_unwrapped_with_an_ep_group(monkeypatch):
-    """The expert-parallel normal path synchronises with the host: no capture holds it."""
+    """The expert-parallel normal path synchronises with the host: no capture holds it, and
+    asking for one is refused."""
     backend = importlib.import_module("ptxforge.compiler.backend")
     monkeypatch.setattr(backend.expert_parallel, "expert_parallel", lambda *a, **k: None)
     model = torch.nn.Linear(4, 4)
     assert not isinstance(compiler.compile(model, ep_group=object()), steps.StepModule)
-    assert isinstance(compiler.compile(model, ep_group=object(), step_graphs=True),
-                      steps.StepModule)
+    with pytest.raises(ValueError, match="ep_group's normal path synchronises with the host"):
+        compiler.compile(model, ep_group=object(), step_graphs=True)
 
 
 @pytest.mark.parametrize("options", [dict(mode="reduce-overhead"), dict(mode="max-autotune"),

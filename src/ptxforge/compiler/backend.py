@@ -173,8 +173,8 @@ def compile(model, *, fp8: bool = True, precompile: int | None = None,
     None (the default) turns it on, except where the compiled graphs are CUDA graphs
     themselves (``mode="reduce-overhead"`` or ``"max-autotune"``: a graph inside a captured
     call) and with ``ep_group`` (the expert-parallel normal path synchronises with the host,
-    which a capture cannot hold); True turns it on (an error with CUDA graphs inside), False
-    off. When on, the runner is the result's ``steps`` (``max_tokens``, ``max_graphs``).
+    which a capture cannot hold); True turns it on (an error with CUDA graphs inside or
+    with ``ep_group``), False off. When on, the runner is the result's ``steps`` (``max_tokens``, ``max_graphs``).
 
     ``dynamic=None`` (the default): the first call's tensors have their token dimensions
     marked dynamic before Dynamo traces them (``token_dims``), and no others; True or False
@@ -188,6 +188,10 @@ def compile(model, *, fp8: bool = True, precompile: int | None = None,
                  else "options={'triton.cudagraphs': True}")
         raise ValueError(f"step_graphs=True captures whole calls, and {given} captures the "
                          f"compiled graphs inside them: pass one or the other")
+    if step_graphs and ep_group is not None:
+        raise ValueError("step_graphs=True captures whole calls, and ep_group's normal path "
+                         "synchronises with the host, which a capture cannot hold: pass one "
+                         "or the other")
     if step_graphs is None:
         step_graphs = not inner_graphs and ep_group is None
     ep = None if ep_group is None else expert_parallel.expert_parallel(

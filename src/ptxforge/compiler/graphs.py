@@ -102,10 +102,17 @@ class GraphRunner:
 
 
 def warm_and_capture(call, pool) -> tuple:
-    """(graph, the warm-up's outputs, the captured call's outputs): ``call()`` once on a
-    side stream, as torch's graph capture asks (lazy work, assembling kernels, allocating
-    workspaces, a static cache's first state, happens before the capture, not inside it),
-    then captured into the memory pool ``pool``."""
+    """(graph, the warm-up's outputs, the captured call's outputs): ``warm_up(call)``, then
+    ``capture(call, pool)``."""
+    warm = warm_up(call)
+    graph, outputs = capture(call, pool)
+    return graph, warm, outputs
+
+
+def warm_up(call):
+    """``call()`` once on a side stream, as torch's graph capture asks (lazy work,
+    assembling kernels, allocating workspaces, a static cache's first state, happens before
+    the capture, not inside it); its outputs, recorded on the current stream."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -113,10 +120,16 @@ def warm_and_capture(call, pool) -> tuple:
     current = torch.cuda.current_stream()
     current.wait_stream(stream)
     map_tensors(warm, lambda t: t.record_stream(current))   # (allocated on the side stream)
+    return warm
+
+
+def capture(call, pool) -> tuple:
+    """(graph, its outputs): ``call()`` captured into the memory pool ``pool`` (a capture
+    records the kernels; it runs none)."""
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool):
         outputs = call()
-    return graph, warm, outputs
+    return graph, outputs
 
 
 def _signature(x):

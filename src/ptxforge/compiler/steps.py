@@ -8,7 +8,9 @@ replay and clone the outputs: no Dynamo, no model code on the hot path.
     call(*args, **kwargs) --autograd recording, a CPU
                             tensor, many tokens, a new
                             key, or refused-----------> the compiled function as it is
-                          --few tokens, key seen once--> run once (warm-up), capture
+                          --few tokens, key seen once--> run once on the caller's
+                                                         tensors (warm-up), capture on
+                                                         the graph's own copies
                           --few tokens, key captured---> the captured call's weight checks,
                                                          copy the argument tensors into the
                                                          graph's own, replay, clone its
@@ -36,9 +38,15 @@ A replay runs none of the call's Python: the checks the compiled call makes on i
 (``backend.FoldedWeights``: a weight changed since the compile) register with the capture
 (``check_on_replay``) and run before each replay instead.
 
-A call's tokens: the fewest any argument tensor holds (the product of its token
-dimensions): the token ids of a decode step hold one a sequence, where a mask over the
-whole static cache holds its length.
+A call that writes an argument tensor in place (found after its warm-up: the tensor's
+version counter moved, or an inference tensor's values changed) would write the graph's
+copy instead on a replay: it stops the captures, with its reason. Every call runs the
+model once, captured or not (a capture records the kernels, it runs none): the ranks of
+an expert-parallel model pair each call's communication with each other's.
+
+A call's tokens: the fewest any argument tensor with dimensions holds (the product of its
+token dimensions): the token ids of a decode step hold one a sequence, where a mask over
+the whole static cache holds its length; a 0-d tensor (a scale, a step) holds none.
 
 At most MAX_GRAPHS graphs are kept, the least recently replayed dropped first: each
 ``generate`` makes a new static cache, so its graphs are never replayed after it ends. A
@@ -118,12 +126,24 @@ class StepGraphs:
         del self.seen[key]
         _capturing.append([])
         try:
-            step, outputs = _Step.capture(self.fn, leaves, spec, self.pool)
-        except Exception as error:  # a capture the call's code forbids: run it as it is
-            torch.cuda.synchronize()
-            return self._refuse(f"the call could not be captured: {type(error).__name__}: "
-                                f"{str(error).splitlines()[0] if str(error) else ''}",
-                                args, kwargs)
+            # The call runs once, here, on the caller's tensors; the capture records it on
+            # the graph's own copies and runs nothing, so a refusal after it runs nothing
+            # twice.
+            copies = own_copies(leaves)
+            versions = {i: leaves[i]._version for i in copies if not leaves[i].is_inference()}
+            outputs = _Step.warm_up(self.fn, args, kwargs)
+            written = _written(leaves, copies, versions, spec)
+            if written:
+                self._refuse(f"the call writes its argument {written} in place, where a "
+                             f"graph would write its own copy", None, None)
+                return outputs
+            try:
+                step = _Step.capture(self.fn, leaves, copies, spec, self.pool)
+            except Exception as error:  # a capture the call's code forbids: run it as it is
+                torch.cuda.synchronize()
+                self._refuse(f"the call could not be captured: {type(error).__name__}: "
+                             f"{str(error).splitlines()[0] if str(error) else ''}", None, None)
+                return outputs
         finally:
             checks = _capturing.pop()
         step.checks = tuple(dict.fromkeys(checks))   # each made twice: warm-up, capture
@@ -134,10 +154,12 @@ class StepGraphs:
         return outputs
 
     def _refuse(self, reason: str, args, kwargs):
+        """Stop capturing, with one logged reason; then run the call (``args`` None: it ran
+        already)."""
         self.refused = reason
         log.warning("ptxforge runs this model's calls without CUDA graphs from now on: %s",
                     reason)
-        return self.fn(*args, **kwargs)
+        return None if args is None else self.fn(*args, **kwargs)
 
 
 class _Step:
@@ -150,19 +172,24 @@ class _Step:
             graph, copies, held, outputs, pool)
         self.checks: tuple = ()
 
+    @staticmethod
+    def warm_up(fn, args, kwargs):
+        """The call, once, on the caller's arguments, on a side stream as a capture asks
+        (kernels assembled, workspaces allocated, lazy state such as a static cache's
+        made): its outputs."""
+        return graphs.warm_up(lambda: fn(*args, **kwargs))
+
     @classmethod
-    def capture(cls, fn, leaves: list, spec, pool):
-        """(the step, the warm-up call's outputs): a warm-up call on a side stream (kernels
-        assembled, workspaces allocated, lazy state such as a static cache's made), then
-        the capture on the same argument copies."""
-        copies = own_copies(leaves)
+    def capture(cls, fn, leaves: list, copies: dict, spec, pool):
+        """The step: the call captured on the graph's own copies of the argument tensors
+        (``copies``, by position among the leaves) and the other leaves as they are."""
         own = [copies.get(i, x) for i, x in enumerate(leaves)]
         positional, names = spec
         args, kwargs = own[:positional], dict(zip(names, own[positional:]))
         pool = pool if pool is not None else torch.cuda.graph_pool_handle()
-        graph, warm, outputs = graphs.warm_and_capture(lambda: fn(*args, **kwargs), pool)
+        graph, outputs = graphs.capture(lambda: fn(*args, **kwargs), pool)
         held = [x for x in leaves if not isinstance(x, torch.Tensor)]
-        return cls(graph, copies, held, outputs, pool), warm
+        return cls(graph, copies, held, outputs, pool)
 
     def replay(self, leaves: list):
         for i, copy in self.copies.items():
@@ -177,6 +204,20 @@ def own_copies(leaves: list) -> dict:
     may copy into them (an inference tensor takes no in-place write there)."""
     with torch.inference_mode(False):
         return {i: x.clone() for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)}
+
+
+def _written(leaves: list, copies: dict, versions: dict, spec) -> str | None:
+    """The first argument tensor the warm-up call wrote in place (its keyword, or its
+    position), judged by its version counter (``versions``: before the call), or, for an
+    inference tensor (which keeps none), by its values against the copy made before the
+    call; None if none."""
+    positional, names = spec
+    for i, copy in copies.items():
+        x = leaves[i]
+        changed = x._version != versions[i] if i in versions else not torch.equal(x, copy)
+        if changed:
+            return repr(names[i - positional]) if i >= positional else str(i)
+    return None
 
 
 def _leaf_key(x):
@@ -197,9 +238,11 @@ def _on_gpu(tensors: list) -> bool:
 
 
 def _tokens(tensors: list) -> int:
-    """The fewest tokens an argument tensor holds: the product of its token dimensions
-    (``token_dims``: every dimension longer than 1 but a float tensor's features)."""
-    return min(math.prod(x.shape[d] for d in token_dims(x)) for x in tensors)
+    """The fewest tokens an argument tensor with dimensions holds: the product of its token
+    dimensions (``token_dims``: every dimension longer than 1 but a float tensor's
+    features); 0 where every argument tensor is 0-d."""
+    return min((math.prod(x.shape[d] for d in token_dims(x)) for x in tensors if x.dim()),
+               default=0)
 
 
 class StepModule(torch.nn.Module):
