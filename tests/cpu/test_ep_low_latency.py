@@ -80,7 +80,7 @@ def test_sequence_numbers_skip_zero():
 @pytest.mark.parametrize("phase", ["send", "receive", "both"])
 @pytest.mark.parametrize("ranks, max_tokens, hidden, experts, topk", [
     (2, 128, 7168, 256, 8), (8, 128, 7168, 256, 8), (4, 256, 4096, 64, 6), (3, 7, 384, 6, 2),
-    (2, 16, 128, 8, 16)])
+    (2, 16, 128, 8, 16), (8, 256, 7168, 256, 16)])
 def test_variants_assemble_without_spills(phase, ranks, max_tokens, hidden, experts, topk):
     summed = combine_kernel.choose_config(SM90, ranks, max_tokens, hidden, experts, topk,
                                           phase=phase, summed=True)

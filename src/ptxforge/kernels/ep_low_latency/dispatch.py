@@ -59,6 +59,10 @@ from . import common
 from .plan import COUNT_BITS, SEQUENCE_MAX
 
 BATCH = 32                 # tokens a warp scans at once, one a lane
+# Top-k words a receive lane loads before matching them: the rounds' loads overlap, within
+# MIN_CTAS_PER_SM's 128 registers a thread (8 ranks x 256 tokens at top-16: 128 words in
+# one group spilled).
+SCAN_WORDS = 64
 
 
 @dataclass(frozen=True)
@@ -309,51 +313,55 @@ class _Units:
 
 def _scan(k, cfg, t, units: _Units, tokens_at, counts_at):
     """Each round's unit: lane i's token's first k position naming the local expert in
-    its top-k row (k: none), a ballot, the unit's count into shared memory; every round's
-    top-k loads issued before the first match. Returns (ballots, positions), a register
-    a round."""
+    its top-k row (k: none), a ballot, the unit's count into shared memory; the top-k
+    loads of as many rounds as SCAN_WORDS registers hold issued before their first match.
+    Returns (ballots, positions), a register a round."""
     plan, local = cfg.plan, t.index
     ballots = k.regs("b32", units.rounds, "ballot")
     positions = k.regs("u32", units.rounds, "position")
-    values = [k.regs("u32", cfg.topk, f"top_k_{r}_") for r in range(units.rounds)]
+    group = max(1, min(units.rounds, SCAN_WORDS // cfg.topk))
+    values = [k.regs("u32", cfg.topk, f"top_k_{r}_") for r in range(group)]
     unit, source, batch, tokens, token, n = (k.reg("u32", name) for name in (
         "unit", "source", "batch", "source_token_count", "lane_token", "unit_count"))
     row_at, at = k.reg("u64", "top_k_row"), k.reg("u32", "count_at")
     exists, in_batch, match, goes = (k.pred(name) for name in (
         "unit_exists", "in_batch", "match", "goes"))
-    with k.stage("scan: each round's unit's top-k rows, loaded"):
-        for r in range(units.rounds):
-            units.coordinates(k, t, cfg, r, unit, source, batch, exists)
-            k.mad(at, source, 4, tokens_at)
-            k.mov(tokens, 0)
-            with k.guard(exists):
-                k.ld(tokens, addr(at), space="shared")
-            k.mad(token, batch, BATCH, t.lane)
-            k.setp("lt", in_batch, token, tokens)
-            k.and_pred(in_batch, in_batch, exists)
-            k.mad(token, source, cfg.max_tokens, token)  # slot (source, token)
-            k.mad(row_at, token, 4 * cfg.topk, t.own, mode="wide")
-            for j, value in enumerate(values[r]):
-                k.mov(value, -1)
-                with k.guard(in_batch):
-                    k.ld(value, addr(row_at, plan.dispatch_topk + 4 * j),
-                         **intranode.PAYLOAD_LOAD)
-    with k.stage("scan: the first k position naming the local expert, a ballot, the count"):
-        for r in range(units.rounds):
-            k.mov(positions[r], cfg.topk)  # none
-            for j in reversed(range(cfg.topk)):  # the last match kept is the first position
-                k.setp("eq", match, values[r][j], local)
-                with k.guard(match):
-                    k.mov(positions[r], j)
-            k.setp("lt", goes, positions[r], cfg.topk)
-            k.vote_sync(ballots[r], goes, mode="ballot")
-            k.popc(n, ballots[r])
-            k.add(unit, t.warp, cfg.WARPS * r)
-            k.setp("lt", exists, unit, units.count)
-            k.and_pred(exists, exists, t.lane0)
-            k.mad(at, unit, 4, counts_at)
-            with k.guard(exists):
-                k.st(addr(at), n, space="shared")
+    for first in range(0, units.rounds, group):
+        rounds = range(first, min(first + group, units.rounds))
+        with k.stage("scan: the top-k rows of a group of rounds' units, loaded"):
+            for r in rounds:
+                units.coordinates(k, t, cfg, r, unit, source, batch, exists)
+                k.mad(at, source, 4, tokens_at)
+                k.mov(tokens, 0)
+                with k.guard(exists):
+                    k.ld(tokens, addr(at), space="shared")
+                k.mad(token, batch, BATCH, t.lane)
+                k.setp("lt", in_batch, token, tokens)
+                k.and_pred(in_batch, in_batch, exists)
+                k.mad(token, source, cfg.max_tokens, token)  # slot (source, token)
+                k.mad(row_at, token, 4 * cfg.topk, t.own, mode="wide")
+                for j, value in enumerate(values[r - first]):
+                    k.mov(value, -1)
+                    with k.guard(in_batch):
+                        k.ld(value, addr(row_at, plan.dispatch_topk + 4 * j),
+                             **intranode.PAYLOAD_LOAD)
+        with k.stage("scan: the first k position naming the local expert, a ballot, the "
+                     "count"):
+            for r in rounds:
+                k.mov(positions[r], cfg.topk)  # none
+                for j in reversed(range(cfg.topk)):  # the last match kept is the first
+                    k.setp("eq", match, values[r - first][j], local)
+                    with k.guard(match):
+                        k.mov(positions[r], j)
+                k.setp("lt", goes, positions[r], cfg.topk)
+                k.vote_sync(ballots[r], goes, mode="ballot")
+                k.popc(n, ballots[r])
+                k.add(unit, t.warp, cfg.WARPS * r)
+                k.setp("lt", exists, unit, units.count)
+                k.and_pred(exists, exists, t.lane0)
+                k.mad(at, unit, 4, counts_at)
+                with k.guard(exists):
+                    k.st(addr(at), n, space="shared")
     return ballots, positions
 
 
