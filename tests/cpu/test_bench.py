@@ -201,6 +201,8 @@ def _ep_ranks():
     overlap = dict(gemm_sms=112, comm_sms=20, gemm_rows=9000, gemm_us=900.0,
                    rings=beside(300.0, 960.0), direct=beside(150.0, 945.0))
     decode = lambda d, c: dict(dispatch_us=d, combine_us=c, pair_us=d + c + 5,
+                               dispatch_weighted_us=d + 1, dispatch_weighted_send_us=d / 2,
+                               dispatch_weighted_receive_us=d / 2 + 1,
                                combine_summed_us=c / 2, combine_summed_send_us=c / 4,
                                combine_summed_receive_us=c / 8, summed_pair_us=d + c / 2 + 5)
     return [dict(sweep=sweep(200.0, 400.0), dispatch_bytes=30e6, combine_bytes=58e6,
@@ -238,8 +240,9 @@ def test_ep_summary_takes_the_slowest_rank_and_picks_within_the_budget():
     assert ("gemm 880 -> 935 us (x1.06), starting at +0 us, dispatch 100 -> 150 us (x1.50), "
             "starting at +12 us") in table
     assert "dispatch 14.0 us, combine 24.0 us; a dispatch + combine pair 41.0 us" in table
-    assert ("the weights sent with the dispatch (the layer's): combine summed on the experts' "
-            "ranks 12.0 us (send 6.0, receive 3.0 apart); a pair 29.0 us") in table
+    assert ("the weights sent with the dispatch (the layer's): dispatch 15.0 us (send 7.0, "
+            "receive 8.0 apart), combine summed on the experts' ranks 12.0 us (send 6.0, "
+            "receive 3.0 apart); a pair 29.0 us") in table
     # The slowest rank's each; GB/s of the ranks' mean bytes (31 MB, 59 MB).
     assert ("  direct dispatch, pull combine: dispatch 150.0 us (exchange 10.0, dispatch "
             "125.0: 248 GB/s), combine 300.0 us (kernel 250.0: 236 GB/s)") in table

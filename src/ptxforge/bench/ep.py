@@ -236,7 +236,8 @@ def _decode(rank: int, world: int, p: dict) -> dict:
     from the later rank's start), and the replay's time per pair by events; then the same
     with the receive hooks, each half's kernel timed apart; then both again with the
     weights sent by the dispatch (the MoE layer's decode path), whose combine sums on the
-    experts' ranks (``combine_summed_us``, ``summed_pair_us``)."""
+    experts' ranks (``combine_summed_us``, ``summed_pair_us``; the dispatch given the
+    weights: ``dispatch_weighted_us``)."""
     import torch.distributed as dist
 
     from ..ep import Buffer
@@ -271,8 +272,10 @@ def _decode(rank: int, world: int, p: dict) -> dict:
                 result["summed_pair_us" if summed else "pair_us"] = batch_us(
                     graph.replay, 1, p["repeats"]) / DECODE_PAIRS
             medians = _replay_kernel_medians(graph, p["repeats"], _low_latency_kernel)
-            result.update(medians if summed else
-                          {name: us for name, us in medians.items() if "summed" not in name})
+            # With the weights the dispatch is the same kernel given more to send: its
+            # times are kept apart (dispatch_weighted_*).
+            result.update({name.replace("dispatch", "dispatch_weighted") if summed else name: us
+                           for name, us in medians.items() if summed or "summed" not in name})
     buffer.destroy()
     return result
 
@@ -525,8 +528,12 @@ def ep_table(result: dict) -> str:
             f"{op} {phase} {d[f'{op}_{phase}_us']:.1f} us" for op in ("dispatch", "combine")
             for phase in ("send", "receive")))
     if "combine_summed_us" in d:
-        text += (f"\n  the weights sent with the dispatch (the layer's): combine summed on "
-                 f"the experts' ranks {d['combine_summed_us']:.1f} us (send "
+        weighted = (f"dispatch {d['dispatch_weighted_us']:.1f} us (send "
+                    f"{d['dispatch_weighted_send_us']:.1f}, receive "
+                    f"{d['dispatch_weighted_receive_us']:.1f} apart), "
+                    if "dispatch_weighted_us" in d else "")
+        text += (f"\n  the weights sent with the dispatch (the layer's): {weighted}combine "
+                 f"summed on the experts' ranks {d['combine_summed_us']:.1f} us (send "
                  f"{d['combine_summed_send_us']:.1f}, receive "
                  f"{d['combine_summed_receive_us']:.1f} apart); a pair "
                  f"{d['summed_pair_us']:.1f} us")

@@ -684,7 +684,9 @@ class Buffer:
         """Send each row of the experts' outputs (bf16 [L, M, H], the dispatch's layout)
         back to its token's rank and sum there: returns ``(combined bf16 [T, H], event,
         hook)``, combined[t] the f32 sum in k order of topk_weights[t, j] times the row of
-        expert topk_idx[t, j], rounded to bf16 once; bitwise the same run to run."""
+        expert topk_idx[t, j], rounded to bf16 once (after a dispatch given the weights:
+        each experts' rank's part rounded to bf16, the parts summed in rank order);
+        bitwise the same run to run."""
         self.check_timeout()
         self._check_low_latency_options(async_finish, use_logfmt=(use_logfmt, False),
                                         zero_copy=(zero_copy, False), out=(out, None))

@@ -253,7 +253,9 @@ def combine(group: Group, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights:
     dispatch's layout) back to its token's rank and sum there: returns ``(combined bf16
     [T, H], hook)``, combined[t] the f32 sum in k order of topk_weights[t, j] times the
     row of expert topk_idx[t, j] (pairs outside [0, E) skipped), rounded to bf16 once;
-    the same bits run to run."""
+    after a dispatch given the weights, each experts' rank's part so summed and rounded to
+    bf16, then the parts summed in rank order in f32 and rounded once; the same bits run
+    to run."""
     check_combine(x, topk_idx, topk_weights, handle, device=group.device_index)
     plan = LowLatencyPlan(handle.ranks, handle.max_tokens, handle.hidden, handle.experts,
                           handle.topk)

@@ -20,9 +20,10 @@ from .plan import LowLatencyPlan, check_problem
 
 PHASES = ("send", "receive", "both")
 WARPS = 4  # a CTA's warps: enough rows in flight per expert or token, many CTAs an SM
-# CTAs an SM must hold (at most 128 registers a thread): a cooperative launch of E + L
-# CTAs (384 for 256 experts over 2 ranks) fits 132 SMs; ptxas's own choice for these
-# kernels (40 registers) spilled. A kernel's config may take other values (the dispatch's).
+# CTAs an SM must hold (at most 128 registers a thread): a cooperative launch of both
+# halves (the summed combine's 256 send CTAs and up to 256 receivers) fits 132 SMs; ptxas's
+# own choice for these kernels (40 registers) spilled. A kernel's config may take other
+# values (the dispatch's).
 MIN_CTAS_PER_SM = 4
 # The 16-byte vectors of a row a lane has in flight: a decode call's CTA copies a few rows,
 # one after another, so each copy's latency is its cost; 16 cover a 7168-byte e4m3 row

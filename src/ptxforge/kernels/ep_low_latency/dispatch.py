@@ -14,25 +14,27 @@ Roles (common.py: send CTAs first, then receive CTAs; ``WARPS`` warps each):
     destination rank d)           (plan.send_chunk tokens): lane j < k loads the token's
                                   j-th expert and stores it as d's local expert (-1: an
                                   expert elsewhere, or none) into d's top-k row (this rank,
-                                  token); if a ballot finds one on d, the warp copies the
-                                  e4m3 row (16-byte vectors, one round) and its scales into
-                                  slot (this rank, token) of d. bar.sync, then thread 0
+                                  token), and its weight beside it where the dispatch was
+                                  given weights; if a ballot finds one on d, the warp copies
+                                  the e4m3 row (16-byte vectors, one round) and its scales
+                                  into slot (this rank, token) of d. bar.sync, then thread 0
                                   takes its next sequence number and publishes
                                   ``sequence << 9 | tokens`` into flag (this rank, c) of d
                                   with st.release.sys (every CTA, tokens or none).
     receiver l (one CTA a local   thread (s, c) < R x C waits (ld.acquire.sys, timed) for
     expert)                       flag (s, c) to carry the next sequence number of pair
                                   (l, s); (s, 0) shares rank s's token count. bar.sync;
-                                  warp w scans each source's batches w, w + WARPS, ... of
-                                  32 tokens (one a lane): the first k position naming l in
-                                  the token's top-k row, a ballot, the batch's count into
-                                  shared memory; bar.sync; source s's rows follow those of
-                                  the sources before it, in token order (the earlier
-                                  batches' counts, then the ballot: no atomics). Warp w
-                                  copies its batches' routed tokens: slot (s, token)'s
-                                  e4m3 row, its scales (into MN-major recv_scales), and
-                                  (s, token, k position) into recv_src_info. Thread 0
-                                  writes recv_count[l].
+                                  the warps take units (source s, batch of 32 tokens, one a
+                                  lane) in turn, w, w + WARPS, ...: the first k position
+                                  naming l in each token's top-k row, a ballot, the unit's
+                                  count into shared memory; bar.sync; each unit's first row
+                                  the counts of the units before it summed (source s's rows
+                                  follow the earlier sources', in token order: no atomics),
+                                  thread ``units`` writing recv_count[l]; bar.sync. Each
+                                  warp copies its units' routed tokens: slot (s, token)'s
+                                  e4m3 row, its scales (into MN-major recv_scales), (s,
+                                  token, k position) into recv_src_info, and the row into
+                                  dispatch_rows (s, token, j) for each j naming l.
 
 Memory orders: a sender's payload stores precede its flag's release (bar.sync, then one
 thread's release); a receiver's loads follow its acquires (the waiting threads', passed

@@ -40,10 +40,15 @@ and a flag from an earlier call carries an older number. The combine reuses its
 dispatch's numbers (the sender's ``dispatch_received``, the receiver's
 ``dispatch_sent`` of the expert's rank and CTA 0): one combine a dispatch. Numbers run
 1 .. 2**23 - 1 and wrap to 1, so a zeroed flag never matches. A call's receive half must
-end on every rank before any rank's next send of the same kind rewrites its slots: the
-dispatch -> combine -> dispatch chain guarantees it (a rank's next dispatch follows its
-combine, which waited for every peer's combine send, which followed that peer's dispatch
-receive).
+end on every rank before any rank's next send of the same kind rewrites its slots. The
+dispatch -> combine -> dispatch chain guarantees it between ranks that hold pairs of each
+other's tokens: a rank's next dispatch follows its combine, which waited for the combine
+sends of the ranks holding its tokens' pairs, which followed their dispatch receives. A
+rank whose tokens have no pair on a peer (none at all, or none routed there) does not
+wait for that peer's combine: if the peer's dispatch receive has not read this round's
+flag yet when the rank's next dispatch send rewrites it, that receive waits until its
+watchdog traps. The ranks must not drift a whole round apart (a combine receive that
+waits for every peer's combine send would close it).
 """
 
 from __future__ import annotations
@@ -59,7 +64,7 @@ SCALE_GROUP = 128
 ALIGN = 16
 REGION_ALIGN = 1024
 MAX_SEND_CTAS = 16        # a destination's send CTAs: R x C flags, one a receiver's thread
-TOKENS_PER_SEND_CTA = 8   # at least: two a warp, each a row's copy in flight
+TOKENS_PER_SEND_CTA = 8   # at least: one a warp of the dispatch's 8, a row's copy in flight
 
 
 def _aligned(n: int, to: int = ALIGN) -> int:
