@@ -174,7 +174,8 @@ def compile(model, *, fp8: bool = True, precompile: int | None = None,
     themselves (``mode="reduce-overhead"`` or ``"max-autotune"``: a graph inside a captured
     call) and with ``ep_group`` (the expert-parallel normal path synchronises with the host,
     which a capture cannot hold); True turns it on (an error with CUDA graphs inside or
-    with ``ep_group``), False off. When on, the runner is the result's ``steps`` (``max_tokens``, ``max_graphs``).
+    with ``ep_group``), False off. When on, the runner is the result's ``steps``
+    (``max_tokens``, ``max_graphs``).
 
     ``dynamic=None`` (the default): the first call's tensors have their token dimensions
     marked dynamic before Dynamo traces them (``token_dims``), and no others; True or False

@@ -97,16 +97,9 @@ class GraphRunner:
             args[i] = copy
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        graph, warm, outputs = warm_and_capture(lambda: self.fn(*args), self.pool)
+        warm = warm_up(lambda: self.fn(*args))
+        graph, outputs = capture(lambda: self.fn(*args), self.pool)
         return _Graph(graph, copies, outputs), warm
-
-
-def warm_and_capture(call, pool) -> tuple:
-    """(graph, the warm-up's outputs, the captured call's outputs): ``warm_up(call)``, then
-    ``capture(call, pool)``."""
-    warm = warm_up(call)
-    graph, outputs = capture(call, pool)
-    return graph, warm, outputs
 
 
 def warm_up(call):

@@ -117,8 +117,9 @@ class StepGraphs:
         if key not in self.seen:
             self._new_in_a_row += 1
             if self._new_in_a_row > GROWING:
-                return self._refuse(f"{GROWING} calls in a row each with new shapes (a "
-                                    f"cache that grows every step?)", args, kwargs)
+                self._refuse(f"{GROWING} calls in a row each with new shapes (a cache that "
+                             f"grows every step?)")
+                return self.fn(*args, **kwargs)
             self.seen[key] = None
             if len(self.seen) > SEEN:
                 self.seen.popitem(last=False)
@@ -135,14 +136,14 @@ class StepGraphs:
             written = _written(leaves, copies, versions, spec)
             if written:
                 self._refuse(f"the call writes its argument {written} in place, where a "
-                             f"graph would write its own copy", None, None)
+                             f"graph would write its own copy")
                 return outputs
             try:
                 step = _Step.capture(self.fn, leaves, copies, spec, self.pool)
             except Exception as error:  # a capture the call's code forbids: run it as it is
                 torch.cuda.synchronize()
                 self._refuse(f"the call could not be captured: {type(error).__name__}: "
-                             f"{str(error).splitlines()[0] if str(error) else ''}", None, None)
+                             f"{str(error).splitlines()[0] if str(error) else ''}")
                 return outputs
         finally:
             checks = _capturing.pop()
@@ -153,13 +154,11 @@ class StepGraphs:
             self.graphs.popitem(last=False)
         return outputs
 
-    def _refuse(self, reason: str, args, kwargs):
-        """Stop capturing, with one logged reason; then run the call (``args`` None: it ran
-        already)."""
+    def _refuse(self, reason: str) -> None:
+        """Stop capturing, with one logged reason."""
         self.refused = reason
         log.warning("ptxforge runs this model's calls without CUDA graphs from now on: %s",
                     reason)
-        return None if args is None else self.fn(*args, **kwargs)
 
 
 class _Step:

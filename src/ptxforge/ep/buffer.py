@@ -16,8 +16,9 @@ no host synchronisation. On a buffer with room for the worst case's rows
 (``buffer_size(..., num_worst_tokens=N)``) such a dispatch writes each row straight into
 its receiver's buffer, and a combine of ``combine_input(handle)`` pulls each token's rows
 from its ranks' buffers: no rings either way. The kernels run on the buffer's
-communication stream, after the current stream's work (or ``previous_event``); the current stream waits for them
-unless ``async_finish``, and each call returns the event it can wait on instead.
+communication stream, after the current stream's work (or ``previous_event``); the current
+stream waits for them unless ``async_finish``, and each call returns the event it can wait
+on instead.
 
 The decode path (``low_latency_dispatch`` / ``low_latency_combine``, DeepEP's names) uses
 a buffer of its own, ``num_rdma_bytes`` (``get_low_latency_rdma_size_hint``), mapped by

@@ -305,10 +305,14 @@ class _Units:
         self.count = cfg.ranks * self.batches
         self.rounds = -(-self.count // cfg.WARPS)
 
-    def coordinates(self, k, t, cfg, r: int, unit, source, batch, exists) -> None:
-        """Round r's unit of this warp, its source and batch, and whether it exists."""
+    def unit(self, k, t, cfg, r: int, unit, exists) -> None:
+        """Round r's unit of this warp, and whether it exists."""
         k.add(unit, t.warp, cfg.WARPS * r)
         k.setp("lt", exists, unit, self.count)
+
+    def coordinates(self, k, t, cfg, r: int, unit, source, batch, exists) -> None:
+        """Round r's unit of this warp, its source and batch, and whether it exists."""
+        self.unit(k, t, cfg, r, unit, exists)
         k.div(source, unit, self.batches)
         k.rem(batch, unit, self.batches)
 
@@ -358,8 +362,7 @@ def _scan(k, cfg, t, units: _Units, tokens_at, counts_at):
                 k.setp("lt", goes, positions[r], cfg.topk)
                 k.vote_sync(ballots[r], goes, mode="ballot")
                 k.popc(n, ballots[r])
-                k.add(unit, t.warp, cfg.WARPS * r)
-                k.setp("lt", exists, unit, units.count)
+                units.unit(k, t, cfg, r, unit, exists)
                 k.and_pred(exists, exists, t.lane0)
                 k.mad(at, unit, 4, counts_at)
                 with k.guard(exists):
