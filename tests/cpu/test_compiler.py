@@ -6,6 +6,7 @@ meta device (the FFN block, a small Llama) get their RMSNorms and SwiGLUs fused 
 quantization, their parallel Linears joined and their residual adds moved into the GEMM;
 the plan's kernels and the CLI's report come from the same trace."""
 
+import inspect
 import sys
 import types
 
@@ -297,6 +298,51 @@ def test_transformers_causal_mask_and_kv_repeat_go_to_sdpa_with_the_same_result(
         got = torch.compile(model, backend=lambda gm, ex: (compiler.rewrite(gm, ex), gm.forward)[1],
                             dynamic=True)(ids, use_cache=False).last_hidden_state
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def _rewritten(fn, plans):
+    def backend(gm, example_inputs):
+        plans.append(compiler.rewrite(gm, example_inputs))
+        return gm.forward
+    return torch.compile(fn, backend=backend)
+
+
+def test_decode_steps_over_a_static_cache_read_each_key_once():
+    """A decode step's mask covers the static cache's length, so SDPA keeps it (the causal
+    rewrite leaves it), and reads the keys and values unrepeated (enable_gqa). The same
+    logits as eager: at every step of a generate, and for three tokens at once."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+        num_hidden_layers=2, vocab_size=128)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    eager, plans = model.forward, []
+    ids = torch.randint(0, 128, (2, 5))
+    generation = transformers.GenerationConfig(
+        max_new_tokens=4, min_new_tokens=4, do_sample=False, cache_implementation="static",
+        pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        expected = model.generate(ids, generation_config=generation).logits
+        model.forward = _rewritten(eager, plans)
+        got = model.generate(ids, generation_config=generation).logits
+        for step, (mine, theirs) in enumerate(zip(got, expected, strict=True)):
+            torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5, msg=f"step {step}")
+        three = torch.randint(0, 128, (2, 3))
+        # (transformers 5.2x names it cache, earlier ones past_key_values)
+        name = "cache" if "cache" in inspect.signature(eager).parameters else "past_key_values"
+        logits = []
+        for forward in (eager, model.forward):
+            cache = transformers.StaticCache(config=config, max_cache_len=16)
+            forward(input_ids=ids, **{name: cache})
+            logits.append(forward(input_ids=three, **{name: cache}).logits)
+        torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
+    grouped = [item for plan in plans for item in plan if item.rewrite == "grouped-query attention"]
+    assert {item.operator for item in grouped} == {"SDPA enable_gqa=True"}
+    # each layer's of every graph: at least the decode step's and the three tokens'
+    assert len(grouped) >= 2 * config.num_hidden_layers
 
 
 def test_a_padding_mask_or_a_sliding_window_keeps_the_mask():

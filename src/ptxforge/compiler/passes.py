@@ -15,9 +15,10 @@
                   silu(g) * u -> ptxforge.silu_mul_fp8 (the fused row kernels)
     residual      r + Linear(...) -> the GEMM adds r in its epilogue
     attention     SDPA with transformers' causal mask (built from the sequence length alone)
-                  -> SDPA with is_causal=True: the same result, half the work and no mask;
-                  keys and values repeated for grouped-query attention (expand + reshape)
-                  -> SDPA's enable_gqa=True on the unrepeated ones (no copies)
+                  -> SDPA with is_causal=True: the same result, half the work and no mask
+    kv            keys and values repeated for grouped-query attention (expand + reshape)
+                  -> SDPA's enable_gqa=True on the unrepeated ones (no copies), with or
+                  without a mask (a decode step's over a static cache stays)
 
 Each pass reads a node's value from its ``example_value`` (the fake tensor Dynamo traced),
 and each node it makes gets one, computed by the operator's fake, so the passes after it
@@ -407,8 +408,6 @@ def use_causal_attention(g: Graph) -> list[Replacement]:
             why_not = "the mask is causal: checked at lengths " + ", ".join(map(str, CHECKED_LENGTHS))
         plan.append(Replacement("causal attention", node.name,
                                 None if why else "SDPA is_causal=True", why or why_not))
-        if why is None:
-            plan += _unrepeat_kv(g, node)
     return plan
 
 
@@ -424,6 +423,20 @@ def _unrepeat_kv(g: Graph, sdpa) -> list[Replacement]:
     sdpa.kwargs = {**sdpa.kwargs, "enable_gqa": True}
     return [Replacement("grouped-query attention", sdpa.name, "SDPA enable_gqa=True",
                         f"keys and values not repeated {unrepeated[0][1]} times")]
+
+
+def read_kv_once(g: Graph) -> list[Replacement]:
+    """SDPA over keys and values repeated for grouped-query attention (transformers'
+    repeat_kv: a copy of them n times a call, of the whole static cache in a decode step):
+    enable_gqa=True on the unrepeated ones, a mask kept where the causal rewrite left it
+    (a decode step's covers the cache's length). torch's cuDNN attention takes the group
+    and the mask together (H200, a decode step's one query a sequence, 8 key-value heads
+    of 32: 1 x 641 keys 26.0 -> 11.3 us, 32 x 4225 keys 2818 -> 140 us)."""
+    plan = []
+    for node in list(g.graph.nodes):
+        if kind(node) == "sdpa" and not node.kwargs.get("enable_gqa"):
+            plan += _unrepeat_kv(g, node)
+    return plan
 
 
 def _repeated(g: Graph, node):
@@ -521,6 +534,7 @@ def rewrite(gm: torch.fx.GraphModule, example_inputs, *, fp8: bool, arch_of,
         plan += fuse_producers(g, made, arch_of)
     plan += fuse_residuals(g, made)
     plan += use_causal_attention(g)
+    plan += read_kv_once(g)
     g.graph.eliminate_dead_code(is_impure_node=_kept_by_dce)
     g.graph.lint()
     gm.recompile()
