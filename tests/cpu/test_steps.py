@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import importlib
 import logging
+import weakref
 
 import pytest
 
@@ -20,31 +22,32 @@ from ptxforge import compiler  # noqa: E402
 from ptxforge.compiler import steps  # noqa: E402
 
 
-class _Replayed:
-    """A captured call's stand-in: replay runs ``fn`` on the copies and writes its
-    tensors into the captured outputs' own, as a graph's replay would (whatever the
-    tensors: in inference mode, which writes into inference tensors too)."""
+class _Graph:
+    """A captured graph's stand-in: a replay runs ``fn`` on the graph's own argument copies
+    and the argument objects (weakly held, as the runner holds them) and writes its tensors
+    into the captured outputs' own, as a graph's replay would (whatever the tensors: in
+    inference mode, which writes into inference tensors too)."""
 
-    def __init__(self, fn, copies, held, outputs, own, spec):
-        self.fn, self.copies, self.held, self.outputs = fn, copies, held, outputs
-        self.own, self.spec = own, spec
-        self.replays, self.pool = 0, None
+    def __init__(self, fn, own, spec):
+        self.fn, self.spec, self.replays = fn, spec, 0
+        self.own = [x if isinstance(x, torch.Tensor) or steps._leaf_key(x)[0] != "object"
+                    else steps._watch(x, None) for x in own]
+        self.outputs = None
 
-    def replay(self, leaves):
-        for i, copy in self.copies.items():
-            copy.copy_(leaves[i])
+    def replay(self):
+        own = [x() if isinstance(x, weakref.ref) else x for x in self.own]
         positional, names = self.spec
-        result = self.fn(*self.own[:positional], **dict(zip(names, self.own[positional:])))
+        result = self.fn(*own[:positional], **dict(zip(names, own[positional:])))
         with torch.inference_mode():
             self.outputs["logits"].copy_(result["logits"])
         self.replays += 1
-        return compiler.graphs.map_tensors(self.outputs, torch.Tensor.clone)
 
 
 @pytest.fixture
 def captures(monkeypatch):
-    """Every capture made, through the stand-in; every tensor taken for a GPU one; the test
-    under ``torch.no_grad``, as transformers' generate calls the model."""
+    """Every capture made (the steps; ``step.graph.replays`` counts a step's replays),
+    through the stand-in; every tensor taken for a GPU one; the test under
+    ``torch.no_grad``, as transformers' generate calls the model."""
     made = []
 
     def capture(fn, leaves, copies, spec, pool):
@@ -56,8 +59,10 @@ def captures(monkeypatch):
         outputs = fn(*scratch[:positional], **dict(zip(names, scratch[positional:])))
         originals = {id(s): x for s, x in zip(scratch, own) if s is not x}
         outputs = {name: originals.get(id(value), value) for name, value in outputs.items()}
-        step = _Replayed(fn, copies, [x for x in leaves if not isinstance(x, torch.Tensor)],
-                         outputs, own, spec)
+        graph = _Graph(fn, own, spec)
+        pool = pool if pool is not None else f"pool {len(made)}"   # as a capture makes one
+        step = steps._Step(graph, copies, outputs, pool, leaves)
+        graph.outputs = step.outputs
         made.append(step)
         return step
 
@@ -103,7 +108,7 @@ def test_a_decode_step_is_captured_the_second_time_and_replayed_on_new_values(ca
         assert torch.equal(out["logits"], torch.tensor([[2.0 * (position + 1) + position]]))
         assert out["past_key_values"] is cache     # the object as the call returned it
     # the first call ran as it is, the second was captured, the others replayed
-    assert len(captures) == 1 and captures[0].replays == 2
+    assert len(captures) == 1 and captures[0].graph.replays == 2
     assert cache.total.tolist() == [10.0] * 4      # every call ran once
     first, again = _step(runner, cache, 5), _step(runner, cache, 6)
     assert first["logits"].item() == 10.0          # the next replay did not overwrite it
@@ -123,8 +128,8 @@ def test_another_object_or_shape_gets_a_graph_of_its_own(captures):
         _step(runner, one, 1)
         _step(runner, two, 1)                      # the next generate's cache
         _step(runner, one, 1, batch=2)             # a batch of two
-    assert len(captures) == 3 and [c.replays for c in captures] == [1, 1, 1]
-    assert captures[1].held[0] is two              # kept alive: its id is the key
+    assert len(captures) == 3 and [c.graph.replays for c in captures] == [1, 1, 1]
+    assert _step(runner, two, 2)["past_key_values"] is two     # the caller's, returned
 
 
 def test_graphs_of_old_caches_make_room_for_new_ones(captures):
@@ -135,7 +140,44 @@ def test_graphs_of_old_caches_make_room_for_new_ones(captures):
         for position in range(3):
             _step(runner, cache, 1, position)
     assert len(captures) == 4 and runner.refused is None
-    assert [step.held[0] for step in runner.graphs.values()] == caches[2:]
+    assert [step.objects[0]() for step in runner.graphs.values()] == caches[2:]
+
+
+def test_the_next_caches_first_step_is_captured_at_once(captures):
+    """A call like one captured before on another object (the next generate's first decode
+    step on its new cache) is captured the first time; a new shape still waits for its
+    second."""
+    runner, first, second = steps.StepGraphs(_forward), _Cache(), _Cache()
+    for position in range(3):
+        _step(runner, first, 1, position)
+    assert [c.graph.replays for c in captures] == [1]
+    _step(runner, second, 1, 0)
+    assert len(captures) == 2
+    _step(runner, second, 1, 1, batch=2)
+    assert len(captures) == 2 and len(runner.seen) == 1
+
+
+def test_a_graph_goes_with_its_cache(captures):
+    """A graph does not keep its cache alive (a generate's cache is new each time, and can
+    be 17 GB): when the cache goes, so does the graph; with the last graph its memory pool,
+    and the next capture makes a new one."""
+    runner, caches = steps.StepGraphs(_forward), [_Cache(), _Cache()]
+    for cache in caches:
+        for position in range(3):
+            _step(runner, cache, 1, position)
+    assert len(runner.graphs) == 2
+    gone = weakref.ref(caches.pop(0))
+    gc.collect()
+    assert gone() is None and [step.objects[0]() for step in runner.graphs.values()] == caches
+    assert runner.pool == "pool 0"                 # shared, and held by the graph left
+    del cache
+    caches.clear()
+    gc.collect()
+    assert runner.graphs == {} and runner.pool is None   # gone with the last graph
+    new = _Cache()
+    for position in range(2):
+        _step(runner, new, 1, position)
+    assert runner.pool == "pool 2" and len(runner.graphs) == 1
 
 
 def test_many_tokens_run_as_they_are(captures):
@@ -238,12 +280,12 @@ def test_calls_that_autograd_records_run_as_they_are_and_later_ones_capture(capt
     with torch.inference_mode():
         for _ in range(3):
             assert _step(runner, cache, 1)["logits"].item() == 4.0
-    assert len(captures) == 1 and captures[0].replays == 1
+    assert len(captures) == 1 and captures[0].graph.replays == 1
     with torch.enable_grad():
         out = _step(runner, cache, 3)
     assert out["logits"].item() == 12.0 and out["logits"].grad_fn is not None
-    assert captures[0].replays == 1                # ran as it is, the graph kept
-    assert _step(runner, cache, 3)["logits"].item() == 12.0 and captures[0].replays == 2
+    assert captures[0].graph.replays == 1                # ran as it is, the graph kept
+    assert _step(runner, cache, 3)["logits"].item() == 12.0 and captures[0].graph.replays == 2
 
 
 class _Frozen:

@@ -6,6 +6,7 @@ the Llama, against the FP8 recipe computed in torch, with one graph for every to
 
 import copy
 import functools
+import gc
 
 import pytest
 import torch
@@ -197,8 +198,9 @@ def test_step_graphs_replay_whole_calls_with_the_same_bits():
 
 def test_generate_with_step_graphs_gives_the_uncaptured_tokens():
     """transformers' generate, static cache, the forward compiled with step graphs: the
-    decode steps replay one graph a generate (its cache held in place), the same tokens as
-    the same compiled forward without them, two generates in a row."""
+    decode steps replay one graph a generate (its cache read in place), the same tokens as
+    the same compiled forward without them, generates in a row; a generate's graph goes
+    with its cache, and the next generate captures into a new memory pool."""
     transformers = pytest.importorskip("transformers")
     model = _small_llama(transformers, vocab_size=512, hidden_size=256, intermediate_size=512,
                          num_attention_heads=4, num_key_value_heads=2)
@@ -211,11 +213,17 @@ def test_generate_with_step_graphs_gives_the_uncaptured_tokens():
     del model.forward
     torch._dynamo.reset()
     model.forward = compiler.compile(model.forward)
-    for _ in range(2):
-        assert torch.equal(model.generate(ids, **options), expected)
-    runner = model.forward.steps
-    assert runner.refused is None, runner.refused
-    assert len(runner.graphs) == 2     # a decode step's graph for each generate's cache
+    runner, kept = model.forward.steps, []
+    for _ in range(3):
+        out = model.generate(ids, return_dict_in_generate=True, **options)
+        assert torch.equal(out.sequences, expected)
+        kept.append(out.past_key_values)
+        assert runner.refused is None, runner.refused
+        assert len(runner.graphs) == len(kept)    # one a cache: each generate makes its own
+    del out, kept[:]
+    gc.collect()
+    assert len(runner.graphs) == 0            # each went with its cache
+    assert torch.equal(model.generate(ids, **options), expected) and runner.refused is None
 
 
 @pytest.mark.parametrize("mode", [None, "reduce-overhead"])

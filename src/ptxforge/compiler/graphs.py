@@ -141,13 +141,14 @@ def _address(x):
     return (x.data_ptr(), x.shape, x.stride(), x.dtype) if isinstance(x, torch.Tensor) else x
 
 
-def map_tensors(value, fn):
+def map_tensors(value, fn, other=None):
     """``value`` with ``fn`` applied to the tensors in it, through lists, tuples and dicts
-    (a transformers ModelOutput is one); any other object as it is."""
+    (a transformers ModelOutput is one); ``other`` to any other object (None: each as it
+    is)."""
     if isinstance(value, torch.Tensor):
         return fn(value)
     if isinstance(value, (list, tuple)):
-        return type(value)(map_tensors(v, fn) for v in value)
+        return type(value)(map_tensors(v, fn, other) for v in value)
     if isinstance(value, dict):
-        return type(value)(**{name: map_tensors(v, fn) for name, v in value.items()})
-    return value
+        return type(value)(**{name: map_tensors(v, fn, other) for name, v in value.items()})
+    return value if other is None else other(value)
