@@ -62,6 +62,7 @@ def test_plan_regions_are_aligned_and_disjoint(ranks, max_tokens, hidden, expert
     assert plan.dispatch_slot(ranks - 1, max_tokens - 1) + plan.slot_bytes <= plan.combine_rows
     assert plan.bytes_needed == plan.combine_rows + max_tokens * plan.combine_slots * 2 * hidden
     assert all(offset % 16 == 0 for offset in (plan.dispatch_flags, plan.combine_flags,
+                                               plan.combine_started,
                                                plan.dispatch_topk, plan.dispatch_weights,
                                                plan.dispatch_rows, plan.dispatch_slots,
                                                plan.combine_rows))
@@ -117,8 +118,10 @@ def test_protocol_in_the_ptx():
     assert not any("atom" in line for line in lines)  # positions from a scan
     cfg = combine_kernel.choose_config(SM90, 2, 64, 256, 8, 3)
     lines = _body(combine_kernel.generate(cfg).ptx())
-    assert sum("st.release.sys.global.u32" in line for line in lines) == 1
-    assert sum("ld.acquire.sys.global.u32" in line for line in lines) == 2
+    # A pair's flag, and the round's mark; each waited for (polled, then looked at once
+    # more past the limit).
+    assert sum("st.release.sys.global.u32" in line for line in lines) == 2
+    assert sum("ld.acquire.sys.global.u32" in line for line in lines) == 4
     receive = lines[next(i for i, line in enumerate(lines) if line.startswith("$L_not_a_sender")):]
     # Each of a thread's SUM_UNROLL vectors: a load a pair, and the pairs summed in k order.
     rows = [line for line in receive if "{%pair" in line]
@@ -328,33 +331,42 @@ class World:
             outs = launched if launched[0] else outs
         return self.check_dispatch(outs)
 
+    @staticmethod
+    def expert_outputs(got, rank: int, scale: float):
+        """A rank's experts' outputs: its received rows dequantized, times ``scale``, plus
+        the rank."""
+        return ((got["x"].float() * got["scales"].repeat_interleave(128, 2)) * scale + rank
+                ).bfloat16()
+
+    def launch_combine(self, sim, r: int, y, received, out: int, phase: str, summed: bool):
+        m = self.memory
+        cfg = combine_kernel.choose_config(SM90, self.ranks, self.max_tokens, self.hidden,
+                                           self.experts, self.topk, phase=phase, summed=summed)
+        args = self.common(r)
+        if cfg.sends:
+            args.update(x=m.put(_bytes(y)))
+        if cfg.sends and not summed:
+            args.update(src_info=m.put(_bytes(received["src_info"])),
+                        recv_count=m.put(_bytes(received["count"])))
+        if cfg.receives:
+            args.update(topk_idx=m.put(_bytes(self.idx[r]) or b"\0"),
+                        tokens=self.x[r].shape[0], out=out)
+        if cfg.receives and not summed:
+            args.update(topk_weights=m.put(_bytes(self.weights[r]) or b"\0"))
+        sim.launch(f"combine_{phase}{r}", combine_kernel.generate(cfg).ptx(),
+                   cfg.grid(self.x[r].shape[0]), cfg.threads, **args)
+
     def combine(self, received, scale: float, phases=("both",), summed=False):
         """Every rank's experts' outputs (the received rows dequantized, times ``scale``,
         plus the rank), combined and checked; ``summed``: after a dispatch given the
         weights, each rank sums its pairs of a token before sending."""
         m = self.memory
-        ys = [((got["x"].float() * got["scales"].repeat_interleave(128, 2)) * scale + r)
-              .bfloat16() for r, got in enumerate(received)]
+        ys = [self.expert_outputs(got, r, scale) for r, got in enumerate(received)]
         outs = [m.alloc(2 * self.hidden * max(1, self.x[r].shape[0])) for r in range(self.ranks)]
         for phase in phases:
-            cfg = combine_kernel.choose_config(SM90, self.ranks, self.max_tokens, self.hidden,
-                                               self.experts, self.topk, phase=phase,
-                                               summed=summed)
             sim = Simulator(m)
             for r in range(self.ranks):
-                args = self.common(r)
-                if cfg.sends:
-                    args.update(x=m.put(_bytes(ys[r])))
-                if cfg.sends and not summed:
-                    args.update(src_info=m.put(_bytes(received[r]["src_info"])),
-                                recv_count=m.put(_bytes(received[r]["count"])))
-                if cfg.receives:
-                    args.update(topk_idx=m.put(_bytes(self.idx[r]) or b"\0"),
-                                tokens=self.x[r].shape[0], out=outs[r])
-                if cfg.receives and not summed:
-                    args.update(topk_weights=m.put(_bytes(self.weights[r]) or b"\0"))
-                sim.launch(f"combine_{phase}{r}", combine_kernel.generate(cfg).ptx(),
-                           cfg.grid(self.x[r].shape[0]), cfg.threads, **args)
+                self.launch_combine(sim, r, ys[r], received[r], outs[r], phase, summed)
             sim.run()
         for r in range(self.ranks):
             tokens = self.x[r].shape[0]
@@ -438,6 +450,31 @@ def test_a_combine_without_its_peer_ends_in_the_watchdog():
                tokens=6, out=m.alloc(2 * 6 * w.hidden), **w.common(0))
     with pytest.raises(Trap):
         sim.run()
-    code, token, expert, seen = w.record(0)
-    assert code == codes.LL_COMBINE_RECEIVE and 0 <= token < 6 and 0 <= expert < w.experts
+    code, token, peer, seen = w.record(0)
+    # Whichever wait ran out first: a pair's row, or the round (rank 0's or 1's combine).
+    assert (code == codes.LL_COMBINE_RECEIVE and 0 <= token < 6 and 0 <= peer < w.experts) \
+        or (code == codes.LL_COMBINE_START and peer in (0, 1)), (code, token, peer)
     assert received  # the dispatch before it completed
+
+
+def test_a_rank_without_tokens_waits_for_the_round_in_its_combine():
+    """Rank 0 has no tokens, so no pair of its waits on rank 1; rank 1's dispatch receive
+    lags. Rank 0's combine still waits for rank 1's combine to start (its CTA 0, for every
+    rank): otherwise it would end, and rank 0's next dispatch send would rewrite flag (0,
+    c) of rank 1 before rank 1's receive read it, which then waits until its watchdog."""
+    w = World()
+    w.inputs((0, 6))
+    sim = Simulator(w.memory)
+    for r in range(2):
+        w.launch_dispatch(sim, r, "send")
+    sim.run()
+    sim = Simulator(w.memory)
+    out = w.launch_dispatch(sim, 0, "receive")
+    sim.run()
+    got = w.received(out)
+    sim = Simulator(w.memory)
+    w.launch_combine(sim, 0, w.expert_outputs(got, 0, 0.5), got, w.memory.alloc(2 * w.hidden),
+                     "both", False)
+    with pytest.raises(Trap):
+        sim.run()
+    assert w.record(0)[0] == codes.LL_COMBINE_START and w.record(0)[2] == 1

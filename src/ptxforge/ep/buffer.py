@@ -74,7 +74,8 @@ _LOW_LATENCY_WAITS = {
     kernel_common.LL_DISPATCH_RECEIVE: ("low-latency dispatch",
                                         "tokens from rank {peer} for local expert {channel}"),
     kernel_common.LL_COMBINE_RECEIVE: ("low-latency combine",
-                                       "token {channel}'s row from expert {peer}")}
+                                       "token {channel}'s row from expert {peer}"),
+    kernel_common.LL_COMBINE_START: ("low-latency combine", "rank {peer}'s combine to start")}
 
 
 class EPTimeoutError(RuntimeError):

@@ -35,6 +35,9 @@ DIRECT_RECEIVE = 11
 # The pull combine's wait for a rank's CTA to start (pull.py; channel: the CTA, peer: the
 # rank).
 PULL_RECEIVE = 12
+# The low-latency combine receive's wait for a rank's combine send to start (peer: the
+# rank): the round's end on every rank, whatever pairs a token has where.
+LL_COMBINE_START = 13
 # Cache hints. A ring's entries are written by another GPU while the kernel runs: weak
 # loads that skip L1, never the non-coherent path. Inputs nothing writes meanwhile may
 # take it. Stores to a peer's ring skip L1.

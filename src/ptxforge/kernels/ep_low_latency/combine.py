@@ -98,8 +98,9 @@ class CombineConfig(common.LowLatencyConfig):
         return SEND_CTAS * self.plan.local_experts
 
     def grid(self, tokens: int) -> int:
-        """Send CTAs, then receive CTAs (one of ``tokens``); at least one CTA."""
-        return max(1, self.send_grid * self.sends + tokens * self.receives)
+        """Send CTAs, then receive CTAs (one a token of ``tokens``, and at least one: the
+        receive's CTA 0 waits for every rank's combine to start)."""
+        return self.send_grid * self.sends + max(1, tokens) * self.receives
 
 
 def choose_config(arch: Arch, ranks: int, max_tokens: int, hidden: int, experts: int,
@@ -124,12 +125,40 @@ def generate(cfg: CombineConfig) -> KernelBuilder:
         p.out = k.param("out", "u64")                    # bf16 [T, H]
     common.declare_common_params(k, p)
     t = common.prologue(k, p, cfg.send_grid if cfg.phase == "both" else None)
-    if cfg.summed:
-        common.roles(k, cfg, t, lambda: _send_summed(k, cfg, p, t),
-                     lambda: _receive_summed(k, cfg, p, t))
-    else:
-        common.roles(k, cfg, t, lambda: _send(k, cfg, p, t), lambda: _receive(k, cfg, p, t))
+    send, receive = (_send_summed, _receive_summed) if cfg.summed else (_send, _receive)
+
+    def send_half():
+        _mark_started(k, cfg, t)
+        send(k, cfg, p, t)
+
+    common.roles(k, cfg, t, send_half, lambda: receive(k, cfg, p, t))
     return k
+
+
+def _thread_a_rank(k, cfg, t, name: str):
+    """A predicate: thread d < R of the role's CTA 0 (thread d: rank d's)."""
+    first, one = k.pred(name + "_cta0"), k.pred(name)
+    k.setp("eq", first, t.index, 0)
+    k.setp("lt", one, t.tid, cfg.ranks)
+    k.and_pred(one, one, first)
+    return one
+
+
+def _mark_started(k, cfg, t) -> None:
+    """Send CTA 0, thread d < R: this rank's combine has started, into combine_started
+    (this rank) of rank d: the sequence number of the dispatch receive that ended before it
+    (pair (local expert 0, d)'s), which rank d's combine receive waits for."""
+    plan = cfg.plan
+    with k.stage("the round: send CTA 0's thread d < R marks this rank's combine started at "
+                 "rank d"):
+        with k.if_(_thread_a_rank(k, cfg, t, "marks_a_rank"), "not_marking"):
+            sequence, at, peer = k.reg("u32", "round"), k.reg("u64", "round_at"), k.reg(
+                "u64", "round_peer")
+            k.mad(at, t.tid, 4, t.own, mode="wide")   # dispatch_received[0][d]
+            k.ld(sequence, addr(at, plan.dispatch_received), sem="relaxed", scope="sys")
+            intranode.buffer_of(k, peer, t.peers, t.tid)
+            k.mad(at, t.rank, 4, peer, mode="wide")
+            k.st(addr(at, plan.combine_started), sequence, sem="release", scope="sys")
 
 
 def _send(k, cfg, p, t) -> None:
@@ -194,8 +223,29 @@ def _send(k, cfg, p, t) -> None:
                 k.st(addr(flag_at, plan.combine_flags), sequence, sem="release", scope="sys")
 
 
-def _receiver_token(k, p, t):
-    """Receive CTA t's token; CTAs past the call's tokens exit."""
+def _receiver_token(k, cfg, p, t):
+    """Receive CTA t's token; CTA 0 first waits, thread d < R, for rank d's combine to
+    start (combine_started (d) = this round's sequence number: the round's dispatch
+    receive ended there), so that this rank's next dispatch cannot rewrite a flag or a
+    slot rank d has yet to read, whether or not a token of this rank's went there; CTAs
+    past the call's tokens exit."""
+    plan = cfg.plan
+    with k.stage("receive CTA 0, thread d < R: wait for rank d's combine to start"):
+        with k.if_(_thread_a_rank(k, cfg, t, "waits_for_a_rank"), "not_waiting_for_the_round"):
+            expected, seen, at = k.reg("u32", "round"), k.reg("u32", "round_seen"), k.reg(
+                "u64", "round_at")
+            ready, sender = k.pred("round_started"), k.reg("u32", "round_cta")
+            k.mul(sender, t.tid, plan.send_ctas, mode="lo")   # dispatch_sent[d][0]
+            k.mad(at, sender, 4, t.own, mode="wide")
+            k.ld(expected, addr(at, plan.dispatch_sent), sem="relaxed", scope="sys")
+            k.mad(at, t.tid, 4, t.own, mode="wide")
+
+            def arrived(flag):
+                k.setp("eq", ready, flag, expected)
+                return ready
+
+            t.watchdog.wait(seen, addr(at, plan.combine_started), arrived,
+                            code=intranode.LL_COMBINE_START, channel=0, peer=t.tid)
     token = t.index
     tokens = k.reg("u32", "tokens")
     k.ld_param(tokens, p.tokens)
@@ -208,7 +258,7 @@ def _receiver_token(k, p, t):
 
 def _receive(k, cfg, p, t) -> None:
     plan = cfg.plan
-    token = _receiver_token(k, p, t)
+    token = _receiver_token(k, cfg, p, t)
     r = SimpleNamespace()
     with k.stage("lane j < k: pair j's expert, weight, and the k position whose row it takes"):
         pair_lane, is_pair, same, earlier = k.pred("is_pair"), k.pred("valid"), k.pred(
@@ -442,7 +492,7 @@ def _send_summed(k, cfg, p, t) -> None:
 
 def _receive_summed(k, cfg, p, t) -> None:
     plan, row_bytes = cfg.plan, 2 * cfg.hidden
-    token = _receiver_token(k, p, t)
+    token = _receiver_token(k, cfg, p, t)
     has = k.regs("pred", cfg.ranks, "from")
     rows = k.regs("u64", cfg.ranks, "row_at")
     with k.stage("the ranks holding a pair of the token: ballots of lane j's expert rank"):

@@ -11,6 +11,8 @@ send CTAs a destination rank (``send_ctas``):
     | dispatch_flags [R][C] u32: written by rank s's send CTA c, sequence << 9 | tokens |
     | combine_flags  [T][S] u32 (S = max(k, R)): pair (t, j)'s, written by the rank of  |
     |                its expert, or (summed) rank d's at [d][t]: the sequence number    |
+    | combine_started [R] u32: written by rank d's combine send as it starts: the      |
+    |                sequence number of its dispatch receive just ended                 |
     | dispatch_topk  [R][T][k] i32: rank s's token t's experts as this rank's local     |
     |                experts (-1: an expert elsewhere, or none)                         |
     | dispatch_weights [R][T][k] f32: their top-k weights (a dispatch given them)       |
@@ -41,14 +43,12 @@ dispatch's numbers (the sender's ``dispatch_received``, the receiver's
 ``dispatch_sent`` of the expert's rank and CTA 0): one combine a dispatch. Numbers run
 1 .. 2**23 - 1 and wrap to 1, so a zeroed flag never matches. A call's receive half must
 end on every rank before any rank's next send of the same kind rewrites its slots. The
-dispatch -> combine -> dispatch chain guarantees it between ranks that hold pairs of each
-other's tokens: a rank's next dispatch follows its combine, which waited for the combine
-sends of the ranks holding its tokens' pairs, which followed their dispatch receives. A
-rank whose tokens have no pair on a peer (none at all, or none routed there) does not
-wait for that peer's combine: if the peer's dispatch receive has not read this round's
-flag yet when the rank's next dispatch send rewrites it, that receive waits until its
-watchdog traps. The ranks must not drift a whole round apart (a combine receive that
-waits for every peer's combine send would close it).
+dispatch -> combine -> dispatch chain guarantees it: each rank's combine send starts by
+writing the round's sequence number into combine_started (this rank) of every rank, after
+its dispatch receive ended, and each rank's combine receive (its CTA 0) waits until every
+rank's has come, whatever pairs its tokens have where; a rank's next dispatch send
+follows its combine, so it rewrites no flag or slot a peer has yet to read, even where
+none of its tokens went to that peer.
 """
 
 from __future__ import annotations
@@ -150,8 +150,12 @@ class LowLatencyPlan:
         return max(self.topk, self.ranks)
 
     @property
-    def dispatch_topk(self) -> int:
+    def combine_started(self) -> int:
         return _aligned(self.combine_flags + 4 * self.max_tokens * self.combine_slots)
+
+    @property
+    def dispatch_topk(self) -> int:
+        return _aligned(self.combine_started + 4 * self.ranks)
 
     @property
     def _pair_words(self) -> int:
