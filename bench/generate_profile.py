@@ -5,13 +5,16 @@ GPU's time for a decode call (CUDA events around it: the runner's copies in, the
 its output's clone), inside a generate; and the kernels of one decode call run without the
 graph under the profiler (the graph's kernels, summed by name, largest first). What the
 decode call's GPU time leaves of a token is the host's: transformers' loop between steps,
-and a generate's first decode calls (its cache is new: the call runs, then is captured).
+and a generate's first decode calls (its cache is new: the call runs, then is captured);
+last, the host's Python functions by their own time, a generate under cProfile.
 
     python bench/generate_profile.py [layers, default 32] [batch x prompt, default 1x512]
 """
 
 import collections
+import cProfile
 import functools
+import pstats
 import statistics
 import sys
 import time
@@ -70,6 +73,26 @@ def main(layers: int, batch: int, prompt: int) -> None:
           f"capture, replay) {', '.join(f'{ms:.1f}' for ms in host[:3])} ms, later ones "
           f"{statistics.median(host[3:]) * 1e3:.1f} us; runner refused: "
           f"{compiled.steps.refused}")
+    model.forward = compiled
+    _host_profile(model, ids)
+
+
+def _host_profile(model, ids) -> None:
+    """The host's Python between decode steps: one generate under cProfile (which slows
+    Python about twice; the shares hold), the functions with the most time of their own,
+    us a decode step."""
+    _generate_ms(model, ids, "ptxforge steps", 2 + PROFILED)        # the cache's capture
+    profiler = cProfile.Profile()
+    profiler.enable()
+    _generate_ms(model, ids, "ptxforge steps", 2 + PROFILED)
+    profiler.disable()
+    rows = pstats.Stats(profiler).stats.items()
+    top = sorted(rows, key=lambda row: -row[1][2])[:20]
+    print(f"host, {1 + PROFILED} decode steps under cProfile: us a step of its own time")
+    for (path, line, name), (_, calls, own, _, _) in top:
+        where = f"{path.rsplit('/', 1)[-1]}:{line}" if path != "~" else "builtin"
+        print(f"  {own / (1 + PROFILED) * 1e6:8.1f} us  {calls // (1 + PROFILED):>5} calls"
+              f"  {name[:50]} ({where})")
 
 
 if __name__ == "__main__":
