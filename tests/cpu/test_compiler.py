@@ -400,6 +400,28 @@ def test_the_graph_runner_keeps_the_most_recently_used_graphs(monkeypatch):
                                                         caches[2].data_ptr()]
 
 
+def test_the_graph_runners_pool_goes_with_its_last_graph(monkeypatch):
+    """The graphs share a memory pool, which goes when the last of them does: the next
+    capture makes a new one."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(compiler.graphs, "MAX_GRAPHS", 1)
+    monkeypatch.setattr(compiler.graphs, "MAX_COPY_BYTES", 64)
+    runner, made = compiler.graphs.GraphRunner(lambda *args: args[0], [0]), []
+
+    def capture(inputs):
+        runner.pool = runner.pool or f"pool {len(made)}"
+        made.append(inputs[0])
+        return compiler.graphs._Graph(types.SimpleNamespace(replay=None), [], inputs[0]), inputs[0]
+
+    monkeypatch.setattr(runner, "_capture", capture)
+    runner(torch.ones(2))
+    assert runner.pool == "pool 0"
+    runner(torch.ones(64))                   # too large for a graph; the only graph goes
+    assert list(runner.graphs.values()) == [None] and runner.pool is None
+    runner(torch.ones(3))
+    assert runner.pool == "pool 1" and len(made) == 2
+
+
 def test_a_graph_is_for_the_tensors_it_holds_in_place():
     """A static input other than a parameter (transformers' static KV cache, which
     mark_static_address leaves unguarded and generate makes anew) may be another tensor at

@@ -71,6 +71,10 @@ class GraphRunner:
         if entry is False:
             if len(self.graphs) >= MAX_GRAPHS:
                 self.graphs.popitem(last=False)
+                if not any(self.graphs.values()):
+                    # The graphs' shared memory pool went with the last of them: the next
+                    # capture makes a new one (one into a released pool fails in torch).
+                    self.pool = None
             if self._worth(inputs):
                 self.graphs[key], outputs = self._capture(inputs)
                 return outputs
