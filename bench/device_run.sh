@@ -17,7 +17,8 @@
 # Text generation (Llama-3-8B's sizes; transformers' generate eager, with its own compile,
 # and with ptxforge's recipes; the step's roofline), a process each (case, candidate); all
 # 32 layers take a call a case:
-#   bash bench/device_run.sh generate [cases, default 1x512] [layers, default 32]
+#   bash bench/device_run.sh generate [cases, default 1x512] [layers, default 32] [candidates,
+#     default all: e.g. "torch.compile,ptxforge steps" where eager would not fit the call]
 set -u -o pipefail
 export PYTHONPATH=$PWD/src:$PWD/tests PYTHONUNBUFFERED=1
 export PTXFORGE_CACHE_DIR=/tmp/ptxforge-cache
@@ -58,7 +59,7 @@ if [ "${1:-}" = ep ]; then
 fi
 if [ "${1:-}" = generate ]; then
   $py -m ptxforge.cli bench generate --cases "${2:-1x512}" --layers "${3:-32}" \
-    --json "$OUT/generate.json" --plot "$OUT/generate.png" > "$log" 2>&1
+    ${4:+--candidates "$4"} --json "$OUT/generate.json" --plot "$OUT/generate.png" > "$log" 2>&1
   grep -v "^DEBUG\|[Ww]arn" "$log" | tail -24
   exit 0
 fi

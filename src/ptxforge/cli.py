@@ -283,7 +283,13 @@ def cmd_bench(args) -> int:
         from .bench import generate as generate_bench
 
         cases = tuple(tuple(int(n) for n in case.split("x")) for case in args.cases.split(","))
-        result = generate_bench.generate_suite(cases, layers=_layers(args, 32))
+        candidates = tuple(args.candidates.split(",")) if args.candidates else \
+            generate_bench.CANDIDATES
+        unknown = [c for c in candidates if c not in generate_bench.CANDIDATES]
+        if unknown:
+            raise ValueError(f"--candidates takes {', '.join(generate_bench.CANDIDATES)}; "
+                             f"got {', '.join(unknown)}")
+        result = generate_bench.generate_suite(cases, candidates, layers=_layers(args, 32))
         text, plot = generate_bench.generate_table(result), generate_bench.generate_plot
     elif args.suite == "model":
         from .bench import model as model_bench
@@ -448,6 +454,8 @@ def main(argv=None) -> int:
                         "torchrun the launcher's)")
     p.add_argument("--cases", default="1x512,32x4096",
                    help="generate suite: batch x prompt tokens, comma-separated")
+    p.add_argument("--candidates", help="generate suite: which candidates, comma-separated "
+                   "(default all)")
     p.add_argument("--layer-tokens", default="4096,128",
                    help="ep suite: the MoE layer's tokens a rank ('' for none)")
     command("demo", "run (GPU) or assemble (CPU) every kernel, with checks")

@@ -448,14 +448,19 @@ def test_bench_plot_draws_the_suite_s_result_with_its_plot(suite, monkeypatch, t
     assert drawn == [(result, path)]
 
 
-def test_bench_generate_takes_its_cases_and_layers(monkeypatch):
+def test_bench_generate_takes_its_cases_candidates_and_layers(monkeypatch, capsys):
     seen = []
     monkeypatch.setattr(cli, "_gpu_available", lambda: True)
     monkeypatch.setattr(bench, "host_overhead", lambda: {})
-    monkeypatch.setattr(generate_bench, "generate_suite",
-                        lambda cases, layers: seen.append((cases, layers)) or GENERATE_RESULT)
+    monkeypatch.setattr(generate_bench, "generate_suite", lambda cases, candidates, layers:
+                        seen.append((cases, candidates, layers)) or GENERATE_RESULT)
     assert cli.main(["bench", "generate", "--cases", "1x512,8x128", "--layers", "4"]) == 0
-    assert seen == [(((1, 512), (8, 128)), 4)]
+    assert cli.main(["bench", "generate", "--candidates", "torch.compile,ptxforge steps"]) == 0
+    assert seen == [(((1, 512), (8, 128)), generate_bench.CANDIDATES, 4),
+                    (((1, 512), (32, 4096)), ("torch.compile", "ptxforge steps"), 32)]
+    assert cli.main(["bench", "generate", "--candidates", "eager,inductor"]) == 2
+    assert "--candidates takes eager, " in capsys.readouterr().err
+    assert len(seen) == 2
 
 
 def test_each_generate_candidate_gets_the_model_as_it_comes():
