@@ -17,8 +17,8 @@
     attention     SDPA with transformers' causal mask (built from the sequence length alone)
                   -> SDPA with is_causal=True: the same result, half the work and no mask
     kv            keys and values repeated for grouped-query attention (expand + reshape)
-                  -> SDPA's enable_gqa=True on the unrepeated ones (no copies), with or
-                  without a mask (a decode step's over a static cache stays)
+                  -> SDPA's enable_gqa=True on the unrepeated ones (no copies), without
+                  a mask or with a short one's (a decode step's over a static cache)
 
 Each pass reads a node's value from its ``example_value`` (the fake tensor Dynamo traced),
 and each node it makes gets one, computed by the operator's fake, so the passes after it
@@ -425,17 +425,34 @@ def _unrepeat_kv(g: Graph, sdpa) -> list[Replacement]:
                         f"keys and values not repeated {unrepeated[0][1]} times")]
 
 
+MASKED_GQA_ROWS = 64   # query rows up to which a masked SDPA reads keys and values unrepeated
+
+
 def read_kv_once(g: Graph) -> list[Replacement]:
     """SDPA over keys and values repeated for grouped-query attention (transformers'
     repeat_kv: a copy of them n times a call, of the whole static cache in a decode step):
-    enable_gqa=True on the unrepeated ones, a mask kept where the causal rewrite left it
-    (a decode step's covers the cache's length). torch's cuDNN attention takes the group
-    and the mask together (H200, a decode step's one query a sequence, 8 key-value heads
-    of 32: 1 x 641 keys 26.0 -> 11.3 us, 32 x 4225 keys 2818 -> 140 us)."""
+    enable_gqa=True on the unrepeated ones. Without a mask (the causal rewrite's) always;
+    with one (a decode step's covers the cache's length) for a query length known when
+    the graph compiles of at most MASKED_GQA_ROWS: torch's cuDNN attention takes the
+    group and the mask together (H200, a decode step's one query a sequence, 8 key-value
+    heads of 32: 1 x 641 keys 26.0 -> 11.3 us, 32 x 4225 keys 2818 -> 140 us), but its
+    memory-efficient one does not, and SDPA's math fallback would hold a queries x keys
+    score matrix: a long masked query (a padded prompt) keeps the repeat."""
     plan = []
     for node in list(g.graph.nodes):
-        if kind(node) == "sdpa" and not node.kwargs.get("enable_gqa"):
-            plan += _unrepeat_kv(g, node)
+        if kind(node) != "sdpa" or node.kwargs.get("enable_gqa"):
+            continue
+        mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+        query = g.value(node.args[0])
+        rows = query.shape[-2] if isinstance(query, torch.Tensor) else None
+        if mask is not None and not (isinstance(rows, int) and rows <= MASKED_GQA_ROWS):
+            if _repeated(g, node.args[1]) is not None:
+                plan.append(Replacement(
+                    "grouped-query attention", node.name, None,
+                    f"a mask over more than {MASKED_GQA_ROWS} query rows, or a dynamic "
+                    f"count: the repeat kept (SDPA's masked enable_gqa may fall back to math)"))
+            continue
+        plan += _unrepeat_kv(g, node)
     return plan
 
 
