@@ -121,13 +121,15 @@ def _small_llama(transformers, **sizes):
         return transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
 
 
-@pytest.mark.parametrize("recipe", ["forward", "backend"])
+@pytest.mark.parametrize("recipe", ["forward", "forward, padded", "backend"])
 def test_generate_follows_eager_step_by_step(recipe):
     """transformers' generate, static cache, greedy, twice: the same tokens run to run, and
     each step's logits against eager bf16's while the tokens agree (a near-tie can take
     another token, after which the steps differ by design): calc_diff <= 2e-4 with the
-    forward compiled with fp8=False; with the FP8 recipe (transformers' compile with
-    backend="ptxforge", which takes no fp8 option), within the recipe's error, printed."""
+    forward compiled with fp8=False, also over a left-padded batch (the prompt's mask
+    kept: the causal rewrite leaves it, and the kv pass keeps the repeat of its 32 rows,
+    a dynamic count); with the FP8 recipe (transformers' compile with backend="ptxforge",
+    which takes no fp8 option), within the recipe's error, printed."""
     transformers = pytest.importorskip("transformers")
     from transformers.generation.configuration_utils import CompileConfig
 
@@ -135,12 +137,15 @@ def test_generate_follows_eager_step_by_step(recipe):
                          intermediate_size=2048, num_attention_heads=8, num_key_value_heads=4)
     ids = torch.randint(0, 2048, (2, 32), device="cuda",
                         generator=torch.Generator("cuda").manual_seed(1))
+    mask = torch.ones_like(ids)
+    if recipe == "forward, padded":
+        ids[1, :8], mask[1, :8] = 0, 0
     options = dict(max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=0,
                    cache_implementation="static", output_logits=True,
-                   return_dict_in_generate=True, attention_mask=torch.ones_like(ids))
+                   return_dict_in_generate=True, attention_mask=mask)
     eager = model.generate(ids, disable_compile=True, **options)
     torch._dynamo.reset()
-    if recipe == "forward":
+    if recipe.startswith("forward"):
         model.forward = compiler.compile(model.forward, fp8=False)
         options["disable_compile"] = True
         limit = 2e-4
