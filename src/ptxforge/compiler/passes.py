@@ -393,8 +393,7 @@ def use_causal_attention(g: Graph) -> list[Replacement]:
     for node in list(g.graph.nodes):
         if kind(node) != "sdpa":
             continue
-        mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
-        causal = node.args[5] if len(node.args) > 5 else node.kwargs.get("is_causal", False)
+        mask, causal = _sdpa_argument(node, 3, "attn_mask"), _sdpa_argument(node, 5, "is_causal")
         if mask is None or causal:
             continue
         why = _why_not_causal(g, node, mask)
@@ -409,6 +408,12 @@ def use_causal_attention(g: Graph) -> list[Replacement]:
         plan.append(Replacement("causal attention", node.name,
                                 None if why else "SDPA is_causal=True", why or why_not))
     return plan
+
+
+def _sdpa_argument(sdpa, position: int, name: str):
+    """An SDPA call's argument, given by position or by name (None where not given: no
+    attn_mask, is_causal False)."""
+    return sdpa.args[position] if len(sdpa.args) > position else sdpa.kwargs.get(name)
 
 
 def _unrepeat_kv(g: Graph, sdpa) -> list[Replacement]:
@@ -442,7 +447,7 @@ def read_kv_once(g: Graph) -> list[Replacement]:
     for node in list(g.graph.nodes):
         if kind(node) != "sdpa" or node.kwargs.get("enable_gqa"):
             continue
-        mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+        mask = _sdpa_argument(node, 3, "attn_mask")
         query = g.value(node.args[0])
         rows = query.shape[-2] if isinstance(query, torch.Tensor) else None
         if mask is not None and not (isinstance(rows, int) and rows <= MASKED_GQA_ROWS):
