@@ -155,7 +155,7 @@ class StepGraphs:
             checks = _capturing.pop()
         step.checks = tuple(dict.fromkeys(checks))   # each made twice: warm-up, capture
         step.objects = [_watch(x, lambda _, key=key: self._drop(key))
-                        for x in leaves if _leaf_key(x)[0] == "object"]
+                        for _, x in _objects(leaves)]
         self.pool = step.pool
         self.graphs[key] = step
         self.captured.add(_kinds(key))
@@ -196,8 +196,7 @@ class _Step:
     def __init__(self, graph, copies: dict, outputs, pool, leaves: list):
         # An argument object among the outputs (the cache a transformers model returns) is
         # kept as its position, and a replay returns the caller's: the graph holds none.
-        position = {id(x): _Leaf(i) for i, x in enumerate(leaves)
-                    if _leaf_key(x)[0] == "object"}
+        position = {id(x): _Leaf(i) for i, x in _objects(leaves)}
         self.outputs = graphs.map_tensors(outputs, lambda t: t,
                                           lambda x: position.get(id(x), x))
         self.graph, self.copies, self.pool = graph, copies, pool
@@ -269,6 +268,12 @@ def _leaf_key(x):
     if x is None or isinstance(x, (bool, int, float, str, torch.dtype, torch.device)):
         return ("value", x)
     return ("object", (id(x), type(x).__qualname__))
+
+
+def _objects(leaves: list) -> list:
+    """(position, leaf) of the argument leaves a graph holds in place, not by copy or value
+    (``_leaf_key``'s objects: a transformers cache)."""
+    return [(i, x) for i, x in enumerate(leaves) if _leaf_key(x)[0] == "object"]
 
 
 def _kinds(key: tuple) -> tuple:
