@@ -4,6 +4,7 @@
     q, s = ptxforge.quantize_fp8_per_token(x)          # bf16 [M, K] -> e4m3 + 1x128 scales
     y = ptxforge.rms_norm(x, weight)
     model = ptxforge.compile(model)                    # torch.compile with ptxforge's backend
+    ids = ptxforge.generate(model, ids, 128)           # greedy decoding, no host sync a step
     model = ptxforge.onnx.load("model.onnx")           # an ONNX model as a torch module
 
 The layers, in the order a call passes through them: ``ops`` (validate, pick a config,
@@ -32,6 +33,11 @@ def __getattr__(name):
 
         globals()[name] = compile
         return compile
+    if name == "generate":
+        from .compiler.decoding import generate
+
+        globals()[name] = generate
+        return generate
     if name == "onnx":   # the ONNX front end, which needs the onnx package
         import importlib
 
@@ -39,4 +45,4 @@ def __getattr__(name):
     raise AttributeError(f"module 'ptxforge' has no attribute {name!r}")
 
 
-__all__ = [*PTXFORGE_NAMES, "compile"]
+__all__ = [*PTXFORGE_NAMES, "compile", "generate"]

@@ -481,6 +481,9 @@ def test_each_generate_candidate_gets_the_model_as_it_comes():
     del model.forward
     generate_bench._prepared(model, "ptxforge steps")    # its decode steps as CUDA graphs
     assert model.forward.steps is not None
+    del model.forward
+    generate_bench._prepared(model, "ptxforge generate")  # the same, ptxforge's loop
+    assert model.forward.steps is not None
     eager = generate_bench._generation_config("eager", 3)
     assert eager.disable_compile and eager.min_new_tokens == eager.max_new_tokens == 3
     assert generate_bench._generation_config("ptxforge backend", 3).compile_config.backend == \

@@ -11,6 +11,7 @@ import gc
 import pytest
 import torch
 
+import ptxforge
 from ptxforge import compiler
 from ptxforge.models import Ffn, in_f32
 from ptxforge.testing import reference as recipe
@@ -229,6 +230,27 @@ def test_generate_with_step_graphs_gives_the_uncaptured_tokens():
     gc.collect()
     assert len(runner.graphs) == 0            # each went with its cache
     assert torch.equal(model.generate(ids, **options), expected) and runner.refused is None
+
+
+def test_ptxforge_generate_gives_transformers_greedy_tokens():
+    """ptxforge.generate (no host synchronisation between steps) on the forward with step
+    graphs: the tokens of transformers' generate on the same compiled forward without
+    them, twice in a row (the second generate's first step captured at once)."""
+    transformers = pytest.importorskip("transformers")
+    model = _small_llama(transformers, vocab_size=512, hidden_size=256, intermediate_size=512,
+                         num_attention_heads=4, num_key_value_heads=2, eos_token_id=None)
+    ids = torch.randint(0, 512, (2, 16), device="cuda")
+    torch._dynamo.reset()
+    model.forward = compiler.compile(model.forward, step_graphs=False)
+    expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
+                              do_sample=False, cache_implementation="static",
+                              disable_compile=True)
+    del model.forward
+    torch._dynamo.reset()
+    model.forward = compiler.compile(model.forward)
+    for _ in range(2):
+        assert torch.equal(ptxforge.generate(model, ids, 12), expected)
+    assert model.forward.steps.refused is None
 
 
 @pytest.mark.parametrize("mode", [None, "reduce-overhead"])

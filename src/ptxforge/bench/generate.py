@@ -11,6 +11,8 @@ greedy, every new token forced (no end of sequence), as a user runs it:
     ptxforge steps      ``model.forward = ptxforge.compile(model.forward)`` (the default:
                         each decode step one CUDA graph)
     ptxforge backend    ``generation_config.compile_config`` with ``backend="ptxforge"``
+    ptxforge generate   ``ptxforge.generate`` on the forward compiled as in "ptxforge steps":
+                        ptxforge's greedy loop, no host synchronisation between steps
 
 Per case (batch x prompt) and candidate: the time a new token takes, from two timed
 generates after a warm one (the first compiles and captures): ``1 + NEW_TOKENS`` new tokens
@@ -30,13 +32,14 @@ import statistics
 import torch
 
 from .. import compiler, models
+from ..compiler import decoding
 from . import format_table, pyplot
 
 CASES = ((1, 512), (32, 4096))     # (batch, prompt tokens)
 NEW_TOKENS = 128
 ROUNDS = 3
 CANDIDATES = ("eager", "torch.compile", "ptxforge forward", "ptxforge steps",
-              "ptxforge backend")
+              "ptxforge backend", "ptxforge generate")
 SCALE_BLOCK = 128                  # an FP8 weight's f32 scale covers 128 x 128 elements
 
 
@@ -84,12 +87,14 @@ def _generation_config(candidate: str, new_tokens: int):
 
 def _generate_ms(model, ids, candidate: str, new_tokens: int) -> float:
     """A generate's wall time (ms, CUDA events around it, host included)."""
-    config = _generation_config(candidate, new_tokens)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
     start.record()
-    with torch.no_grad():
-        model.generate(ids, generation_config=config)
+    if candidate == "ptxforge generate":
+        decoding.generate(model, ids, new_tokens)
+    else:
+        with torch.no_grad():
+            model.generate(ids, generation_config=_generation_config(candidate, new_tokens))
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end)
@@ -105,12 +110,12 @@ def per_token_ms(model, ids, candidate: str) -> float:
 
 
 def _prepared(model, candidate: str):
-    """The model as the candidate runs it: for "ptxforge steps", its forward compiled by
-    ptxforge as it comes (decode steps as whole CUDA graphs); for "ptxforge forward", the
-    same without step graphs."""
-    if candidate in ("ptxforge forward", "ptxforge steps"):
+    """The model as the candidate runs it: for "ptxforge steps" and "ptxforge generate",
+    its forward compiled by ptxforge as it comes (decode steps as whole CUDA graphs); for
+    "ptxforge forward", the same without step graphs."""
+    if candidate in ("ptxforge forward", "ptxforge steps", "ptxforge generate"):
         model.forward = compiler.compile(model.forward,
-                                         step_graphs=candidate == "ptxforge steps")
+                                         step_graphs=candidate != "ptxforge forward")
     return model
 
 
