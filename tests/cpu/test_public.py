@@ -52,9 +52,11 @@ def test_every_public_op_that_launches_a_kernel_has_a_registry_entry():
 
 
 def test_the_name_lists_are_the_table_s():
-    # ptxforge also exports the compile backend's shorthand, ptxforge.compile
-    assert ptxforge.__all__ == [entry.name for entry in PUBLIC if entry.in_ptxforge] + ["compile"]
-    assert ops.__all__ == list(PTXFORGE_NAMES) == ptxforge.__all__[:-1]
+    # ptxforge also exports the compile backend's shorthand, ptxforge.compile, and the
+    # greedy loop over a compiled model, ptxforge.generate
+    assert ptxforge.__all__ == [entry.name for entry in PUBLIC if entry.in_ptxforge] + [
+        "compile", "generate"]
+    assert ops.__all__ == list(PTXFORGE_NAMES) == ptxforge.__all__[:-2]
     assert deep_gemm.__all__ == [entry.name for entry in PUBLIC if entry.in_deep_gemm]
     assert deep_gemm.__all__ == list(DEEP_GEMM_NAMES)
 
