@@ -20,50 +20,62 @@ def _llama(vocab_size=96):
 
 def _theirs(model, ids, new_tokens, **options):
     config = transformers.GenerationConfig(
-        max_new_tokens=new_tokens, do_sample=False,
-        cache_implementation="static", pad_token_id=0, disable_compile=True, **options)
+        max_new_tokens=new_tokens, do_sample=False, cache_implementation="static",
+        disable_compile=True, **{"pad_token_id": 0, **options})
     with torch.no_grad():
         return model.generate(ids, attention_mask=torch.ones_like(ids),
                               generation_config=config)
 
 
-@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("compiled", [None, "forward", "module"])
 def test_the_tokens_of_transformers_greedy_generate(compiled):
+    """The model as it is, its forward compiled in place, the model compiled (whose
+    wrapper's forward takes ``*args, **kwargs``: the cache's argument name and
+    logits_to_keep come from the transformers model under it)."""
     model = _llama()
     ids = torch.randint(0, 96, (3, 7))
     expected = _theirs(model, ids, 9)
-    if compiled:
-        torch._dynamo.reset()
+    torch._dynamo.reset()
+    if compiled == "forward":
         model.forward = ptxforge.compile(model.forward)
+    elif compiled == "module":
+        model = ptxforge.compile(model)
     assert torch.equal(ptxforge.generate(model, ids, 9), expected)
+    assert torch.equal(ptxforge.generate(model, ids[:, :1], 4), _theirs(_llama(), ids[:, :1], 4))
 
 
-def test_an_ended_sequence_keeps_the_end_token_and_all_ended_stops():
+@pytest.mark.parametrize("check_every", [1, 5, 16])
+def test_end_tokens_give_transformers_tokens_and_length(check_every):
+    """A sequence that produced an end token has the pad token after it, and the tokens
+    stop where the last sequence ended, whenever the host learns it."""
     model = _llama()
-    ids = torch.randint(0, 96, (2, 5))
-    free = ptxforge.generate(model, ids, 12)
-    eos = int(free[0, 5 + 2])                  # sequence 0's third new token
-    got = ptxforge.generate(model, ids, 12, eos_token_id=eos, check_every=4)
-    first = [int((row[5:] == eos).nonzero()[0]) if (row[5:] == eos).any() else None
-             for row in free]
-    for row, mine, at in zip(free, got, first):
-        if at is None:
-            assert torch.equal(mine[:len(row)], row[:len(mine)])
-        else:                                  # the same up to the end token, then only it
-            assert torch.equal(mine[:5 + at + 1], row[:5 + at + 1])
-            assert bool((mine[5 + at:] == eos).all())
-    if all(at is not None for at in first):    # stopped at the check after the last ended
-        assert got.shape[1] == 5 + -(-(max(first) + 1) // 4) * 4
-    else:
-        assert got.shape[1] == 5 + 12
+    ids = torch.randint(0, 96, (2, 5), generator=torch.Generator().manual_seed(3))
+    free = ptxforge.generate(model, ids, 14)[:, 5:]
+    shared = sorted(set(free[0].tolist()) & set(free[1].tolist()))
+    assert shared, "no token both sequences produce: pick another prompt"
+    ends, pad = [shared[0], 95], 94
+    got = ptxforge.generate(model, ids, 14, eos_token_id=ends, pad_token_id=pad,
+                            check_every=check_every)
+    expected = _theirs(model, ids, 14, eos_token_id=ends, pad_token_id=pad)
+    assert torch.equal(got, expected)
+    assert got.shape[1] < 5 + 14                  # both ended before the last token
+    assert torch.equal(ptxforge.generate(model, ids, 14, eos_token_id=96 - 1),
+                       _theirs(model, ids, 14, eos_token_id=95, pad_token_id=95))
 
 
-@pytest.mark.parametrize("ids, tokens, match", [
-    (torch.zeros(5, dtype=torch.long), 4, "input_ids must be a tensor \\[batch, tokens\\]"),
-    (torch.zeros(1, 5, dtype=torch.int32), 4, "must be int64"),
-    (torch.zeros(1, 0, dtype=torch.long), 4, "at least one token"),
-    (torch.zeros(1, 5, dtype=torch.long), 0, "max_new_tokens must be a positive int, got 0"),
+@pytest.mark.parametrize("ids, tokens, options, match", [
+    (torch.zeros(5, dtype=torch.long), 4, {}, "input_ids must be a tensor \\[batch, tokens\\]"),
+    (torch.zeros(1, 5, dtype=torch.int32), 4, {}, "must be int64"),
+    (torch.zeros(1, 0, dtype=torch.long), 4, {}, "at least one token"),
+    (torch.zeros(1, 5, dtype=torch.long), 0, {}, "max_new_tokens must be a positive int, got 0"),
+    (torch.zeros(1, 5, dtype=torch.long), True, {}, "max_new_tokens must be a positive int"),
+    (torch.zeros(1, 5, dtype=torch.long), 4, {"check_every": 0}, "check_every must be"),
+    (torch.zeros(1, 5, dtype=torch.long), 4, {"eos_token_id": 96},
+     "eos_token_id must be a token id in \\[0, 96\\) or a non-empty list of them, got 96"),
+    (torch.zeros(1, 5, dtype=torch.long), 4, {"eos_token_id": []}, "eos_token_id must be"),
+    (torch.zeros(1, 5, dtype=torch.long), 4, {"eos_token_id": 3, "pad_token_id": -1},
+     "pad_token_id must be a token id in \\[0, 96\\), got -1"),
 ])
-def test_bad_input_is_one_line_naming_it(ids, tokens, match):
+def test_bad_input_is_one_line_naming_it(ids, tokens, options, match):
     with pytest.raises(ValueError, match=match):
-        ptxforge.generate(_llama(), ids, tokens)
+        ptxforge.generate(_llama(), ids, tokens, **options)

@@ -235,7 +235,7 @@ def test_generate_with_step_graphs_gives_the_uncaptured_tokens():
 def test_ptxforge_generate_gives_transformers_greedy_tokens():
     """ptxforge.generate (no host synchronisation between steps) on the forward with step
     graphs: the tokens of transformers' generate on the same compiled forward without
-    them, twice in a row (the second generate's first step captured at once)."""
+    them, twice in a row, its decode steps replayed."""
     transformers = pytest.importorskip("transformers")
     model = _small_llama(transformers, vocab_size=512, hidden_size=256, intermediate_size=512,
                          num_attention_heads=4, num_key_value_heads=2, eos_token_id=None)
@@ -250,7 +250,7 @@ def test_ptxforge_generate_gives_transformers_greedy_tokens():
     model.forward = compiler.compile(model.forward)
     for _ in range(2):
         assert torch.equal(ptxforge.generate(model, ids, 12), expected)
-    assert model.forward.steps.refused is None
+        assert model.forward.steps.refused is None and len(model.forward.steps.graphs) == 1
 
 
 @pytest.mark.parametrize("mode", [None, "reduce-overhead"])

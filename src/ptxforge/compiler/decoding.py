@@ -2,22 +2,22 @@
 with no host synchronisation between its steps.
 
 transformers' ``generate`` synchronises with the GPU at every step (its stopping check
-reads a flag on the host), so each step's host work (preparing the next inputs, the mask,
-the logits processors, the model call) runs while the GPU waits: about a millisecond a
-token with Llama-3-8B at batch 1 (H200, ``bench/generate_profile.py``), a quarter of the
-token. Here the loop only queues work: the model's call on the last tokens (one CUDA graph
-replay when the forward is ``ptxforge.compile``'s), an argmax, the finished sequences'
-tokens replaced by the end token; the host reads the GPU only every ``check_every`` steps,
-to stop once every sequence has ended. The host runs ahead of the GPU, so a token costs
-the GPU's time for it.
+reads a flag on the host), so each step's host work (the next inputs, the mask, the logits
+processors, the model call) runs while the GPU waits (docs/performance.md, text
+generation). Here the loop only queues work: the model's call on the last tokens (one
+CUDA graph replay when the forward is ``ptxforge.compile``'s), an argmax, the ended
+sequences' tokens replaced by the pad token; the host reads the GPU only every
+``check_every`` steps, to stop once every sequence has ended. The host runs ahead of the
+GPU, so a token costs the GPU's time for it.
 
     prompt [B, T] --model (prefill: the static cache's first T positions)--> logits
                   --argmax--> token 1
     token i [B, 1] --model (the cache's position T + i - 1)--> logits --argmax--> token i + 1
                    (every check_every tokens: has every sequence ended? then stop)
 
-The tokens are those of transformers' greedy ``generate`` with a static cache on the same
-model (no padding: every sequence is the prompt's length).
+The tokens and the length are those of transformers' greedy ``generate`` with a static
+cache on the same model and end and pad tokens (no padding in the prompt: every sequence
+is the prompt's length).
 """
 
 from __future__ import annotations
@@ -26,45 +26,78 @@ import inspect
 
 import torch
 
+from .steps import StepModule
+
 
 def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *,
-             eos_token_id: int | None = None, check_every: int = 16) -> torch.Tensor:
+             eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None,
+             check_every: int = 16) -> torch.Tensor:
     """``input_ids`` [B, T] (int64, on the model's device) followed by up to
     ``max_new_tokens`` greedy tokens: [B, T + n]. ``model``: a transformers causal LM whose
-    forward takes a static cache (``model.forward = ptxforge.compile(model.forward)`` for
-    ptxforge's kernels and a CUDA graph a step). With ``eos_token_id``, a sequence that
-    produced it has it for every later token, and generation stops at the first multiple
-    of ``check_every`` tokens at which every sequence has (n may then be less than
-    max_new_tokens)."""
+    forward takes a static cache, as it is or compiled (``ptxforge.compile(model)``, or
+    ``model.forward = ptxforge.compile(model.forward)``: ptxforge's kernels and a CUDA
+    graph a step). ``eos_token_id`` (an int or a list, as transformers' generation config
+    takes it): a sequence that produced one has ``pad_token_id`` (default: the first end
+    token) for every later token, and the tokens end at the step where the last sequence
+    ended; the host learns it every ``check_every`` tokens, and what the GPU ran past it
+    is cut."""
     import transformers
 
-    _check(model, input_ids, max_new_tokens, check_every)
+    ends = _check(model, input_ids, max_new_tokens, eos_token_id, pad_token_id, check_every)
     batch, prompt = input_ids.shape
+    device = input_ids.device
     cache = transformers.StaticCache(config=model.config,
                                      max_cache_len=prompt + max_new_tokens)
-    forward = inspect.signature(model.forward).parameters
+    takes = inspect.signature(_transformers_forward(model)).parameters
     # (transformers 5.2x names the cache argument ``cache``, earlier releases
-    # ``past_key_values``; ``logits_to_keep=1``: the prompt's last logits only)
-    fixed = {"cache" if "cache" in forward else "past_key_values": cache, "use_cache": True}
-    if "logits_to_keep" in forward:
-        fixed["logits_to_keep"] = 1
-    tokens, ended = [], torch.zeros(batch, 1, dtype=torch.bool, device=input_ids.device)
-    last = input_ids
+    # ``past_key_values`` and take the positions, ``cache_position``: kept on the GPU here,
+    # as a model that computed them from the cache would read its length on the host)
+    fixed = {"cache" if "cache" in takes else "past_key_values": cache, "use_cache": True}
+    if "logits_to_keep" in takes:
+        fixed["logits_to_keep"] = 1     # the prompt's last logits only
+    positions = (torch.arange(prompt, device=device) if "cache_position" in takes else None)
+    ended = torch.zeros(batch, 1, dtype=torch.bool, device=device)
+    pad = None if ends is None else (pad_token_id if pad_token_id is not None else ends[0])
+    ends = None if ends is None else torch.tensor(ends, device=device)
+    tokens, last = [], input_ids
     with torch.no_grad():
         for step in range(max_new_tokens):
-            logits = model(input_ids=last, **fixed).logits[:, -1:]
-            last = logits.argmax(-1)
-            if eos_token_id is not None:
-                last = torch.where(ended, eos_token_id, last)
-                ended |= last == eos_token_id
-                if (step + 1) % check_every == 0 and bool(ended.all()):
-                    tokens.append(last)
-                    break
+            at = {} if positions is None else {"cache_position": positions}
+            last = model(input_ids=last, **fixed, **at).logits[:, -1:].argmax(-1)
+            if positions is not None:
+                positions = positions[-1:] + 1
+            if ends is not None:
+                last = torch.where(ended, pad, last)
+                ended |= torch.isin(last, ends)
             tokens.append(last)
-    return torch.cat([input_ids, *tokens], dim=1)
+            if ends is not None and (step + 1) % check_every == 0 and bool(ended.all()):
+                break
+        new = torch.cat(tokens, dim=1)
+        if ends is not None and bool(ended.all()):
+            # the step where the last sequence ended (a sequence's first end token)
+            first = torch.isin(new, ends).int().argmax(dim=1)
+            new = new[:, :int(first.max()) + 1]
+    return torch.cat([input_ids, new], dim=1)
 
 
-def _check(model, input_ids, max_new_tokens, check_every) -> None:
+def _transformers_forward(model):
+    """The forward of the transformers model under ptxforge's and torch.compile's module
+    wrappers, whose own forward takes ``*args, **kwargs`` (a forward compiled in place keeps
+    the model's signature)."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    while True:
+        if isinstance(model, StepModule):
+            model = model.compiled
+        elif isinstance(model, OptimizedModule):
+            model = model._orig_mod
+        else:
+            return model.forward
+
+
+def _check(model, input_ids, max_new_tokens, eos_token_id, pad_token_id,
+           check_every) -> list[int] | None:
+    """The arguments checked; the end tokens as a list (None: none)."""
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         raise ValueError(f"generate: input_ids must be a tensor [batch, tokens], got "
                          f"{_described(input_ids)}")
@@ -76,8 +109,22 @@ def _check(model, input_ids, max_new_tokens, check_every) -> None:
         raise ValueError(f"generate: input_ids must be on the model's device {device}, got "
                          f"{input_ids.device}")
     for name, value in (("max_new_tokens", max_new_tokens), ("check_every", check_every)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if not _is_int(value) or value < 1:
             raise ValueError(f"generate: {name} must be a positive int, got {value!r}")
+    vocab = model.config.vocab_size
+    ends = [eos_token_id] if _is_int(eos_token_id) else eos_token_id
+    if ends is not None and (not isinstance(ends, (list, tuple)) or not ends or not all(
+            _is_int(e) and 0 <= e < vocab for e in ends)):
+        raise ValueError(f"generate: eos_token_id must be a token id in [0, {vocab}) or a "
+                         f"non-empty list of them, got {eos_token_id!r}")
+    if pad_token_id is not None and not (_is_int(pad_token_id) and 0 <= pad_token_id < vocab):
+        raise ValueError(f"generate: pad_token_id must be a token id in [0, {vocab}), got "
+                         f"{pad_token_id!r}")
+    return None if ends is None else list(ends)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _described(x) -> str:
