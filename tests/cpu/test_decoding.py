@@ -79,3 +79,28 @@ def test_end_tokens_give_transformers_tokens_and_length(check_every):
 def test_bad_input_is_one_line_naming_it(ids, tokens, options, match):
     with pytest.raises(ValueError, match=match):
         ptxforge.generate(_llama(), ids, tokens, **options)
+
+
+def test_the_static_cache_stays_with_the_model_while_it_fits():
+    """The next call on the same batch within the cache's positions resets and reuses the
+    cache (a decode step's CUDA graph, captured on it, lives as long as it does), and the
+    tokens stay transformers'; a larger batch or more positions get a new cache."""
+    model = _llama()
+    forward, seen = model.forward, []
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs.get("cache", kwargs.get("past_key_values")))
+        return forward(*args, **kwargs)
+
+    model.forward = recording
+    ids = torch.randint(0, 96, (3, 6), generator=torch.Generator().manual_seed(5))
+    used = []
+    for rows, prompt, tokens in ((2, 6, 8), (2, 3, 5), (2, 6, 8), (2, 6, 9), (3, 6, 8)):
+        del seen[:]
+        got = ptxforge.generate(model, ids[:rows, :prompt], tokens)
+        assert torch.equal(got, _theirs(_llama(), ids[:rows, :prompt], tokens))
+        assert all(cache is seen[0] for cache in seen)
+        used.append(seen[0])
+    assert used[0] is used[1] is used[2]          # 14 positions, then 8 and 14 of them
+    assert used[3] is not used[2]                 # 15 positions
+    assert used[4] is not used[3]                 # 3 sequences
