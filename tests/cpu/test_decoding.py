@@ -1,6 +1,8 @@
 """``ptxforge.generate`` on the CPU: the tokens of transformers' greedy generate with a
 static cache, on the model as it is and compiled by ptxforge; the end token; bad input."""
 
+import functools
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -88,6 +90,7 @@ def test_the_static_cache_stays_with_the_model_while_it_fits():
     model = _llama()
     forward, seen = model.forward, []
 
+    @functools.wraps(forward)    # the forward's signature: generate names the cache from it
     def recording(*args, **kwargs):
         seen.append(kwargs.get("cache", kwargs.get("past_key_values")))
         return forward(*args, **kwargs)
