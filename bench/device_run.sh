@@ -19,6 +19,8 @@
 # 32 layers take a call a case:
 #   bash bench/device_run.sh generate [cases, default 1x512] [layers, default 32] [candidates,
 #     default all: e.g. "torch.compile,ptxforge steps" where eager would not fit the call]
+# Decode attention (its GPU tests, memcheck, `ptxforge bench attention` beside SDPA):
+#   bash bench/device_run.sh attention
 set -u -o pipefail
 export PYTHONPATH=$PWD/src:$PWD/tests PYTHONUNBUFFERED=1
 export PTXFORGE_CACHE_DIR=/tmp/ptxforge-cache
@@ -61,6 +63,17 @@ if [ "${1:-}" = generate ]; then
   $py -m ptxforge.cli bench generate --cases "${2:-1x512}" --layers "${3:-32}" \
     ${4:+--candidates "$4"} --json "$OUT/generate.json" --plot "$OUT/generate.png" > "$log" 2>&1
   grep -v "^DEBUG\|[Ww]arn" "$log" | tail -24
+  exit 0
+fi
+if [ "${1:-}" = attention ]; then
+  # Decode attention: its GPU tests, memcheck on them, then `ptxforge bench attention`.
+  {
+    step timeout 300 $py -m pytest tests/gpu/test_attention_gpu.py -q -p no:cacheprovider
+    step timeout 200 compute-sanitizer --tool memcheck $py -m pytest tests/gpu/test_attention_gpu.py -q -p no:cacheprovider -k "1000 or graph"
+    step timeout 300 $py -m ptxforge.cli bench attention --json "$OUT/attention.json"
+  } > "$log" 2>&1
+  grep -E "passed|failed|ERROR SUMMARY|Invalid|Error" "$log" | grep -v "^|" | tail -8
+  sed -n '/### .*bench attention/,$p' "$log" | grep -v "^###\|[Ww]arn"
   exit 0
 fi
 if [ "${1:-}" = moe ]; then

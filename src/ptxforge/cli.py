@@ -262,6 +262,11 @@ def cmd_bench(args) -> int:
     elif args.suite == "chain":
         result = bench.chain_suite()
         text, plot = bench.chain_table(result), None
+    elif args.suite == "attention":
+        from .bench import attention as attention_bench
+
+        result = attention_bench.attention_suite()
+        text, plot = attention_bench.attention_table(result), None
     elif args.suite == "onnx":
         from .bench import onnx as onnx_bench
 
@@ -436,7 +441,8 @@ def main(argv=None) -> int:
     p.add_argument("--bf16", action="store_true", help="the backend's fp8=False plan")
     p = command("bench", "GPU benchmark side by side with torch")
     p.add_argument("suite", choices=["memory", "fp8-gemm", "grouped-gemm", "bf16-gemm", "decode",
-                                     "chain", "model", "onnx", "ep", "generate"])
+                                     "chain", "attention", "model", "onnx", "ep",
+                                     "generate"])
     p.add_argument("--m", type=int, default=16384)
     p.add_argument("--k", type=int, default=7168)
     p.add_argument("--json", help="write the full results here")

@@ -49,6 +49,7 @@ PUBLIC = (
                                                                    "moe_permute_scales")),
     PublicName("moe_silu_mul_quantize_fp8", "moe", kernels=("moe_silu_mul_quantize_fp8",)),
     PublicName("moe_combine", "moe_combine", kernels=("moe_combine",)),
+    PublicName("attention_with_kvcache", "attention", kernels=("attention_with_kvcache",)),
     PublicName("get_mn_major_tma_aligned_tensor", "layout", in_deep_gemm=True),
     # DeepGEMM's helpers, for its callers; ptxforge's own callers use num_sms= and the above.
     PublicName("ceil_div", "layout", in_ptxforge=False, in_deep_gemm=True),

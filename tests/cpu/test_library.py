@@ -218,7 +218,10 @@ def test_the_public_functions_trace_as_their_operators_with_fullgraph():
         ptxforge.m_grouped_bf16_gemm_nt_masked(masked[..., :k], bw.view(groups, -1, k), masked,
                                                route.counts, 16)
         y = ptxforge.moe_combine(grouped[:, :k].contiguous(), route.rows, weights)
-        return gq, gs, bq, bs, d, y, masked
+        cache = torch.empty(2, 4, 32, 64, dtype=bf16).transpose(1, 2)   # transformers' layout
+        o = ptxforge.attention_with_kvcache(x[:2].view(2, 1, 4, 64), cache, cache,
+                                            idx[:2, 0].int())
+        return gq, gs, bq, bs, d, y, masked, o
 
     graphs = []
     inputs = (torch.randn(m, k).to(bf16), torch.randn(k).to(bf16), torch.randn(n, k).to(e4m3),
@@ -233,7 +236,8 @@ def test_the_public_functions_trace_as_their_operators_with_fullgraph():
         "quantize_fp8_per_block", "fp8_gemm_nt", "bf16_gemm_nt", "moe_routing_layout",
         "moe_permute_quantize_fp8", "m_grouped_fp8_gemm_nt_contiguous",
         "m_grouped_bf16_gemm_nt_contiguous", "moe_silu_mul_quantize_fp8",
-        "m_grouped_fp8_gemm_nt_masked", "m_grouped_bf16_gemm_nt_masked", "moe_combine"]
+        "m_grouped_fp8_gemm_nt_masked", "m_grouped_bf16_gemm_nt_masked", "moe_combine",
+        "attention_with_kvcache"]
     assert {entry.name for entry in PUBLIC if entry.kernels} == set(called)
     copies = [node for node in graph.graph.nodes if node.target == "copy_"]
     assert len(copies) == 2   # rms_norm_quantize_fp8's out=(q, scales)

@@ -145,6 +145,9 @@ CASES = {  # case -> (op, well-formed CPU arguments for M rows (each group's M_m
         (zeros(BF16, 16, K), zeros(I32, m, 8), zeros(F32, m, 8)), {})),
     "moe_combine(out=)": (ptxforge.moe_combine, lambda m: (
         (zeros(BF16, 16, K), zeros(I32, m, 8), zeros(F32, m, 8)), {"out": zeros(BF16, m, K)})),
+    "attention_with_kvcache": (ptxforge.attention_with_kvcache, lambda m: (
+        (zeros(BF16, m, 1, 8, 64), zeros(BF16, m, 32, 2, 64), zeros(BF16, m, 32, 2, 64),
+         zeros(I32, m)), {})),
     "moe_routing_layout": (ptxforge.moe_routing_layout, lambda m: ((zeros(I64, m, 8), 8), {})),
     "moe_routing_layout(masked)": (ptxforge.moe_routing_layout, lambda m: (
         (zeros(I64, m, 8), 8), {"layout": "masked", "rows_per_expert": 4})),

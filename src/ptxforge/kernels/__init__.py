@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .. import arch as _arch
-from . import (bf16_block_quant_fp8, bf16_moe_combine, bf16_row_rmsnorm_fp8quant,
-               f32_moe_scale_gather, i64_moe_routing_layout, sm90_gemm)
+from . import (bf16_block_quant_fp8, bf16_decode_attention, bf16_moe_combine,
+               bf16_row_rmsnorm_fp8quant, f32_moe_scale_gather, i64_moe_routing_layout,
+               sm90_gemm)
 from .gemm import GemmProblem
 from .ep_intranode import combine as ep_combine
 from .ep_intranode import direct as ep_direct
@@ -245,6 +246,11 @@ REGISTRY = {
         KernelSpec("moe_combine", _combine, bf16_moe_combine.generate, _COMBINE_OPTIONS,
                    _COMBINE_VARIANTS, "MoE combine: each token's weighted sum of its experts' "
                    "bf16 rows (topk: k)"),
+        KernelSpec("attention_with_kvcache", bf16_decode_attention.choose_config,
+                   bf16_decode_attention.generate, {"head_dim": 128, "group": 4},
+                   tuple({"head_dim": d, "group": g} for d in bf16_decode_attention.HEAD_DIMS
+                         for g in (1, 2, 4, 8)),
+                   "decode attention over a bf16 KV cache (group: query heads a KV head)"),
         KernelSpec("moe_routing_layout", i64_moe_routing_layout.choose_config,
                    i64_moe_routing_layout.generate, _ROUTING_OPTIONS, _ROUTING_VARIANTS,
                    "MoE routing: each (token, expert) pair's row in the grouped GEMMs' input "

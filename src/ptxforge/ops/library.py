@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from . import block_quant, gemm, moe, routing, rowwise
+from . import attention, block_quant, gemm, moe, routing, rowwise
 from .common import require_shape
 # By name from the module: the package's attribute moe_combine is the function.
 from .moe_combine import combined_output, moe_combine
@@ -148,6 +148,16 @@ def _moe_silu_mul_quantize_fp8_fake(d, rows, pdl=None):
     return moe.grouped_quantized(tuple(d.shape[:-1]), d.shape[-1] // 2, d.device)
 
 
+def _attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, softmax_scale=None, pdl=None):
+    return attention.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens,
+                                            softmax_scale=softmax_scale, pdl=pdl)
+
+
+def _attention_with_kvcache_fake(q, k_cache, v_cache, cache_seqlens, softmax_scale=None,
+                                 pdl=None):
+    return torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
+
+
 def _moe_combine(y, rows, weights, pdl=None):
     return moe_combine(y, rows, weights, pdl=pdl)
 
@@ -202,6 +212,10 @@ OPERATORS = {
                                   _moe_silu_mul_quantize_fp8, _moe_silu_mul_quantize_fp8_fake),
     "moe_combine": ("(Tensor y, Tensor rows, Tensor weights, *, bool? pdl=None) -> Tensor",
                     _moe_combine, _moe_combine_fake),
+    "attention_with_kvcache": ("(Tensor q, Tensor k_cache, Tensor v_cache, Tensor "
+                               "cache_seqlens, *, float? softmax_scale=None, bool? pdl=None) "
+                               "-> Tensor", _attention_with_kvcache,
+                               _attention_with_kvcache_fake),
 }
 
 

@@ -1,0 +1,84 @@
+"""``ptxforge bench attention``: decode attention over a bf16 KV cache (one query token a
+sequence), ``attention_with_kvcache`` beside torch's SDPA with each backend that runs the
+shape (cuDNN, flash, efficient; enable_gqa, over the same cache in transformers' layout),
+kernel time from the profiler with the L2 flushed, median; the K and V bytes read over the
+time, against the HBM peak and a same-size read (``torch.sum``) and copy timed in the same
+run. Caches under the L2 are marked."""
+
+from __future__ import annotations
+
+import torch
+
+from . import format_table
+from .ops import Timer, copy_of
+
+# batch, cache tokens, query heads, KV heads (head dim 128): the issue's shapes
+SHAPES = ((1, 512, 32, 8), (1, 8192, 32, 8), (8, 2048, 32, 8), (256, 512, 32, 8),
+          (1, 131072, 32, 8), (32, 4096, 32, 8), (32, 4096, 64, 8), (32, 4096, 32, 32))
+HEAD_DIM = 128
+HBM_PEAK_TBS = 4.8
+L2_BYTES = 50 << 20
+
+
+def attention_suite(shapes=SHAPES, timer: Timer | None = None) -> dict:
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import ptxforge
+
+    timer = timer or Timer()
+    backends = {"cuDNN": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+                "efficient": SDPBackend.EFFICIENT_ATTENTION}
+    rows = []
+    for batch, capacity, heads, kv_heads in shapes:
+        q = torch.randn(batch, 1, heads, HEAD_DIM, device="cuda").bfloat16()
+        k = torch.randn(batch, kv_heads, capacity, HEAD_DIM, device="cuda").bfloat16()
+        v = torch.randn_like(k)
+        lengths = torch.full((batch,), capacity, dtype=torch.int32, device="cuda")
+        nbytes = 2 * k.numel() * k.element_size()
+        ours = lambda: ptxforge.attention_with_kvcache(q, k.transpose(1, 2), v.transpose(1, 2),
+                                                        lengths)
+        qs = q.transpose(1, 2)
+        with sdpa_kernel(backends["cuDNN"]):
+            expected = F.scaled_dot_product_attention(qs, k, v, enable_gqa=True)
+        diff = (ours().transpose(1, 2).float() - expected.float()).abs().max().item()
+        row = {"batch": batch, "capacity": capacity, "heads": heads, "kv_heads": kv_heads,
+               "bytes": nbytes, "l2_resident": nbytes < L2_BYTES,
+               "ptxforge_us": timer(ours) * 1e3, "max_abs_diff": diff}
+        for name, backend in backends.items():
+            try:
+                with sdpa_kernel(backend):
+                    us = timer(lambda: F.scaled_dot_product_attention(qs, k, v, enable_gqa=True))
+                row[f"{name}_us"] = us * 1e3
+            except RuntimeError:
+                row[f"{name}_us"] = None
+        both = torch.cat([k.view(-1), v.view(-1)])
+        row["read_us"] = timer(lambda: both.sum()) * 1e3
+        row["copy_us"] = timer(copy_of(2 * nbytes)) * 1e3
+        del both
+        rows.append(row)
+    return {"suite": "attention", "gpu": torch.cuda.get_device_name(), "head_dim": HEAD_DIM,
+            "rows": rows}
+
+
+def attention_table(result: dict) -> str:
+    def rate(row, us):
+        return "-" if us is None else f"{us:.1f} ({row['bytes'] / us / 1e6:.2f})"
+
+    rows = []
+    for r in result["rows"]:
+        shape = f"{r['batch']} x {r['capacity']}, {r['heads']}/{r['kv_heads']}"
+        rows.append([shape + (" (L2)" if r["l2_resident"] else ""),
+                     f"{r['bytes'] / 1e6:.1f}", rate(r, r["ptxforge_us"]),
+                     f"{r['bytes'] / r['ptxforge_us'] / 1e6 / HBM_PEAK_TBS:.0%}",
+                     rate(r, r["cuDNN_us"]), rate(r, r["flash_us"]), rate(r, r["efficient_us"]),
+                     rate(r, r["read_us"]), rate(r, r["copy_us"] / 2),
+                     f"{r['max_abs_diff']:.1e}"])
+    title = (f"{result['gpu']}: decode attention, one query token, bf16 cache, head dim "
+             f"{result['head_dim']}; us (TB/s of K and V read), kernel time from the profiler "
+             f"with the L2 flushed, median; 'of peak': of {HBM_PEAK_TBS} TB/s; read: torch.sum "
+             f"over the same bytes; copy: a copy of twice the bytes, its time halved; (L2): "
+             f"the cache fits the L2")
+    return title + "\n" + format_table(
+        ["B x S, Hq/Hkv", "MB", "ptxforge", "of peak", "SDPA cuDNN", "SDPA flash",
+         "SDPA efficient", "read", "copy", "max |diff| vs cuDNN"], rows)

@@ -1,0 +1,540 @@
+"""Decode attention over a bf16 KV cache: one query token a sequence, grouped-query heads,
+the cache split across CTAs and the splits merged on the GPU.
+
+For sequence b and query head h (KV head h // g of ``g`` query heads a KV head), over the
+cache's first ``seqlens[b]`` tokens:
+
+    out[b, h] = sum over t of softmax_t(scale * q[b, h] . k[b, h // g, t]) * v[b, h // g, t]
+
+in f32 (the scores in base 2: q is multiplied by scale * log2(e) once, and ex2 takes the
+exponentials), rounded to bf16 once. A sequence of no tokens gives zeros.
+
+Work mapping. CTA (x = split, y = KV head, z = sequence) reads the tokens [split *
+split_tokens, min(seqlens[b], (split + 1) * split_tokens)) of one KV head once, for all
+``g`` query heads of its group. A token's row of D bf16 is D / 8 16-byte vectors, one a
+lane: ``lanes`` = D / 8 neighbouring threads hold a token (each 8 dimensions of it, and
+of the g queries, in f32 registers), so a CTA of ``threads`` works on ``slots`` =
+threads / lanes tokens at once, and each thread on ``tokens_per_thread`` of them a step:
+
+    step (tokens_per_step = slots x tokens_per_thread):
+      ld.global.nc.v4  the step's k and v vectors, all issued before the first multiply
+      score            8 fma a head, summed over the token's lanes (shfl.bfly)
+      online softmax   per head: the step's max, the running sum and accumulator rescaled
+                       once, then p = ex2(score - max) and acc += p * v
+
+Each of the CTA's ``slots`` token slots ends with its own (max, sum, acc) per head; the
+slots of a warp merge through shuffles, the warps through shared memory. With one split
+the CTA writes out; with several each writes its unnormalised acc and its (max, sum) to a
+workspace, and the last of a (sequence, KV head)'s splits to finish (a counter a pair,
+counted with atom.add.acq_rel) merges them all, writes out, and sets the counter back to
+0 for the next call: one kernel, no host round trip, capturable in a CUDA graph.
+
+The lengths are read on the GPU: the split size comes from the cache's capacity (the op's
+choice), and a CTA past its sequence's length reads nothing. Loads past the length are
+not issued: their registers hold zeros, their scores -inf.
+
+Compile-time: D, g, tokens_per_thread. Run-time: the tensors' pointers and strides (q
+[B, Hq, D] and the caches [B, Hkv, S, D] in any order of their first three dimensions,
+D contiguous: transformers' static-cache layout and FlashAttention's both), the split
+size, the scale, B, Hkv and the split count (the grid).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+from ..arch import Arch
+from ..patterns import fp8
+from ..ptx import KernelBuilder, LaunchShape, addr, sreg
+
+VECTOR = 8                  # bf16 per 16-byte vector
+VECTOR_BYTES = 16
+HEAD_DIMS = (64, 128, 256)
+MAX_GROUP = 8               # query heads a KV head: each one's query and accumulators
+                            # take 16 registers of every thread
+THREADS = 128
+NO_SCORE = float("-inf")    # a token past the length
+MAX_START = -1e30           # a running max before any token: finite, so that ex2 of the
+                            # difference of two such stays 1, never NaN
+# Registers ptxas may use (through .minnctapersm): up to 4 query heads a KV head (a
+# thread holds 8 dimensions of each one's query and accumulator) 168, three CTAs an SM;
+# more, 255, two. Every variant assembles with no spills (tests/cpu/test_kernels.py).
+REGISTERS = {False: 168, True: 255}
+
+
+@dataclass(frozen=True)
+class DecodeAttentionConfig:
+    head_dim: int
+    group: int                 # query heads a KV head
+    tokens_per_thread: int     # a thread's tokens a step
+    target: str
+
+    @property
+    def name(self) -> str:
+        return (f"bf16_decode_attention_d{self.head_dim}_g{self.group}"
+                f"_t{self.tokens_per_thread}")
+
+    @property
+    def lanes(self) -> int:
+        """Threads a token: one 16-byte vector of its row each."""
+        return self.head_dim // VECTOR
+
+    @property
+    def slots(self) -> int:
+        """Tokens a CTA works on at once."""
+        return THREADS // self.lanes
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.slots * self.tokens_per_thread
+
+    @property
+    def warps(self) -> int:
+        return THREADS // 32
+
+    @property
+    def lane_record(self) -> int:
+        """Shared-memory bytes of one lane's merged heads: every head's 8 accumulators
+        (16-byte aligned), then every head's (max, sum); padded to 16 bytes."""
+        return -(-self.group * (VECTOR + 2) * 4 // 16) * 16
+
+    @property
+    def shared_bytes(self) -> int:
+        """Each warp's merged (max, sum, acc) per head, from its first ``lanes`` lanes."""
+        return self.warps * self.lanes * self.lane_record
+
+    @property
+    def wide(self) -> bool:
+        """More than four query heads a KV head: two tokens a thread a step, and more
+        registers."""
+        return self.group > 4
+
+    @property
+    def ctas_per_sm(self) -> int:
+        return 65536 // (THREADS * REGISTERS[self.wide])
+
+
+def check_problem(head_dim: int, group: int) -> None:
+    """The sizes the kernel takes, checked apart from a device."""
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {head_dim}")
+    if not 1 <= group <= MAX_GROUP:
+        raise ValueError(f"query heads a KV head must be from 1 to {MAX_GROUP}, got {group}")
+
+
+def choose_config(arch: Arch, head_dim: int, group: int) -> DecodeAttentionConfig:
+    """Four tokens a thread a step (eight k and v loads in flight); two above four query
+    heads a KV head, where the queries and accumulators take the registers."""
+    check_problem(head_dim, group)
+    arch.require("griddepcontrol", "the decode attention kernel (programmatic dependent launch)")
+    return DecodeAttentionConfig(head_dim, group, 2 if group > 4 else 4, arch.target)
+
+
+def generate(cfg: DecodeAttentionConfig) -> KernelBuilder:
+    k = KernelBuilder(cfg.name, target=cfg.target, max_threads=THREADS,
+                      min_blocks_per_sm=cfg.ctas_per_sm)
+    k.launch = LaunchShape(block=THREADS)
+    p = _Params(k)
+    with k.stage("programmatic launch: the next kernel on the stream may start"):
+        k.griddepcontrol_launch_dependents()
+    t = _coordinates(k, cfg)
+    with k.stage("wait for the kernel before this one"):
+        # q, the caches and the lengths may be its output (the cache write just before).
+        k.griddepcontrol_wait()
+    ptrs = _pointers(k, cfg, p, t)
+    q = _queries(k, cfg, p, ptrs)
+    state = _start_state(k, cfg)
+    _token_loop(k, cfg, t, ptrs, q, state)
+    merger = _Merger(k, cfg, t)
+    merger.slots(state)
+    merger.warps(state)
+    _finish(k, cfg, p, t, state, merger)
+    return k
+
+
+class _Params:
+    """Kernel parameters (launches bind them by name). Strides in bytes."""
+
+    def __init__(self, k: KernelBuilder):
+        self.q = k.param("q", "u64")
+        self.q_batch_stride = k.param("q_batch_stride", "u64")
+        self.q_head_stride = k.param("q_head_stride", "u64")
+        for name in ("k", "v"):
+            setattr(self, name, k.param(name, "u64"))
+            for stride in ("batch", "head", "token"):
+                setattr(self, f"{name}_{stride}_stride", k.param(f"{name}_{stride}_stride", "u64"))
+        self.seqlens = k.param("seqlens", "u64")           # int32 [B]
+        self.capacity = k.param("capacity", "u32")         # S_max: no token at or past it is read
+        self.split_tokens = k.param("split_tokens", "u32")  # a multiple of tokens_per_step
+        self.scale_log2 = k.param("scale_log2", "f32")      # softmax scale * log2(e)
+        self.out = k.param("out", "u64")                    # bf16 [B, Hq, D], contiguous
+        self.partial = k.param("partial", "u64")            # f32 [B, Hkv, splits, g, D]
+        self.partial_ml = k.param("partial_ml", "u64")      # f32 [B, Hkv, splits, g, 2]
+        self.counters = k.param("counters", "u64")          # u32 [B, Hkv], zeros between calls
+
+
+def _coordinates(k, cfg) -> SimpleNamespace:
+    t = SimpleNamespace()
+    with k.stage("coordinates: split, KV head, sequence; this thread's token slot and vector"):
+        t.split, t.kv_head, t.seq = (k.reg("u32", n) for n in ("split", "kv_head", "seq"))
+        t.splits, t.kv_heads = k.reg("u32", "splits"), k.reg("u32", "kv_heads")
+        k.mov(t.split, sreg.ctaid.x)
+        k.mov(t.kv_head, sreg.ctaid.y)
+        k.mov(t.seq, sreg.ctaid.z)
+        k.mov(t.splits, sreg.nctaid.x)
+        k.mov(t.kv_heads, sreg.nctaid.y)
+        t.tid, t.lane, t.warp = k.reg("u32", "tid"), k.reg("u32", "lane"), k.reg("u32", "warp")
+        k.mov(t.tid, sreg.tid.x)
+        k.and_(t.lane, t.tid, 31)
+        k.shr(t.warp, t.tid, 5)
+        t.slot, t.vector = k.reg("u32", "slot"), k.reg("u32", "vector")
+        k.shr(t.slot, t.tid, cfg.lanes.bit_length() - 1)
+        k.and_(t.vector, t.tid, cfg.lanes - 1)
+        # The (sequence, KV head) pair: its counter, and its splits' workspace rows.
+        t.pair = k.reg("u32", "pair")
+        k.mad(t.pair, t.seq, t.kv_heads, t.kv_head, mode="lo")
+    return t
+
+
+def _pointers(k, cfg, p, t) -> SimpleNamespace:
+    """This thread's vector of the pair's first cache row and of its group's queries, and
+    the split's token range [start, end)."""
+    ptrs = SimpleNamespace()
+    with k.stage("the split's tokens, and pointers to this thread's vectors"):
+        wide = k.reg("u64", "wide")
+        stride = k.reg("u64", "stride")
+
+        def at(name, base, *terms):
+            r = k.reg("u64", name)
+            k.ld_param(r, base)
+            for index, param in terms:
+                k.cvt(wide, index, dtype="u64")
+                k.ld_param(stride, param)
+                k.mad(r, wide, stride, r, mode="lo", type="u64")
+            k.mad(r, t.vector, VECTOR_BYTES, r, mode="wide")
+            return r
+
+        ptrs.k = at("k_ptr", p.k, (t.seq, p.k_batch_stride), (t.kv_head, p.k_head_stride))
+        ptrs.v = at("v_ptr", p.v, (t.seq, p.v_batch_stride), (t.kv_head, p.v_head_stride))
+        first_head = k.reg("u32", "first_head")
+        k.mul(first_head, t.kv_head, cfg.group, mode="lo")
+        ptrs.q = at("q_ptr", p.q, (t.seq, p.q_batch_stride), (first_head, p.q_head_stride))
+        ptrs.q_head_stride = k.reg("u64", "q_head_stride")
+        k.ld_param(ptrs.q_head_stride, p.q_head_stride)
+        ptrs.k_token, ptrs.v_token = k.reg("u32", "k_token_bytes"), k.reg("u32", "v_token_bytes")
+        k.ld_param(stride, p.k_token_stride)
+        k.cvt(ptrs.k_token, stride, dtype="u32")
+        k.ld_param(stride, p.v_token_stride)
+        k.cvt(ptrs.v_token, stride, dtype="u32")
+        # The split's tokens.
+        ptrs.start, ptrs.end = k.reg("u32", "start"), k.reg("u32", "end")
+        split_tokens, length = k.reg("u32", "split_tokens"), k.reg("u32", "length")
+        k.ld_param(split_tokens, p.split_tokens)
+        k.mul(ptrs.start, t.split, split_tokens, mode="lo")
+        k.add(ptrs.end, ptrs.start, split_tokens)
+        at_len = k.reg("u64", "seqlen_at")
+        k.ld_param(at_len, p.seqlens)
+        k.mad(at_len, t.seq, 4, at_len, mode="wide")
+        k.ld(length, addr(at_len), nc=True)
+        k.min(ptrs.end, ptrs.end, length)      # a length is unsigned here: -1 is past S_max
+        k.ld_param(length, p.capacity)
+        k.min(ptrs.end, ptrs.end, length)
+    return ptrs
+
+
+def _queries(k, cfg, p, ptrs) -> list[list]:
+    """This thread's 8 dimensions of each of the group's queries, as f32 times scale *
+    log2(e): a score is then the exponent of 2."""
+    with k.stage("the group's queries: this thread's 8 dimensions each, scaled"):
+        scale = k.reg("f32", "scale_log2")
+        k.ld_param(scale, p.scale_log2)
+        q, packed, at = [], k.regs("b32", 4, "q_packed"), k.reg("u64", "q_at")
+        k.mov(at, ptrs.q)
+        for head in range(cfg.group):
+            k.ld(packed, addr(at), nc=True)
+            values = k.regs("f32", VECTOR, f"q{head}_")
+            for i, word in enumerate(packed):
+                fp8.unpack_bf16x2(k, values[2 * i], values[2 * i + 1], word)
+            for value in values:
+                k.mul(value, value, scale)
+            q.append(values)
+            if head + 1 < cfg.group:
+                k.add(at, at, ptrs.q_head_stride)
+    return q
+
+
+def _start_state(k, cfg) -> SimpleNamespace:
+    """Per head: the running max (MAX_START), sum (0) and this thread's 8 accumulators (0)."""
+    state = SimpleNamespace(max=k.regs("f32", cfg.group, "m"), sum=k.regs("f32", cfg.group, "l"),
+                            acc=[k.regs("f32", VECTOR, f"acc{h}_") for h in range(cfg.group)])
+    with k.stage("running max, sum and accumulators"):
+        for head in range(cfg.group):
+            k.mov(state.max[head], MAX_START)
+            k.mov(state.sum[head], 0.0)
+            for a in state.acc[head]:
+                k.mov(a, 0.0)
+    return state
+
+
+def _token_loop(k, cfg, t, ptrs, q, state) -> None:
+    """The split's tokens, tokens_per_step at a time: thread slot s takes tokens base + j *
+    slots + s (j < tokens_per_thread)."""
+    n = cfg.tokens_per_thread
+    token, valid = k.regs("u32", n, "token"), [k.pred(f"valid{j}_") for j in range(n)]
+    keys = [k.regs("b32", 4, f"k{j}_") for j in range(n)]
+    values = [k.regs("b32", 4, f"v{j}_") for j in range(n)]
+    at = k.reg("u64", "row_at")
+    scores = [k.regs("f32", cfg.group, f"s{j}_") for j in range(n)]
+    unpacked, other = k.regs("f32", VECTOR, "x"), k.reg("f32", "other")
+    step_max, fresh, scale = k.reg("f32", "step_max"), k.reg("f32", "fresh"), k.reg("f32", "rescale")
+    prob = k.reg("f32", "p")
+    first = k.reg("u32", "first_token")
+    later, ahead = k.reg("u32", "later"), k.reg("u32", "ahead")
+    next_valid = [k.pred(f"next_valid{j}_") for j in range(n)]
+    k.mov(ahead, cfg.tokens_per_step)
+    k.add(first, ptrs.start, t.slot)
+    with k.loop(k.reg("u32", "base"), ptrs.end, start=ptrs.start, step=cfg.tokens_per_step,
+                hint="tokens", uniform=True):
+        with k.stage("load: every k and v vector of the step, before the first multiply"):
+            for j in range(n):
+                k.add(token[j], first, j * cfg.slots)
+                k.setp("lt", valid[j], token[j], ptrs.end)
+                k.add(later, token[j], cfg.tokens_per_step)
+                k.setp("lt", next_valid[j], later, ptrs.end)
+                for vec, base, stride in ((keys[j], ptrs.k, ptrs.k_token),
+                                          (values[j], ptrs.v, ptrs.v_token)):
+                    for word in vec:
+                        k.mov(word, 0)
+                    k.mad(at, token[j], stride, base, mode="wide")
+                    with k.guard(valid[j]):
+                        k.ld(vec, addr(at), nc=True, eviction="L1::no_allocate")
+                    # The next step's row into L2 meanwhile: its loads then wait on L2, not
+                    # on DRAM, with no registers held for it.
+                    k.mad(at, ahead, stride, at, mode="wide")
+                    with k.guard(next_valid[j]):
+                        k.prefetch(addr(at))
+            k.add(first, first, cfg.tokens_per_step)
+        with k.stage("scores: q . k over this thread's 8 dimensions, summed over the token's "
+                     "lanes; -inf past the length"):
+            for j in range(n):
+                _unpack(k, unpacked, keys[j])
+                for head in range(cfg.group):
+                    s = scores[j][head]
+                    k.mul(s, q[head][0], unpacked[0])
+                    for d in range(1, VECTOR):
+                        k.fma(s, q[head][d], unpacked[d], s)
+                    offset = cfg.lanes // 2
+                    while offset:
+                        k.shfl_sync(other, s, offset, mode="bfly")
+                        k.add(s, s, other)
+                        offset //= 2
+                    k.selp(s, s, NO_SCORE, valid[j])
+        with k.stage("online softmax: rescale once a step, then acc += ex2(score - max) * v"):
+            for head in range(cfg.group):
+                k.max(step_max, state.max[head], scores[0][head])
+                for j in range(1, n):
+                    k.max(step_max, step_max, scores[j][head])
+                k.sub(fresh, state.max[head], step_max)
+                k.ex2(scale, fresh, ftz=True)
+                k.mov(state.max[head], step_max)
+                k.mul(state.sum[head], state.sum[head], scale)
+                for a in state.acc[head]:
+                    k.mul(a, a, scale)
+            for j in range(n):
+                _unpack(k, unpacked, values[j])
+                for head in range(cfg.group):
+                    k.sub(prob, scores[j][head], state.max[head])
+                    k.ex2(prob, prob, ftz=True)
+                    k.add(state.sum[head], state.sum[head], prob)
+                    for a, x in zip(state.acc[head], unpacked):
+                        k.fma(a, prob, x, a)
+
+
+def _unpack(k, f32: list, packed: list) -> None:
+    for i, word in enumerate(packed):
+        fp8.unpack_bf16x2(k, f32[2 * i], f32[2 * i + 1], word)
+
+
+def _merge(k, state, head: int, other_max, other_sum, other_acc: list, scratch) -> None:
+    """Fold another (max, sum, acc) of ``head`` into the state: both rescaled to the
+    larger max."""
+    top, mine, theirs = scratch
+    k.max(top, state.max[head], other_max)
+    k.sub(mine, state.max[head], top)
+    k.ex2(mine, mine, ftz=True)
+    k.sub(theirs, other_max, top)
+    k.ex2(theirs, theirs, ftz=True)
+    k.mov(state.max[head], top)
+    k.mul(state.sum[head], state.sum[head], mine)
+    k.fma(state.sum[head], other_sum, theirs, state.sum[head])
+    for a, b in zip(state.acc[head], other_acc):
+        k.mul(a, a, mine)
+        k.fma(a, b, theirs, a)
+
+
+class _Merger:
+    """Merges (max, sum, acc) states a head: of the token slots of a warp, through
+    shuffles; of the warps, through shared memory into warp 0's first ``lanes`` lanes."""
+
+    def __init__(self, k, cfg, t):
+        self.k, self.cfg, self.t = k, cfg, t
+        self.other_max, self.other_sum = k.reg("f32", "o_max"), k.reg("f32", "o_sum")
+        self.other_acc = k.regs("f32", VECTOR, "o_acc")
+        self.scratch = k.regs("f32", 3, "merge")
+        self.mine = k.pred("first_lanes")   # a warp's first lanes: one of each token vector
+        k.setp("lt", self.mine, t.lane, cfg.lanes)
+        self.warp0 = k.pred("warp0")
+        k.setp("eq", self.warp0, t.warp, 0)
+        self.smem = k.shared("slots", cfg.shared_bytes) if cfg.warps > 1 else None
+        self.at = k.reg("u32", "smem_at")
+
+    def fold(self, state, head: int) -> None:
+        _merge(self.k, state, head, self.other_max, self.other_sum, self.other_acc,
+               self.scratch)
+
+    def slots(self, state) -> None:
+        k, cfg = self.k, self.cfg
+        with k.stage("merge the warp's token slots (shfl.bfly)"):
+            offset = cfg.lanes
+            while offset < 32:
+                for head in range(cfg.group):
+                    k.shfl_sync(self.other_max, state.max[head], offset, mode="bfly")
+                    k.shfl_sync(self.other_sum, state.sum[head], offset, mode="bfly")
+                    for a, b in zip(state.acc[head], self.other_acc):
+                        k.shfl_sync(b, a, offset, mode="bfly")
+                    self.fold(state, head)
+                offset *= 2
+
+    def warps(self, state) -> None:
+        """Every thread arrives (a CTA barrier); warp 0's first lanes hold the merge."""
+        k, cfg, t = self.k, self.cfg, self.t
+        if cfg.warps == 1:
+            return
+        record, ml = cfg.lane_record, cfg.group * VECTOR * 4  # a lane's heads; (max, sum)
+        at, other_acc = self.at, self.other_acc
+        with k.stage("merge the warps: each warp's first lanes write, warp 0 folds them in"):
+            # By the thread's vector (its lane within the token): warp 0's other lanes read
+            # what its first lanes do.
+            k.mov(at, self.smem)
+            k.mad(at, t.warp, cfg.lanes * record, at, mode="lo")
+            k.mad(at, t.vector, record, at, mode="lo")
+            with k.guard(self.mine):
+                for head in range(cfg.group):
+                    k.st(addr(at, head * 32), state.acc[head][:4], space="shared")
+                    k.st(addr(at, head * 32 + 16), state.acc[head][4:], space="shared")
+                    k.st(addr(at, ml + head * 8), [state.max[head], state.sum[head]],
+                         space="shared")
+            k.bar_sync(0)
+            with k.if_(self.warp0, "warps_merged", uniform=True):
+                for w in range(1, cfg.warps):
+                    for head in range(cfg.group):
+                        base = w * cfg.lanes * record
+                        k.ld(other_acc[:4], addr(at, base + head * 32), space="shared")
+                        k.ld(other_acc[4:], addr(at, base + head * 32 + 16), space="shared")
+                        k.ld([self.other_max, self.other_sum], addr(at, base + ml + head * 8),
+                             space="shared")
+                        self.fold(state, head)
+
+
+def _finish(k, cfg, p, t, state, merger) -> None:
+    """With one split the CTA writes out; with several, its partial, and the last of the
+    pair's splits to count itself in merges them all (its token slots each folding every
+    slots-th split, then merged as the tokens were) and writes out."""
+    last = k.pred("writes_out")    # one split, or the last of the pair's splits
+    k.setp("eq", last, t.splits, 1)
+    with k.if_(~last, "partial_done", uniform=True):
+        with k.if_(merger.warp0, "partial_stored", uniform=True):
+            _store_partial(k, cfg, p, t, state, merger.mine)
+        with k.stage("the pair's counter: the last of its splits merges"):
+            k.fence("acq_rel", "gpu")      # this thread's partial before the count
+            k.bar_sync(0)
+            counter, old = k.reg("u64", "counter_at"), k.reg("u32", "count")
+            thread0 = k.pred("thread0")
+            flag = k.shared("last_split", 4)
+            k.ld_param(counter, p.counters)
+            k.mad(counter, t.pair, 4, counter, mode="wide")
+            k.setp("eq", thread0, t.tid, 0)
+            with k.if_(thread0, "counted"):
+                k.atom(old, addr(counter), 1, op="add", sem="acq_rel", scope="gpu", type="u32")
+                k.add(old, old, 1)
+                k.st(addr(flag), old, space="shared")
+            k.bar_sync(0)
+            k.ld(old, addr(flag), space="shared")
+            k.setp("eq", last, old, t.splits)
+        with k.if_(last, "merged", uniform=True):
+            k.fence("acq_rel", "gpu")      # every split's partial, seen
+            _merge_partials(k, cfg, p, t, state, merger)
+            merger.slots(state)
+            merger.warps(state)
+            with k.guard(thread0):
+                k.st(addr(counter), 0, type="u32")   # zero for the next call
+    with k.if_(last, "written", uniform=True):
+        with k.if_(merger.warp0, "out_stored", uniform=True):
+            _store_out(k, cfg, p, t, state, merger.mine)
+
+
+def _partial_row(k, cfg, p, t, split, name: str):
+    """Addresses of split ``split``'s first head: its acc (this thread's vector) and its
+    (max, sum)."""
+    row, acc, ml = k.reg("u32", name), k.reg("u64", name + "_acc"), k.reg("u64", name + "_ml")
+    k.mad(row, t.pair, t.splits, split, mode="lo")
+    k.mul(row, row, cfg.group, mode="lo")
+    k.ld_param(acc, p.partial)
+    k.mad(acc, row, cfg.head_dim * 4, acc, mode="wide")
+    k.mad(acc, t.vector, VECTOR * 4, acc, mode="wide")
+    k.ld_param(ml, p.partial_ml)
+    k.mad(ml, row, 8, ml, mode="wide")
+    return acc, ml
+
+
+def _store_partial(k, cfg, p, t, state, mine) -> None:
+    with k.stage("this split's partial: acc as it is, (max, sum) a head"):
+        acc, ml = _partial_row(k, cfg, p, t, t.split, "mine_row")
+        with k.guard(mine):
+            for head in range(cfg.group):
+                base = head * cfg.head_dim * 4
+                k.st(addr(acc, base), state.acc[head][:4])
+                k.st(addr(acc, base + 16), state.acc[head][4:])
+                k.st(addr(ml, head * 8), [state.max[head], state.sum[head]])
+
+
+def _merge_partials(k, cfg, p, t, state, merger) -> None:
+    """Each token slot folds splits slot, slot + slots, ... (in order) into a fresh state."""
+    with k.stage("the last split: every split's partial, a slot's share each"):
+        for head in range(cfg.group):
+            k.mov(state.max[head], MAX_START)
+            k.mov(state.sum[head], 0.0)
+            for a in state.acc[head]:
+                k.mov(a, 0.0)
+        with k.loop(k.reg("u32", "merged_split"), t.splits, start=t.slot, step=cfg.slots,
+                    hint="splits") as s:
+            acc, ml = _partial_row(k, cfg, p, t, s, "split_row")
+            for head in range(cfg.group):
+                base = head * cfg.head_dim * 4
+                # written by other CTAs during this kernel: through L2, not the read-only path
+                k.ld(merger.other_acc[:4], addr(acc, base), cache="cg")
+                k.ld(merger.other_acc[4:], addr(acc, base + 16), cache="cg")
+                k.ld([merger.other_max, merger.other_sum], addr(ml, head * 8), cache="cg")
+                merger.fold(state, head)
+
+
+def _store_out(k, cfg, p, t, state, mine) -> None:
+    with k.stage("out: acc / sum (zeros for no tokens), rounded to bf16 once"):
+        out, inv, positive = k.reg("u64", "out_at"), k.reg("f32", "inv_sum"), k.pred("any_token")
+        scaled, packed = k.regs("f32", 2, "o"), k.regs("b32", 4, "out")
+        row = k.reg("u32", "out_row")
+        k.mul(row, t.pair, cfg.group, mode="lo")
+        k.ld_param(out, p.out)
+        k.mad(out, row, cfg.head_dim * 2, out, mode="wide")
+        k.mad(out, t.vector, VECTOR_BYTES, out, mode="wide")
+        for head in range(cfg.group):
+            k.setp("gt", positive, state.sum[head], 0.0)
+            k.rcp(inv, state.sum[head])
+            k.selp(inv, inv, 0.0, positive)
+            for i, word in enumerate(packed):
+                k.mul(scaled[0], state.acc[head][2 * i], inv)
+                k.mul(scaled[1], state.acc[head][2 * i + 1], inv)
+                k.cvt(word, scaled[1], scaled[0], dtype="bf16x2", rnd="rn")
+            with k.guard(mine):
+                k.st(addr(out, head * cfg.head_dim * 2), packed, type="b32")

@@ -1,0 +1,156 @@
+"""Decode attention over a KV cache on torch tensors: FlashAttention's
+``flash_attn_with_kvcache`` for one new token a sequence (``kernels/bf16_decode_attention.py``).
+
+The kernel is specialised on the head size and the query heads a KV head; the batch, the
+heads, the cache's capacity and strides, the lengths and the split of the cache across
+CTAs are run-time arguments. The split comes from the cache's capacity (the lengths stay
+on the GPU, so a call is capturable in a CUDA graph): enough CTAs for two waves.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from .. import jit
+from ..kernels import bf16_decode_attention as attention_kernel
+from .common import (current_stream, device_arch, inspect, programmatic, require_cuda,
+                     require_pdl, traced)
+
+LOG2E = 1.4426950408889634
+WAVES = 2            # CTAs for this many waves of the device's SMs, the cache permitting
+MIN_SPLIT_STEPS = 2  # a split reads at least this many of the kernel's token steps
+MAX_SPLITS = 64      # the last split merges them all, its token slots sharing the work
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(device_index: int, head_dim: int, group: int, pdl: bool | None):
+    """(config, launcher) for one device and variant; ``pdl``: the call's."""
+    cfg = attention_kernel.choose_config(device_arch(device_index), head_dim, group)
+    launcher = jit.build(attention_kernel.generate(cfg)).launcher(device_index,
+                                                                  programmatic=programmatic(pdl))
+    return cfg, launcher
+
+
+def split_tokens(cfg, sms: int, batch: int, kv_heads: int, capacity: int) -> int:
+    """Tokens a split reads: the cache's capacity over enough splits for WAVES waves of
+    CTAs (at most MAX_SPLITS), at least MIN_SPLIT_STEPS of the kernel's steps each, a
+    whole number of steps."""
+    step = cfg.tokens_per_step
+    wanted = _ceil_div(WAVES * sms * cfg.ctas_per_sm, batch * kv_heads)
+    splits = max(1, min(wanted, capacity // (MIN_SPLIT_STEPS * step), MAX_SPLITS))
+    return _ceil_div(_ceil_div(capacity, splits), step) * step
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# Each device's counters, one a (sequence, KV head): zero between calls (the kernel's last
+# split of a pair sets its counter back).
+_counters: dict[int, torch.Tensor] = {}
+
+
+def _counters_for(device_index: int, pairs: int) -> torch.Tensor:
+    held = _counters.get(device_index)
+    if held is None or held.numel() < pairs:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"attention_with_kvcache needs {pairs} counters and holds "
+                               f"{0 if held is None else held.numel()}: call it once with "
+                               f"this batch and these heads before capturing it")
+        held = torch.zeros(max(pairs, 4096), dtype=torch.int32,
+                           device=torch.device("cuda", device_index))
+        _counters[device_index] = held
+    return held
+
+
+def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           cache_seqlens: torch.Tensor, *, softmax_scale: float | None = None,
+                           pdl: bool | None = None) -> torch.Tensor:
+    """Attention of one new token a sequence over its cached keys and values, as
+    FlashAttention's ``flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=...)``
+    computes it for q_len 1:
+
+        out[b, 0, h] = softmax(softmax_scale * q[b, 0, h] . k_cache[b, :L, h // g].T)
+                       @ v_cache[b, :L, h // g],       L = cache_seqlens[b]
+
+    in f32, rounded to bf16 once; a sequence of length 0 gives zeros.
+
+    q: bf16 [B, 1, Hq, D], D 64, 128 or 256 (unit stride; the other strides free).
+    k_cache, v_cache: bf16 [B, S_max, Hkv, D], D unit stride, the other strides free:
+    transformers' static cache, [B, Hkv, S_max, D], is passed as ``cache.transpose(1, 2)``
+    (a view, no copy). Hq a multiple of Hkv, at most 8 query heads a KV head.
+    cache_seqlens: int32 [B] on the GPU, each from 0 to S_max (read on the GPU; a length
+    past S_max, or negative, counts as S_max: nothing outside the cache is read). softmax_scale: by default
+    D ** -0.5. ``pdl``: as ``rms_norm``'s. Returns a new bf16 [B, 1, Hq, D].
+
+    Differences from FlashAttention's: one query token (no causal mask to apply), no
+    paged cache (block_table), no k_new/v_new, no rotary, no dropout or softcap.
+    """
+    if torch.compiler.is_dynamo_compiling():
+        return traced("attention_with_kvcache", q, k_cache, v_cache, cache_seqlens,
+                      softmax_scale=softmax_scale, pdl=pdl)
+    (batch, q_len, heads, head_dim), q_strides, q_ptr, device = inspect(
+        "q", q, torch.bfloat16, 4)
+    if q_len != 1:
+        raise ValueError(f"q must hold one token a sequence ([B, 1, Hq, D]), got shape "
+                         f"{tuple(q.shape)}")
+    caches = []
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        shape, strides, ptr, _ = inspect(name, cache, torch.bfloat16, 4, device=device)
+        if shape[0] != batch or shape[3] != head_dim:
+            raise ValueError(f"{name} must be [B, S_max, Hkv, D] with q's B = {batch} and "
+                             f"D = {head_dim}, got shape {tuple(shape)}")
+        if any(stride % 8 for stride in strides[:3]):
+            raise ValueError(f"{name}'s strides must keep each row 16-byte aligned (multiples "
+                             f"of 8 elements), got {tuple(strides)}")
+        caches.append((shape, strides, ptr))
+    (_, capacity, kv_heads, _), _, _ = caches[0]
+    if caches[1][0] != caches[0][0]:
+        raise ValueError(f"k_cache and v_cache must have the same shape, got "
+                         f"{tuple(caches[0][0])} and {tuple(caches[1][0])}")
+    if kv_heads == 0 or heads % kv_heads:
+        raise ValueError(f"q's heads ({heads}) must be a multiple of the caches' "
+                         f"({kv_heads})")
+    attention_kernel.check_problem(head_dim, heads // kv_heads)
+    if q_strides[1] % 8 or q_strides[2] % 8 or q_strides[0] % 8:
+        raise ValueError(f"q's strides must keep each head's row 16-byte aligned (multiples "
+                         f"of 8 elements), got {tuple(q_strides)}")
+    lengths_shape, _, lengths_ptr, _ = inspect("cache_seqlens", cache_seqlens, torch.int32, 1,
+                                               align=4, device=device, rows=False)
+    if tuple(lengths_shape) != (batch,) or cache_seqlens.stride(0) != 1:
+        raise ValueError(f"cache_seqlens must be a contiguous int32 [B] with B = {batch}, got "
+                         f"shape {tuple(lengths_shape)}")
+    if softmax_scale is None:
+        softmax_scale = head_dim ** -0.5
+    if (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))
+            or not math.isfinite(softmax_scale)):
+        raise TypeError(f"softmax_scale must be a finite real number, got {softmax_scale!r}")
+    if pdl is not None:
+        require_pdl(pdl)
+    require_cuda("q", q, device)
+    out = torch.empty((batch, 1, heads, head_dim), dtype=torch.bfloat16, device=q.device)
+    if batch == 0 or heads == 0:
+        return out
+    group = heads // kv_heads
+    cfg, launcher = _kernel(device, head_dim, group, pdl)
+    tokens = split_tokens(cfg, device_arch(device).sm_count, batch, kv_heads, max(capacity, 1))
+    splits = max(1, _ceil_div(capacity, tokens))
+    pairs = batch * kv_heads
+    partial = torch.empty(pairs * splits * group * head_dim if splits > 1 else 1,
+                          dtype=torch.float32, device=q.device)
+    partial_ml = torch.empty(pairs * splits * group * 2 if splits > 1 else 1,
+                             dtype=torch.float32, device=q.device)
+    (k_shape, k_strides, k_ptr), (_, v_strides, v_ptr) = caches
+    launcher((splits, kv_heads, batch), current_stream(device),
+             q=q_ptr, q_batch_stride=2 * q_strides[0], q_head_stride=2 * q_strides[2],
+             k=k_ptr, k_batch_stride=2 * k_strides[0], k_head_stride=2 * k_strides[2],
+             k_token_stride=2 * k_strides[1],
+             v=v_ptr, v_batch_stride=2 * v_strides[0], v_head_stride=2 * v_strides[2],
+             v_token_stride=2 * v_strides[1],
+             seqlens=lengths_ptr, capacity=capacity, split_tokens=tokens, scale_log2=float(softmax_scale) * LOG2E,
+             out=out.data_ptr(), partial=partial.data_ptr(), partial_ml=partial_ml.data_ptr(),
+             counters=_counters_for(device, pairs).data_ptr())
+    return out

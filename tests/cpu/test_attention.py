@@ -1,0 +1,62 @@
+"""attention_with_kvcache without a GPU: the split of the cache across CTAs, and the
+kernel's configs."""
+
+import pytest
+import torch
+
+import ptxforge
+from ptxforge import arch
+from ptxforge.kernels import bf16_decode_attention as kernel
+from ptxforge.ops import attention
+
+
+@pytest.mark.parametrize("batch, kv_heads, capacity", [
+    (1, 8, 1), (1, 8, 512), (1, 8, 641), (1, 8, 131072), (32, 8, 4225), (256, 8, 512),
+    (1, 1, 100), (4, 32, 1 << 20)])
+def test_splits_cover_the_cache_in_whole_steps(batch, kv_heads, capacity):
+    cfg = kernel.choose_config(arch.get("sm_90a"), 128, 4)
+    tokens = attention.split_tokens(cfg, 132, batch, kv_heads, capacity)
+    splits = -(-capacity // tokens)
+    assert tokens % cfg.tokens_per_step == 0 and tokens >= cfg.tokens_per_step
+    assert 1 <= splits <= attention.MAX_SPLITS
+    assert (splits - 1) * tokens < capacity <= splits * tokens
+
+
+@pytest.mark.parametrize("head_dim, group, match", [
+    (96, 4, "head_dim must be one of"), (128, 0, "from 1 to 8"), (128, 16, "from 1 to 8")])
+def test_sizes_the_kernel_does_not_take_are_one_line_errors(head_dim, group, match):
+    with pytest.raises(ValueError, match=match):
+        kernel.choose_config(arch.get("sm_90a"), head_dim, group)
+
+
+def _args(batch=2, heads=8, kv_heads=2, head_dim=64, capacity=32, q_len=1, **changed):
+    bf16 = torch.bfloat16
+    args = {"q": torch.zeros(batch, q_len, heads, head_dim, dtype=bf16),
+            "k_cache": torch.zeros(batch, capacity, kv_heads, head_dim, dtype=bf16),
+            "v_cache": torch.zeros(batch, capacity, kv_heads, head_dim, dtype=bf16),
+            "cache_seqlens": torch.zeros(batch, dtype=torch.int32)}
+    return {**args, **changed}
+
+
+@pytest.mark.parametrize("changed, error, message", [
+    ({"q": torch.zeros(2, 2, 8, 64, dtype=torch.bfloat16)}, ValueError,
+     r"q must hold one token a sequence \(\[B, 1, Hq, D\]\), got shape \(2, 2, 8, 64\)"),
+    ({"k_cache": torch.zeros(3, 32, 2, 64, dtype=torch.bfloat16)}, ValueError,
+     r"k_cache must be \[B, S_max, Hkv, D\] with q's B = 2 and D = 64"),
+    ({"v_cache": torch.zeros(2, 16, 2, 64, dtype=torch.bfloat16)}, ValueError,
+     "k_cache and v_cache must have the same shape"),
+    ({"k_cache": torch.zeros(2, 32, 3, 64, dtype=torch.bfloat16),
+      "v_cache": torch.zeros(2, 32, 3, 64, dtype=torch.bfloat16)}, ValueError,
+     r"q's heads \(8\) must be a multiple of the caches' \(3\)"),
+    ({"cache_seqlens": torch.zeros(3, dtype=torch.int32)}, ValueError,
+     r"cache_seqlens must be a contiguous int32 \[B\] with B = 2"),
+    ({"cache_seqlens": torch.zeros(2, dtype=torch.int64)}, TypeError,
+     "cache_seqlens must have dtype torch.int32"),
+    ({"softmax_scale": float("nan")}, TypeError, "softmax_scale must be a finite real number"),
+    ({"k_cache": torch.zeros(10000, dtype=torch.bfloat16).as_strided((2, 32, 2, 64),
+                                                                      (4300, 132, 64, 1))},
+     ValueError, "k_cache's strides must keep each row 16-byte aligned"),
+])
+def test_bad_input_is_one_line_naming_it(changed, error, message):
+    with pytest.raises(error, match=message):
+        ptxforge.attention_with_kvcache(**_args(**changed))

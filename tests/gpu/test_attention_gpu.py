@@ -1,0 +1,109 @@
+"""attention_with_kvcache on a real GPU: against an fp64 reference over every length edge
+(0, 1, a split's boundary, the whole cache, lengths that differ across the batch), both
+cache layouts without a copy (FlashAttention's [B, S, Hkv, D] and transformers' [B, Hkv,
+S, D] transposed), every head size and group; the same bits run to run; a CUDA graph
+replayed with new lengths and queries."""
+
+import pytest
+import torch
+
+import ptxforge
+import ptxforge.ops  # noqa: F401  registers torch.ops.ptxforge
+from ptxforge.ops import attention as attention_op
+
+pytestmark = pytest.mark.gpu
+
+
+def problem(batch, capacity, heads, kv_heads, head_dim, lengths, *, layout="flash", seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(batch, 1, heads, head_dim, device="cuda", generator=g).bfloat16()
+    shape = ((batch, capacity, kv_heads, head_dim) if layout == "flash"
+             else (batch, kv_heads, capacity, head_dim))
+    k, v = (torch.randn(*shape, device="cuda", generator=g).bfloat16() for _ in range(2))
+    if layout == "transformers":
+        k, v = k.transpose(1, 2), v.transpose(1, 2)     # views [B, S, Hkv, D]
+    return q, k, v, torch.tensor(lengths, dtype=torch.int32, device="cuda")
+
+
+def reference(q, k, v, lengths, scale=None):
+    batch, _, heads, head_dim = q.shape
+    group = heads // k.shape[2]
+    scale = head_dim ** -0.5 if scale is None else scale
+    out = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
+    for b in range(batch):
+        n = min(int(lengths[b]), k.shape[1])
+        if n == 0:
+            continue
+        keys = k[b, :n].double().repeat_interleave(group, dim=1)      # [n, Hq, D]
+        values = v[b, :n].double().repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,nhd->hn", q[b, 0].double(), keys) * scale
+        out[b, 0] = torch.einsum("hn,nhd->hd", scores.softmax(-1), values)
+    return out
+
+
+def check(out, ref):
+    assert out.shape == ref.shape and out.dtype == torch.bfloat16
+    assert not out.isnan().any()
+    err = (out.double() - ref).abs().max().item()
+    assert err <= 4e-3 + 8e-3 * ref.abs().max().item(), err
+
+
+CASES = [  # batch, capacity, heads, kv heads, head dim, lengths
+    (1, 641, 32, 8, 128, [641]),
+    (1, 641, 32, 8, 128, [512]),
+    (1, 512, 32, 8, 128, [1]),
+    (3, 1000, 8, 2, 64, [0, 1, 777]),
+    (2, 4224, 32, 8, 128, [4224, 17]),
+    (4, 256, 16, 16, 256, [256, 255, 128, 33]),
+    (2, 2048, 64, 8, 128, [2048, 1000]),
+    (2, 3000, 4, 4, 128, [2999, 3000]),
+    (1, 100, 8, 1, 128, [100]),
+]
+
+
+@pytest.mark.parametrize("layout", ["flash", "transformers"])
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_matches_the_fp64_reference(case, layout):
+    q, k, v, lengths = problem(*case, layout=layout)
+    out = ptxforge.attention_with_kvcache(q, k, v, lengths)
+    check(out, reference(q, k, v, lengths))
+    assert torch.equal(out, ptxforge.attention_with_kvcache(q, k, v, lengths))  # same bits
+
+
+def test_every_split_boundary_and_a_length_past_the_cache():
+    """Lengths on each side of every split's first token, and past S_max (read as S_max)."""
+    batch, capacity, heads, kv_heads, head_dim = 1, 2048, 32, 8, 128
+    q, k, v, _ = problem(batch, capacity, heads, kv_heads, head_dim, [0])
+    cfg, _ = attention_op._kernel(q.device.index, head_dim, heads // kv_heads, None)
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    tokens = attention_op.split_tokens(cfg, sms, batch, kv_heads, capacity)
+    assert tokens < capacity       # several splits
+    for length in sorted({tokens - 1, tokens, tokens + 1, 2 * tokens + 1, capacity - 1,
+                          capacity}):
+        lengths = torch.tensor([length], dtype=torch.int32, device="cuda")
+        check(ptxforge.attention_with_kvcache(q, k, v, lengths), reference(q, k, v, lengths))
+    past = torch.tensor([capacity + 5], dtype=torch.int32, device="cuda")
+    full = torch.tensor([capacity], dtype=torch.int32, device="cuda")
+    assert torch.equal(ptxforge.attention_with_kvcache(q, k, v, past),
+                       ptxforge.attention_with_kvcache(q, k, v, full))
+
+
+def test_softmax_scale_and_the_operator():
+    q, k, v, lengths = problem(2, 700, 32, 8, 128, [700, 300])
+    out = torch.ops.ptxforge.attention_with_kvcache(q, k, v, lengths, softmax_scale=0.05)
+    check(out, reference(q, k, v, lengths, scale=0.05))
+
+
+def test_a_cuda_graph_replays_with_new_lengths_and_queries():
+    q, k, v, lengths = problem(4, 1500, 32, 8, 128, [1500, 3, 700, 0])
+    ptxforge.attention_with_kvcache(q, k, v, lengths)      # launcher, counters
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ptxforge.attention_with_kvcache(q, k, v, lengths)
+    for seed, new in enumerate(([1, 1500, 2, 999], [0, 0, 0, 0], [1499, 1498, 1, 1500])):
+        q.copy_(torch.randn(q.shape, device="cuda", generator=torch.Generator(
+            device="cuda").manual_seed(seed)).bfloat16())
+        lengths.copy_(torch.tensor(new, dtype=torch.int32))
+        graph.replay()
+        check(out, reference(q, k, v, lengths))
