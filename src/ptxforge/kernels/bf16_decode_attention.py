@@ -17,13 +17,18 @@ of the g queries, in f32 registers), so a CTA of ``threads`` works on ``slots`` 
 threads / lanes tokens at once, and each thread on ``tokens_per_thread`` of them a step:
 
     step (tokens_per_step = slots x tokens_per_thread):
-      ld.global.nc.v4  the step's k and v vectors, all issued before the first multiply
-      score            8 fma a head, summed over the token's lanes (shfl.bfly)
-      online softmax   per head: the step's max, the running sum and accumulator rescaled
-                       once, then p = ex2(score - max) and acc += p * v
+      ld.global.nc.v4  the step's k and v vectors, all issued before the first multiply;
+                       the next step's rows prefetched into L2
+      score            8 fma a head, summed over the token's lanes by a reduce-scatter
+                       butterfly (shfl.bfly): each step halves the heads a lane carries,
+                       so each lane ends with one head's full score (lanes / g a head)
+      online softmax   by each lane for its head: the step's max, one rescale, p =
+                       ex2(score - max); every lane then takes each head's rescale and
+                       p's from that head's lanes (shfl.idx) for acc = acc * r + p * v
 
-Each of the CTA's ``slots`` token slots ends with its own (max, sum, acc) per head; the
-slots of a warp merge through shuffles, the warps through shared memory. With one split
+A lane keeps its own head's running (max, sum) in the loop and takes every head's after
+it, so each of the CTA's ``slots`` token slots ends with its own (max, sum, acc) per
+head; the slots of a warp merge through shuffles, the warps through shared memory. With one split
 the CTA writes out; with several each writes its unnormalised acc and its (max, sum) to a
 workspace, and the last of a (sequence, KV head)'s splits to finish (a counter a pair,
 counted with atom.add.acq_rel) merges them all, writes out, and sets the counter back to
@@ -286,9 +291,16 @@ def _token_loop(k, cfg, t, ptrs, q, state) -> None:
     values = [k.regs("b32", 4, f"v{j}_") for j in range(n)]
     at = k.reg("u64", "row_at")
     scores = [k.regs("f32", cfg.group, f"s{j}_") for j in range(n)]
-    unpacked, other = k.regs("f32", VECTOR, "x"), k.reg("f32", "other")
+    unpacked = k.regs("f32", VECTOR, "x")
     step_max, fresh, scale = k.reg("f32", "step_max"), k.reg("f32", "fresh"), k.reg("f32", "rescale")
     prob = k.reg("f32", "p")
+    heads = _lane_heads(k, cfg, t)
+    pad, sends = k.reg("f32", "zero_score"), k.regs("f32", 3, "scatter")
+    k.mov(pad, 0.0)
+    # This lane's head's running max and sum (every head's accumulators are every lane's).
+    own = SimpleNamespace(max=k.reg("f32", "own_max"), sum=k.reg("f32", "own_sum"))
+    k.mov(own.max, MAX_START)
+    k.mov(own.sum, 0.0)
     first = k.reg("u32", "first_token")
     later, ahead = k.reg("u32", "later"), k.reg("u32", "ahead")
     next_valid = [k.pred(f"next_valid{j}_") for j in range(n)]
@@ -315,8 +327,9 @@ def _token_loop(k, cfg, t, ptrs, q, state) -> None:
                     with k.guard(next_valid[j]):
                         k.prefetch(addr(at))
             k.add(first, first, cfg.tokens_per_step)
-        with k.stage("scores: q . k over this thread's 8 dimensions, summed over the token's "
-                     "lanes; -inf past the length"):
+        with k.stage("scores: q . k over this thread's 8 dimensions; summed over the token's "
+                     "lanes, each lane keeping one head's sum (reduce-scatter); -inf past "
+                     "the length"):
             for j in range(n):
                 _unpack(k, unpacked, keys[j])
                 for head in range(cfg.group):
@@ -324,31 +337,87 @@ def _token_loop(k, cfg, t, ptrs, q, state) -> None:
                     k.mul(s, q[head][0], unpacked[0])
                     for d in range(1, VECTOR):
                         k.fma(s, q[head][d], unpacked[d], s)
-                    offset = cfg.lanes // 2
-                    while offset:
-                        k.shfl_sync(other, s, offset, mode="bfly")
-                        k.add(s, s, other)
-                        offset //= 2
-                    k.selp(s, s, NO_SCORE, valid[j])
-        with k.stage("online softmax: rescale once a step, then acc += ex2(score - max) * v"):
+                _reduce_scatter(k, cfg, heads, scores[j], pad, sends)
+                k.selp(scores[j][0], scores[j][0], NO_SCORE, valid[j])
+        with k.stage("online softmax of this lane's head: the step's max, one rescale a "
+                     "step, p = ex2(score - max)"):
+            mine = [scores[j][0] for j in range(n)]
+            k.max(step_max, own.max, mine[0])
+            for score in mine[1:]:
+                k.max(step_max, step_max, score)
+            k.sub(fresh, own.max, step_max)
+            k.ex2(scale, fresh, ftz=True)
+            k.mov(own.max, step_max)
+            k.mul(own.sum, own.sum, scale)
+            for score in mine:
+                k.sub(score, score, step_max)
+                k.ex2(score, score, ftz=True)          # p, in place of the score
+                k.add(own.sum, own.sum, score)
+        with k.stage("acc = acc * rescale + p * v for every head, the rescales and p's from "
+                     "their heads' lanes (shfl.idx)"):
             for head in range(cfg.group):
-                k.max(step_max, state.max[head], scores[0][head])
-                for j in range(1, n):
-                    k.max(step_max, step_max, scores[j][head])
-                k.sub(fresh, state.max[head], step_max)
-                k.ex2(scale, fresh, ftz=True)
-                k.mov(state.max[head], step_max)
-                k.mul(state.sum[head], state.sum[head], scale)
+                k.shfl_sync(prob, scale, heads.source[head], mode="idx")
                 for a in state.acc[head]:
-                    k.mul(a, a, scale)
+                    k.mul(a, a, prob)
             for j in range(n):
                 _unpack(k, unpacked, values[j])
                 for head in range(cfg.group):
-                    k.sub(prob, scores[j][head], state.max[head])
-                    k.ex2(prob, prob, ftz=True)
-                    k.add(state.sum[head], state.sum[head], prob)
+                    k.shfl_sync(prob, scores[j][0], heads.source[head], mode="idx")
                     for a, x in zip(state.acc[head], unpacked):
                         k.fma(a, prob, x, a)
+    with k.stage("every head's running max and sum, from its lanes"):
+        for head in range(cfg.group):
+            k.shfl_sync(state.max[head], own.max, heads.source[head], mode="idx")
+            k.shfl_sync(state.sum[head], own.sum, heads.source[head], mode="idx")
+
+
+def _lane_heads(k, cfg, t) -> SimpleNamespace:
+    """Which head's score each lane keeps after the reduce-scatter: the token's ``lanes``
+    lanes hold the group's heads (padded to a power of two, ``padded``) in blocks of
+    lanes / padded, head h in the lanes from h * lanes / padded; ``source[h]`` is the
+    first such lane of this thread's token (a shfl.idx source), ``upper[o]`` whether this
+    lane keeps the upper half at the butterfly step of offset o."""
+    heads = SimpleNamespace(padded=1 << (cfg.group - 1).bit_length())
+    block = cfg.lanes // heads.padded
+    with k.stage("the lane's head after the reduce-scatter, and each head's source lane"):
+        base = k.reg("u32", "token_lane0")
+        k.and_(base, t.lane, ~(cfg.lanes - 1) & 0xFFFFFFFF)
+        heads.source = k.regs("u32", cfg.group, "head_lane")
+        for head in range(cfg.group):
+            k.add(heads.source[head], base, head * block)
+        heads.upper, offset, bit = {}, cfg.lanes // 2, k.reg("u32", "lane_bit")
+        count = heads.padded
+        while count > 1:
+            upper = k.pred(f"upper{offset}_")
+            k.and_(bit, t.lane, offset)
+            k.setp("ne", upper, bit, 0)
+            heads.upper[offset] = upper
+            count //= 2
+            offset //= 2
+    return heads
+
+
+def _reduce_scatter(k, cfg, heads, partial: list, pad, sends) -> None:
+    """The token's lanes' partial scores of every head summed by a butterfly that halves
+    the heads a lane carries at each step while there are several (each lane sends the
+    half it gives up and adds the half it keeps): the lane's own head's full score lands
+    in ``partial[0]``."""
+    held = list(partial) + [pad] * (heads.padded - cfg.group)   # padding: zeros
+    offset = cfg.lanes // 2
+    send, keep, got = sends
+    while offset:
+        if len(held) > 1:
+            half, upper = len(held) // 2, heads.upper[offset]
+            for i in range(half):
+                k.selp(send, held[i], held[half + i], upper)
+                k.selp(keep, held[half + i], held[i], upper)
+                k.shfl_sync(got, send, offset, mode="bfly")
+                k.add(partial[i], keep, got)
+            held = partial[:half]
+        else:
+            k.shfl_sync(got, held[0], offset, mode="bfly")
+            k.add(held[0], held[0], got)
+        offset //= 2
 
 
 def _unpack(k, f32: list, packed: list) -> None:
