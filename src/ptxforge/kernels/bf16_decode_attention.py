@@ -274,12 +274,17 @@ def _start_state(k, cfg) -> SimpleNamespace:
     state = SimpleNamespace(max=k.regs("f32", cfg.group, "m"), sum=k.regs("f32", cfg.group, "l"),
                             acc=[k.regs("f32", VECTOR, f"acc{h}_") for h in range(cfg.group)])
     with k.stage("running max, sum and accumulators"):
-        for head in range(cfg.group):
-            k.mov(state.max[head], MAX_START)
-            k.mov(state.sum[head], 0.0)
-            for a in state.acc[head]:
-                k.mov(a, 0.0)
+        _fresh(k, cfg, state)
     return state
+
+
+def _fresh(k, cfg, state) -> None:
+    """Every head's state before any token: MAX_START, 0 and zeros."""
+    for head in range(cfg.group):
+        k.mov(state.max[head], MAX_START)
+        k.mov(state.sum[head], 0.0)
+        for a in state.acc[head]:
+            k.mov(a, 0.0)
 
 
 def _token_loop(k, cfg, t, ptrs, q, state) -> None:
@@ -571,11 +576,7 @@ def _store_partial(k, cfg, p, t, state, mine) -> None:
 def _merge_partials(k, cfg, p, t, state, merger) -> None:
     """Each token slot folds splits slot, slot + slots, ... (in order) into a fresh state."""
     with k.stage("the last split: every split's partial, a slot's share each"):
-        for head in range(cfg.group):
-            k.mov(state.max[head], MAX_START)
-            k.mov(state.sum[head], 0.0)
-            for a in state.acc[head]:
-                k.mov(a, 0.0)
+        _fresh(k, cfg, state)
         with k.loop(k.reg("u32", "merged_split"), t.splits, start=t.slot, step=cfg.slots,
                     hint="splits") as s:
             acc, ml = _partial_row(k, cfg, p, t, s, "split_row")
