@@ -1,9 +1,11 @@
 """A small PTX interpreter, to run the communication kernels on the CPU in tests.
 
-It runs the builder's PTX for the instruction subset the EP kernels use (integer and
-predicate arithmetic, f32 adds, products, maxima and reciprocals, bf16 packing, e4m3
-conversion, loads and stores of the global, shared and param spaces, reductions, ballots,
-shuffles, named barriers, branches, trap), one Python object a thread. Several launches (one a simulated rank) run interleaved over one flat
+It runs the builder's PTX for the instruction subset the EP kernels and the decode
+attention use (integer and predicate arithmetic, f32 adds, differences, products, fmas,
+maxima, comparisons, reciprocals and ex2, bf16 packing, e4m3 conversion, loads and stores
+of the global, shared and param spaces, reductions and atomic adds, ballots, shuffles,
+named barriers, branches, trap; prefetches do nothing), one Python object a thread, over
+grids of up to three dimensions. Several launches (one a simulated rank) run interleaved over one flat
 global memory, so a kernel's loads and stores reach its peers' buffers as they would
 through CUDA IPC.
 
@@ -199,7 +201,7 @@ class Kernel:
         kind, t = q[0], q[-1]
         mask = (1 << (8 * _WIDTH.get(t, 8))) - 1 if t in _WIDTH else None
         value = self._reader
-        if kind in ("griddepcontrol", "fence", "ret", "trap", "exit"):
+        if kind in ("griddepcontrol", "fence", "ret", "trap", "exit", "prefetch"):
             return None
         if kind == "bra":
             target = ops[0]
@@ -225,12 +227,33 @@ class Kernel:
         if kind == "add" and t == "f32":
             a, b = value(ops[1]), value(ops[2])
             return _assign(ops[0], lambda th: _bits(_f32(a(th)) + _f32(b(th))))
+        if kind == "sub" and t == "f32":
+            a, b = value(ops[1]), value(ops[2])
+            return _assign(ops[0], lambda th: _bits(_f32(a(th)) - _f32(b(th))))
+        if kind == "fma" and t == "f32":   # rounded once, as fma.rn is
+            a, b, c = value(ops[1]), value(ops[2]), value(ops[3])
+            return _assign(ops[0], lambda th: _bits(np.float32(
+                np.float64(_f32(a(th))) * np.float64(_f32(b(th))) + np.float64(_f32(c(th))))))
+        if kind == "ex2" and t == "f32":   # the exact value: ex2.approx is within 2 ulp
+            a = value(ops[1])
+            return _assign(ops[0], lambda th: _bits(np.exp2(_f32(a(th)))))
+        if kind == "max" and q[1:] == ["f32"]:   # a NaN operand gives the other
+            a, b = value(ops[1]), value(ops[2])
+            return _assign(ops[0], lambda th: _bits(np.fmax(_f32(a(th)), _f32(b(th)))))
+        if kind == "setp" and t == "f32":
+            a, b = value(ops[1]), value(ops[2])
+            cmp = {"lt": np.less, "le": np.less_equal, "gt": np.greater,
+                   "ge": np.greater_equal, "eq": np.equal, "ne": np.not_equal}[q[1]]
+            return _assign(ops[0], lambda th: int(cmp(_f32(a(th)), _f32(b(th)))))
         if kind == "mul" and t == "f32":
             a, b = value(ops[1]), value(ops[2])
             return _assign(ops[0], lambda th: _bits(_f32(a(th)) * _f32(b(th))))
         if kind == "rcp" and t == "f32":
             a = value(ops[1])
-            return _assign(ops[0], lambda th: _bits(np.float32(1) / _f32(a(th))))
+            def reciprocal(th):
+                with np.errstate(divide="ignore"):    # 1 / 0 is inf, as on the GPU
+                    return _bits(np.float32(1) / _f32(a(th)))
+            return _assign(ops[0], reciprocal)
         if kind == "max" and q[1] == "NaN" and t in ("f32", "bf16x2"):
             a, b = value(ops[1]), value(ops[2])
             if t == "f32":
@@ -276,7 +299,7 @@ class Kernel:
                 return _assign(ops[0], lambda th: (_bf16_rn(hi(th)) << 16) | _bf16_rn(lo(th)))
             a, out = value(ops[1]), (1 << (8 * _WIDTH[q[-2]])) - 1
             return _assign(ops[0], lambda th: a(th) & out)
-        if kind in ("ld", "st", "red"):
+        if kind in ("ld", "st", "red", "atom"):
             return self._memory(opcode, q, ops)
         if kind in ("vote", "shfl", "bar"):
             return None  # collectives and barriers: the scheduler's
@@ -287,7 +310,7 @@ class Kernel:
         t = q[-1]
         width = _WIDTH[t]
         count = int(q[-2][1:]) if q[-2].startswith("v") else 1
-        address = ops[1] if q[0] == "ld" else ops[0]
+        address = ops[1] if q[0] in ("ld", "atom") else ops[0]
         if space == "param":
             name = address[1:-1]
             return _assign(ops[0], lambda th: th.args[name])
@@ -314,7 +337,7 @@ class Kernel:
             def store(th):
                 th.store(space, where(th), struct.pack(fmt, *[s(th) & mask for s in sources]))
             return store
-        value, mask = self._reader(ops[1]), (1 << (8 * width)) - 1
+        value, mask = self._reader(ops[2 if q[0] == "atom" else 1]), (1 << (8 * width)) - 1
         if q[-2] != "add":
             raise NotImplementedError(opcode)
 
@@ -322,6 +345,8 @@ class Kernel:
             at = where(th)
             old = struct.unpack(fmt, th.load(space, at, width))[0]
             th.store(space, at, struct.pack(fmt, (old + value(th)) & mask))
+            if q[0] == "atom":
+                th.regs[ops[0]] = old
         return reduce
 
     def _reader(self, text: str):
@@ -353,8 +378,11 @@ def _assign(dest: str, compute):
 
 
 _SPECIAL = {
-    "%tid.x": lambda th: th.tid, "%ctaid.x": lambda th: th.cta.index,
-    "%nctaid.x": lambda th: len(th.launch.ctas),
+    "%tid.x": lambda th: th.tid,
+    "%ctaid.x": lambda th: th.cta.coords[0], "%ctaid.y": lambda th: th.cta.coords[1],
+    "%ctaid.z": lambda th: th.cta.coords[2],
+    "%nctaid.x": lambda th: th.launch.grid[0], "%nctaid.y": lambda th: th.launch.grid[1],
+    "%nctaid.z": lambda th: th.launch.grid[2],
     "%laneid": lambda th: th.tid & 31,
     "%lanemask_lt": lambda th: (1 << (th.tid & 31)) - 1,
     "%globaltimer": lambda th: th.sim.clock,
@@ -362,8 +390,8 @@ _SPECIAL = {
 
 
 class _Cta:
-    def __init__(self, index: int, threads: int, shared_bytes: int):
-        self.index, self.threads = index, threads
+    def __init__(self, index: int, coords: tuple, threads: int, shared_bytes: int):
+        self.index, self.coords, self.threads = index, coords, threads
         self.shared = bytearray(max(shared_bytes, 1))
         self.barriers: dict[int, list] = {}
 
@@ -395,7 +423,10 @@ class _Launch:
         if missing or extra:
             raise TypeError(f"{name}: missing {sorted(missing)}, unknown {sorted(extra)}")
         self.name, self.kernel, self.args = name, kernel, args
-        self.ctas = [_Cta(i, block, kernel.shared_bytes) for i in range(grid)]
+        self.grid = (grid, 1, 1) if isinstance(grid, int) else tuple(grid) + (1,) * (3 - len(grid))
+        x, y, z = self.grid
+        self.ctas = [_Cta(i, (i % x, i // x % y, i // (x * y)), block, kernel.shared_bytes)
+                     for i in range(x * y * z)]
 
 
 class Simulator:
@@ -407,7 +438,8 @@ class Simulator:
         self._warps: dict = {}
         self._pace = pace
 
-    def launch(self, name: str, ptx_or_kernel, grid: int, block: int, **args) -> None:
+    def launch(self, name: str, ptx_or_kernel, grid, block: int, **args) -> None:
+        """``grid``: CTAs, or a tuple of up to three dimensions (x fastest)."""
         kernel = ptx_or_kernel if isinstance(ptx_or_kernel, Kernel) else Kernel(ptx_or_kernel)
         launch = _Launch(name, kernel, grid, block, args)
         for cta in launch.ctas:
