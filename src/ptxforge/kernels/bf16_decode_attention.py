@@ -361,19 +361,21 @@ def _token_loop(k, cfg, t, ptrs, q, state) -> None:
         with k.stage("acc = acc * rescale + p * v for every head, the rescales and p's from "
                      "their heads' lanes (shfl.idx)"):
             for head in range(cfg.group):
-                k.shfl_sync(prob, scale, heads.source[head], mode="idx")
+                rescale = heads.of(scale, prob, head)
                 for a in state.acc[head]:
-                    k.mul(a, a, prob)
+                    k.mul(a, a, rescale)
             for j in range(n):
                 _unpack(k, unpacked, values[j])
                 for head in range(cfg.group):
-                    k.shfl_sync(prob, scores[j][0], heads.source[head], mode="idx")
+                    p_head = heads.of(scores[j][0], prob, head)
                     for a, x in zip(state.acc[head], unpacked):
-                        k.fma(a, prob, x, a)
+                        k.fma(a, p_head, x, a)
     with k.stage("every head's running max and sum, from its lanes"):
         for head in range(cfg.group):
-            k.shfl_sync(state.max[head], own.max, heads.source[head], mode="idx")
-            k.shfl_sync(state.sum[head], own.sum, heads.source[head], mode="idx")
+            for into, value in ((state.max[head], own.max), (state.sum[head], own.sum)):
+                held = heads.of(value, into, head)
+                if held is not into:
+                    k.mov(into, held)
 
 
 def _lane_heads(k, cfg, t) -> SimpleNamespace:
@@ -384,6 +386,16 @@ def _lane_heads(k, cfg, t) -> SimpleNamespace:
     lane keeps the upper half at the butterfly step of offset o."""
     heads = SimpleNamespace(padded=1 << (cfg.group - 1).bit_length())
     block = cfg.lanes // heads.padded
+
+    def of(value, into, head):
+        """``value`` as head ``head``'s lanes hold it: shuffled from them into ``into``;
+        with one head every lane of the token holds it already."""
+        if heads.padded == 1:
+            return value
+        k.shfl_sync(into, value, heads.source[head], mode="idx")
+        return into
+
+    heads.of = of
     with k.stage("the lane's head after the reduce-scatter, and each head's source lane"):
         base = k.reg("u32", "token_lane0")
         k.and_(base, t.lane, ~(cfg.lanes - 1) & 0xFFFFFFFF)
