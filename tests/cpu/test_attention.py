@@ -56,6 +56,15 @@ def _args(batch=2, heads=8, kv_heads=2, head_dim=64, capacity=32, q_len=1, **cha
     ({"k_cache": torch.zeros(10000, dtype=torch.bfloat16).as_strided((2, 32, 2, 64),
                                                                       (4300, 132, 64, 1))},
      ValueError, "k_cache's strides must keep each row 16-byte aligned"),
+    ({"block_table": torch.zeros(3, 4, dtype=torch.int32)}, ValueError,
+     r"block_table must be int32 \[B, pages\] with B = 2 and contiguous rows"),
+    ({"block_table": torch.zeros(2, 4, dtype=torch.int64)}, TypeError,
+     "block_table must have dtype torch.int32"),
+    ({"block_table": torch.zeros(2, 4, dtype=torch.int32),
+      "k_cache": torch.zeros(5, 24, 2, 64, dtype=torch.bfloat16),
+      "v_cache": torch.zeros(5, 24, 2, 64, dtype=torch.bfloat16)}, ValueError,
+     "a paged cache needs a power-of-two page size and at least one page, got k_cache "
+     r"\[num_blocks=5, page_size=24"),
 ])
 def test_bad_input_is_one_line_naming_it(changed, error, message):
     with pytest.raises(error, match=message):

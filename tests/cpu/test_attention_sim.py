@@ -42,6 +42,41 @@ def _reference(q, k, v, lengths, scale):
     return out
 
 
+def _run(cfg, q, k, v, lengths, split_tokens, table=None):
+    """The kernel on the simulator: out as floats [B, Hq, D], and the counters' bytes.
+    ``table``: a paged cache's block table (k and v then [blocks, page, Hkv, D])."""
+    batch, heads, head_dim = q.shape
+    kv_heads = k.shape[2]
+    capacity = k.shape[1] * (table.shape[1] if table is not None else 1)
+    splits, pairs, group = -(-capacity // split_tokens), batch * kv_heads, heads // kv_heads
+    memory = Memory()
+    out = memory.alloc(2 * batch * heads * head_dim, fill=0xFF)   # poisoned: NaN bf16s
+    counters = memory.alloc(4 * pairs)
+    scale = head_dim ** -0.5
+    rows = 2 * k.shape[1] * kv_heads * head_dim         # a sequence's, or a page's, bytes
+    args = dict(
+        q=memory.put(q.tobytes()), q_batch_stride=2 * heads * head_dim,
+        q_head_stride=2 * head_dim,
+        k=memory.put(k.tobytes()), k_batch_stride=rows, k_head_stride=2 * head_dim,
+        k_token_stride=2 * kv_heads * head_dim,
+        v=memory.put(v.tobytes()), v_batch_stride=rows, v_head_stride=2 * head_dim,
+        v_token_stride=2 * kv_heads * head_dim,
+        seqlens=memory.put(np.array(lengths, dtype=np.int32).tobytes()), capacity=capacity,
+        split_tokens=split_tokens,
+        scale_log2=struct.unpack("<I", struct.pack("<f", scale * LOG2E))[0],
+        out=out, partial=memory.alloc(4 * pairs * splits * group * head_dim, fill=0xFF),
+        partial_ml=memory.alloc(8 * pairs * splits * group, fill=0xFF), counters=counters)
+    if table is not None:
+        args.update(block_table=memory.put(table.astype(np.int32).tobytes()),
+                    block_table_stride=table.shape[1],
+                    page_shift=k.shape[1].bit_length() - 1, num_blocks=k.shape[0])
+    sim = Simulator(memory)
+    sim.launch("attention", kernel.generate(cfg).ptx(), (splits, kv_heads, batch), 128, **args)
+    sim.run()
+    got = _f32(np.frombuffer(memory.read(out, 2 * batch * heads * head_dim), dtype=np.uint16))
+    return got.reshape(q.shape), memory.read(counters, 4 * pairs)
+
+
 @pytest.mark.parametrize("batch, capacity, heads, kv_heads, head_dim, lengths, split_tokens", [
     (1, 150, 2, 1, 64, [150], 64),        # three splits, the last merging
     (1, 64, 1, 1, 64, [50], 64),          # one split, one head a KV head
@@ -58,31 +93,35 @@ def test_the_kernel_on_the_simulator_matches_fp64(batch, capacity, heads, kv_hea
     q = _bf16(rng.standard_normal((batch, heads, head_dim)))
     k = _bf16(rng.standard_normal((batch, capacity, kv_heads, head_dim)))
     v = _bf16(rng.standard_normal((batch, capacity, kv_heads, head_dim)))
-    splits = -(-capacity // split_tokens)
-    pairs = batch * kv_heads
-    memory = Memory()
-    group = heads // kv_heads
-    out = memory.alloc(2 * batch * heads * head_dim, fill=0xFF)   # poisoned: NaN bf16s
-    counters = memory.alloc(4 * pairs)
-    scale = head_dim ** -0.5
-    args = dict(
-        q=memory.put(q.tobytes()), q_batch_stride=2 * heads * head_dim,
-        q_head_stride=2 * head_dim,
-        k=memory.put(k.tobytes()), k_batch_stride=2 * capacity * kv_heads * head_dim,
-        k_head_stride=2 * head_dim, k_token_stride=2 * kv_heads * head_dim,
-        v=memory.put(v.tobytes()), v_batch_stride=2 * capacity * kv_heads * head_dim,
-        v_head_stride=2 * head_dim, v_token_stride=2 * kv_heads * head_dim,
-        seqlens=memory.put(np.array(lengths, dtype=np.int32).tobytes()), capacity=capacity,
-        split_tokens=split_tokens,
-        scale_log2=struct.unpack("<I", struct.pack("<f", scale * LOG2E))[0],
-        out=out, partial=memory.alloc(4 * pairs * splits * group * head_dim, fill=0xFF),
-        partial_ml=memory.alloc(8 * pairs * splits * group, fill=0xFF), counters=counters)
-    sim = Simulator(memory)
-    sim.launch("attention", kernel.generate(cfg).ptx(), (splits, kv_heads, batch), 128, **args)
-    sim.run()
-    got = _f32(np.frombuffer(memory.read(out, 2 * batch * heads * head_dim), dtype=np.uint16))
-    expected = _reference(_f32(q), _f32(k), _f32(v), lengths, scale)
-    got = got.reshape(expected.shape)
+    got, counters = _run(cfg, q, k, v, lengths, split_tokens)
+    expected = _reference(_f32(q), _f32(k), _f32(v), lengths, head_dim ** -0.5)
     assert not np.isnan(got).any()
     np.testing.assert_allclose(got, expected, atol=4e-3, rtol=1e-2)
-    assert memory.read(counters, 4 * pairs) == bytes(4 * pairs)   # zero for the next call
+    assert counters == bytes(len(counters))   # zero for the next call
+
+
+@pytest.mark.parametrize("page_size, pages, heads, kv_heads, lengths, split_tokens", [
+    (16, 8, 8, 2, [128, 45], 64),       # pages smaller than a step, two splits
+    (64, 3, 4, 1, [150, 64], 64),       # three splits, a page a split
+])
+def test_a_paged_cache_gives_the_gathered_cache_s_result(page_size, pages, heads, kv_heads,
+                                                         lengths, split_tokens):
+    """Pages in a shuffled pool and a block table naming them; one entry past the pool, in
+    the first sequence's length: it reads the pool's last page, never outside."""
+    head_dim, batch = 64, len(lengths)
+    cfg = kernel.choose_config(arch.get("sm_90a"), head_dim, heads // kv_heads, paged=True)
+    rng = np.random.default_rng(1)
+    blocks = batch * pages + 3
+    q = _bf16(rng.standard_normal((batch, heads, head_dim)))
+    k = _bf16(rng.standard_normal((blocks, page_size, kv_heads, head_dim)))
+    v = _bf16(rng.standard_normal((blocks, page_size, kv_heads, head_dim)))
+    table = rng.permutation(blocks)[:batch * pages].reshape(batch, pages)
+    table[0, -1] = blocks + 100        # past the pool
+    got, counters = _run(cfg, q, k, v, lengths, split_tokens, table)
+    gathered = lambda cache: np.stack([cache[np.minimum(row, blocks - 1)].reshape(
+        pages * page_size, kv_heads, head_dim) for row in table])
+    expected = _reference(_f32(q), _f32(gathered(k)), _f32(gathered(v)), lengths,
+                          head_dim ** -0.5)
+    assert not np.isnan(got).any()
+    np.testing.assert_allclose(got, expected, atol=4e-3, rtol=1e-2)
+    assert counters == bytes(len(counters))

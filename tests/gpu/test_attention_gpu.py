@@ -107,3 +107,24 @@ def test_a_cuda_graph_replays_with_new_lengths_and_queries():
         lengths.copy_(torch.tensor(new, dtype=torch.int32))
         graph.replay()
         check(out, reference(q, k, v, lengths))
+
+
+@pytest.mark.parametrize("page_size", [16, 64, 256])
+def test_a_paged_cache_gives_the_contiguous_cache_s_bits(page_size):
+    """Pages shuffled in a pool, a block table naming them: the bits of the same cache
+    gathered into a contiguous one (the same arithmetic in the same order), and the fp64
+    reference."""
+    batch, pages, heads, kv_heads, head_dim = 3, 4096 // page_size, 32, 8, 128
+    g = torch.Generator(device="cuda").manual_seed(0)
+    blocks = batch * pages + 5
+    pool = [torch.randn(blocks, page_size, kv_heads, head_dim, device="cuda",
+                        generator=g).bfloat16() for _ in range(2)]
+    table = torch.randperm(blocks, device="cuda", generator=g)[:batch * pages]
+    table = table.view(batch, pages).int()
+    q = torch.randn(batch, 1, heads, head_dim, device="cuda", generator=g).bfloat16()
+    lengths = torch.tensor([4096, 1000, 1], dtype=torch.int32, device="cuda")
+    gathered = [cache[table.long()].view(batch, pages * page_size, kv_heads, head_dim)
+                for cache in pool]
+    paged = ptxforge.attention_with_kvcache(q, *pool, lengths, block_table=table)
+    assert torch.equal(paged, ptxforge.attention_with_kvcache(q, *gathered, lengths))
+    check(paged, reference(q, *gathered, lengths))

@@ -1,6 +1,7 @@
 """``ptxforge bench attention``: decode attention over a bf16 KV cache (one query token a
 sequence), ``attention_with_kvcache`` beside torch's SDPA with each backend that runs the
-shape (cuDNN, flash, efficient; enable_gqa, over the same cache in transformers' layout),
+shape (cuDNN, flash, efficient; enable_gqa, over the same cache in transformers' layout;
+for a paged row, ours reads the cache's pages from a shuffled pool, SDPA the contiguous),
 kernel time from the profiler with the L2 flushed, median; the K and V bytes read over the
 time, against the HBM peak and a same-size read (``torch.sum``) and copy timed in the same
 run. Caches under the L2 are marked."""
@@ -14,9 +15,10 @@ import torch
 from . import format_table
 from .ops import Timer, copy_of
 
-# batch, cache tokens, query heads, KV heads (head dim 128): the issue's shapes
-SHAPES = ((1, 512, 32, 8), (1, 8192, 32, 8), (8, 2048, 32, 8), (256, 512, 32, 8),
-          (1, 131072, 32, 8), (32, 4096, 32, 8), (32, 4096, 64, 8), (32, 4096, 32, 32))
+# batch, cache tokens, query heads, KV heads (head dim 128), page size (0: contiguous)
+SHAPES = ((1, 512, 32, 8, 0), (1, 8192, 32, 8, 0), (8, 2048, 32, 8, 0), (256, 512, 32, 8, 0),
+          (1, 131072, 32, 8, 0), (32, 4096, 32, 8, 0), (32, 4096, 32, 8, 64),
+          (32, 4096, 64, 8, 0), (32, 4096, 32, 32, 0))
 HEAD_DIM = 128
 HBM_PEAK_TBS = 4.8
 L2_BYTES = 50 << 20
@@ -32,20 +34,28 @@ def attention_suite(shapes=SHAPES, timer: Timer | None = None) -> dict:
     backends = {"cuDNN": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
                 "efficient": SDPBackend.EFFICIENT_ATTENTION}
     rows = []
-    for batch, capacity, heads, kv_heads in shapes:
+    for batch, capacity, heads, kv_heads, page in shapes:
         q = torch.randn(batch, 1, heads, HEAD_DIM, device="cuda").bfloat16()
         k = torch.randn(batch, kv_heads, capacity, HEAD_DIM, device="cuda").bfloat16()
         v = torch.randn_like(k)
         lengths = torch.full((batch,), capacity, dtype=torch.int32, device="cuda")
         nbytes = 2 * k.numel() * k.element_size()
-        ours = lambda: ptxforge.attention_with_kvcache(q, k.transpose(1, 2), v.transpose(1, 2),
-                                                        lengths)
+        if page:   # the same cache in pages of a shuffled pool ([blocks, page, Hkv, D])
+            pages = capacity // page
+            order = torch.randperm(batch * pages, device="cuda")
+            pool = [c.transpose(1, 2).reshape(batch * pages, page, kv_heads, HEAD_DIM)[
+                order.argsort()].contiguous() for c in (k, v)]
+            table = order.view(batch, pages).int()
+            ours = lambda: ptxforge.attention_with_kvcache(q, *pool, lengths, block_table=table)
+        else:
+            ours = lambda: ptxforge.attention_with_kvcache(q, k.transpose(1, 2),
+                                                            v.transpose(1, 2), lengths)
         qs = q.transpose(1, 2)
         with sdpa_kernel(backends["cuDNN"]):
             expected = F.scaled_dot_product_attention(qs, k, v, enable_gqa=True)
         diff = (ours().transpose(1, 2).float() - expected.float()).abs().max().item()
         row = {"batch": batch, "capacity": capacity, "heads": heads, "kv_heads": kv_heads,
-               "bytes": nbytes, "l2_resident": nbytes < L2_BYTES,
+               "page": page, "bytes": nbytes, "l2_resident": nbytes < L2_BYTES,
                "ptxforge_us": timer(ours) * 1e3, "max_abs_diff": diff}
         for name, backend in backends.items():
             try:     # a backend that does not take the shape warns why, then raises
@@ -69,7 +79,8 @@ def attention_table(result: dict) -> str:
 
     rows = []
     for r in result["rows"]:
-        shape = f"{r['batch']} x {r['capacity']}, {r['heads']}/{r['kv_heads']}"
+        shape = f"{r['batch']} x {r['capacity']}, {r['heads']}/{r['kv_heads']}" + (
+            f", pages of {r['page']}" if r["page"] else "")
         rows.append([shape + (" (L2)" if r["l2_resident"] else ""),
                      f"{r['bytes'] / 1e6:.1f}", rate(r, r["ptxforge_us"]),
                      f"{r['bytes'] / r['ptxforge_us'] / 1e6 / HBM_PEAK_TBS:.0%}",

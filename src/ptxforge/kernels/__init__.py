@@ -162,6 +162,13 @@ _ROUTING_VARIANTS = tuple({"experts": e, "layout": layout} for e in MOE_EXPERTS
                           for layout in i64_moe_routing_layout.LAYOUTS)
 
 
+def _attention(arch, head_dim: int, group: int, cache: str):
+    """Decode attention's configure: ``cache`` contiguous or paged (a block table)."""
+    if cache not in ("contiguous", "paged"):
+        raise ValueError(f"option cache must be contiguous or paged, got {cache!r}")
+    return bf16_decode_attention.choose_config(arch, head_dim, group, paged=cache == "paged")
+
+
 def _combine(arch, hidden: int, topk: int, weight_bits: int):
     """The MoE combine's configure: ``weight_bits`` 32 (f32 weights) or 16 (bf16)."""
     dtypes = {32: "f32", 16: "bf16"}
@@ -246,11 +253,13 @@ REGISTRY = {
         KernelSpec("moe_combine", _combine, bf16_moe_combine.generate, _COMBINE_OPTIONS,
                    _COMBINE_VARIANTS, "MoE combine: each token's weighted sum of its experts' "
                    "bf16 rows (topk: k)"),
-        KernelSpec("attention_with_kvcache", bf16_decode_attention.choose_config,
-                   bf16_decode_attention.generate, {"head_dim": 128, "group": 4},
-                   tuple({"head_dim": d, "group": g} for d in bf16_decode_attention.HEAD_DIMS
-                         for g in (1, 2, 4, 8)),
-                   "decode attention over a bf16 KV cache (group: query heads a KV head)"),
+        KernelSpec("attention_with_kvcache", _attention, bf16_decode_attention.generate,
+                   {"head_dim": 128, "group": 4, "cache": "contiguous"},
+                   tuple({"head_dim": d, "group": g, "cache": c}
+                         for d in bf16_decode_attention.HEAD_DIMS for g in (1, 2, 4, 8)
+                         for c in ("contiguous", "paged")),
+                   "decode attention over a bf16 KV cache (group: query heads a KV head; "
+                   "cache: contiguous or paged)"),
         KernelSpec("moe_routing_layout", i64_moe_routing_layout.choose_config,
                    i64_moe_routing_layout.generate, _ROUTING_OPTIONS, _ROUTING_VARIANTS,
                    "MoE routing: each (token, expert) pair's row in the grouped GEMMs' input "

@@ -74,11 +74,12 @@ class DecodeAttentionConfig:
     group: int                 # query heads a KV head
     tokens_per_thread: int     # a thread's tokens a step
     target: str
+    paged: bool = False        # the caches in pages that a block table names (vLLM's layout)
 
     @property
     def name(self) -> str:
         return (f"bf16_decode_attention_d{self.head_dim}_g{self.group}"
-                f"_t{self.tokens_per_thread}")
+                f"_t{self.tokens_per_thread}" + ("_paged" if self.paged else ""))
 
     @property
     def lanes(self) -> int:
@@ -128,19 +129,20 @@ def check_problem(head_dim: int, group: int) -> None:
         raise ValueError(f"query heads a KV head must be from 1 to {MAX_GROUP}, got {group}")
 
 
-def choose_config(arch: Arch, head_dim: int, group: int) -> DecodeAttentionConfig:
+def choose_config(arch: Arch, head_dim: int, group: int,
+                  paged: bool = False) -> DecodeAttentionConfig:
     """Four tokens a thread a step (eight k and v loads in flight); two above four query
     heads a KV head, where the queries and accumulators take the registers."""
     check_problem(head_dim, group)
     arch.require("griddepcontrol", "the decode attention kernel (programmatic dependent launch)")
-    return DecodeAttentionConfig(head_dim, group, 2 if group > 4 else 4, arch.target)
+    return DecodeAttentionConfig(head_dim, group, 2 if group > 4 else 4, arch.target, paged)
 
 
 def generate(cfg: DecodeAttentionConfig) -> KernelBuilder:
     k = KernelBuilder(cfg.name, target=cfg.target, max_threads=THREADS,
                       min_blocks_per_sm=cfg.ctas_per_sm)
     k.launch = LaunchShape(block=THREADS)
-    p = _Params(k)
+    p = _Params(k, cfg)
     with k.stage("programmatic launch: the next kernel on the stream may start"):
         k.griddepcontrol_launch_dependents()
     t = _coordinates(k, cfg)
@@ -161,7 +163,7 @@ def generate(cfg: DecodeAttentionConfig) -> KernelBuilder:
 class _Params:
     """Kernel parameters (launches bind them by name). Strides in bytes."""
 
-    def __init__(self, k: KernelBuilder):
+    def __init__(self, k: KernelBuilder, cfg: DecodeAttentionConfig):
         self.q = k.param("q", "u64")
         self.q_batch_stride = k.param("q_batch_stride", "u64")
         self.q_head_stride = k.param("q_head_stride", "u64")
@@ -169,6 +171,14 @@ class _Params:
             setattr(self, name, k.param(name, "u64"))
             for stride in ("batch", "head", "token"):
                 setattr(self, f"{name}_{stride}_stride", k.param(f"{name}_{stride}_stride", "u64"))
+        # Paged: k_batch_stride and v_batch_stride are a page's stride (under 4 GiB), and
+        # token t of sequence b lies in page block_table[b, t >> page_shift], row t & (2 **
+        # page_shift - 1); a page index at or past num_blocks reads the last page.
+        if cfg.paged:
+            self.block_table = k.param("block_table", "u64")          # int32 [B, pages]
+            self.block_table_stride = k.param("block_table_stride", "u32")  # elements
+            self.page_shift = k.param("page_shift", "u32")
+            self.num_blocks = k.param("num_blocks", "u32")
         self.seqlens = k.param("seqlens", "u64")           # int32 [B]
         self.capacity = k.param("capacity", "u32")         # S_max: no token at or past it is read
         self.split_tokens = k.param("split_tokens", "u32")  # a multiple of tokens_per_step
@@ -220,8 +230,14 @@ def _pointers(k, cfg, p, t) -> SimpleNamespace:
             k.mad(r, t.vector, VECTOR_BYTES, r, mode="wide")
             return r
 
-        ptrs.k = at("k_ptr", p.k, (t.seq, p.k_batch_stride), (t.kv_head, p.k_head_stride))
-        ptrs.v = at("v_ptr", p.v, (t.seq, p.v_batch_stride), (t.kv_head, p.v_head_stride))
+        # Contiguous: the sequence's rows; paged: the KV head's in page 0, each token's
+        # page added in the token loop.
+        sequence = () if cfg.paged else ((t.seq, p.k_batch_stride),)
+        ptrs.k = at("k_ptr", p.k, *sequence, (t.kv_head, p.k_head_stride))
+        sequence = () if cfg.paged else ((t.seq, p.v_batch_stride),)
+        ptrs.v = at("v_ptr", p.v, *sequence, (t.kv_head, p.v_head_stride))
+        if cfg.paged:
+            _page_pointers(k, p, t, ptrs, stride)
         first_head = k.reg("u32", "first_head")
         k.mul(first_head, t.kv_head, cfg.group, mode="lo")
         ptrs.q = at("q_ptr", p.q, (t.seq, p.q_batch_stride), (first_head, p.q_head_stride))
@@ -246,6 +262,29 @@ def _pointers(k, cfg, p, t) -> SimpleNamespace:
         k.ld_param(length, p.capacity)
         k.min(ptrs.end, ptrs.end, length)
     return ptrs
+
+
+def _page_pointers(k, p, t, ptrs, scratch) -> None:
+    """Paged: the sequence's row of the block table, the pages' strides, the shift and
+    mask that split a token into page and row, the last page."""
+    ptrs.pages = k.reg("u64", "block_row")
+    k.ld_param(ptrs.pages, p.block_table)
+    row_stride = k.reg("u32", "block_table_stride")
+    k.ld_param(row_stride, p.block_table_stride)
+    k.mul(row_stride, row_stride, 4, mode="lo")
+    k.mad(ptrs.pages, t.seq, row_stride, ptrs.pages, mode="wide")
+    ptrs.k_page, ptrs.v_page = k.reg("u32", "k_page_bytes"), k.reg("u32", "v_page_bytes")
+    k.ld_param(scratch, p.k_batch_stride)
+    k.cvt(ptrs.k_page, scratch, dtype="u32")
+    k.ld_param(scratch, p.v_batch_stride)
+    k.cvt(ptrs.v_page, scratch, dtype="u32")
+    ptrs.shift, ptrs.row_mask = k.reg("u32", "page_shift"), k.reg("u32", "row_mask")
+    k.ld_param(ptrs.shift, p.page_shift)
+    k.shl(ptrs.row_mask, 1, ptrs.shift, type="b32")
+    k.sub(ptrs.row_mask, ptrs.row_mask, 1)
+    ptrs.last_page = k.reg("u32", "last_page")
+    k.ld_param(ptrs.last_page, p.num_blocks)
+    k.sub(ptrs.last_page, ptrs.last_page, 1)
 
 
 def _queries(k, cfg, p, ptrs) -> list[list]:
@@ -307,9 +346,10 @@ def _token_loop(k, cfg, t, ptrs, q, state) -> None:
     k.mov(own.max, MAX_START)
     k.mov(own.sum, 0.0)
     first = k.reg("u32", "first_token")
-    later, ahead = k.reg("u32", "later"), k.reg("u32", "ahead")
+    later = k.reg("u32", "later")       # one step ahead: two to four measured slower
     next_valid = [k.pred(f"next_valid{j}_") for j in range(n)]
-    k.mov(ahead, cfg.tokens_per_step)   # one step ahead: two to four measured slower
+    page, next_page = (k.reg("u32", "page"), k.reg("u32", "next_page")) if cfg.paged else (None,
+                                                                                         None)
     k.add(first, ptrs.start, t.slot)
     with k.loop(k.reg("u32", "base"), ptrs.end, start=ptrs.start, step=cfg.tokens_per_step,
                 hint="tokens", uniform=True):
@@ -319,16 +359,18 @@ def _token_loop(k, cfg, t, ptrs, q, state) -> None:
                 k.setp("lt", valid[j], token[j], ptrs.end)
                 k.add(later, token[j], cfg.tokens_per_step)
                 k.setp("lt", next_valid[j], later, ptrs.end)
-                for vec, base, stride in ((keys[j], ptrs.k, ptrs.k_token),
-                                          (values[j], ptrs.v, ptrs.v_token)):
+                if cfg.paged:
+                    _token_page(k, ptrs, token[j], valid[j], page)
+                    _token_page(k, ptrs, later, next_valid[j], next_page)
+                for vec, which in ((keys[j], "k"), (values[j], "v")):
                     for word in vec:
                         k.mov(word, 0)
-                    k.mad(at, token[j], stride, base, mode="wide")
+                    _row_at(k, cfg, ptrs, at, token[j], page, which)
                     with k.guard(valid[j]):
                         k.ld(vec, addr(at), nc=True, eviction="L1::no_allocate")
                     # The next step's row into L2 meanwhile: its loads then wait on L2, not
                     # on DRAM, with no registers held for it.
-                    k.mad(at, ahead, stride, at, mode="wide")
+                    _row_at(k, cfg, ptrs, at, later, next_page, which)
                     with k.guard(next_valid[j]):
                         k.prefetch(addr(at))
             k.add(first, first, cfg.tokens_per_step)
@@ -376,6 +418,30 @@ def _token_loop(k, cfg, t, ptrs, q, state) -> None:
                 held = heads.of(value, into, head)
                 if held is not into:
                     k.mov(into, held)
+
+
+def _token_page(k, ptrs, token, valid, page) -> None:
+    """Paged: ``token``'s page from the block table (read where ``valid``), clamped to the
+    last page: an index past the pool reads a page of it, never outside."""
+    at = k.reg("u64", "page_at")
+    k.shr(page, token, ptrs.shift)
+    k.mad(at, page, 4, ptrs.pages, mode="wide")
+    k.mov(page, 0)
+    with k.guard(valid):
+        k.ld(page, addr(at), nc=True)
+    k.min(page, page, ptrs.last_page)
+
+
+def _row_at(k, cfg, ptrs, at, token, page, which: str) -> None:
+    """``at`` = this thread's vector of ``token``'s row of the k or v cache."""
+    base, stride = (ptrs.k, ptrs.k_token) if which == "k" else (ptrs.v, ptrs.v_token)
+    if not cfg.paged:
+        k.mad(at, token, stride, base, mode="wide")
+        return
+    row = k.reg("u32", "page_row")
+    k.and_(row, token, ptrs.row_mask)
+    k.mad(at, row, stride, base, mode="wide")
+    k.mad(at, page, ptrs.k_page if which == "k" else ptrs.v_page, at, mode="wide")
 
 
 def _lane_heads(k, cfg, t) -> SimpleNamespace:

@@ -26,9 +26,10 @@ MAX_SPLITS = 64      # the last split merges them all, its token slots sharing t
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(device_index: int, head_dim: int, group: int, pdl: bool | None):
+def _kernel(device_index: int, head_dim: int, group: int, pdl: bool | None,
+            paged: bool = False):
     """(config, launcher) for one device and variant; ``pdl``: the call's."""
-    cfg = attention_kernel.choose_config(device_arch(device_index), head_dim, group)
+    cfg = attention_kernel.choose_config(device_arch(device_index), head_dim, group, paged)
     launcher = jit.build(attention_kernel.generate(cfg)).launcher(device_index,
                                                                   programmatic=programmatic(pdl))
     return cfg, launcher
@@ -67,7 +68,9 @@ def _counters_for(device_index: int, pairs: int) -> torch.Tensor:
 
 
 def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           cache_seqlens: torch.Tensor, *, softmax_scale: float | None = None,
+                           cache_seqlens: torch.Tensor, *,
+                           block_table: torch.Tensor | None = None,
+                           softmax_scale: float | None = None,
                            pdl: bool | None = None) -> torch.Tensor:
     """Attention of one new token a sequence over its cached keys and values, as
     FlashAttention's ``flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=...)``
@@ -83,15 +86,21 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     transformers' static cache, [B, Hkv, S_max, D], is passed as ``cache.transpose(1, 2)``
     (a view, no copy). Hq a multiple of Hkv, at most 8 query heads a KV head.
     cache_seqlens: int32 [B] on the GPU, each from 0 to S_max (read on the GPU; a length
-    past S_max, or negative, counts as S_max: nothing outside the cache is read). softmax_scale: by default
-    D ** -0.5. ``pdl``: as ``rms_norm``'s. Returns a new bf16 [B, 1, Hq, D].
+    past S_max, or negative, counts as S_max: nothing outside the cache is read).
+    block_table: int32 [B, pages] on the GPU, rows contiguous, or None. Given, the caches
+    are paged as vLLM's and FlashAttention's: [num_blocks, page_size, Hkv, D], token t of
+    sequence b in page block_table[b, t // page_size] at row t % page_size; page_size a
+    power of two; S_max = pages x page_size. A page index outside [0, num_blocks) reads
+    the last page (never outside the pool; the table is on the GPU, unchecked here).
+    softmax_scale: by default D ** -0.5. ``pdl``: as ``rms_norm``'s. Returns a new bf16
+    [B, 1, Hq, D].
 
     Differences from FlashAttention's: one query token (no causal mask to apply), no
-    paged cache (block_table), no k_new/v_new, no rotary, no dropout or softcap.
+    k_new/v_new, no rotary, no dropout or softcap; page sizes any power of two.
     """
     if torch.compiler.is_dynamo_compiling():
         return traced("attention_with_kvcache", q, k_cache, v_cache, cache_seqlens,
-                      softmax_scale=softmax_scale, pdl=pdl)
+                      block_table=block_table, softmax_scale=softmax_scale, pdl=pdl)
     (batch, q_len, heads, head_dim), q_strides, q_ptr, device = inspect(
         "q", q, torch.bfloat16, 4)
     if q_len != 1:
@@ -100,7 +109,10 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     caches = []
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         shape, strides, ptr, _ = inspect(name, cache, torch.bfloat16, 4, device=device)
-        if shape[0] != batch or shape[3] != head_dim:
+        if block_table is not None and shape[3] != head_dim:
+            raise ValueError(f"{name} must be [num_blocks, page_size, Hkv, D] with q's D = "
+                             f"{head_dim}, got shape {tuple(shape)}")
+        if block_table is None and (shape[0] != batch or shape[3] != head_dim):
             raise ValueError(f"{name} must be [B, S_max, Hkv, D] with q's B = {batch} and "
                              f"D = {head_dim}, got shape {tuple(shape)}")
         if any(stride % 8 for stride in strides[:3]):
@@ -123,6 +135,9 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if tuple(lengths_shape) != (batch,) or cache_seqlens.stride(0) != 1:
         raise ValueError(f"cache_seqlens must be a contiguous int32 [B] with B = {batch}, got "
                          f"shape {tuple(lengths_shape)}")
+    paging = {}
+    if block_table is not None:
+        capacity, paging = _pages(block_table, caches[0], batch, device)
     if softmax_scale is None:
         softmax_scale = head_dim ** -0.5
     if (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))
@@ -135,7 +150,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if batch == 0 or heads == 0:
         return out
     group = heads // kv_heads
-    cfg, launcher = _kernel(device, head_dim, group, pdl)
+    cfg, launcher = _kernel(device, head_dim, group, pdl, bool(paging))
     tokens = split_tokens(cfg, device_arch(device).sm_count, batch, kv_heads, max(capacity, 1))
     splits = max(1, _ceil_div(capacity, tokens))
     pairs = batch * kv_heads
@@ -152,5 +167,26 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
              v_token_stride=2 * v_strides[1],
              seqlens=lengths_ptr, capacity=capacity, split_tokens=tokens, scale_log2=float(softmax_scale) * LOG2E,
              out=out.data_ptr(), partial=partial.data_ptr(), partial_ml=partial_ml.data_ptr(),
-             counters=_counters_for(device, pairs).data_ptr())
+             counters=_counters_for(device, pairs).data_ptr(), **paging)
     return out
+
+
+def _pages(block_table, k_cache, batch: int, device: int) -> tuple[int, dict]:
+    """Check a block table against the paged caches: (S_max, the kernel's paging
+    arguments by parameter name)."""
+    (blocks, page_size, _, _), strides, _ = k_cache
+    shape, table_strides, ptr, _ = inspect("block_table", block_table, torch.int32, 2,
+                                           align=4, device=device, rows=False)
+    if shape[0] != batch or table_strides[1] != 1:
+        raise ValueError(f"block_table must be int32 [B, pages] with B = {batch} and "
+                         f"contiguous rows, got shape {tuple(shape)}, strides "
+                         f"{tuple(table_strides)}")
+    if page_size & (page_size - 1) or blocks == 0:
+        raise ValueError(f"a paged cache needs a power-of-two page size and at least one "
+                         f"page, got k_cache [num_blocks={blocks}, page_size={page_size}, ...]")
+    if 2 * strides[0] >= 1 << 32:
+        raise ValueError(f"a paged cache's page stride must be under 4 GiB, got "
+                         f"{strides[0]} elements")
+    return shape[1] * page_size, dict(block_table=ptr, block_table_stride=table_strides[0],
+                                      page_shift=page_size.bit_length() - 1,
+                                      num_blocks=blocks)

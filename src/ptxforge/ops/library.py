@@ -148,13 +148,15 @@ def _moe_silu_mul_quantize_fp8_fake(d, rows, pdl=None):
     return moe.grouped_quantized(tuple(d.shape[:-1]), d.shape[-1] // 2, d.device)
 
 
-def _attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, softmax_scale=None, pdl=None):
+def _attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None,
+                            softmax_scale=None, pdl=None):
     return attention.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens,
+                                            block_table=block_table,
                                             softmax_scale=softmax_scale, pdl=pdl)
 
 
-def _attention_with_kvcache_fake(q, k_cache, v_cache, cache_seqlens, softmax_scale=None,
-                                 pdl=None):
+def _attention_with_kvcache_fake(q, k_cache, v_cache, cache_seqlens, block_table=None,
+                                 softmax_scale=None, pdl=None):
     return torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
 
 
@@ -213,8 +215,9 @@ OPERATORS = {
     "moe_combine": ("(Tensor y, Tensor rows, Tensor weights, *, bool? pdl=None) -> Tensor",
                     _moe_combine, _moe_combine_fake),
     "attention_with_kvcache": ("(Tensor q, Tensor k_cache, Tensor v_cache, Tensor "
-                               "cache_seqlens, *, float? softmax_scale=None, bool? pdl=None) "
-                               "-> Tensor", _attention_with_kvcache,
+                               "cache_seqlens, *, Tensor? block_table=None, float? "
+                               "softmax_scale=None, bool? pdl=None) -> Tensor",
+                               _attention_with_kvcache,
                                _attention_with_kvcache_fake),
 }
 
