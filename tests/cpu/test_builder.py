@@ -248,6 +248,8 @@ def _instruction_calls(k):
         "wgmma_wait_group": lambda: k.wgmma_wait_group(1),
         "wgmma_mma_async": lambda: k.wgmma_mma_async(acc, d64, d64, n=16, ab_type="e4m3"),
         "ldmatrix": lambda: k.ldmatrix(q, addr(u)), "stmatrix": lambda: k.stmatrix(addr(u), q),
+        "mma_sync": lambda: k.mma_sync(acc[:4], q, q[:2], acc[4:]),
+        "movmatrix": lambda: k.movmatrix(u, v),
         "cp_async_bulk_tensor_load": lambda: k.cp_async_bulk_tensor_load(addr(u), d64, [v, w], addr(u)),
         "cp_async_bulk_load": lambda: k.cp_async_bulk_load(addr(u), a, 256, addr(u)),
         "cp_async_bulk_store": lambda: k.cp_async_bulk_store(a, addr(u), 256),

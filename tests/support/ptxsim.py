@@ -301,7 +301,7 @@ class Kernel:
             return _assign(ops[0], lambda th: a(th) & out)
         if kind in ("ld", "st", "red", "atom"):
             return self._memory(opcode, q, ops)
-        if kind in ("vote", "shfl", "bar"):
+        if kind in ("vote", "shfl", "bar", "mma", "movmatrix"):
             return None  # collectives and barriers: the scheduler's
         raise NotImplementedError(f"ptxsim: {opcode}")
 
@@ -492,7 +492,8 @@ class Simulator:
             elif kind == "trap":
                 raise Trap(f"{th.launch.name}: CTA {th.cta.index} thread {th.tid} trapped at "
                            f"{code[th.pc]!r}")
-            elif kind in ("vote", "shfl") or code[th.pc].startswith("bar.warp.sync"):
+            elif kind in ("vote", "shfl", "mma", "movmatrix") \
+                    or code[th.pc].startswith("bar.warp.sync"):
                 self._collective(th, code[th.pc])
             elif kind == "bar":
                 self._barrier(th, code[th.pc])
@@ -526,6 +527,12 @@ class Simulator:
             results = [values[lane ^ (b(t) & 31)] for lane, t in enumerate(lanes)]
         elif opcode == "bar.warp.sync":
             results = None
+        elif opcode == "movmatrix.sync.aligned.m8n8.trans.b16":
+            words = [kernel._reader(ops[1])(t) for t in lanes]
+            results = [_transposed_pair(words, lane) for lane in range(32)]
+        elif opcode.startswith("mma.sync.aligned.m16n8k16.row.col.f32."):
+            _mma_m16n8k16(kernel, lanes, ops, opcode.split(".")[-3])
+            results = None
         else:
             raise NotImplementedError(f"ptxsim: {opcode}")
         for lane, t in enumerate(lanes):
@@ -548,3 +555,52 @@ class Simulator:
         for t in waiting:
             t.pc += 1
             t.blocked = False
+
+
+def _transposed_pair(words: list[int], lane: int) -> int:
+    """movmatrix.trans: lane ``lane``'s b32 of the transposed 8 x 8 b16 matrix, whose row r
+    lane 4r + c // 2 held, column c in its half c % 2."""
+    def element(row, col):
+        return (words[4 * row + col // 2] >> (16 * (col % 2))) & 0xFFFF
+    row, col = lane >> 2, 2 * (lane & 3)
+    return element(col, row) | element(col + 1, row) << 16
+
+
+def _halves(word: int, dtype: str) -> tuple[float, float]:
+    """The two 16-bit values of a b32 (low first) as floats."""
+    lo, hi = word & 0xFFFF, word >> 16
+    if dtype == "bf16":
+        return float(_f32(lo << 16)), float(_f32(hi << 16))
+    return (float(np.frombuffer(struct.pack("<H", lo), np.float16)[0]),
+            float(np.frombuffer(struct.pack("<H", hi), np.float16)[0]))
+
+
+def _registers(text: str) -> list[str]:
+    return [r.strip() for r in text.strip("{}").split(",")]
+
+
+def _mma_m16n8k16(kernel, lanes, ops, dtype: str) -> None:
+    """mma.sync m16n8k16 .row.col with f32 accumulators, in the PTX ISA's fragment
+    layouts (g = lane / 4, t = lane % 4): A's a0..a3 hold (g, 2t..2t+1), (g + 8, ...),
+    (g, 2t + 8..), (g + 8, 2t + 8..); B's b0, b1 hold (k = 2t..2t+1, n = g), (k + 8, ...);
+    C and D's c0..c3 (g, 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1). The products
+    are summed in f64 and rounded to f32 once."""
+    d, a, b, c = (_registers(op) for op in ops)
+    A, B, C = np.zeros((16, 16)), np.zeros((16, 8)), np.zeros((16, 8))
+    for lane, t in enumerate(lanes):
+        g, tig = lane >> 2, lane & 3
+        read = lambda name: kernel._reader(name)(t)
+        for i, (row, col) in enumerate(((g, 2 * tig), (g + 8, 2 * tig), (g, 2 * tig + 8),
+                                        (g + 8, 2 * tig + 8))):
+            A[row, col:col + 2] = _halves(read(a[i]), dtype)
+        for i, k in enumerate((2 * tig, 2 * tig + 8)):
+            B[k:k + 2, g] = _halves(read(b[i]), dtype)
+        for i, (row, col) in enumerate(((g, 2 * tig), (g, 2 * tig + 1), (g + 8, 2 * tig),
+                                        (g + 8, 2 * tig + 1))):
+            C[row, col] = float(_f32(read(c[i])))
+    D = (A @ B + C).astype(np.float32)
+    for lane, t in enumerate(lanes):
+        g, tig = lane >> 2, lane & 3
+        for i, (row, col) in enumerate(((g, 2 * tig), (g, 2 * tig + 1), (g + 8, 2 * tig),
+                                        (g + 8, 2 * tig + 1))):
+            t.regs[d[i]] = _bits(D[row, col])

@@ -1,4 +1,5 @@
-"""Hopper tensor instructions: wgmma, bulk tensor copies (TMA), ldmatrix/stmatrix.
+"""Hopper tensor instructions: wgmma, the warp-level mma.sync and movmatrix, bulk tensor
+copies (TMA), ldmatrix/stmatrix.
 
 Shared-memory operands are 32-bit ``.shared::cta`` addresses (registers or symbols).
 Tensor maps are named by a 64-bit generic address of the ``.param`` blob; see
@@ -65,6 +66,26 @@ class TensorOps:
             self.emit(opcode, vec(acc), a_desc, b_desc, scale_d, 1, 1)
         else:
             self.emit(opcode, vec(acc), a_desc, b_desc, scale_d, 1, 1, trans_a, trans_b)
+
+    # ---------------------------------------------------------------- warp-level mma
+    def mma_sync(self, d: list[Reg], a: list[Reg], b: list[Reg], c: list[Reg], *,
+                 ab_type: str = "bf16") -> None:
+        """``mma.sync.aligned.m16n8k16.row.col.f32.{ab_type}.{ab_type}.f32``: d = A x B + c
+        over one warp, A 16 x 16 (4 b32 a thread, each two values), B 16 x 8 (2 b32), C and
+        D 16 x 8 f32 (4 a thread), in the PTX ISA's fragment layouts."""
+        if ab_type not in ("bf16", "f16"):
+            raise ValueError(f"mma_sync ab_type must be bf16 or f16, got {ab_type!r}")
+        if (len(d), len(a), len(b), len(c)) != (4, 4, 2, 4):
+            raise ValueError(f"m16n8k16 takes 4 d, 4 a, 2 b and 4 c registers a thread, got "
+                             f"{len(d)}, {len(a)}, {len(b)}, {len(c)}")
+        self.emit(f"mma.sync.aligned.m16n8k16.row.col.f32.{ab_type}.{ab_type}.f32",
+                  vec(d), vec(a), vec(b), vec(c))
+
+    def movmatrix(self, d: Reg, a: Reg) -> None:
+        """``movmatrix.sync.aligned.m8n8.trans.b16``: an 8 x 8 b16 matrix held by the warp
+        (row lane / 4, columns 2 (lane % 4) and + 1 in one b32) transposed, in the same
+        layout."""
+        self.emit("movmatrix.sync.aligned.m8n8.trans.b16", d, a)
 
     # ---------------------------------------------------------------- matrix load/store
     def ldmatrix(self, regs: list[Reg], address: Address, *, trans: bool = False) -> None:
