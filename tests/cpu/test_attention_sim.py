@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from ptxforge import arch
-from ptxforge.kernels import bf16_decode_attention as kernel
+from ptxforge.kernels import bf16_decode_attention as kernel, generate_attention
 
 from support.ptxsim import Memory, Simulator
 
@@ -71,7 +71,8 @@ def _run(cfg, q, k, v, lengths, split_tokens, table=None):
                     block_table_stride=table.shape[1],
                     page_shift=k.shape[1].bit_length() - 1, num_blocks=k.shape[0])
     sim = Simulator(memory)
-    sim.launch("attention", kernel.generate(cfg).ptx(), (splits, kv_heads, batch), 128, **args)
+    sim.launch("attention", generate_attention(cfg).ptx(), (splits, kv_heads, batch), 128,
+               **args)
     sim.run()
     got = _f32(np.frombuffer(memory.read(out, 2 * batch * heads * head_dim), dtype=np.uint16))
     return got.reshape(q.shape), memory.read(counters, 4 * pairs)
@@ -85,10 +86,16 @@ def _run(cfg, q, k, v, lengths, split_tokens, table=None):
     (1, 100, 8, 1, 128, [100], 32),       # 8 heads a KV head (2 tokens a thread a step)
     (1, 64, 2, 2, 256, [64], 64),         # head dim 256, one head a KV head, two KV heads
 ])
+@pytest.mark.parametrize("tensor_cores", [False, True])
 def test_the_kernel_on_the_simulator_matches_fp64(batch, capacity, heads, kv_heads, head_dim,
-                                                 lengths, split_tokens):
-    cfg = kernel.choose_config(arch.get("sm_90a"), head_dim, heads // kv_heads)
-    assert split_tokens % cfg.tokens_per_step == 0
+                                                 lengths, split_tokens, tensor_cores):
+    """Both forms within the same bound (the tensor-core one rounds Q and P to bf16 for
+    the mma: about twice the CUDA-core form's error at 4 heads a KV head)."""
+    if tensor_cores and head_dim > kernel.MMA_HEAD_DIM:
+        pytest.skip(f"the tensor-core form takes head_dim up to {kernel.MMA_HEAD_DIM}")
+    cfg = kernel.choose_config(arch.get("sm_90a"), head_dim, heads // kv_heads,
+                               tensor_cores=tensor_cores)
+    split_tokens = -(-split_tokens // cfg.tokens_per_step) * cfg.tokens_per_step
     rng = np.random.default_rng(0)
     q = _bf16(rng.standard_normal((batch, heads, head_dim)))
     k = _bf16(rng.standard_normal((batch, capacity, kv_heads, head_dim)))
@@ -100,16 +107,18 @@ def test_the_kernel_on_the_simulator_matches_fp64(batch, capacity, heads, kv_hea
     assert counters == bytes(len(counters))   # zero for the next call
 
 
+@pytest.mark.parametrize("tensor_cores", [False, True])
 @pytest.mark.parametrize("page_size, pages, heads, kv_heads, lengths, split_tokens", [
     (16, 8, 8, 2, [128, 45], 64),       # pages smaller than a step, two splits
     (64, 3, 4, 1, [150, 64], 64),       # three splits, a page a split
 ])
 def test_a_paged_cache_gives_the_gathered_cache_s_result(page_size, pages, heads, kv_heads,
-                                                         lengths, split_tokens):
+                                                         lengths, split_tokens, tensor_cores):
     """Pages in a shuffled pool and a block table naming them; one entry past the pool, in
     the first sequence's length: it reads the pool's last page, never outside."""
     head_dim, batch = 64, len(lengths)
-    cfg = kernel.choose_config(arch.get("sm_90a"), head_dim, heads // kv_heads, paged=True)
+    cfg = kernel.choose_config(arch.get("sm_90a"), head_dim, heads // kv_heads, paged=True,
+                               tensor_cores=tensor_cores)
     rng = np.random.default_rng(1)
     blocks = batch * pages + 3
     q = _bf16(rng.standard_normal((batch, heads, head_dim)))

@@ -1,8 +1,9 @@
 """attention_with_kvcache on a real GPU: against an fp64 reference over every length edge
 (0, 1, a split's boundary, the whole cache, lengths that differ across the batch), both
 cache layouts without a copy (FlashAttention's [B, S, Hkv, D] and transformers' [B, Hkv,
-S, D] transposed), every head size and group; the same bits run to run; a CUDA graph
-replayed with new lengths and queries."""
+S, D] transposed), every head size and group, the CUDA-core and the tensor-core (mma)
+forms; paged caches; the same bits run to run; a CUDA graph replayed with new lengths and
+queries."""
 
 import pytest
 import torch
@@ -61,13 +62,26 @@ CASES = [  # batch, capacity, heads, kv heads, head dim, lengths
 ]
 
 
+def mma_config(head_dim, group, paged=False):
+    """The tensor-core form's config (config= forces it), or None where it takes no such
+    head (the test then skips)."""
+    from ptxforge.kernels import bf16_decode_attention as kernel
+    from ptxforge.ops.common import device_arch
+
+    if head_dim > kernel.MMA_HEAD_DIM:
+        pytest.skip(f"the tensor-core form takes head_dim up to {kernel.MMA_HEAD_DIM}")
+    return kernel.choose_config(device_arch(0), head_dim, group, paged, tensor_cores=True)
+
+
+@pytest.mark.parametrize("math", ["cuda", "mma"])
 @pytest.mark.parametrize("layout", ["flash", "transformers"])
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_matches_the_fp64_reference(case, layout):
+def test_matches_the_fp64_reference(case, layout, math):
     q, k, v, lengths = problem(*case, layout=layout)
-    out = ptxforge.attention_with_kvcache(q, k, v, lengths)
+    config = mma_config(case[4], case[2] // case[3]) if math == "mma" else None
+    out = ptxforge.attention_with_kvcache(q, k, v, lengths, config=config)
     check(out, reference(q, k, v, lengths))
-    assert torch.equal(out, ptxforge.attention_with_kvcache(q, k, v, lengths))  # same bits
+    assert torch.equal(out, ptxforge.attention_with_kvcache(q, k, v, lengths, config=config))
 
 
 def test_every_split_boundary_and_a_length_past_the_cache():
@@ -109,8 +123,9 @@ def test_a_cuda_graph_replays_with_new_lengths_and_queries():
         check(out, reference(q, k, v, lengths))
 
 
+@pytest.mark.parametrize("math", ["cuda", "mma"])
 @pytest.mark.parametrize("page_size", [16, 64, 256])
-def test_a_paged_cache_gives_the_contiguous_cache_s_bits(page_size):
+def test_a_paged_cache_gives_the_contiguous_cache_s_bits(page_size, math):
     """Pages shuffled in a pool, a block table naming them: the bits of the same cache
     gathered into a contiguous one (the same arithmetic in the same order), and the fp64
     reference."""
@@ -125,6 +140,11 @@ def test_a_paged_cache_gives_the_contiguous_cache_s_bits(page_size):
     lengths = torch.tensor([4096, 1000, 1], dtype=torch.int32, device="cuda")
     gathered = [cache[table.long()].view(batch, pages * page_size, kv_heads, head_dim)
                 for cache in pool]
-    paged = ptxforge.attention_with_kvcache(q, *pool, lengths, block_table=table)
-    assert torch.equal(paged, ptxforge.attention_with_kvcache(q, *gathered, lengths))
+    configs = ((mma_config(head_dim, heads // kv_heads, True), mma_config(head_dim,
+                                                                        heads // kv_heads))
+               if math == "mma" else (None, None))
+    paged = ptxforge.attention_with_kvcache(q, *pool, lengths, block_table=table,
+                                            config=configs[0])
+    assert torch.equal(paged, ptxforge.attention_with_kvcache(q, *gathered, lengths,
+                                                              config=configs[1]))
     check(paged, reference(q, *gathered, lengths))

@@ -1,5 +1,6 @@
 """``ptxforge bench attention``: decode attention over a bf16 KV cache (one query token a
-sequence), ``attention_with_kvcache`` beside torch's SDPA with each backend that runs the
+sequence), ``attention_with_kvcache`` (its default CUDA-core form, and its tensor-core form
+by ``config=``) beside torch's SDPA with each backend that runs the
 shape (cuDNN, flash, efficient; enable_gqa, over the same cache in transformers' layout;
 for a paged row, ours reads the cache's pages from a shuffled pool, SDPA the contiguous),
 kernel time from the profiler with the L2 flushed, median; the K and V bytes read over the
@@ -53,10 +54,23 @@ def attention_suite(shapes=SHAPES, timer: Timer | None = None) -> dict:
         qs = q.transpose(1, 2)
         with sdpa_kernel(backends["cuDNN"]):
             expected = F.scaled_dot_product_attention(qs, k, v, enable_gqa=True)
-        diff = (ours().transpose(1, 2).float() - expected.float()).abs().max().item()
+        from ..kernels import bf16_decode_attention as kernel
+        from ..ops.common import device_arch
+
+        mma = kernel.choose_config(device_arch(torch.cuda.current_device()), HEAD_DIM,
+                                   heads // kv_heads, bool(page), tensor_cores=True)
+        if page:
+            ours_mma = lambda: ptxforge.attention_with_kvcache(q, *pool, lengths,
+                                                                block_table=table, config=mma)
+        else:
+            ours_mma = lambda: ptxforge.attention_with_kvcache(
+                q, k.transpose(1, 2), v.transpose(1, 2), lengths, config=mma)
+        diff = max((run().transpose(1, 2).float() - expected.float()).abs().max().item()
+                   for run in (ours, ours_mma))
         row = {"batch": batch, "capacity": capacity, "heads": heads, "kv_heads": kv_heads,
                "page": page, "bytes": nbytes, "l2_resident": nbytes < L2_BYTES,
-               "ptxforge_us": timer(ours) * 1e3, "max_abs_diff": diff}
+               "ptxforge_us": timer(ours) * 1e3, "ptxforge_mma_us": timer(ours_mma) * 1e3,
+               "max_abs_diff": diff}
         for name, backend in backends.items():
             try:     # a backend that does not take the shape warns why, then raises
                 with sdpa_kernel(backend), warnings.catch_warnings(action="ignore"):
@@ -84,6 +98,7 @@ def attention_table(result: dict) -> str:
         rows.append([shape + (" (L2)" if r["l2_resident"] else ""),
                      f"{r['bytes'] / 1e6:.1f}", rate(r, r["ptxforge_us"]),
                      f"{r['bytes'] / r['ptxforge_us'] / 1e6 / HBM_PEAK_TBS:.0%}",
+                     rate(r, r["ptxforge_mma_us"]),
                      rate(r, r["cuDNN_us"]), rate(r, r["flash_us"]), rate(r, r["efficient_us"]),
                      rate(r, r["read_us"]), rate(r, r["copy_us"] / 2),
                      f"{r['max_abs_diff']:.1e}"])
@@ -93,5 +108,5 @@ def attention_table(result: dict) -> str:
              f"over the same bytes; copy: a copy of twice the bytes, its time halved; (L2): "
              f"the cache fits the L2")
     return title + "\n" + format_table(
-        ["B x S, Hq/Hkv", "MB", "ptxforge", "of peak", "SDPA cuDNN", "SDPA flash",
+        ["B x S, Hq/Hkv", "MB", "ptxforge", "of peak", "ptxforge mma", "SDPA cuDNN", "SDPA flash",
          "SDPA efficient", "read", "copy", "max |diff| vs cuDNN"], rows)

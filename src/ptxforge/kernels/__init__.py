@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .. import arch as _arch
-from . import (bf16_block_quant_fp8, bf16_decode_attention, bf16_moe_combine,
-               bf16_row_rmsnorm_fp8quant, f32_moe_scale_gather, i64_moe_routing_layout,
-               sm90_gemm)
+from . import (bf16_block_quant_fp8, bf16_decode_attention, bf16_decode_attention_mma,
+               bf16_moe_combine, bf16_row_rmsnorm_fp8quant, f32_moe_scale_gather,
+               i64_moe_routing_layout, sm90_gemm)
 from .gemm import GemmProblem
 from .ep_intranode import combine as ep_combine
 from .ep_intranode import direct as ep_direct
@@ -162,11 +162,21 @@ _ROUTING_VARIANTS = tuple({"experts": e, "layout": layout} for e in MOE_EXPERTS
                           for layout in i64_moe_routing_layout.LAYOUTS)
 
 
-def _attention(arch, head_dim: int, group: int, cache: str):
-    """Decode attention's configure: ``cache`` contiguous or paged (a block table)."""
+def generate_attention(cfg):
+    """The decode attention kernel of ``cfg``: its tensor-core form or its CUDA-core one."""
+    module = bf16_decode_attention_mma if cfg.tensor_cores else bf16_decode_attention
+    return module.generate(cfg)
+
+
+def _attention(arch, head_dim: int, group: int, cache: str, math: str):
+    """Decode attention's configure: ``cache`` contiguous or paged (a block table), ``math``
+    cuda (cores) or mma (tensor cores)."""
     if cache not in ("contiguous", "paged"):
         raise ValueError(f"option cache must be contiguous or paged, got {cache!r}")
-    return bf16_decode_attention.choose_config(arch, head_dim, group, paged=cache == "paged")
+    if math not in ("cuda", "mma"):
+        raise ValueError(f"option math must be cuda or mma, got {math!r}")
+    return bf16_decode_attention.choose_config(arch, head_dim, group, paged=cache == "paged",
+                                               tensor_cores=math == "mma")
 
 
 def _combine(arch, hidden: int, topk: int, weight_bits: int):
@@ -253,13 +263,14 @@ REGISTRY = {
         KernelSpec("moe_combine", _combine, bf16_moe_combine.generate, _COMBINE_OPTIONS,
                    _COMBINE_VARIANTS, "MoE combine: each token's weighted sum of its experts' "
                    "bf16 rows (topk: k)"),
-        KernelSpec("attention_with_kvcache", _attention, bf16_decode_attention.generate,
-                   {"head_dim": 128, "group": 4, "cache": "contiguous"},
-                   tuple({"head_dim": d, "group": g, "cache": c}
+        KernelSpec("attention_with_kvcache", _attention, generate_attention,
+                   {"head_dim": 128, "group": 4, "cache": "contiguous", "math": "cuda"},
+                   tuple({"head_dim": d, "group": g, "cache": c, "math": m}
                          for d in bf16_decode_attention.HEAD_DIMS for g in (1, 2, 4, 8)
-                         for c in ("contiguous", "paged")),
+                         for c in ("contiguous", "paged") for m in ("cuda", "mma")
+                         if m == "cuda" or d <= bf16_decode_attention.MMA_HEAD_DIM),
                    "decode attention over a bf16 KV cache (group: query heads a KV head; "
-                   "cache: contiguous or paged)"),
+                   "cache: contiguous or paged; math: cuda cores or mma (tensor cores))"),
         KernelSpec("moe_routing_layout", i64_moe_routing_layout.choose_config,
                    i64_moe_routing_layout.generate, _ROUTING_OPTIONS, _ROUTING_VARIANTS,
                    "MoE routing: each (token, expert) pair's row in the grouped GEMMs' input "

@@ -56,6 +56,7 @@ from ..ptx import KernelBuilder, LaunchShape, addr, sreg
 VECTOR = 8                  # bf16 per 16-byte vector
 VECTOR_BYTES = 16
 HEAD_DIMS = (64, 128, 256)
+MMA_HEAD_DIM = 128         # the tensor-core form's widest head: 256 spills (ptxas 13.0)
 MAX_GROUP = 8               # query heads a KV head: each one's query and accumulators
                             # take 16 registers of every thread
 THREADS = 128
@@ -75,11 +76,13 @@ class DecodeAttentionConfig:
     tokens_per_thread: int     # a thread's tokens a step
     target: str
     paged: bool = False        # the caches in pages that a block table names (vLLM's layout)
+    tensor_cores: bool = False  # mma.sync (bf16_decode_attention_mma.py)
 
     @property
     def name(self) -> str:
         return (f"bf16_decode_attention_d{self.head_dim}_g{self.group}"
-                f"_t{self.tokens_per_thread}" + ("_paged" if self.paged else ""))
+                + ("_mma" if self.tensor_cores else f"_t{self.tokens_per_thread}")
+                + ("_paged" if self.paged else ""))
 
     @property
     def lanes(self) -> int:
@@ -93,6 +96,8 @@ class DecodeAttentionConfig:
 
     @property
     def tokens_per_step(self) -> int:
+        if self.tensor_cores:
+            return 64                  # four warps' tiles of 16
         return self.slots * self.tokens_per_thread
 
     @property
@@ -118,7 +123,7 @@ class DecodeAttentionConfig:
 
     @property
     def ctas_per_sm(self) -> int:
-        return 65536 // (THREADS * REGISTERS[self.wide])
+        return 65536 // (THREADS * REGISTERS[self.wide or self.tensor_cores])
 
 
 def check_problem(head_dim: int, group: int) -> None:
@@ -129,23 +134,31 @@ def check_problem(head_dim: int, group: int) -> None:
         raise ValueError(f"query heads a KV head must be from 1 to {MAX_GROUP}, got {group}")
 
 
-def choose_config(arch: Arch, head_dim: int, group: int,
-                  paged: bool = False) -> DecodeAttentionConfig:
+def choose_config(arch: Arch, head_dim: int, group: int, paged: bool = False,
+                  tensor_cores: bool = False) -> DecodeAttentionConfig:
     """Four tokens a thread a step (eight k and v loads in flight); two above four query
     heads a KV head, where the queries and accumulators take the registers."""
     check_problem(head_dim, group)
     arch.require("griddepcontrol", "the decode attention kernel (programmatic dependent launch)")
-    return DecodeAttentionConfig(head_dim, group, 2 if group > 4 else 4, arch.target, paged)
+    if tensor_cores and head_dim > MMA_HEAD_DIM:
+        raise ValueError(f"the tensor-core decode attention takes head_dim up to "
+                         f"{MMA_HEAD_DIM}, got {head_dim}")
+    return DecodeAttentionConfig(head_dim, group, 2 if group > 4 else 4, arch.target, paged,
+                                 tensor_cores)
 
 
 def generate(cfg: DecodeAttentionConfig) -> KernelBuilder:
+    """The CUDA-core form (a ``tensor_cores`` config: bf16_decode_attention_mma.generate;
+    ``kernels.generate_attention`` picks)."""
+    if cfg.tensor_cores:
+        raise ValueError(f"{cfg.name} is the tensor-core form: bf16_decode_attention_mma")
     k = KernelBuilder(cfg.name, target=cfg.target, max_threads=THREADS,
                       min_blocks_per_sm=cfg.ctas_per_sm)
     k.launch = LaunchShape(block=THREADS)
     p = _Params(k, cfg)
     with k.stage("programmatic launch: the next kernel on the stream may start"):
         k.griddepcontrol_launch_dependents()
-    t = _coordinates(k, cfg)
+    t = _coordinates(k, cfg.lanes)
     with k.stage("wait for the kernel before this one"):
         # q, the caches and the lengths may be its output (the cache write just before).
         k.griddepcontrol_wait()
@@ -189,7 +202,9 @@ class _Params:
         self.counters = k.param("counters", "u64")          # u32 [B, Hkv], zeros between calls
 
 
-def _coordinates(k, cfg) -> SimpleNamespace:
+def _coordinates(k, lanes: int) -> SimpleNamespace:
+    """The CTA's split, KV head and sequence; the thread's lane and warp; its token slot
+    and vector with ``lanes`` threads a token (each a 16-byte vector of its row)."""
     t = SimpleNamespace()
     with k.stage("coordinates: split, KV head, sequence; this thread's token slot and vector"):
         t.split, t.kv_head, t.seq = (k.reg("u32", n) for n in ("split", "kv_head", "seq"))
@@ -204,8 +219,8 @@ def _coordinates(k, cfg) -> SimpleNamespace:
         k.and_(t.lane, t.tid, 31)
         k.shr(t.warp, t.tid, 5)
         t.slot, t.vector = k.reg("u32", "slot"), k.reg("u32", "vector")
-        k.shr(t.slot, t.tid, cfg.lanes.bit_length() - 1)
-        k.and_(t.vector, t.tid, cfg.lanes - 1)
+        k.shr(t.slot, t.tid, lanes.bit_length() - 1)
+        k.and_(t.vector, t.tid, lanes - 1)
         # The (sequence, KV head) pair: its counter, and its splits' workspace rows.
         t.pair = k.reg("u32", "pair")
         k.mad(t.pair, t.seq, t.kv_heads, t.kv_head, mode="lo")
@@ -598,22 +613,7 @@ def _finish(k, cfg, p, t, state, merger) -> None:
     with k.if_(~last, "partial_done", uniform=True):
         with k.if_(merger.warp0, "partial_stored", uniform=True):
             _store_partial(k, cfg, p, t, state, merger.mine)
-        with k.stage("the pair's counter: the last of its splits merges"):
-            k.fence("acq_rel", "gpu")      # this thread's partial before the count
-            k.bar_sync(0)
-            counter, old = k.reg("u64", "counter_at"), k.reg("u32", "count")
-            thread0 = k.pred("thread0")
-            flag = k.shared("last_split", 4)
-            k.ld_param(counter, p.counters)
-            k.mad(counter, t.pair, 4, counter, mode="wide")
-            k.setp("eq", thread0, t.tid, 0)
-            with k.if_(thread0, "counted"):
-                k.atom(old, addr(counter), 1, op="add", sem="acq_rel", scope="gpu", type="u32")
-                k.add(old, old, 1)
-                k.st(addr(flag), old, space="shared")
-            k.bar_sync(0)
-            k.ld(old, addr(flag), space="shared")
-            k.setp("eq", last, old, t.splits)
+        counter, thread0 = count_split(k, p, t, last)
         with k.if_(last, "merged", uniform=True):
             k.fence("acq_rel", "gpu")      # every split's partial, seen
             _merge_partials(k, cfg, p, t, state, merger)
@@ -624,6 +624,30 @@ def _finish(k, cfg, p, t, state, merger) -> None:
     with k.if_(last, "written", uniform=True):
         with k.if_(merger.warp0, "out_stored", uniform=True):
             _store_out(k, cfg, p, t, state, merger.mine)
+
+
+def count_split(k, p, t, last):
+    """After every thread stored its part of the split's partial: thread 0 counts the
+    split in on the pair's counter, and ``last`` (every thread's) says whether it was the
+    pair's last. Returns the counter's address and the thread-0 predicate (the last split
+    sets the counter back to zero)."""
+    with k.stage("the pair's counter: the last of its splits merges"):
+        k.fence("acq_rel", "gpu")      # this thread's partial before the count
+        k.bar_sync(0)
+        counter, count = k.reg("u64", "counter_at"), k.reg("u32", "count")
+        thread0 = k.pred("thread0")
+        flag = k.shared("last_split", 4)
+        k.ld_param(counter, p.counters)
+        k.mad(counter, t.pair, 4, counter, mode="wide")
+        k.setp("eq", thread0, t.tid, 0)
+        with k.if_(thread0, "counted"):
+            k.atom(count, addr(counter), 1, op="add", sem="acq_rel", scope="gpu", type="u32")
+            k.add(count, count, 1)
+            k.st(addr(flag), count, space="shared")
+        k.bar_sync(0)
+        k.ld(count, addr(flag), space="shared")
+        k.setp("eq", last, count, t.splits)
+    return counter, thread0
 
 
 def _partial_row(k, cfg, p, t, split, name: str):

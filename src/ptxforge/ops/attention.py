@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from .. import jit
+from .. import jit, kernels
 from ..kernels import bf16_decode_attention as attention_kernel
 from .common import (current_stream, device_arch, inspect, programmatic, require_cuda,
                      require_pdl, traced)
@@ -27,11 +27,24 @@ MAX_SPLITS = 64      # the last split merges them all, its token slots sharing t
 
 @functools.lru_cache(maxsize=None)
 def _kernel(device_index: int, head_dim: int, group: int, pdl: bool | None,
-            paged: bool = False):
-    """(config, launcher) for one device and variant; ``pdl``: the call's."""
-    cfg = attention_kernel.choose_config(device_arch(device_index), head_dim, group, paged)
-    launcher = jit.build(attention_kernel.generate(cfg)).launcher(device_index,
-                                                                  programmatic=programmatic(pdl))
+            paged: bool = False, config=None):
+    """(config, launcher) for one device and variant; ``pdl``: the call's; ``config``: the
+    caller's, checked, instead of the heuristic's."""
+    arch = device_arch(device_index)
+    cfg = attention_kernel.choose_config(arch, head_dim, group, paged)
+    if config is not None:
+        if not isinstance(config, attention_kernel.DecodeAttentionConfig):
+            raise TypeError(f"config must be a decode attention config (kernels."
+                            f"bf16_decode_attention.choose_config), got "
+                            f"{type(config).__name__}")
+        wanted = (cfg.head_dim, cfg.group, cfg.paged, cfg.target)
+        got = (config.head_dim, config.group, config.paged, config.target)
+        if got != wanted:
+            raise ValueError(f"config does not fit the call: it is for (head_dim, group, "
+                             f"paged, target) {got}, the call needs {wanted}")
+        cfg = config
+    launcher = jit.build(kernels.generate_attention(cfg)).launcher(
+        device_index, programmatic=programmatic(pdl))
     return cfg, launcher
 
 
@@ -70,7 +83,7 @@ def _counters_for(device_index: int, pairs: int) -> torch.Tensor:
 def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            cache_seqlens: torch.Tensor, *,
                            block_table: torch.Tensor | None = None,
-                           softmax_scale: float | None = None,
+                           softmax_scale: float | None = None, config=None,
                            pdl: bool | None = None) -> torch.Tensor:
     """Attention of one new token a sequence over its cached keys and values, as
     FlashAttention's ``flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=...)``
@@ -92,15 +105,18 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     sequence b in page block_table[b, t // page_size] at row t % page_size; page_size a
     power of two; S_max = pages x page_size. A page index outside [0, num_blocks) reads
     the last page (never outside the pool; the table is on the GPU, unchecked here).
-    softmax_scale: by default D ** -0.5. ``pdl``: as ``rms_norm``'s. Returns a new bf16
-    [B, 1, Hq, D].
+    softmax_scale: by default D ** -0.5. config: a kernel config instead of the default
+    (``kernels.bf16_decode_attention.choose_config(arch, D, Hq // Hkv, paged,
+    tensor_cores=True)``: the mma.sync form), checked against the call. ``pdl``: as
+    ``rms_norm``'s. Returns a new bf16 [B, 1, Hq, D].
 
     Differences from FlashAttention's: one query token (no causal mask to apply), no
     k_new/v_new, no rotary, no dropout or softcap; page sizes any power of two.
     """
     if torch.compiler.is_dynamo_compiling():
         return traced("attention_with_kvcache", q, k_cache, v_cache, cache_seqlens,
-                      block_table=block_table, softmax_scale=softmax_scale, pdl=pdl)
+                      block_table=block_table, softmax_scale=softmax_scale, pdl=pdl,
+                      config=config)
     (batch, q_len, heads, head_dim), q_strides, q_ptr, device = inspect(
         "q", q, torch.bfloat16, 4)
     if q_len != 1:
@@ -150,7 +166,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if batch == 0 or heads == 0:
         return out
     group = heads // kv_heads
-    cfg, launcher = _kernel(device, head_dim, group, pdl, bool(paging))
+    cfg, launcher = _kernel(device, head_dim, group, pdl, bool(paging), config)
     tokens = split_tokens(cfg, device_arch(device).sm_count, batch, kv_heads, max(capacity, 1))
     splits = max(1, _ceil_div(capacity, tokens))
     pairs = batch * kv_heads
