@@ -66,9 +66,10 @@ if [ "${1:-}" = generate ]; then
   exit 0
 fi
 if [ "${1:-}" = attention ]; then
-  # Decode attention: its GPU tests, memcheck on them, then `ptxforge bench attention`.
+  # Decode attention: its GPU tests (first the simulator's mma fragments against the GPU's),
+  # memcheck on them, then `ptxforge bench attention`.
   {
-    step timeout 300 $py -m pytest tests/gpu/test_attention_gpu.py -q -p no:cacheprovider
+    step timeout 300 $py -m pytest tests/gpu/test_fragments_gpu.py tests/gpu/test_attention_gpu.py -q -p no:cacheprovider
     step timeout 200 compute-sanitizer --tool memcheck $py -m pytest tests/gpu/test_attention_gpu.py -q -p no:cacheprovider -k "1000 or graph"
     step timeout 300 $py -m ptxforge.cli bench attention --json "$OUT/attention.json"
   } > "$log" 2>&1
