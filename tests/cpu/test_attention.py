@@ -69,3 +69,21 @@ def _args(batch=2, heads=8, kv_heads=2, head_dim=64, capacity=32, q_len=1, **cha
 def test_bad_input_is_one_line_naming_it(changed, error, message):
     with pytest.raises(error, match=message):
         ptxforge.attention_with_kvcache(**_args(**changed))
+
+
+def test_a_config_must_fit_the_call():
+    sm90 = arch.get("sm_90a")
+    with pytest.raises(TypeError, match="config must be a decode attention config"):
+        ptxforge.attention_with_kvcache(**_args(), config="mma")
+    wrong = kernel.choose_config(sm90, 128, 4, tensor_cores=True)
+    with pytest.raises(ValueError, match=r"config does not fit the call: it is for \(head_dim, "
+                       r"group, paged\) \(128, 4, False\), the call needs \(64, 4, False\)"):
+        ptxforge.attention_with_kvcache(**_args(), config=wrong)
+    right = kernel.choose_config(sm90, 64, 4, tensor_cores=True)
+    with pytest.raises(ValueError, match="q must be on a CUDA device"):   # past the check
+        ptxforge.attention_with_kvcache(**_args(), config=right)
+
+
+def test_the_tensor_core_form_refuses_heads_it_would_spill():
+    with pytest.raises(ValueError, match="takes head_dim up to 128, got 256"):
+        kernel.choose_config(arch.get("sm_90a"), 256, 4, tensor_cores=True)

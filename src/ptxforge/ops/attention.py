@@ -29,23 +29,28 @@ MAX_SPLITS = 64      # the last split merges them all, its token slots sharing t
 def _kernel(device_index: int, head_dim: int, group: int, pdl: bool | None,
             paged: bool = False, config=None):
     """(config, launcher) for one device and variant; ``pdl``: the call's; ``config``: the
-    caller's, checked, instead of the heuristic's."""
-    arch = device_arch(device_index)
-    cfg = attention_kernel.choose_config(arch, head_dim, group, paged)
-    if config is not None:
-        if not isinstance(config, attention_kernel.DecodeAttentionConfig):
-            raise TypeError(f"config must be a decode attention config (kernels."
-                            f"bf16_decode_attention.choose_config), got "
-                            f"{type(config).__name__}")
-        wanted = (cfg.head_dim, cfg.group, cfg.paged, cfg.target)
-        got = (config.head_dim, config.group, config.paged, config.target)
-        if got != wanted:
-            raise ValueError(f"config does not fit the call: it is for (head_dim, group, "
-                             f"paged, target) {got}, the call needs {wanted}")
-        cfg = config
+    caller's (``_check_config``) instead of the heuristic's."""
+    cfg = config
+    if cfg is None:
+        cfg = attention_kernel.choose_config(device_arch(device_index), head_dim, group, paged)
+    elif cfg.target != device_arch(device_index).target:
+        raise ValueError(f"config is for {cfg.target}, but cuda:{device_index} is "
+                         f"{device_arch(device_index).target}")
     launcher = jit.build(kernels.generate_attention(cfg)).launcher(
         device_index, programmatic=programmatic(pdl))
     return cfg, launcher
+
+
+def _check_config(config, head_dim: int, group: int, paged: bool) -> None:
+    """A ``config=`` must be a decode attention config for this call's head size, group
+    and cache (its target is checked against the device when it launches)."""
+    if not isinstance(config, attention_kernel.DecodeAttentionConfig):
+        raise TypeError(f"config must be a decode attention config (kernels."
+                        f"bf16_decode_attention.choose_config), got {type(config).__name__}")
+    got, wanted = (config.head_dim, config.group, config.paged), (head_dim, group, paged)
+    if got != wanted:
+        raise ValueError(f"config does not fit the call: it is for (head_dim, group, paged) "
+                         f"{got}, the call needs {wanted}")
 
 
 def split_tokens(cfg, sms: int, batch: int, kv_heads: int, capacity: int) -> int:
@@ -159,6 +164,8 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))
             or not math.isfinite(softmax_scale)):
         raise TypeError(f"softmax_scale must be a finite real number, got {softmax_scale!r}")
+    if config is not None:
+        _check_config(config, head_dim, heads // kv_heads, block_table is not None)
     if pdl is not None:
         require_pdl(pdl)
     require_cuda("q", q, device)
