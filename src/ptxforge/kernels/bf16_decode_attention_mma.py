@@ -231,40 +231,66 @@ def _fold(k, state, other_max, other_sum, other: list, scratch) -> None:
         k.fma(a, b, theirs, a)
 
 
+class _WarpMerge:
+    """Folds (max, sum, O) states of row g: another's registers into the state, and the
+    CTA's warps' through shared memory into warp 0's."""
+
+    def __init__(self, k, cfg, t):
+        self.k, self.t, self.chunks = k, t, _chunks(cfg)
+        self.other_max, self.other_sum = k.reg("f32", "o_max"), k.reg("f32", "o_sum")
+        self.other = k.regs("f32", 8 * self.chunks, "o_val")
+        self.scratch = k.regs("f32", 3, "merge")
+        self.warp0 = k.pred("warp0")
+        k.setp("eq", self.warp0, t.warp, 0)
+        self.record = 8 * self.chunks * 4 + 16           # a lane's O values, then (max, sum)
+        self.smem = k.shared("warps", WARPS * 32 * self.record)
+        self.at, self.ml_at = k.reg("u32", "smem_at"), k.reg("u32", "smem_ml_at")
+
+    def fold(self, state) -> None:
+        _fold(self.k, state, self.other_max, self.other_sum, self.other, self.scratch)
+
+    def load(self, space: str, acc, ml, offset: int = 0, **hints) -> None:
+        """Another state into the fold's registers: its O values from ``acc`` + ``offset``
+        (this lane's first dimension; chunks 128 bytes apart in global memory, 32 in a
+        shared record) and its (max, sum) from ``ml`` + ``offset``."""
+        k, other = self.k, self.other
+        stride = 4 * CHUNK if space == "global" else 32
+        for i in range(self.chunks):
+            k.ld(other[8 * i:8 * i + 4], addr(acc, offset + stride * i), space=space, **hints)
+            k.ld(other[8 * i + 4:8 * i + 8], addr(acc, offset + stride * i + 16), space=space,
+                 **hints)
+        k.ld([self.other_max, self.other_sum], addr(ml, offset), space=space, **hints)
+
+    def warps(self, state) -> None:
+        """Every thread arrives (a CTA barrier); warp 0 ends with the CTA's state."""
+        k, at, record, chunks = self.k, self.at, self.record, self.chunks
+        with k.stage("merge the warps: each lane writes, warp 0 folds the others in"):
+            k.mov(at, self.smem)
+            k.mad(at, self.t.tid, record, at, mode="lo")
+            k.add(self.ml_at, at, 32 * chunks)
+            for i, vals in enumerate(_values(state)):
+                k.st(addr(at, 32 * i), vals[:4], space="shared")
+                k.st(addr(at, 32 * i + 16), vals[4:], space="shared")
+            k.st(addr(self.ml_at), [state.max, state.sum], space="shared")
+            k.bar_sync(0)
+            with k.if_(self.warp0, "warps_merged", uniform=True):
+                for w in range(1, WARPS):
+                    self.load("shared", at, self.ml_at, w * 32 * record)
+                    self.fold(state)
+
+
 def _finish(k, cfg, p, t, state) -> None:
-    """The warps merged in shared memory into warp 0; then the CUDA-core kernel's ending:
-    out with one split, else the partial, the count, and the last split's merge."""
-    chunks = _chunks(cfg)
-    other_max, other_sum = k.reg("f32", "o_max"), k.reg("f32", "o_sum")
-    other = k.regs("f32", 8 * chunks, "o_val")
-    scratch = k.regs("f32", 3, "merge")
-    real, warp0 = k.pred("real_row"), k.pred("warp0")
+    """The warps merged into warp 0; then the CUDA-core kernel's ending: out with one
+    split, else the partial, the count, and the last split's merge (each warp folding
+    every fourth split, then the warps merged again)."""
+    real = k.pred("real_row")
     k.setp("lt", real, t.row, cfg.group)
-    k.setp("eq", warp0, t.warp, 0)
-    record = 8 * chunks * 4 + 16                     # a lane's O values, then (max, sum)
-    smem = k.shared("warps", WARPS * 32 * record)
-    at = k.reg("u32", "smem_at")
-    with k.stage("merge the warps: each lane writes, warp 0 folds the others in"):
-        k.mov(at, smem)
-        k.mad(at, t.tid, record, at, mode="lo")
-        for i, vals in enumerate(_values(state)):
-            k.st(addr(at, 32 * i), vals[:4], space="shared")
-            k.st(addr(at, 32 * i + 16), vals[4:], space="shared")
-        k.st(addr(at, 32 * chunks), [state.max, state.sum], space="shared")
-        k.bar_sync(0)
-        with k.if_(warp0, "warps_merged", uniform=True):
-            for w in range(1, WARPS):
-                offset = w * 32 * record
-                for i in range(chunks):
-                    k.ld(other[8 * i:8 * i + 4], addr(at, offset + 32 * i), space="shared")
-                    k.ld(other[8 * i + 4:8 * i + 8], addr(at, offset + 32 * i + 16),
-                         space="shared")
-                k.ld([other_max, other_sum], addr(at, offset + 32 * chunks), space="shared")
-                _fold(k, state, other_max, other_sum, other, scratch)
+    merge = _WarpMerge(k, cfg, t)
+    merge.warps(state)
     last = k.pred("writes_out")
     k.setp("eq", last, t.splits, 1)
     with k.if_(~last, "partial_done", uniform=True):
-        with k.if_(warp0, "partial_stored", uniform=True):
+        with k.if_(merge.warp0, "partial_stored", uniform=True):
             acc, ml = _partial_row(k, cfg, p, t, t.split, "mine_row")
             with k.guard(real):
                 for i, vals in enumerate(_values(state)):
@@ -274,21 +300,19 @@ def _finish(k, cfg, p, t, state) -> None:
         counter, thread0 = base.count_split(k, p, t, last)
         with k.if_(last, "merged", uniform=True):
             k.fence("acq_rel", "gpu")
-            with k.if_(warp0, "splits_merged", uniform=True):
+            with k.stage("the last split: every split's partial, a warp's share each"):
                 _fresh(k, state)
-                with k.loop(k.reg("u32", "merged_split"), t.splits, uniform=True,
-                            hint="splits") as s:
+                with k.loop(k.reg("u32", "merged_split"), t.splits, start=t.warp, step=WARPS,
+                            uniform=True, hint="splits") as s:
                     acc, ml = _partial_row(k, cfg, p, t, s, "split_row")
-                    for i in range(chunks):
-                        k.ld(other[8 * i:8 * i + 4], addr(acc, 4 * CHUNK * i), cache="cg")
-                        k.ld(other[8 * i + 4:8 * i + 8], addr(acc, 4 * CHUNK * i + 16),
-                             cache="cg")
-                    k.ld([other_max, other_sum], addr(ml), cache="cg")
-                    _fold(k, state, other_max, other_sum, other, scratch)
+                    # written by other CTAs during this kernel: through L2
+                    merge.load("global", acc, ml, cache="cg")
+                    merge.fold(state)
+            merge.warps(state)
             with k.guard(thread0):
                 k.st(addr(counter), 0, type="u32")
     with k.if_(last, "written", uniform=True):
-        with k.if_(warp0, "out_stored", uniform=True):
+        with k.if_(merge.warp0, "out_stored", uniform=True):
             _store_out(k, cfg, p, t, state, real)
 
 
