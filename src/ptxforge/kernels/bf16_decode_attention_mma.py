@@ -19,8 +19,10 @@ B of the second product with k = tokens: each b32 of a V vector is a lane's pair
 fragment. The output fragment of n-block (i, j) then holds, for head g, dimensions 32 i +
 8 t + 2 j + {0, 1}: lane (g, t) ends with its head's dimensions 32 i + 8 t .. + 8.
 
-The split across CTAs, the last split's merge and the counters are the CUDA-core
-kernel's (the same workspace layout); the CTA's warps merge through shared memory.
+The split across CTAs, the workspace layout and the counters are the CUDA-core kernel's
+(``count_split``); the CTA's warps merge through shared memory, after their tokens and
+again in the last split, where each warp folds every fourth split's partial. Head dims
+64 and 128: at 256 the K and V vectors and O's fragments outgrow the registers.
 """
 
 from __future__ import annotations
