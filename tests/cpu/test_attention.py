@@ -77,7 +77,8 @@ def test_a_config_must_fit_the_call():
         ptxforge.attention_with_kvcache(**_args(), config="mma")
     wrong = kernel.choose_config(sm90, 128, 4, tensor_cores=True)
     with pytest.raises(ValueError, match=r"config does not fit the call: it is for \(head_dim, "
-                       r"group, paged\) \(128, 4, False\), the call needs \(64, 4, False\)"):
+                       r"group, paged, cache dtype\) \(128, 4, False, 'bf16'\), the call "
+                       r"needs \(64, 4, False, 'bf16'\)"):
         ptxforge.attention_with_kvcache(**_args(), config=wrong)
     right = kernel.choose_config(sm90, 64, 4, tensor_cores=True)
     with pytest.raises(ValueError, match="q must be on a CUDA device"):   # past the check
@@ -87,3 +88,30 @@ def test_a_config_must_fit_the_call():
 def test_the_tensor_core_form_refuses_heads_it_would_spill():
     with pytest.raises(ValueError, match="takes head_dim up to 128, got 256"):
         kernel.choose_config(arch.get("sm_90a"), 256, 4, tensor_cores=True)
+
+
+def _e4m3_args(**changed):
+    args = _args(k_cache=torch.zeros(2, 32, 2, 64, dtype=torch.float8_e4m3fn),
+                 v_cache=torch.zeros(2, 32, 2, 64, dtype=torch.float8_e4m3fn),
+                 k_scale=torch.ones(2, 32, 2), v_scale=torch.ones(2, 32, 2))
+    return {**args, **changed}
+
+
+@pytest.mark.parametrize("args, message", [
+    (_e4m3_args(k_scale=None), "e4m3 caches need k_scale and v_scale"),
+    (_e4m3_args(v_scale=torch.ones(2, 16, 2)), r"v_scale must be f32 \[B, S_max, Hkv\]"),
+    (_e4m3_args(v_scale=torch.ones(2, 2, 32).transpose(1, 2)),
+     "k_scale and v_scale must have the same strides"),
+    (_e4m3_args(block_table=torch.zeros(2, 1, dtype=torch.int32)),
+     "e4m3 caches take contiguous caches"),
+    (_args(k_scale=torch.ones(2, 32, 2), v_scale=torch.ones(2, 32, 2)),
+     "k_scale and v_scale go with e4m3 caches"),
+])
+def test_an_e4m3_cache_and_its_scales_are_checked(args, message):
+    with pytest.raises(ValueError, match=message):
+        ptxforge.attention_with_kvcache(**args)
+
+
+def test_a_well_formed_e4m3_call_passes_the_checks_that_need_no_gpu():
+    with pytest.raises(ValueError, match="q must be on a CUDA device"):
+        ptxforge.attention_with_kvcache(**_e4m3_args())

@@ -42,30 +42,36 @@ def _reference(q, k, v, lengths, scale):
     return out
 
 
-def _run(cfg, q, k, v, lengths, split_tokens, table=None):
+def _run(cfg, q, k, v, lengths, split_tokens, table=None, scales=None):
     """The kernel on the simulator: out as floats [B, Hq, D], and the counters' bytes.
-    ``table``: a paged cache's block table (k and v then [blocks, page, Hkv, D])."""
+    ``table``: a paged cache's block table (k and v then [blocks, page, Hkv, D]).
+    ``scales``: an e4m3 cache's (k_scale, v_scale), f32 [B, S, Hkv]."""
     batch, heads, head_dim = q.shape
-    kv_heads = k.shape[2]
+    kv_heads, size = k.shape[2], k.itemsize
     capacity = k.shape[1] * (table.shape[1] if table is not None else 1)
     splits, pairs, group = -(-capacity // split_tokens), batch * kv_heads, heads // kv_heads
     memory = Memory()
     out = memory.alloc(2 * batch * heads * head_dim, fill=0xFF)   # poisoned: NaN bf16s
     counters = memory.alloc(4 * pairs)
     scale = head_dim ** -0.5
-    rows = 2 * k.shape[1] * kv_heads * head_dim         # a sequence's, or a page's, bytes
+    rows = size * k.shape[1] * kv_heads * head_dim      # a sequence's, or a page's, bytes
     args = dict(
         q=memory.put(q.tobytes()), q_batch_stride=2 * heads * head_dim,
         q_head_stride=2 * head_dim,
-        k=memory.put(k.tobytes()), k_batch_stride=rows, k_head_stride=2 * head_dim,
-        k_token_stride=2 * kv_heads * head_dim,
-        v=memory.put(v.tobytes()), v_batch_stride=rows, v_head_stride=2 * head_dim,
-        v_token_stride=2 * kv_heads * head_dim,
+        k=memory.put(k.tobytes()), k_batch_stride=rows, k_head_stride=size * head_dim,
+        k_token_stride=size * kv_heads * head_dim,
+        v=memory.put(v.tobytes()), v_batch_stride=rows, v_head_stride=size * head_dim,
+        v_token_stride=size * kv_heads * head_dim,
         seqlens=memory.put(np.array(lengths, dtype=np.int32).tobytes()), capacity=capacity,
         split_tokens=split_tokens,
         scale_log2=struct.unpack("<I", struct.pack("<f", scale * LOG2E))[0],
         out=out, partial=memory.alloc(4 * pairs * splits * group * head_dim, fill=0xFF),
         partial_ml=memory.alloc(8 * pairs * splits * group, fill=0xFF), counters=counters)
+    if scales is not None:
+        args.update(k_scale=memory.put(scales[0].astype(np.float32).tobytes()),
+                    v_scale=memory.put(scales[1].astype(np.float32).tobytes()),
+                    scale_batch_stride=4 * k.shape[1] * kv_heads, scale_head_stride=4,
+                    scale_token_stride=4 * kv_heads)
     if table is not None:
         args.update(block_table=memory.put(table.astype(np.int32).tobytes()),
                     block_table_stride=table.shape[1],
@@ -133,4 +139,38 @@ def test_a_paged_cache_gives_the_gathered_cache_s_result(page_size, pages, heads
                           head_dim ** -0.5)
     assert not np.isnan(got).any()
     np.testing.assert_allclose(got, expected, atol=4e-3, rtol=1e-2)
+    assert counters == bytes(len(counters))
+
+
+def _e4m3(x: np.ndarray):
+    """Per (token, head) scales (the row's amax / 448) and the e4m3 bytes of x / scale:
+    x [B, S, Hkv, D] -> (uint8 [B, S, Hkv, D], f32 scales [B, S, Hkv], the dequantized
+    values)."""
+    import torch
+
+    scales = np.maximum(np.abs(x).max(-1), 1e-12) / 448.0
+    q = torch.from_numpy((x / scales[..., None]).astype(np.float32)).to(torch.float8_e4m3fn)
+    return (q.view(torch.uint8).numpy(), scales.astype(np.float32),
+            q.float().numpy() * scales[..., None].astype(np.float32))
+
+
+@pytest.mark.parametrize("batch, capacity, heads, kv_heads, head_dim, lengths", [
+    (1, 150, 8, 2, 128, [150]), (2, 100, 4, 1, 64, [0, 77]), (1, 64, 8, 1, 128, [64])])
+def test_an_e4m3_cache_with_its_scales_matches_fp64_over_its_values(batch, capacity, heads,
+                                                                    kv_heads, head_dim,
+                                                                    lengths):
+    """The tensor-core form over an e4m3 cache: each (token, KV head)'s k and v scales on
+    the scores and on P, the mma in f16; against fp64 over the dequantized cache."""
+    pytest.importorskip("torch")
+    cfg = kernel.choose_config(arch.get("sm_90a"), head_dim, heads // kv_heads,
+                               tensor_cores=True, cache_dtype="e4m3")
+    rng = np.random.default_rng(2)
+    q = _bf16(rng.standard_normal((batch, heads, head_dim)))
+    k8, k_scale, k_values = _e4m3(rng.standard_normal((batch, capacity, kv_heads, head_dim)))
+    v8, v_scale, v_values = _e4m3(3 * rng.standard_normal((batch, capacity, kv_heads,
+                                                           head_dim)))
+    got, counters = _run(cfg, q, k8, v8, lengths, 64, scales=(k_scale, v_scale))
+    expected = _reference(_f32(q), k_values, v_values, lengths, head_dim ** -0.5)
+    assert not np.isnan(got).any()
+    np.testing.assert_allclose(got, expected, atol=1e-2, rtol=1e-2)
     assert counters == bytes(len(counters))

@@ -148,3 +148,27 @@ def test_a_paged_cache_gives_the_contiguous_cache_s_bits(page_size, math):
     assert torch.equal(paged, ptxforge.attention_with_kvcache(q, *gathered, lengths,
                                                               config=configs[1]))
     check(paged, reference(q, *gathered, lengths))
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(32, 8), (64, 8), (8, 8)])
+def test_an_e4m3_cache_matches_fp64_over_its_dequantized_values(heads, kv_heads):
+    """e4m3 caches with each (token, KV head)'s scale (quantized as the row's amax / 448),
+    against the fp64 attention over the dequantized cache."""
+    batch, capacity, head_dim = 3, 2000, 128
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(batch, 1, heads, head_dim, device="cuda", generator=g).bfloat16()
+    caches, scales, values = [], [], []
+    for spread in (1.0, 3.0):
+        x = spread * torch.randn(batch, capacity, kv_heads, head_dim, device="cuda", generator=g)
+        scale = x.abs().amax(-1).clamp_min(1e-12) / 448
+        q8 = (x / scale[..., None]).to(torch.float8_e4m3fn)
+        caches.append(q8)
+        scales.append(scale)
+        values.append(q8.float() * scale[..., None])
+    lengths = torch.tensor([2000, 1, 777], dtype=torch.int32, device="cuda")
+    out = ptxforge.attention_with_kvcache(q, *caches, lengths, k_scale=scales[0],
+                                          v_scale=scales[1])
+    ref = reference(q, *values, lengths)
+    assert not out.isnan().any()
+    err = (out.double() - ref).abs().max().item()
+    assert err <= 1e-2 + 1e-2 * ref.abs().max().item(), err

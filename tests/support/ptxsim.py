@@ -1,13 +1,14 @@
-"""A small PTX interpreter, to run the communication kernels on the CPU in tests.
+"""A small PTX interpreter, to run the communication and attention kernels on the CPU in
+tests.
 
 It runs the builder's PTX for the instruction subset the EP kernels and the decode
 attention use (integer and predicate arithmetic, f32 adds, differences, products, fmas,
-maxima, comparisons, reciprocals and ex2, bf16 packing, e4m3 conversion, loads and stores
-of the global, shared and param spaces, reductions and atomic adds, ballots, shuffles,
-named barriers, branches, trap; prefetches do nothing), one Python object a thread, over
-grids of up to three dimensions. Several launches (one a simulated rank) run interleaved over one flat
-global memory, so a kernel's loads and stores reach its peers' buffers as they would
-through CUDA IPC.
+maxima, comparisons, reciprocals and ex2, bf16 and f16 packing, e4m3 conversions, loads and
+stores of the global, shared and param spaces, reductions and atomic adds, ballots,
+shuffles, mma.sync m16n8k16 and movmatrix, named barriers, branches, trap; prefetches do
+nothing), one Python object a thread, over grids of up to three dimensions. Several
+launches (one a simulated rank) run interleaved over one flat global memory, so a
+kernel's loads and stores reach its peers' buffers as they would through CUDA IPC.
 
 What it is not: a model of the GPU's memory ordering. Memory is sequentially consistent
 (every access lands at once, in the order the scheduler runs the threads), so it checks
@@ -115,6 +116,19 @@ def _e4m3_values() -> np.ndarray:
 
 
 _E4M3 = _e4m3_values()
+
+
+def _e4m3_value(code: int) -> float:
+    """An e4m3 byte's value (0x7F and 0xFF: NaN)."""
+    code &= 0xFF
+    if code & 0x7F == 0x7F:
+        return float("nan")
+    return float(-_E4M3[code & 0x7F] if code & 0x80 else _E4M3[code & 0x7F])
+
+
+def _f16_bits(value: float) -> int:
+    """f16, rounded to nearest even: its bits."""
+    return int(np.array(value, np.float32).astype(np.float16).view(np.uint16))
 
 
 def _e4m3_rn_satfinite(bits: int) -> int:
@@ -297,6 +311,14 @@ class Kernel:
             if q[-2] == "bf16x2":
                 hi, lo = value(ops[1]), value(ops[2])
                 return _assign(ops[0], lambda th: (_bf16_rn(hi(th)) << 16) | _bf16_rn(lo(th)))
+            if q[-2] == "f16x2" and q[-1] == "e4m3x2":   # the upper byte to the upper half
+                a = value(ops[1])
+                return _assign(ops[0], lambda th: _f16_bits(_e4m3_value(a(th) >> 8)) << 16
+                               | _f16_bits(_e4m3_value(a(th) & 0xFF)))
+            if q[-2] == "f16x2":
+                hi, lo = value(ops[1]), value(ops[2])
+                return _assign(ops[0], lambda th: _f16_bits(float(_f32(hi(th)))) << 16
+                               | _f16_bits(float(_f32(lo(th)))))
             a, out = value(ops[1]), (1 << (8 * _WIDTH[q[-2]])) - 1
             return _assign(ops[0], lambda th: a(th) & out)
         if kind in ("ld", "st", "red", "atom"):

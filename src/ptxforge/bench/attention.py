@@ -16,10 +16,11 @@ import torch
 from . import format_table
 from .ops import Timer, copy_of
 
-# batch, cache tokens, query heads, KV heads (head dim 128), page size (0: contiguous)
+# batch, cache tokens, query heads, KV heads (head dim 128), page size (0: contiguous; -1:
+# an e4m3 cache with its scales, the tensor-core form, beside SDPA on the bf16 cache)
 SHAPES = ((1, 512, 32, 8, 0), (1, 8192, 32, 8, 0), (8, 2048, 32, 8, 0), (256, 512, 32, 8, 0),
           (1, 131072, 32, 8, 0), (32, 4096, 32, 8, 0), (32, 4096, 32, 8, 64),
-          (32, 4096, 64, 8, 0), (32, 4096, 32, 32, 0))
+          (32, 4096, 32, 8, -1), (32, 4096, 64, 8, 0), (32, 4096, 32, 32, 0))
 HEAD_DIM = 128
 HBM_PEAK_TBS = 4.8
 L2_BYTES = 50 << 20
@@ -41,7 +42,16 @@ def attention_suite(shapes=SHAPES, timer: Timer | None = None) -> dict:
         v = torch.randn_like(k)
         lengths = torch.full((batch,), capacity, dtype=torch.int32, device="cuda")
         nbytes = 2 * k.numel() * k.element_size()
-        if page:   # the same cache in pages of a shuffled pool ([blocks, page, Hkv, D])
+        if page < 0:   # e4m3 with a scale a (token, head); the bytes read are half
+            fp8 = []
+            for cache in (k, v):
+                rows = cache.transpose(1, 2)
+                scale = rows.float().abs().amax(-1).clamp_min(1e-12) / 448
+                fp8 += [(rows.float() / scale[..., None]).to(torch.float8_e4m3fn), scale]
+            nbytes //= 2
+            ours = lambda: ptxforge.attention_with_kvcache(q, fp8[0], fp8[2], lengths,
+                                                            k_scale=fp8[1], v_scale=fp8[3])
+        elif page:   # the same cache in pages of a shuffled pool ([blocks, page, Hkv, D])
             pages = capacity // page
             order = torch.randperm(batch * pages, device="cuda")
             pool = [c.transpose(1, 2).reshape(batch * pages, page, kv_heads, HEAD_DIM)[
@@ -58,8 +68,11 @@ def attention_suite(shapes=SHAPES, timer: Timer | None = None) -> dict:
         from ..ops.common import device_arch
 
         mma = kernel.choose_config(device_arch(torch.cuda.current_device()), HEAD_DIM,
-                                   heads // kv_heads, bool(page), tensor_cores=True)
-        if page:
+                                   heads // kv_heads, page > 0, tensor_cores=True,
+                                   cache_dtype="e4m3" if page < 0 else "bf16")
+        if page < 0:
+            ours_mma = ours       # the e4m3 cache takes the tensor-core form only
+        elif page:
             ours_mma = lambda: ptxforge.attention_with_kvcache(q, *pool, lengths,
                                                                 block_table=table, config=mma)
         else:
@@ -94,7 +107,7 @@ def attention_table(result: dict) -> str:
     rows = []
     for r in result["rows"]:
         shape = f"{r['batch']} x {r['capacity']}, {r['heads']}/{r['kv_heads']}" + (
-            f", pages of {r['page']}" if r["page"] else "")
+            ", e4m3" if r["page"] < 0 else f", pages of {r['page']}" if r["page"] else "")
         rows.append([shape + (" (L2)" if r["l2_resident"] else ""),
                      f"{r['bytes'] / 1e6:.1f}", rate(r, r["ptxforge_us"]),
                      f"{r['bytes'] / r['ptxforge_us'] / 1e6 / HBM_PEAK_TBS:.0%}",
@@ -106,7 +119,8 @@ def attention_table(result: dict) -> str:
              f"{result['head_dim']}; us (TB/s of K and V read), kernel time from the profiler "
              f"with the L2 flushed, median; 'of peak': of {HBM_PEAK_TBS} TB/s; read: torch.sum "
              f"over the same bytes; copy: a copy of twice the bytes, its time halved; (L2): "
-             f"the cache fits the L2")
+             f"the cache fits the L2; e4m3: the bytes are the e4m3 cache's (SDPA, read and "
+             f"copy: the bf16 cache, twice them)")
     return title + "\n" + format_table(
         ["B x S, Hq/Hkv", "MB", "ptxforge", "of peak", "ptxforge mma", "SDPA cuDNN", "SDPA flash",
          "SDPA efficient", "read", "copy", "max |diff| vs cuDNN"], rows)

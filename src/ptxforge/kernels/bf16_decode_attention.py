@@ -77,12 +77,19 @@ class DecodeAttentionConfig:
     target: str
     paged: bool = False        # the caches in pages that a block table names (vLLM's layout)
     tensor_cores: bool = False  # mma.sync (bf16_decode_attention_mma.py)
+    cache_dtype: str = "bf16"   # or e4m3, with per-token-and-head f32 scales (tensor cores)
 
     @property
     def name(self) -> str:
         return (f"bf16_decode_attention_d{self.head_dim}_g{self.group}"
                 + ("_mma" if self.tensor_cores else f"_t{self.tokens_per_thread}")
-                + ("_paged" if self.paged else ""))
+                + ("_paged" if self.paged else "")
+                + ("_e4m3" if self.cache_dtype == "e4m3" else ""))
+
+    @property
+    def element_bytes(self) -> int:
+        """Bytes of one cached value."""
+        return 1 if self.cache_dtype == "e4m3" else 2
 
     @property
     def lanes(self) -> int:
@@ -135,7 +142,7 @@ def check_problem(head_dim: int, group: int) -> None:
 
 
 def choose_config(arch: Arch, head_dim: int, group: int, paged: bool = False,
-                  tensor_cores: bool = False) -> DecodeAttentionConfig:
+                  tensor_cores: bool = False, cache_dtype: str = "bf16") -> DecodeAttentionConfig:
     """Four tokens a thread a step (eight k and v loads in flight); two above four query
     heads a KV head, where the queries and accumulators take the registers."""
     check_problem(head_dim, group)
@@ -143,8 +150,12 @@ def choose_config(arch: Arch, head_dim: int, group: int, paged: bool = False,
     if tensor_cores and head_dim > MMA_HEAD_DIM:
         raise ValueError(f"the tensor-core decode attention takes head_dim up to "
                          f"{MMA_HEAD_DIM}, got {head_dim}")
+    if cache_dtype not in ("bf16", "e4m3"):
+        raise ValueError(f"cache_dtype must be bf16 or e4m3, got {cache_dtype!r}")
+    if cache_dtype == "e4m3" and (paged or not tensor_cores):
+        raise ValueError("an e4m3 cache takes the tensor-core form and a contiguous cache")
     return DecodeAttentionConfig(head_dim, group, 2 if group > 4 else 4, arch.target, paged,
-                                 tensor_cores)
+                                 tensor_cores, cache_dtype)
 
 
 def generate(cfg: DecodeAttentionConfig) -> KernelBuilder:
@@ -192,6 +203,12 @@ class _Params:
             self.block_table_stride = k.param("block_table_stride", "u32")  # elements
             self.page_shift = k.param("page_shift", "u32")
             self.num_blocks = k.param("num_blocks", "u32")
+        # e4m3: each (token, KV head)'s f32 scales of k and v, strides in bytes.
+        if cfg.cache_dtype == "e4m3":
+            self.k_scale, self.v_scale = k.param("k_scale", "u64"), k.param("v_scale", "u64")
+            self.scale_batch_stride = k.param("scale_batch_stride", "u64")
+            self.scale_head_stride = k.param("scale_head_stride", "u64")
+            self.scale_token_stride = k.param("scale_token_stride", "u32")
         self.seqlens = k.param("seqlens", "u64")           # int32 [B]
         self.capacity = k.param("capacity", "u32")         # S_max: no token at or past it is read
         self.split_tokens = k.param("split_tokens", "u32")  # a multiple of tokens_per_step
@@ -235,22 +252,33 @@ def _pointers(k, cfg, p, t) -> SimpleNamespace:
         wide = k.reg("u64", "wide")
         stride = k.reg("u64", "stride")
 
-        def at(name, base, *terms):
+        def at(name, base, *terms, vector_bytes=VECTOR_BYTES):
             r = k.reg("u64", name)
             k.ld_param(r, base)
             for index, param in terms:
                 k.cvt(wide, index, dtype="u64")
                 k.ld_param(stride, param)
                 k.mad(r, wide, stride, r, mode="lo", type="u64")
-            k.mad(r, t.vector, VECTOR_BYTES, r, mode="wide")
+            if vector_bytes:
+                k.mad(r, t.vector, vector_bytes, r, mode="wide")
             return r
+
+        row_vector = VECTOR * cfg.element_bytes   # a vector of the cache's row
 
         # Contiguous: the sequence's rows; paged: the KV head's in page 0, each token's
         # page added in the token loop.
         sequence = () if cfg.paged else ((t.seq, p.k_batch_stride),)
-        ptrs.k = at("k_ptr", p.k, *sequence, (t.kv_head, p.k_head_stride))
+        ptrs.k = at("k_ptr", p.k, *sequence, (t.kv_head, p.k_head_stride),
+                    vector_bytes=row_vector)
         sequence = () if cfg.paged else ((t.seq, p.v_batch_stride),)
-        ptrs.v = at("v_ptr", p.v, *sequence, (t.kv_head, p.v_head_stride))
+        ptrs.v = at("v_ptr", p.v, *sequence, (t.kv_head, p.v_head_stride),
+                    vector_bytes=row_vector)
+        if cfg.cache_dtype == "e4m3":
+            terms = ((t.seq, p.scale_batch_stride), (t.kv_head, p.scale_head_stride))
+            ptrs.k_scale = at("k_scale_ptr", p.k_scale, *terms, vector_bytes=0)
+            ptrs.v_scale = at("v_scale_ptr", p.v_scale, *terms, vector_bytes=0)
+            ptrs.scale_token = k.reg("u32", "scale_token_bytes")
+            k.ld_param(ptrs.scale_token, p.scale_token_stride)
         if cfg.paged:
             _page_pointers(k, p, t, ptrs, stride)
         first_head = k.reg("u32", "first_head")
@@ -351,7 +379,8 @@ def _token_loop(k, cfg, t, ptrs, q, state) -> None:
     at = k.reg("u64", "row_at")
     scores = [k.regs("f32", cfg.group, f"s{j}_") for j in range(n)]
     unpacked = k.regs("f32", VECTOR, "x")
-    step_max, fresh, scale = k.reg("f32", "step_max"), k.reg("f32", "fresh"), k.reg("f32", "rescale")
+    step_max, fresh = k.reg("f32", "step_max"), k.reg("f32", "fresh")
+    scale = k.reg("f32", "rescale")
     prob = k.reg("f32", "p")
     heads = _lane_heads(k, cfg, t)
     pad, sends = k.reg("f32", "zero_score"), k.regs("f32", 3, "scatter")

@@ -69,6 +69,12 @@ def _chunks(cfg) -> int:
     return cfg.head_dim // CHUNK
 
 
+def _operands(cfg) -> str:
+    """The mma's operand type: bf16 over a bf16 cache; f16 over an e4m3 one (the cache's
+    values convert to f16 pairs in one instruction, and Q and P follow)."""
+    return "f16" if cfg.cache_dtype == "e4m3" else "bf16"
+
+
 def _query_fragments(k, cfg, p, ptrs, t) -> list:
     """Per k-step, the A fragment's a0 and a2 (row g: head g, zero past the group) as
     bf16 pairs of q times scale * log2(e); a1 and a3 (rows g + 8) are zero."""
@@ -91,8 +97,9 @@ def _query_fragments(k, cfg, p, ptrs, t) -> list:
                 k.mul(value, value, scale)
             for half in range(2):       # k-step 2i + half: dimensions 4 half + {0, 1}, {2, 3}
                 a0, a2 = k.reg("b32", f"qa{i}_{half}_0"), k.reg("b32", f"qa{i}_{half}_2")
-                k.cvt(a0, f32[4 * half + 1], f32[4 * half], dtype="bf16x2", rnd="rn")
-                k.cvt(a2, f32[4 * half + 3], f32[4 * half + 2], dtype="bf16x2", rnd="rn")
+                pair = _operands(cfg) + "x2"
+                k.cvt(a0, f32[4 * half + 1], f32[4 * half], dtype=pair, rnd="rn")
+                k.cvt(a2, f32[4 * half + 3], f32[4 * half + 2], dtype=pair, rnd="rn")
                 steps.append((a0, a2))
     return steps
 
@@ -124,8 +131,10 @@ def _tiles(k, cfg, t, ptrs, q, state) -> None:
     k.mov(zero, 0)
     token, valid = k.regs("u32", 2, "token"), [k.pred("valid_lo"), k.pred("valid_hi")]
     later, next_valid = k.reg("u32", "later"), [k.pred("next_lo"), k.pred("next_hi")]
-    keys = [[k.regs("b32", 4, f"k{h}_{i}_") for i in range(chunks)] for h in range(2)]
-    values = [[k.regs("b32", 4, f"v{h}_{i}_") for i in range(chunks)] for h in range(2)]
+    words = 4 if cfg.element_bytes == 2 else 2        # b32 words of a lane's 8 values
+    keys = [[k.regs("b32", words, f"k{h}_{i}_") for i in range(chunks)] for h in range(2)]
+    values = [[k.regs("b32", words, f"v{h}_{i}_") for i in range(chunks)] for h in range(2)]
+    pairs = _Pairs(k, cfg)
     at = k.reg("u64", "row_at")
     page, next_page = ((k.reg("u32", "page"), k.reg("u32", "next_page")) if cfg.paged
                        else (None, None))
@@ -134,6 +143,9 @@ def _tiles(k, cfg, t, ptrs, q, state) -> None:
     b0, b1 = k.reg("b32", "vb0"), k.reg("b32", "vb1")
     top, other, corr = k.reg("f32", "tile_max"), k.reg("f32", "quad"), k.reg("f32", "rescale")
     column, masked = k.reg("u32", "column"), k.pred("masked")
+    scale = k.reg("f32", "k_scale")
+    v_scales = ([k.regs("f32", 2, f"v_scale{h}_") for h in range(2)]
+                if cfg.cache_dtype == "e4m3" else None)
     first = k.reg("u32", "tile_first")
     k.mad(first, t.warp, TILE, ptrs.start, mode="lo")
     with k.loop(k.reg("u32", "tile_base"), ptrs.end, start=ptrs.start, step=WARPS * TILE,
@@ -155,7 +167,7 @@ def _tiles(k, cfg, t, ptrs, q, state) -> None:
                         for word in vec:
                             k.mov(word, 0)
                         with k.guard(valid[h]):
-                            k.ld(vec, addr(at, i * CHUNK * 2), nc=True,
+                            k.ld(vec, addr(at, i * CHUNK * cfg.element_bytes), nc=True,
                                  eviction="L1::no_allocate")
                     base._row_at(k, cfg, ptrs, at, later, next_page, which)
                     with k.guard(next_valid[h]):
@@ -165,10 +177,11 @@ def _tiles(k, cfg, t, ptrs, q, state) -> None:
                 for s in scores[h]:
                     k.mov(s, 0.0)
                 for i in range(chunks):
+                    key = pairs.of(keys[h][i])
                     for half in range(2):
                         a0, a2 = q[2 * i + half]
-                        k.mma_sync(scores[h], [a0, zero, a2, zero],
-                                   keys[h][i][2 * half:2 * half + 2], scores[h])
+                        k.mma_sync(scores[h], [a0, zero, a2, zero], key[2 * half:2 * half + 2],
+                                   scores[h], ab_type=_operands(cfg))
         with k.stage("online softmax of row g: tokens past the end -inf, the tile's max "
                      "over the quad, one rescale, p = ex2(s - max)"):
             for h in range(2):
@@ -176,6 +189,10 @@ def _tiles(k, cfg, t, ptrs, q, state) -> None:
                     k.mad(column, t.vector, 2, first, mode="lo")
                     k.add(column, column, 8 * h + c)
                     k.setp("ge", masked, column, ptrs.end)
+                    if cfg.cache_dtype == "e4m3":   # the token's k scale; its v scale for P
+                        _token_scale(k, ptrs.k_scale, ptrs, column, masked, scale)
+                        k.mul(scores[h][c], scores[h][c], scale)
+                        _token_scale(k, ptrs.v_scale, ptrs, column, masked, v_scales[h][c])
                     k.selp(scores[h][c], base.NO_SCORE, scores[h][c], masked)
             k.max(top, scores[0][0], scores[0][1])
             k.max(top, top, scores[1][0])
@@ -193,23 +210,63 @@ def _tiles(k, cfg, t, ptrs, q, state) -> None:
                     k.sub(scores[h][c], scores[h][c], top)
                     k.ex2(scores[h][c], scores[h][c], ftz=True)
                     k.add(state.sum, state.sum, scores[h][c])
-                k.cvt(probs[h], scores[h][1], scores[h][0], dtype="bf16x2", rnd="rn")
+                    if cfg.cache_dtype == "e4m3":   # P x the v scales: V's e4m3 as it is
+                        k.mul(scores[h][c], scores[h][c], v_scales[h][c])
+                k.cvt(probs[h], scores[h][1], scores[h][0], dtype=_operands(cfg) + "x2",
+                      rnd="rn")
             for chunk in state.out:
                 for frag in chunk:
                     k.mul(frag[0], frag[0], corr)
                     k.mul(frag[1], frag[1], corr)
         with k.stage("O += P V: V's pairs transposed (movmatrix) into B fragments"):
             for i in range(chunks):
+                lo, hi = pairs.of(values[0][i]), pairs.of(values[1][i], second=True)
                 for j in range(4):
-                    k.movmatrix(b0, values[0][i][j])
-                    k.movmatrix(b1, values[1][i][j])
+                    k.movmatrix(b0, lo[j])
+                    k.movmatrix(b1, hi[j])
                     frag = state.out[i][j]
-                    k.mma_sync(frag, [probs[0], zero, probs[1], zero], [b0, b1], frag)
+                    k.mma_sync(frag, [probs[0], zero, probs[1], zero], [b0, b1], frag,
+                               ab_type=_operands(cfg))
         k.add(first, first, WARPS * TILE)
     with k.stage("row g's sum over its quad"):
         for mask in (1, 2):
             k.shfl_sync(other, state.sum, mask, mode="bfly")
             k.add(state.sum, state.sum, other)
+
+
+class _Pairs:
+    """A lane's 8 values of a cache row as four b32 words of two 16-bit values (the mma's
+    operand pairs): bf16 words as loaded; e4m3 bytes converted to f16 pairs."""
+
+    def __init__(self, k, cfg):
+        self.k, self.e4m3 = k, cfg.cache_dtype == "e4m3"
+        if self.e4m3:
+            self.words = [k.regs("b32", 4, "f16_pairs"), k.regs("b32", 4, "f16_pairs_hi")]
+            self.half = k.reg("b16", "e4m3_pair")
+            self.shifted = k.reg("b32", "e4m3_upper")
+
+    def of(self, loaded: list, second: bool = False) -> list:
+        """``loaded``'s four words of pairs (``second``: into the other set of registers,
+        for two vectors in use at once)."""
+        if not self.e4m3:
+            return loaded
+        k, out = self.k, self.words[second]
+        for w, word in enumerate(loaded):
+            k.cvt(self.half, word, dtype="u16", stype="u32")
+            k.cvt(out[2 * w], self.half, dtype="f16x2", stype="e4m3x2", rnd="rn")
+            k.shr(self.shifted, word, 16, type="b32")
+            k.cvt(self.half, self.shifted, dtype="u16", stype="u32")
+            k.cvt(out[2 * w + 1], self.half, dtype="f16x2", stype="e4m3x2", rnd="rn")
+        return out
+
+
+def _token_scale(k, base_ptr, ptrs, token, masked, into) -> None:
+    """The (token, KV head)'s f32 scale from the row at ``base_ptr``; 0 past the length."""
+    at = k.reg("u64", "scale_at")
+    k.mad(at, token, ptrs.scale_token, base_ptr, mode="wide")
+    k.mov(into, 0.0)
+    with k.guard(~masked):
+        k.ld(into, addr(at), nc=True)
 
 
 def _values(state) -> list:
@@ -337,7 +394,8 @@ def _partial_row(k, cfg, p, t, split, name: str):
 def _store_out(k, cfg, p, t, state, real) -> None:
     with k.stage("out: O / sum for head g (zeros for no tokens), rounded to bf16 once"):
         out, inv, positive = k.reg("u64", "out_at"), k.reg("f32", "inv_sum"), k.pred("any_token")
-        row, scaled, packed = k.reg("u32", "out_row"), k.regs("f32", 2, "o"), k.regs("b32", 4, "out")
+        row, scaled = k.reg("u32", "out_row"), k.regs("f32", 2, "o")
+        packed = k.regs("b32", 4, "out")
         k.mad(row, t.pair, cfg.group, t.row, mode="lo")
         k.ld_param(out, p.out)
         k.mad(out, row, cfg.head_dim * 2, out, mode="wide")

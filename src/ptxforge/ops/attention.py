@@ -27,12 +27,14 @@ MAX_SPLITS = 64      # the last split merges them all, its token slots sharing t
 
 @functools.lru_cache(maxsize=None)
 def _kernel(device_index: int, head_dim: int, group: int, pdl: bool | None,
-            paged: bool = False, config=None):
+            paged: bool = False, config=None, cache_dtype: str = "bf16"):
     """(config, launcher) for one device and variant; ``pdl``: the call's; ``config``: the
     caller's (``_check_config``) instead of the heuristic's."""
     cfg = config
     if cfg is None:
-        cfg = attention_kernel.choose_config(device_arch(device_index), head_dim, group, paged)
+        cfg = attention_kernel.choose_config(device_arch(device_index), head_dim, group, paged,
+                                             tensor_cores=cache_dtype == "e4m3",
+                                             cache_dtype=cache_dtype)
     elif cfg.target != device_arch(device_index).target:
         raise ValueError(f"config is for {cfg.target}, but cuda:{device_index} is "
                          f"{device_arch(device_index).target}")
@@ -41,16 +43,17 @@ def _kernel(device_index: int, head_dim: int, group: int, pdl: bool | None,
     return cfg, launcher
 
 
-def _check_config(config, head_dim: int, group: int, paged: bool) -> None:
+def _check_config(config, head_dim: int, group: int, paged: bool, cache_dtype: str) -> None:
     """A ``config=`` must be a decode attention config for this call's head size, group
     and cache (its target is checked against the device when it launches)."""
     if not isinstance(config, attention_kernel.DecodeAttentionConfig):
         raise TypeError(f"config must be a decode attention config (kernels."
                         f"bf16_decode_attention.choose_config), got {type(config).__name__}")
-    got, wanted = (config.head_dim, config.group, config.paged), (head_dim, group, paged)
+    got = (config.head_dim, config.group, config.paged, config.cache_dtype)
+    wanted = (head_dim, group, paged, cache_dtype)
     if got != wanted:
-        raise ValueError(f"config does not fit the call: it is for (head_dim, group, paged) "
-                         f"{got}, the call needs {wanted}")
+        raise ValueError(f"config does not fit the call: it is for (head_dim, group, paged, "
+                         f"cache dtype) {got}, the call needs {wanted}")
 
 
 def split_tokens(cfg, sms: int, batch: int, kv_heads: int, capacity: int) -> int:
@@ -88,6 +91,8 @@ def _counters_for(device_index: int, pairs: int) -> torch.Tensor:
 def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            cache_seqlens: torch.Tensor, *,
                            block_table: torch.Tensor | None = None,
+                           k_scale: torch.Tensor | None = None,
+                           v_scale: torch.Tensor | None = None,
                            softmax_scale: float | None = None, config=None,
                            pdl: bool | None = None) -> torch.Tensor:
     """Attention of one new token a sequence over its cached keys and values, as
@@ -110,6 +115,10 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     sequence b in page block_table[b, t // page_size] at row t % page_size; page_size a
     power of two; S_max = pages x page_size. A page index outside [0, num_blocks) reads
     the last page (never outside the pool; the table is on the GPU, unchecked here).
+    k_scale, v_scale: with e4m3 caches (torch.float8_e4m3fn, contiguous caches, D up to
+    128), each (token, KV head)'s f32 scale, [B, S_max, Hkv] (the strides free, the same
+    for both): the cached k is k_cache * k_scale, v likewise. The scores and the weights
+    take them; the tensor cores read the e4m3 values as f16 pairs (Q and P in f16).
     softmax_scale: by default D ** -0.5. config: a kernel config instead of the default
     (``kernels.bf16_decode_attention.choose_config(arch, D, Hq // Hkv, paged,
     tensor_cores=True)``: the mma.sync form), checked against the call. ``pdl``: as
@@ -120,16 +129,18 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """
     if torch.compiler.is_dynamo_compiling():
         return traced("attention_with_kvcache", q, k_cache, v_cache, cache_seqlens,
-                      block_table=block_table, softmax_scale=softmax_scale, pdl=pdl,
-                      config=config)
+                      block_table=block_table, k_scale=k_scale, v_scale=v_scale,
+                      softmax_scale=softmax_scale, pdl=pdl, config=config)
     (batch, q_len, heads, head_dim), q_strides, q_ptr, device = inspect(
         "q", q, torch.bfloat16, 4)
     if q_len != 1:
         raise ValueError(f"q must hold one token a sequence ([B, 1, Hq, D]), got shape "
                          f"{tuple(q.shape)}")
+    e4m3 = isinstance(k_cache, torch.Tensor) and k_cache.dtype is torch.float8_e4m3fn
+    cache_dtype = torch.float8_e4m3fn if e4m3 else torch.bfloat16
     caches = []
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        shape, strides, ptr, _ = inspect(name, cache, torch.bfloat16, 4, device=device)
+        shape, strides, ptr, _ = inspect(name, cache, cache_dtype, 4, device=device)
         if block_table is not None and shape[3] != head_dim:
             raise ValueError(f"{name} must be [num_blocks, page_size, Hkv, D] with q's D = "
                              f"{head_dim}, got shape {tuple(shape)}")
@@ -156,16 +167,19 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if tuple(lengths_shape) != (batch,) or cache_seqlens.stride(0) != 1:
         raise ValueError(f"cache_seqlens must be a contiguous int32 [B] with B = {batch}, got "
                          f"shape {tuple(lengths_shape)}")
-    paging = {}
+    paging, scaling = {}, {}
     if block_table is not None:
         capacity, paging = _pages(block_table, caches[0], batch, device)
+    if e4m3 or k_scale is not None or v_scale is not None:
+        scaling = _scales(k_scale, v_scale, e4m3, caches[0][0], head_dim, block_table, device)
     if softmax_scale is None:
         softmax_scale = head_dim ** -0.5
     if (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))
             or not math.isfinite(softmax_scale)):
         raise TypeError(f"softmax_scale must be a finite real number, got {softmax_scale!r}")
     if config is not None:
-        _check_config(config, head_dim, heads // kv_heads, block_table is not None)
+        _check_config(config, head_dim, heads // kv_heads, block_table is not None,
+                      "e4m3" if e4m3 else "bf16")
     if pdl is not None:
         require_pdl(pdl)
     require_cuda("q", q, device)
@@ -173,7 +187,8 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if batch == 0 or heads == 0:
         return out
     group = heads // kv_heads
-    cfg, launcher = _kernel(device, head_dim, group, pdl, bool(paging), config)
+    cfg, launcher = _kernel(device, head_dim, group, pdl, bool(paging), config,
+                            "e4m3" if e4m3 else "bf16")
     tokens = split_tokens(cfg, device_arch(device).sm_count, batch, kv_heads, max(capacity, 1))
     splits = max(1, _ceil_div(capacity, tokens))
     pairs = batch * kv_heads
@@ -182,16 +197,48 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     partial_ml = torch.empty(pairs * splits * group * 2 if splits > 1 else 1,
                              dtype=torch.float32, device=q.device)
     (k_shape, k_strides, k_ptr), (_, v_strides, v_ptr) = caches
+    size = 1 if e4m3 else 2      # bytes a cached value
     launcher((splits, kv_heads, batch), current_stream(device),
              q=q_ptr, q_batch_stride=2 * q_strides[0], q_head_stride=2 * q_strides[2],
-             k=k_ptr, k_batch_stride=2 * k_strides[0], k_head_stride=2 * k_strides[2],
-             k_token_stride=2 * k_strides[1],
-             v=v_ptr, v_batch_stride=2 * v_strides[0], v_head_stride=2 * v_strides[2],
-             v_token_stride=2 * v_strides[1],
-             seqlens=lengths_ptr, capacity=capacity, split_tokens=tokens, scale_log2=float(softmax_scale) * LOG2E,
+             k=k_ptr, k_batch_stride=size * k_strides[0], k_head_stride=size * k_strides[2],
+             k_token_stride=size * k_strides[1],
+             v=v_ptr, v_batch_stride=size * v_strides[0], v_head_stride=size * v_strides[2],
+             v_token_stride=size * v_strides[1],
+             seqlens=lengths_ptr, capacity=capacity, split_tokens=tokens,
+             scale_log2=float(softmax_scale) * LOG2E,
              out=out.data_ptr(), partial=partial.data_ptr(), partial_ml=partial_ml.data_ptr(),
-             counters=_counters_for(device, pairs).data_ptr(), **paging)
+             counters=_counters_for(device, pairs).data_ptr(), **paging, **scaling)
     return out
+
+
+def _scales(k_scale, v_scale, e4m3: bool, cache_shape, head_dim: int, block_table,
+            device: int) -> dict:
+    """Check an e4m3 cache's scales (and that only an e4m3 cache has them): the kernel's
+    scale arguments by parameter name."""
+    if not e4m3:
+        raise ValueError("k_scale and v_scale go with e4m3 caches (torch.float8_e4m3fn); "
+                         "the caches are bf16")
+    if k_scale is None or v_scale is None:
+        raise ValueError("e4m3 caches need k_scale and v_scale: f32 [B, S_max, Hkv], each "
+                         "(token, KV head)'s scale")
+    if block_table is not None or head_dim > attention_kernel.MMA_HEAD_DIM:
+        raise ValueError(f"e4m3 caches take contiguous caches and head_dim up to "
+                         f"{attention_kernel.MMA_HEAD_DIM}, got "
+                         f"{'a block table' if block_table is not None else head_dim}")
+    found = []
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        shape, strides, ptr, _ = inspect(name, scale, torch.float32, 3, align=4, device=device,
+                                         rows=False)
+        if tuple(shape) != tuple(cache_shape[:3]):
+            raise ValueError(f"{name} must be f32 [B, S_max, Hkv] = {list(cache_shape[:3])}, "
+                             f"got shape {tuple(shape)}")
+        found.append((strides, ptr))
+    if found[0][0] != found[1][0]:
+        raise ValueError(f"k_scale and v_scale must have the same strides, got "
+                         f"{found[0][0]} and {found[1][0]}")
+    strides = found[0][0]
+    return dict(k_scale=found[0][1], v_scale=found[1][1], scale_batch_stride=4 * strides[0],
+                scale_token_stride=4 * strides[1], scale_head_stride=4 * strides[2])
 
 
 def _pages(block_table, k_cache, batch: int, device: int) -> tuple[int, dict]:
