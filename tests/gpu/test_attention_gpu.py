@@ -152,16 +152,17 @@ def test_a_paged_cache_gives_the_contiguous_cache_s_bits(page_size, math):
 
 @pytest.mark.parametrize("heads, kv_heads", [(32, 8), (64, 8), (8, 8)])
 def test_an_e4m3_cache_matches_fp64_over_its_dequantized_values(heads, kv_heads):
-    """e4m3 caches with each (token, KV head)'s scale (quantized as the row's amax / 448),
-    against the fp64 attention over the dequantized cache."""
+    """e4m3 caches written by quantize_fp8_per_token (a 128-wide row a (token, KV head):
+    one scale each, row-major), against the fp64 attention over the dequantized cache."""
     batch, capacity, head_dim = 3, 2000, 128
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(batch, 1, heads, head_dim, device="cuda", generator=g).bfloat16()
     caches, scales, values = [], [], []
     for spread in (1.0, 3.0):
         x = spread * torch.randn(batch, capacity, kv_heads, head_dim, device="cuda", generator=g)
-        scale = x.abs().amax(-1).clamp_min(1e-12) / 448
-        q8 = (x / scale[..., None]).to(torch.float8_e4m3fn)
+        q8, scale = ptxforge.quantize_fp8_per_token(x.bfloat16().view(-1, head_dim),
+                                                    "row_major")
+        q8, scale = q8.view(x.shape), scale.view(x.shape[:3])
         caches.append(q8)
         scales.append(scale)
         values.append(q8.float() * scale[..., None])

@@ -118,7 +118,9 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     k_scale, v_scale: with e4m3 caches (torch.float8_e4m3fn, contiguous caches, D up to
     128), each (token, KV head)'s f32 scale, [B, S_max, Hkv] (the strides free, the same
     for both): the cached k is k_cache * k_scale, v likewise. The scores and the weights
-    take them; the tensor cores read the e4m3 values as f16 pairs (Q and P in f16).
+    take them; the tensor cores read the e4m3 values as f16 pairs (Q and P in f16). At D
+    = 128, ``quantize_fp8_per_token(k.view(-1, 128), "row_major")`` writes new rows so:
+    one scale a (token, KV head), amax / 448.
     softmax_scale: by default D ** -0.5. config: a kernel config instead of the default
     (``kernels.bf16_decode_attention.choose_config(arch, D, Hq // Hkv, paged,
     tensor_cores=True)``: the mma.sync form), checked against the call. ``pdl``: as
