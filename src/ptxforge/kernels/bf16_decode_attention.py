@@ -28,8 +28,8 @@ threads / lanes tokens at once, and each thread on ``tokens_per_thread`` of them
 
 A lane keeps its own head's running (max, sum) in the loop and takes every head's after
 it, so each of the CTA's ``slots`` token slots ends with its own (max, sum, acc) per
-head; the slots of a warp merge through shuffles, the warps through shared memory. With one split
-the CTA writes out; with several each writes its unnormalised acc and its (max, sum) to a
+head; the slots of a warp merge through shuffles, the warps through shared memory. With
+one split the CTA writes out; with several each writes its unnormalised acc and its (max, sum) to a
 workspace, and the last of a (sequence, KV head)'s splits to finish (a counter a pair,
 counted with atom.add.acq_rel) merges them all, writes out, and sets the counter back to
 0 for the next call: one kernel, no host round trip, capturable in a CUDA graph.
@@ -38,10 +38,12 @@ The lengths are read on the GPU: the split size comes from the cache's capacity 
 choice), and a CTA past its sequence's length reads nothing. Loads past the length are
 not issued: their registers hold zeros, their scores -inf.
 
-Compile-time: D, g, tokens_per_thread. Run-time: the tensors' pointers and strides (q
-[B, Hq, D] and the caches [B, Hkv, S, D] in any order of their first three dimensions,
-D contiguous: transformers' static-cache layout and FlashAttention's both), the split
-size, the scale, B, Hkv and the split count (the grid).
+Compile-time: D, g, tokens_per_thread, and whether the caches are paged (a block table
+names each token's page). Run-time: the tensors' pointers and strides (q [B, Hq, D] and
+the caches [B, Hkv, S, D] in any order of their first three dimensions, D contiguous:
+transformers' static-cache layout and FlashAttention's both), the split size, the scale,
+B, Hkv and the split count (the grid). The tensor-core form, and with it e4m3 caches:
+bf16_decode_attention_mma.py.
 """
 
 from __future__ import annotations
@@ -73,7 +75,6 @@ REGISTERS = {False: 168, True: 255}
 class DecodeAttentionConfig:
     head_dim: int
     group: int                 # query heads a KV head
-    tokens_per_thread: int     # a thread's tokens a step
     target: str
     paged: bool = False        # the caches in pages that a block table names (vLLM's layout)
     tensor_cores: bool = False  # mma.sync (bf16_decode_attention_mma.py)
@@ -85,6 +86,13 @@ class DecodeAttentionConfig:
                 + ("_mma" if self.tensor_cores else f"_t{self.tokens_per_thread}")
                 + ("_paged" if self.paged else "")
                 + ("_e4m3" if self.cache_dtype == "e4m3" else ""))
+
+    @property
+    def tokens_per_thread(self) -> int:
+        """A thread's tokens a step (the CUDA-core form): four, eight k and v loads in
+        flight; two above four query heads a KV head, where the queries and accumulators
+        take the registers."""
+        return 2 if self.wide else 4
 
     @property
     def element_bytes(self) -> int:
@@ -143,8 +151,9 @@ def check_problem(head_dim: int, group: int) -> None:
 
 def choose_config(arch: Arch, head_dim: int, group: int, paged: bool = False,
                   tensor_cores: bool = False, cache_dtype: str = "bf16") -> DecodeAttentionConfig:
-    """Four tokens a thread a step (eight k and v loads in flight); two above four query
-    heads a KV head, where the queries and accumulators take the registers."""
+    """The kernel for ``group`` query heads a KV head of ``head_dim``: the CUDA-core form, or
+    with ``tensor_cores`` the mma.sync one; ``paged``: a block table's pages; ``cache_dtype``
+    e4m3: its scales too (the tensor-core form, contiguous)."""
     check_problem(head_dim, group)
     arch.require("griddepcontrol", "the decode attention kernel (programmatic dependent launch)")
     if tensor_cores and head_dim > MMA_HEAD_DIM:
@@ -154,8 +163,7 @@ def choose_config(arch: Arch, head_dim: int, group: int, paged: bool = False,
         raise ValueError(f"cache_dtype must be bf16 or e4m3, got {cache_dtype!r}")
     if cache_dtype == "e4m3" and (paged or not tensor_cores):
         raise ValueError("an e4m3 cache takes the tensor-core form and a contiguous cache")
-    return DecodeAttentionConfig(head_dim, group, 2 if group > 4 else 4, arch.target, paged,
-                                 tensor_cores, cache_dtype)
+    return DecodeAttentionConfig(head_dim, group, arch.target, paged, tensor_cores, cache_dtype)
 
 
 def generate(cfg: DecodeAttentionConfig) -> KernelBuilder:
@@ -263,6 +271,13 @@ def _pointers(k, cfg, p, t) -> SimpleNamespace:
                 k.mad(r, t.vector, vector_bytes, r, mode="wide")
             return r
 
+        def narrow(name, param):
+            """A u64 stride parameter under 4 GiB as a u32 register."""
+            r = k.reg("u32", name)
+            k.ld_param(stride, param)
+            k.cvt(r, stride, dtype="u32")
+            return r
+
         row_vector = VECTOR * cfg.element_bytes   # a vector of the cache's row
 
         # Contiguous: the sequence's rows; paged: the KV head's in page 0, each token's
@@ -280,17 +295,14 @@ def _pointers(k, cfg, p, t) -> SimpleNamespace:
             ptrs.scale_token = k.reg("u32", "scale_token_bytes")
             k.ld_param(ptrs.scale_token, p.scale_token_stride)
         if cfg.paged:
-            _page_pointers(k, p, t, ptrs, stride)
+            _page_pointers(k, p, t, ptrs, narrow)
         first_head = k.reg("u32", "first_head")
         k.mul(first_head, t.kv_head, cfg.group, mode="lo")
         ptrs.q = at("q_ptr", p.q, (t.seq, p.q_batch_stride), (first_head, p.q_head_stride))
         ptrs.q_head_stride = k.reg("u64", "q_head_stride")
         k.ld_param(ptrs.q_head_stride, p.q_head_stride)
-        ptrs.k_token, ptrs.v_token = k.reg("u32", "k_token_bytes"), k.reg("u32", "v_token_bytes")
-        k.ld_param(stride, p.k_token_stride)
-        k.cvt(ptrs.k_token, stride, dtype="u32")
-        k.ld_param(stride, p.v_token_stride)
-        k.cvt(ptrs.v_token, stride, dtype="u32")
+        ptrs.k_token = narrow("k_token_bytes", p.k_token_stride)
+        ptrs.v_token = narrow("v_token_bytes", p.v_token_stride)
         # The split's tokens.
         ptrs.start, ptrs.end = k.reg("u32", "start"), k.reg("u32", "end")
         split_tokens, length = k.reg("u32", "split_tokens"), k.reg("u32", "length")
@@ -307,20 +319,18 @@ def _pointers(k, cfg, p, t) -> SimpleNamespace:
     return ptrs
 
 
-def _page_pointers(k, p, t, ptrs, scratch) -> None:
-    """Paged: the sequence's row of the block table, the pages' strides, the shift and
-    mask that split a token into page and row, the last page."""
+def _page_pointers(k, p, t, ptrs, narrow) -> None:
+    """Paged: the sequence's row of the block table, the pages' strides (``narrow``: a
+    stride parameter as a u32 register), the shift and mask that split a token into page
+    and row, the last page."""
     ptrs.pages = k.reg("u64", "block_row")
     k.ld_param(ptrs.pages, p.block_table)
     row_stride = k.reg("u32", "block_table_stride")
     k.ld_param(row_stride, p.block_table_stride)
     k.mul(row_stride, row_stride, 4, mode="lo")
     k.mad(ptrs.pages, t.seq, row_stride, ptrs.pages, mode="wide")
-    ptrs.k_page, ptrs.v_page = k.reg("u32", "k_page_bytes"), k.reg("u32", "v_page_bytes")
-    k.ld_param(scratch, p.k_batch_stride)
-    k.cvt(ptrs.k_page, scratch, dtype="u32")
-    k.ld_param(scratch, p.v_batch_stride)
-    k.cvt(ptrs.v_page, scratch, dtype="u32")
+    ptrs.k_page = narrow("k_page_bytes", p.k_batch_stride)
+    ptrs.v_page = narrow("v_page_bytes", p.v_batch_stride)
     ptrs.shift, ptrs.row_mask = k.reg("u32", "page_shift"), k.reg("u32", "row_mask")
     k.ld_param(ptrs.shift, p.page_shift)
     k.shl(ptrs.row_mask, 1, ptrs.shift, type="b32")

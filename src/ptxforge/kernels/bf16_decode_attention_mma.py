@@ -142,7 +142,8 @@ def _tiles(k, cfg, t, ptrs, q, state) -> None:
     probs = [k.reg("b32", "p_lo"), k.reg("b32", "p_hi")]
     b0, b1 = k.reg("b32", "vb0"), k.reg("b32", "vb1")
     top, other, corr = k.reg("f32", "tile_max"), k.reg("f32", "quad"), k.reg("f32", "rescale")
-    column, masked = k.reg("u32", "column"), k.pred("masked")
+    column, quad_column = k.reg("u32", "column"), k.reg("u32", "quad_column")
+    masked = k.pred("masked")
     scale = k.reg("f32", "k_scale")
     v_scales = ([k.regs("f32", 2, f"v_scale{h}_") for h in range(2)]
                 if cfg.cache_dtype == "e4m3" else None)
@@ -184,10 +185,10 @@ def _tiles(k, cfg, t, ptrs, q, state) -> None:
                                    scores[h], ab_type=_operands(cfg))
         with k.stage("online softmax of row g: tokens past the end -inf, the tile's max "
                      "over the quad, one rescale, p = ex2(s - max)"):
+            k.mad(quad_column, t.vector, 2, first, mode="lo")   # the tile's token 2 t
             for h in range(2):
                 for c in range(2):     # score c of n-block h: token 8 h + 2 t + c
-                    k.mad(column, t.vector, 2, first, mode="lo")
-                    k.add(column, column, 8 * h + c)
+                    k.add(column, quad_column, 8 * h + c)
                     k.setp("ge", masked, column, ptrs.end)
                     if cfg.cache_dtype == "e4m3":   # the token's k scale; its v scale for P
                         _token_scale(k, ptrs.k_scale, ptrs, column, masked, scale)
