@@ -85,6 +85,16 @@ def test_a_config_must_fit_the_call():
         ptxforge.attention_with_kvcache(**_args(), config=right)
 
 
+def test_the_tensor_core_form_refuses_pages_under_16_tokens():
+    config = kernel.choose_config(arch.get("sm_90a"), 64, 4, paged=True, tensor_cores=True)
+    pool = torch.zeros(4, 8, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="the tensor-core form takes pages of 16 tokens or "
+                       "more, got page_size 8"):
+        ptxforge.attention_with_kvcache(**_args(k_cache=pool, v_cache=pool,
+                                                block_table=torch.zeros(2, 4, dtype=torch.int32)),
+                                         config=config)
+
+
 def test_the_tensor_core_form_refuses_heads_it_would_spill():
     with pytest.raises(ValueError, match="takes head_dim up to 128, got 256"):
         kernel.choose_config(arch.get("sm_90a"), 256, 4, tensor_cores=True)

@@ -77,8 +77,9 @@ def _run(cfg, q, k, v, lengths, split_tokens, table=None, scales=None):
                     block_table_stride=table.shape[1],
                     page_shift=k.shape[1].bit_length() - 1, num_blocks=k.shape[0])
     sim = Simulator(memory)
-    sim.launch("attention", generate_attention(cfg).ptx(), (splits, kv_heads, batch), 128,
-               **args)
+    built = generate_attention(cfg)
+    sim.launch("attention", built.ptx(), (splits, kv_heads, batch), 128,
+               shared_bytes=built.launch.shared_bytes, **args)
     sim.run()
     got = _f32(np.frombuffer(memory.read(out, 2 * batch * heads * head_dim), dtype=np.uint16))
     return got.reshape(q.shape), memory.read(counters, 4 * pairs)
@@ -173,4 +174,33 @@ def test_an_e4m3_cache_with_its_scales_matches_fp64_over_its_values(batch, capac
     expected = _reference(_f32(q), k_values, v_values, lengths, head_dim ** -0.5)
     assert not np.isnan(got).any()
     np.testing.assert_allclose(got, expected, atol=1e-2, rtol=1e-2)
+    assert counters == bytes(len(counters))
+
+
+@pytest.mark.parametrize("split_tokens", [64, 256])
+def test_scores_that_keep_growing_move_the_running_max_along(split_tokens):
+    """Keys along the query, longer token by token: each tile's max passes the last by
+    about 6 (log2), so the tensor-core form's running max, which moves only when passed by
+    more than MAX_SLACK, moves every other tile, and its O is rescaled then."""
+    from ptxforge.kernels import bf16_decode_attention_mma as mma
+
+    batch, capacity, heads, kv_heads, head_dim = 1, 200, 4, 1, 64
+    cfg = kernel.choose_config(arch.get("sm_90a"), head_dim, heads // kv_heads,
+                               tensor_cores=True)
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((batch, heads, head_dim))
+    direction = q[:, :1] / np.linalg.norm(q[:, :1], axis=-1, keepdims=True)
+    growth = np.arange(capacity)[None, :, None, None] / 4 * head_dim ** 0.5 / np.linalg.norm(
+        q[:, :1], axis=-1)[..., None, None]
+    k = _bf16(growth * direction[:, None] + 0.1 * rng.standard_normal(
+        (batch, capacity, kv_heads, head_dim)))
+    v = _bf16(rng.standard_normal((batch, capacity, kv_heads, head_dim)))
+    q = _bf16(q)
+    got, counters = _run(cfg, q, k, v, [capacity], split_tokens)
+    expected = _reference(_f32(q), _f32(k), _f32(v), [capacity], head_dim ** -0.5)
+    steps = np.diff(np.log2(np.e) * head_dim ** -0.5 * (_f32(k)[0, ::mma.TILE, 0]
+                                                       @ _f32(q)[0, 0]))
+    assert steps.min() > 4 and steps.max() < mma.MAX_SLACK   # it moves, not every tile
+    assert not np.isnan(got).any()
+    np.testing.assert_allclose(got, expected, atol=4e-3, rtol=1e-2)
     assert counters == bytes(len(counters))

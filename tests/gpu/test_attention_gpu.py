@@ -62,15 +62,16 @@ CASES = [  # batch, capacity, heads, kv heads, head dim, lengths
 ]
 
 
-def mma_config(head_dim, group, paged=False):
-    """The tensor-core form's config (config= forces it), or None where it takes no such
-    head (the test then skips)."""
+def form_config(math, head_dim, group, paged=False):
+    """The config of one form (config= forces it): ``math`` cuda (cores) or mma (tensor
+    cores; the test skips a head it does not take)."""
     from ptxforge.kernels import bf16_decode_attention as kernel
     from ptxforge.ops.common import device_arch
 
-    if head_dim > kernel.MMA_HEAD_DIM:
+    if math == "mma" and head_dim > kernel.MMA_HEAD_DIM:
         pytest.skip(f"the tensor-core form takes head_dim up to {kernel.MMA_HEAD_DIM}")
-    return kernel.choose_config(device_arch(0), head_dim, group, paged, tensor_cores=True)
+    return kernel.choose_config(device_arch(0), head_dim, group, paged,
+                                tensor_cores=math == "mma")
 
 
 @pytest.mark.parametrize("math", ["cuda", "mma"])
@@ -78,7 +79,7 @@ def mma_config(head_dim, group, paged=False):
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_matches_the_fp64_reference(case, layout, math):
     q, k, v, lengths = problem(*case, layout=layout)
-    config = mma_config(case[4], case[2] // case[3]) if math == "mma" else None
+    config = form_config(math, case[4], case[2] // case[3])
     out = ptxforge.attention_with_kvcache(q, k, v, lengths, config=config)
     check(out, reference(q, k, v, lengths))
     assert torch.equal(out, ptxforge.attention_with_kvcache(q, k, v, lengths, config=config))
@@ -123,12 +124,16 @@ def test_a_cuda_graph_replays_with_new_lengths_and_queries():
         check(out, reference(q, k, v, lengths))
 
 
-@pytest.mark.parametrize("math", ["cuda", "mma"])
-@pytest.mark.parametrize("page_size", [16, 64, 256])
+@pytest.mark.parametrize("math", ["cuda", "mma", "default"])
+@pytest.mark.parametrize("page_size", [8, 16, 64, 256])
 def test_a_paged_cache_gives_the_contiguous_cache_s_bits(page_size, math):
     """Pages shuffled in a pool, a block table naming them: the bits of the same cache
     gathered into a contiguous one (the same arithmetic in the same order), and the fp64
-    reference."""
+    reference. By default, pages under 16 tokens take the CUDA-core form."""
+    from ptxforge.kernels import bf16_decode_attention as kernel
+
+    if math == "mma" and page_size < kernel.MMA_MIN_PAGE:
+        pytest.skip(f"the tensor-core form takes pages of {kernel.MMA_MIN_PAGE} or more")
     batch, pages, heads, kv_heads, head_dim = 3, 4096 // page_size, 32, 8, 128
     g = torch.Generator(device="cuda").manual_seed(0)
     blocks = batch * pages + 5
@@ -140,9 +145,10 @@ def test_a_paged_cache_gives_the_contiguous_cache_s_bits(page_size, math):
     lengths = torch.tensor([4096, 1000, 1], dtype=torch.int32, device="cuda")
     gathered = [cache[table.long()].view(batch, pages * page_size, kv_heads, head_dim)
                 for cache in pool]
-    configs = ((mma_config(head_dim, heads // kv_heads, True), mma_config(head_dim,
-                                                                        heads // kv_heads))
-               if math == "mma" else (None, None))
+    form = math if math != "default" else "cuda" if page_size < kernel.MMA_MIN_PAGE else "mma"
+    configs = (None if math == "default" else form_config(form, head_dim, heads // kv_heads,
+                                                          True),
+               form_config(form, head_dim, heads // kv_heads))
     paged = ptxforge.attention_with_kvcache(q, *pool, lengths, block_table=table,
                                             config=configs[0])
     assert torch.equal(paged, ptxforge.attention_with_kvcache(q, *gathered, lengths,

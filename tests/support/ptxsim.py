@@ -176,14 +176,17 @@ class Kernel:
     """A parsed ``.entry``: parameter names, shared symbols and their offsets, instructions."""
 
     def __init__(self, ptx: str):
-        self.shared, self.shared_bytes = {}, 0
+        self.shared, self.shared_bytes, self.dynamic_at = {}, 0, None
         for align, name, size in re.findall(r"^\.shared \.align (\d+) \.b8 (\w+)\[(\d+)\];", ptx,
                                             re.M):
             self.shared_bytes = -(-self.shared_bytes // int(align)) * int(align)
             self.shared[name] = self.shared_bytes
             self.shared_bytes += int(size)
-        if re.search(r"^\.extern \.shared", ptx, re.M):
-            raise NotImplementedError("dynamic shared memory")
+        # Dynamic shared memory lies past the static arrays; its size comes with the launch.
+        for align, name in re.findall(r"^\.extern \.shared \.align (\d+) \.b8 (\w+)\[\];", ptx,
+                                      re.M):
+            self.shared[name] = -(-self.shared_bytes // int(align)) * int(align)
+            self.dynamic_at = self.shared[name]
         self.params = re.findall(r"\.param \.\w+ (\w+)", ptx)
         body = ptx[ptx.index("{") + 1:ptx.rindex("}")]
         self.code, self.labels, self.polls = [], {}, []
@@ -196,8 +199,8 @@ class Kernel:
                 continue
             self.code.append(line.rstrip(";"))
         self.program = [self._compile(line) for line in self.code]
-        self.polls = [".acquire." in line.split()[1 if line.startswith("@") else 0]
-                      for line in self.code]
+        opcodes = [line.split()[1 if line.startswith("@") else 0] for line in self.code]
+        self.polls = [".acquire." in op or op.startswith("mbarrier.try_wait") for op in opcodes]
 
     # Each instruction becomes (guard, negate, kind, function); function(thread) runs it.
     def _compile(self, line: str):
@@ -323,6 +326,8 @@ class Kernel:
             return _assign(ops[0], lambda th: a(th) & out)
         if kind in ("ld", "st", "red", "atom"):
             return self._memory(opcode, q, ops)
+        if kind in ("mbarrier", "cp"):
+            return self._async(opcode, q, ops)
         if kind in ("vote", "shfl", "bar", "mma", "movmatrix"):
             return None  # collectives and barriers: the scheduler's
         raise NotImplementedError(f"ptxsim: {opcode}")
@@ -371,6 +376,43 @@ class Kernel:
                 th.regs[ops[0]] = old
         return reduce
 
+    def _async(self, opcode, q, ops):
+        """mbarriers (a CTA's, by shared address: expected arrivals, pending arrivals,
+        transaction bytes, phase) and the copies that complete on them. A copy lands at
+        once; its bytes count against the barrier's transactions."""
+        def at(text):
+            base, sign, offset = _ADDRESS.match(text).groups()
+            read, offset = self._reader(base), int(offset or 0) * (-1 if sign == "-" else 1)
+            return lambda th: read(th) + offset
+
+        if opcode.startswith("mbarrier.init"):
+            bar, count = at(ops[0]), self._reader(ops[1])
+            return lambda th: th.cta.mbarrier_init(bar(th), count(th))
+        if opcode.startswith("mbarrier.arrive.expect_tx"):
+            bar, nbytes = at(ops[1]), self._reader(ops[2])
+            return lambda th: th.cta.mbarrier_update(bar(th), arrivals=1, tx=nbytes(th))
+        if opcode.startswith("mbarrier.arrive"):
+            bar = at(ops[1])
+            return lambda th: th.cta.mbarrier_update(bar(th), arrivals=1)
+        if opcode.startswith("mbarrier.try_wait.parity"):
+            bar, parity = at(ops[1]), self._reader(ops[2])
+            return _assign(ops[0], lambda th: int(th.cta.mbarrier_phase(bar(th)) & 1
+                                                  != parity(th) & 1))
+        if opcode.startswith("cp.async.mbarrier.arrive.noinc"):   # its copies have landed
+            bar = at(ops[0])
+            return lambda th: th.cta.mbarrier_update(bar(th), arrivals=1)
+        if opcode.startswith("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx"):
+            dst, src, nbytes, bar = at(ops[0]), at(ops[1]), self._reader(ops[2]), at(ops[3])
+
+            def bulk(th):
+                th.store("shared", dst(th), th.load("global", src(th), nbytes(th)))
+                th.cta.mbarrier_update(bar(th), tx=-nbytes(th))
+            return bulk
+        if opcode.startswith(("cp.async.ca.shared.global", "cp.async.cg.shared.global")):
+            dst, src, nbytes = at(ops[0]), at(ops[1]), int(ops[2])
+            return lambda th: th.store("shared", dst(th), th.load("global", src(th), nbytes))
+        raise NotImplementedError(f"ptxsim: {opcode}")
+
     def _reader(self, text: str):
         """A function of the thread giving the operand's value (bits, unsigned)."""
         if text.startswith("%"):
@@ -416,6 +458,28 @@ class _Cta:
         self.index, self.coords, self.threads = index, coords, threads
         self.shared = bytearray(max(shared_bytes, 1))
         self.barriers: dict[int, list] = {}
+        self.mbarriers: dict[int, list] = {}   # address: [expected, pending, tx, phase]
+
+    def mbarrier_init(self, address: int, count: int) -> None:
+        self.mbarriers[address] = [count, count, 0, 0]
+
+    def mbarrier_update(self, address: int, arrivals: int = 0, tx: int = 0) -> None:
+        """Arrivals and transaction bytes (expected: +, landed: -); the phase completes
+        when no arrival is pending and no byte outstanding."""
+        bar = self.mbarriers.get(address)
+        if bar is None:
+            raise RuntimeError(f"ptxsim: CTA {self.index} uses an mbarrier at shared "
+                               f"{address:#x} that was never initialised")
+        bar[1] -= arrivals
+        bar[2] += tx
+        if bar[1] < 0:
+            raise RuntimeError(f"ptxsim: CTA {self.index}: more arrivals than expected on "
+                               f"the mbarrier at shared {address:#x}")
+        if bar[1] == 0 and bar[2] == 0:
+            bar[1], bar[3] = bar[0], bar[3] + 1
+
+    def mbarrier_phase(self, address: int) -> int:
+        return self.mbarriers[address][3]
 
 
 class _Thread:
@@ -439,7 +503,7 @@ class _Thread:
 
 
 class _Launch:
-    def __init__(self, name, kernel, grid, block, args):
+    def __init__(self, name, kernel, grid, block, args, shared_bytes=0):
         missing = set(kernel.params) - set(args)
         extra = set(args) - set(kernel.params)
         if missing or extra:
@@ -447,7 +511,9 @@ class _Launch:
         self.name, self.kernel, self.args = name, kernel, args
         self.grid = (grid, 1, 1) if isinstance(grid, int) else tuple(grid) + (1,) * (3 - len(grid))
         x, y, z = self.grid
-        self.ctas = [_Cta(i, (i % x, i // x % y, i // (x * y)), block, kernel.shared_bytes)
+        size = kernel.shared_bytes if kernel.dynamic_at is None else \
+            kernel.dynamic_at + shared_bytes
+        self.ctas = [_Cta(i, (i % x, i // x % y, i // (x * y)), block, size)
                      for i in range(x * y * z)]
 
 
@@ -460,10 +526,12 @@ class Simulator:
         self._warps: dict = {}
         self._pace = pace
 
-    def launch(self, name: str, ptx_or_kernel, grid, block: int, **args) -> None:
-        """``grid``: CTAs, or a tuple of up to three dimensions (x fastest)."""
+    def launch(self, name: str, ptx_or_kernel, grid, block: int, *, shared_bytes: int = 0,
+               **args) -> None:
+        """``grid``: CTAs, or a tuple of up to three dimensions (x fastest);
+        ``shared_bytes``: the dynamic shared memory."""
         kernel = ptx_or_kernel if isinstance(ptx_or_kernel, Kernel) else Kernel(ptx_or_kernel)
-        launch = _Launch(name, kernel, grid, block, args)
+        launch = _Launch(name, kernel, grid, block, args, shared_bytes)
         for cta in launch.ctas:
             for tid in range(block):
                 self.threads.append(_Thread(self, launch, cta, tid))
@@ -539,6 +607,9 @@ class Simulator:
             p = kernel._reader(ops[1])
             ballot = sum(1 << lane for lane, t in enumerate(lanes) if p(t))
             results = [ballot] * 32
+        elif opcode.startswith("vote.sync.any.pred"):
+            p = kernel._reader(ops[1])
+            results = [int(any(p(t) for t in lanes))] * 32
         elif opcode.startswith("shfl.sync.idx"):
             a, b = kernel._reader(ops[1]), kernel._reader(ops[2])
             values = [a(t) for t in lanes]

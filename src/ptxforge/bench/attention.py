@@ -1,5 +1,5 @@
 """``ptxforge bench attention``: decode attention over a bf16 KV cache (one query token a
-sequence), ``attention_with_kvcache`` (its default CUDA-core form, and its tensor-core form
+sequence), ``attention_with_kvcache`` (its default tensor-core form, and its CUDA-core form
 by ``config=``) beside torch's SDPA with each backend that runs the
 shape (cuDNN, flash, efficient; enable_gqa, over the same cache in transformers' layout;
 for a paged row, ours reads the cache's pages from a shuffled pool, SDPA the contiguous),
@@ -17,7 +17,7 @@ from . import format_table
 from .ops import Timer, copy_of
 
 # batch, cache tokens, query heads, KV heads (head dim 128), page size (0: contiguous; -1:
-# an e4m3 cache with its scales, the tensor-core form, beside SDPA on the bf16 cache)
+# an e4m3 cache with its scales, beside SDPA on the bf16 cache)
 SHAPES = ((1, 512, 32, 8, 0), (1, 8192, 32, 8, 0), (8, 2048, 32, 8, 0), (256, 512, 32, 8, 0),
           (1, 131072, 32, 8, 0), (32, 4096, 32, 8, 0), (32, 4096, 32, 8, 64),
           (32, 4096, 32, 8, -1), (32, 4096, 64, 8, 0), (32, 4096, 32, 32, 0))
@@ -45,9 +45,9 @@ def attention_suite(shapes=SHAPES, timer: Timer | None = None) -> dict:
         if page < 0:   # e4m3 with a scale a (token, head); the bytes read are half
             fp8 = []
             for cache in (k, v):
-                rows = cache.transpose(1, 2)
-                scale = rows.float().abs().amax(-1).clamp_min(1e-12) / 448
-                fp8 += [(rows.float() / scale[..., None]).to(torch.float8_e4m3fn), scale]
+                tokens = cache.transpose(1, 2)
+                scale = tokens.float().abs().amax(-1).clamp_min(1e-12) / 448
+                fp8 += [(tokens.float() / scale[..., None]).to(torch.float8_e4m3fn), scale]
             nbytes //= 2
             ours = lambda: ptxforge.attention_with_kvcache(q, fp8[0], fp8[2], lengths,
                                                             k_scale=fp8[1], v_scale=fp8[3])
@@ -67,22 +67,24 @@ def attention_suite(shapes=SHAPES, timer: Timer | None = None) -> dict:
         from ..kernels import bf16_decode_attention as kernel
         from ..ops.common import device_arch
 
-        mma = kernel.choose_config(device_arch(torch.cuda.current_device()), HEAD_DIM,
-                                   heads // kv_heads, page > 0, tensor_cores=True,
-                                   cache_dtype="e4m3" if page < 0 else "bf16")
+        cuda = None if page < 0 else kernel.choose_config(
+            device_arch(torch.cuda.current_device()), HEAD_DIM, heads // kv_heads, page > 0,
+            tensor_cores=False)
         if page < 0:
-            ours_mma = ours       # the e4m3 cache takes the tensor-core form only
+            ours_cuda = None      # the e4m3 cache takes the tensor-core form only
         elif page:
-            ours_mma = lambda: ptxforge.attention_with_kvcache(q, *pool, lengths,
-                                                                block_table=table, config=mma)
+            ours_cuda = lambda: ptxforge.attention_with_kvcache(q, *pool, lengths,
+                                                                 block_table=table, config=cuda)
         else:
-            ours_mma = lambda: ptxforge.attention_with_kvcache(
-                q, k.transpose(1, 2), v.transpose(1, 2), lengths, config=mma)
+            ours_cuda = lambda: ptxforge.attention_with_kvcache(
+                q, k.transpose(1, 2), v.transpose(1, 2), lengths, config=cuda)
+        runs = [ours] + ([ours_cuda] if ours_cuda else [])
         diff = max((run().transpose(1, 2).float() - expected.float()).abs().max().item()
-                   for run in (ours, ours_mma))
+                   for run in runs)
         row = {"batch": batch, "capacity": capacity, "heads": heads, "kv_heads": kv_heads,
                "page": page, "bytes": nbytes, "l2_resident": nbytes < L2_BYTES,
-               "ptxforge_us": timer(ours) * 1e3, "ptxforge_mma_us": timer(ours_mma) * 1e3,
+               "ptxforge_us": timer(ours) * 1e3,
+               "ptxforge_cuda_cores_us": timer(ours_cuda) * 1e3 if ours_cuda else None,
                "max_abs_diff": diff}
         for name, backend in backends.items():
             try:     # a backend that does not take the shape warns why, then raises
@@ -111,7 +113,7 @@ def attention_table(result: dict) -> str:
         rows.append([shape + (" (L2)" if r["l2_resident"] else ""),
                      f"{r['bytes'] / 1e6:.1f}", rate(r, r["ptxforge_us"]),
                      f"{r['bytes'] / r['ptxforge_us'] / 1e6 / HBM_PEAK_TBS:.0%}",
-                     rate(r, r["ptxforge_mma_us"]),
+                     rate(r, r["ptxforge_cuda_cores_us"]),
                      rate(r, r["cuDNN_us"]), rate(r, r["flash_us"]), rate(r, r["efficient_us"]),
                      rate(r, r["read_us"]), rate(r, r["copy_us"] / 2),
                      f"{r['max_abs_diff']:.1e}"])
@@ -122,5 +124,5 @@ def attention_table(result: dict) -> str:
              f"the cache fits the L2; e4m3: the bytes are the e4m3 cache's (SDPA, read and "
              f"copy: the bf16 cache, twice them)")
     return title + "\n" + format_table(
-        ["B x S, Hq/Hkv", "MB", "ptxforge", "of peak", "ptxforge mma", "SDPA cuDNN", "SDPA flash",
+        ["B x S, Hq/Hkv", "MB", "ptxforge", "of peak", "CUDA-core form", "SDPA cuDNN", "SDPA flash",
          "SDPA efficient", "read", "copy", "max |diff| vs cuDNN"], rows)

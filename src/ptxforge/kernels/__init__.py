@@ -265,7 +265,7 @@ REGISTRY = {
                    _COMBINE_VARIANTS, "MoE combine: each token's weighted sum of its experts' "
                    "bf16 rows (topk: k)"),
         KernelSpec("attention_with_kvcache", _attention, generate_attention,
-                   {"head_dim": 128, "group": 4, "cache": "contiguous", "math": "cuda"},
+                   {"head_dim": 128, "group": 4, "cache": "contiguous", "math": "mma"},
                    tuple({"head_dim": d, "group": g, "cache": c, "math": m}
                          for d in bf16_decode_attention.HEAD_DIMS for g in (1, 2, 4, 8)
                          for c in ("contiguous", "paged", "e4m3") for m in ("cuda", "mma")

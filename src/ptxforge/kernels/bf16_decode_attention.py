@@ -59,16 +59,21 @@ VECTOR = 8                  # bf16 per 16-byte vector
 VECTOR_BYTES = 16
 HEAD_DIMS = (64, 128, 256)
 MMA_HEAD_DIM = 128         # the tensor-core form's widest head: 256 spills (ptxas 13.0)
+MMA_MIN_PAGE = 16          # the tensor-core form's smallest page: a warp's tile in one page
 MAX_GROUP = 8               # query heads a KV head: each one's query and accumulators
                             # take 16 registers of every thread
 THREADS = 128
+SHARED_PER_SM = 228 << 10    # Hopper's shared memory an SM, and what each CTA's takes
+SHARED_RESERVED = 1 << 10    # besides its own
 NO_SCORE = float("-inf")    # a token past the length
 MAX_START = -1e30           # a running max before any token: finite, so that ex2 of the
                             # difference of two such stays 1, never NaN
 # Registers ptxas may use (through .minnctapersm): up to 4 query heads a KV head (a
 # thread holds 8 dimensions of each one's query and accumulator) 168, three CTAs an SM;
-# more, 255, two. Every variant assembles with no spills (tests/cpu/test_kernels.py).
+# more, 255, two; the tensor-core form 168 (its shared memory may allow fewer CTAs).
+# Every variant assembles with no spills (tests/cpu/test_kernels.py).
 REGISTERS = {False: 168, True: 255}
+MMA_REGISTERS = 168
 
 
 @dataclass(frozen=True)
@@ -79,11 +84,13 @@ class DecodeAttentionConfig:
     paged: bool = False        # the caches in pages that a block table names (vLLM's layout)
     tensor_cores: bool = False  # mma.sync (bf16_decode_attention_mma.py)
     cache_dtype: str = "bf16"   # or e4m3, with per-token-and-head f32 scales (tensor cores)
+    stages: int = 3            # the tensor-core form's tiles in flight a warp
 
     @property
     def name(self) -> str:
         return (f"bf16_decode_attention_d{self.head_dim}_g{self.group}"
-                + ("_mma" if self.tensor_cores else f"_t{self.tokens_per_thread}")
+                + (f"_mma_s{self.stages}" if self.tensor_cores
+                   else f"_t{self.tokens_per_thread}")
                 + ("_paged" if self.paged else "")
                 + ("_e4m3" if self.cache_dtype == "e4m3" else ""))
 
@@ -138,7 +145,11 @@ class DecodeAttentionConfig:
 
     @property
     def ctas_per_sm(self) -> int:
-        return 65536 // (THREADS * REGISTERS[self.wide or self.tensor_cores])
+        if not self.tensor_cores:
+            return 65536 // (THREADS * REGISTERS[self.wide])
+        from . import bf16_decode_attention_mma as mma
+        return min(65536 // (THREADS * MMA_REGISTERS),
+                   SHARED_PER_SM // (mma.shared_bytes(self) + SHARED_RESERVED))
 
 
 def check_problem(head_dim: int, group: int) -> None:
@@ -150,11 +161,16 @@ def check_problem(head_dim: int, group: int) -> None:
 
 
 def choose_config(arch: Arch, head_dim: int, group: int, paged: bool = False,
-                  tensor_cores: bool = False, cache_dtype: str = "bf16") -> DecodeAttentionConfig:
-    """The kernel for ``group`` query heads a KV head of ``head_dim``: the CUDA-core form, or
-    with ``tensor_cores`` the mma.sync one; ``paged``: a block table's pages; ``cache_dtype``
-    e4m3: its scales too (the tensor-core form, contiguous)."""
+                  tensor_cores: bool | None = None, cache_dtype: str = "bf16",
+                  stages: int = 3) -> DecodeAttentionConfig:
+    """The kernel for ``group`` query heads a KV head of ``head_dim``: the tensor-core form
+    (``tensor_cores``; by default where it takes the head, D <= MMA_HEAD_DIM; ``stages``:
+    the tiles each warp has in flight) or the CUDA-core one; ``paged``: a block table's
+    pages (the tensor-core form: of MMA_MIN_PAGE tokens or more); ``cache_dtype`` e4m3:
+    its scales too (the tensor-core form, contiguous)."""
     check_problem(head_dim, group)
+    if tensor_cores is None:
+        tensor_cores = head_dim <= MMA_HEAD_DIM
     arch.require("griddepcontrol", "the decode attention kernel (programmatic dependent launch)")
     if tensor_cores and head_dim > MMA_HEAD_DIM:
         raise ValueError(f"the tensor-core decode attention takes head_dim up to "
@@ -163,7 +179,10 @@ def choose_config(arch: Arch, head_dim: int, group: int, paged: bool = False,
         raise ValueError(f"cache_dtype must be bf16 or e4m3, got {cache_dtype!r}")
     if cache_dtype == "e4m3" and (paged or not tensor_cores):
         raise ValueError("an e4m3 cache takes the tensor-core form and a contiguous cache")
-    return DecodeAttentionConfig(head_dim, group, arch.target, paged, tensor_cores, cache_dtype)
+    if not 1 <= stages <= 4:
+        raise ValueError(f"stages must be from 1 to 4, got {stages}")
+    return DecodeAttentionConfig(head_dim, group, arch.target, paged, tensor_cores, cache_dtype,
+                                 stages)
 
 
 def generate(cfg: DecodeAttentionConfig) -> KernelBuilder:
@@ -252,9 +271,9 @@ def _coordinates(k, lanes: int) -> SimpleNamespace:
     return t
 
 
-def _pointers(k, cfg, p, t) -> SimpleNamespace:
-    """This thread's vector of the pair's first cache row and of its group's queries, and
-    the split's token range [start, end)."""
+def _pointers(k, cfg, p, t, cache_vectors: bool = True) -> SimpleNamespace:
+    """This thread's vector of the pair's first cache row (``cache_vectors`` False: the
+    row's start) and of its group's queries, and the split's token range [start, end)."""
     ptrs = SimpleNamespace()
     with k.stage("the split's tokens, and pointers to this thread's vectors"):
         wide = k.reg("u64", "wide")
@@ -278,7 +297,7 @@ def _pointers(k, cfg, p, t) -> SimpleNamespace:
             k.cvt(r, stride, dtype="u32")
             return r
 
-        row_vector = VECTOR * cfg.element_bytes   # a vector of the cache's row
+        row_vector = VECTOR * cfg.element_bytes if cache_vectors else 0
 
         # Contiguous: the sequence's rows; paged: the KV head's in page 0, each token's
         # page added in the token loop.
@@ -475,14 +494,18 @@ def _token_loop(k, cfg, t, ptrs, q, state) -> None:
 
 
 def _token_page(k, ptrs, token, valid, page) -> None:
-    """Paged: ``token``'s page from the block table (read where ``valid``), clamped to the
-    last page: an index past the pool reads a page of it, never outside."""
+    """Paged: ``token``'s page from the block table (read where ``valid``, or always where
+    it is None), clamped to the last page: an index past the pool reads a page of it,
+    never outside."""
     at = k.reg("u64", "page_at")
     k.shr(page, token, ptrs.shift)
     k.mad(at, page, 4, ptrs.pages, mode="wide")
-    k.mov(page, 0)
-    with k.guard(valid):
+    if valid is None:
         k.ld(page, addr(at), nc=True)
+    else:
+        k.mov(page, 0)
+        with k.guard(valid):
+            k.ld(page, addr(at), nc=True)
     k.min(page, page, ptrs.last_page)
 
 

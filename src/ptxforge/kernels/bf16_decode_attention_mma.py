@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from ..patterns.pipeline import BARRIER_BYTES, StageRing, wait_parity
 from ..ptx import KernelBuilder, LaunchShape, addr
 from . import bf16_decode_attention as base
 
@@ -36,23 +37,27 @@ TILE = 16                 # tokens a warp's tile
 WARPS = 4
 THREADS = 32 * WARPS
 CHUNK = 32                # dimensions a lane's 16-byte vectors step over
+BANK_BYTES = 128          # a shared-memory wavefront: 32 banks of 4 bytes
+MAX_SLACK = 8.0           # how far (in log2) a tile's max may pass the running one unapplied
 
 
 def generate(cfg) -> KernelBuilder:
     k = KernelBuilder(cfg.name, target=cfg.target, max_threads=THREADS,
                       min_blocks_per_sm=cfg.ctas_per_sm)
-    k.launch = LaunchShape(block=THREADS)
+    k.launch = LaunchShape(block=THREADS, shared_bytes=shared_bytes(cfg))
     p = base._Params(k, cfg)
     with k.stage("programmatic launch: the next kernel on the stream may start"):
         k.griddepcontrol_launch_dependents()
     t = _coordinates(k)
+    ring = _Ring(k, cfg, t)
     with k.stage("wait for the kernel before this one"):
         k.griddepcontrol_wait()
-    ptrs = base._pointers(k, cfg, p, t)
+    ptrs = base._pointers(k, cfg, p, t, cache_vectors=False)
+    ring.lane_rows(t, ptrs)
     q = _query_fragments(k, cfg, p, ptrs, t)
     state = _state(k, cfg)
-    _tiles(k, cfg, t, ptrs, q, state)
-    _finish(k, cfg, p, t, state)
+    _tiles(k, cfg, t, ptrs, q, state, ring)
+    _finish(k, cfg, p, t, state, ring.base)
     return k
 
 
@@ -124,115 +129,326 @@ def _fresh(k, state) -> None:
                 k.mov(r, 0.0)
 
 
-def _tiles(k, cfg, t, ptrs, q, state) -> None:
-    """The split's tokens, a tile of 16 a warp, the CTA's four warps 64 a step."""
+def row_bytes(cfg) -> int:
+    return cfg.head_dim * cfg.element_bytes
+
+
+def _span(cfg) -> int:
+    """Bytes of a row that a quad reads at once: four lanes' vectors of 8 values."""
+    return 4 * 8 * cfg.element_bytes
+
+
+def _swizzle(k, cfg, row, into) -> None:
+    """``into`` = the span offset XORed into row ``row``'s byte offsets in a slot.
+
+    A wavefront of reads (a quarter warp's 16-byte vectors, a half warp's 8-byte ones)
+    takes the same span of BANK_BYTES / span consecutive rows; unswizzled, rows a
+    multiple of BANK_BYTES apart would all hit the same banks. Row r's spans are stored
+    in the order i ^ x(r), x(r) = (r mod R) >> shift (R = BANK_BYTES / span; shift for
+    rows shorter than BANK_BYTES, whose own offsets already part two of them), which puts
+    the wavefront's rows in distinct banks; the copies write whole rows, so their
+    wavefronts stay conflict-free too."""
+    rows = BANK_BYTES // _span(cfg)
+    shift = max(0, (BANK_BYTES // row_bytes(cfg)).bit_length() - 1)
+    k.and_(into, row, rows - 1)
+    k.shr(into, into, shift)
+    k.mul(into, into, _span(cfg), mode="lo")
+
+
+def slot_bytes(cfg) -> int:
+    """A slot of a warp's ring: a tile's 16 k rows and 16 v rows (swizzled), and with an
+    e4m3 cache the tile's 16 k scales and 16 v scales."""
+    scales = 2 * TILE * 4 if cfg.cache_dtype == "e4m3" else 0
+    return 2 * TILE * row_bytes(cfg) + scales
+
+
+def _slots_bytes(cfg) -> int:
+    """The warps' rings of slots; once the tokens are done, the warp merge's records
+    (a lane's O values, then its (max, sum))."""
+    return max(WARPS * cfg.stages * slot_bytes(cfg), THREADS * _record_bytes(cfg))
+
+
+def _record_bytes(cfg) -> int:
+    return 8 * _chunks(cfg) * 4 + 16
+
+
+def shared_bytes(cfg) -> int:
+    """The slots, then a full barrier a slot."""
+    return _slots_bytes(cfg) + WARPS * cfg.stages * BARRIER_BYTES
+
+
+class _Ring:
+    """This warp's ``stages`` slots, filled by cp.async, each on its full barrier.
+
+    A tile's 32 rows (16 k, then 16 v) are copied in 16-byte pieces, each instruction a
+    run of whole rows (a row's pieces from neighbouring lanes: coalesced), into the
+    slot's swizzled rows (``_swizzle``). Tokens past the split's end copy its last
+    token's row instead: a partial tile repeats a real row, whose score the softmax
+    masks, so no slot holds stale or uninitialised values. Each lane then arrives on the slot's barrier once its copies
+    land (cp.async.mbarrier.arrive.noinc: the barrier expects 32 arrivals). With an e4m3
+    cache, lane l also copies the scale of row l (k below lane 16, v from it).
+
+    Not bulk copies: cp.async.bulk takes its operands from uniform registers, so a
+    warp's 32 different rows become 32 serial copies (a loop over the lanes in SASS);
+    one bulk copy a tile would need the rows contiguous, and could not swizzle them."""
+
+    def __init__(self, k, cfg, t):
+        self.k, self.cfg = k, cfg
+        self.e4m3 = cfg.cache_dtype == "e4m3"
+        self.lanes_per_row = row_bytes(cfg) // 16
+        self.rows_per_copy = 32 // self.lanes_per_row
+        assert self.rows_per_copy % (BANK_BYTES // _span(cfg)) == 0, "a copy's swizzle varies"
+        with k.stage("the warps' rings: shared memory and barriers"):
+            smem = k.dynamic_shared("rings", align=128)
+            self.base = k.reg("u32", "smem")
+            k.mov(self.base, smem)
+            slots = WARPS * cfg.stages
+            self.barriers = StageRing(k, self.base, slots, full_offset=_slots_bytes(cfg),
+                                      fillers=32)
+            thread0 = k.pred("ring_thread0")
+            k.setp("eq", thread0, t.tid, 0)
+            self.barriers.init(thread0)
+            # the warp's first slot and its barrier; the slot the loop is at, its barrier
+            first = k.reg("u32", "first_slot")
+            k.mul(first, t.warp, cfg.stages, mode="lo")
+            self.first_bar = k.reg("u32", "first_bar")
+            k.mad(self.first_bar, first, BARRIER_BYTES, self.base, mode="lo")
+            k.add(self.first_bar, self.first_bar, _slots_bytes(cfg))
+            self.first_slot = k.reg("u32", "first_slot_at")
+            k.mad(self.first_slot, first, slot_bytes(cfg), self.base, mode="lo")
+            self.slot, self.bar = k.reg("u32", "slot_at"), k.reg("u32", "bar_at")
+            self.phase, self.index = k.reg("u32", "ring_phase"), k.reg("u32", "ring_index")
+            k.mov(self.slot, self.first_slot)
+            k.mov(self.bar, self.first_bar)
+            k.mov(self.phase, 0)
+            k.mov(self.index, 0)
+
+    def lane_rows(self, t, ptrs) -> None:
+        """This lane's piece of a row (``sub_row`` of each copy's rows, 16 bytes from
+        ``piece``), its k and v sources for token 0, where it lands in a slot (``dst``)."""
+        k, cfg, self.ptrs = self.k, self.cfg, ptrs
+        with k.stage("this lane's piece of the rows it copies"):
+            self.sub_row, piece = k.reg("u32", "copy_sub_row"), k.reg("u32", "copy_piece")
+            k.shr(self.sub_row, t.lane, self.lanes_per_row.bit_length() - 1)
+            k.and_(piece, t.lane, self.lanes_per_row - 1)
+            k.shl(piece, piece, 4, type="b32")
+            self.sources = []       # unswizzled in global memory
+            for name, cache in (("k", ptrs.k), ("v", ptrs.v)):
+                src = k.reg("u64", f"copy_{name}")
+                k.cvt(src, piece, dtype="u64")
+                k.add(src, src, cache)
+                self.sources.append(src)
+            # each copy's rows start at a multiple of R: the swizzle is the sub-row's
+            self.dst = k.reg("u32", "copy_dst")
+            _swizzle(k, cfg, self.sub_row, self.dst)
+            k.xor(self.dst, self.dst, piece)
+            k.mad(self.dst, self.sub_row, row_bytes(cfg), self.dst, mode="lo")
+            if self.e4m3:
+                is_v = k.pred("copies_v_scale")
+                k.setp("ge", is_v, t.lane, TILE)
+                self.scales = k.reg("u64", "copy_scales")
+                k.selp(self.scales, ptrs.v_scale, ptrs.k_scale, is_v)
+                self.scale_row = k.reg("u32", "copy_scale_row")
+                k.and_(self.scale_row, t.lane, TILE - 1)
+                self.scale_dst = k.reg("u32", "copy_scale_dst")
+                k.shl(self.scale_dst, t.lane, 2, type="b32")
+                k.add(self.scale_dst, self.scale_dst, 2 * TILE * row_bytes(cfg))
+
+    def fill(self, tile, stage: int | None = None) -> None:
+        """Copy the 16 tokens from ``tile`` into the warp's current slot (or its slot
+        ``stage``), then arrive on its barrier as the copies land: every lane."""
+        k, cfg, ptrs = self.k, self.cfg, self.ptrs
+        if stage is None:
+            slot, bar = addr(self.slot), addr(self.bar)
+        else:
+            slot = addr(self.first_slot, stage * slot_bytes(cfg))
+            bar = addr(self.first_bar, stage * BARRIER_BYTES)
+        first, token, last, dst = (k.reg("u32", n) for n in (
+            "copy_first", "copy_token", "copy_last", "copy_to"))
+        src = k.reg("u64", "copy_src")
+        k.sub(last, ptrs.end, 1)
+        k.add(first, tile, self.sub_row)
+        k.add(dst, slot.base, self.dst)
+        sources, strides = self.sources, (ptrs.k_token, ptrs.v_token)
+        if cfg.paged:   # the tile lies in one page (pages of at least 16 tokens)
+            page = k.reg("u32", "copy_page")
+            base._token_page(k, ptrs, tile, None, page)
+            sources = [k.reg("u64", f"copy_page_{n}") for n in "kv"]
+            for into, start, page_bytes in zip(sources, self.sources,
+                                               (ptrs.k_page, ptrs.v_page)):
+                k.mad(into, page, page_bytes, start, mode="wide")
+        for j in range(TILE // self.rows_per_copy):
+            k.add(token, first, j * self.rows_per_copy)
+            k.min(token, token, last)
+            if cfg.paged:
+                k.and_(token, token, ptrs.row_mask)
+            for half, (start, stride) in enumerate(zip(sources, strides)):
+                k.mad(src, token, stride, start, mode="wide")
+                row = half * TILE + j * self.rows_per_copy
+                k.cp_async(addr(dst, slot.offset + row * row_bytes(cfg)), addr(src), 16,
+                           cache="cg")
+        if self.e4m3:
+            k.add(token, tile, self.scale_row)
+            k.min(token, token, last)
+            k.mad(src, token, ptrs.scale_token, self.scales, mode="wide")
+            k.add(dst, slot.base, self.scale_dst)
+            k.cp_async(addr(dst, slot.offset), addr(src), 4)
+        k.cp_async_mbarrier_arrive(bar)
+
+    def advance(self) -> None:
+        """The next slot (after the last, the first, in the other phase)."""
+        k, cfg = self.k, self.cfg
+        wrapped = k.pred("ring_wrapped")
+        k.add(self.index, self.index, 1)
+        k.add(self.slot, self.slot, slot_bytes(cfg))
+        k.add(self.bar, self.bar, BARRIER_BYTES)
+        k.setp("eq", wrapped, self.index, cfg.stages)
+        with k.guard(wrapped):
+            k.mov(self.index, 0)
+            k.mov(self.slot, self.first_slot)
+            k.mov(self.bar, self.first_bar)
+            k.xor(self.phase, self.phase, 1)
+
+
+def _tiles(k, cfg, t, ptrs, q, state, ring) -> None:
+    """The split's tokens, a tile of 16 a warp, the CTA's four warps 64 a step; each warp's
+    tiles stream through its ring, ``stages`` tiles ahead."""
     chunks = _chunks(cfg)
     zero = k.reg("b32", "zero")
     k.mov(zero, 0)
-    token, valid = k.regs("u32", 2, "token"), [k.pred("valid_lo"), k.pred("valid_hi")]
-    later, next_valid = k.reg("u32", "later"), [k.pred("next_lo"), k.pred("next_hi")]
     words = 4 if cfg.element_bytes == 2 else 2        # b32 words of a lane's 8 values
     keys = [[k.regs("b32", words, f"k{h}_{i}_") for i in range(chunks)] for h in range(2)]
     values = [[k.regs("b32", words, f"v{h}_{i}_") for i in range(chunks)] for h in range(2)]
     pairs = _Pairs(k, cfg)
-    at = k.reg("u64", "row_at")
-    page, next_page = ((k.reg("u32", "page"), k.reg("u32", "next_page")) if cfg.paged
-                       else (None, None))
     scores = [k.regs("f32", 4, f"s{n}_") for n in range(2)]
     probs = [k.reg("b32", "p_lo"), k.reg("b32", "p_hi")]
     b0, b1 = k.reg("b32", "vb0"), k.reg("b32", "vb1")
     top, other, corr = k.reg("f32", "tile_max"), k.reg("f32", "quad"), k.reg("f32", "rescale")
     column, quad_column = k.reg("u32", "column"), k.reg("u32", "quad_column")
-    masked = k.pred("masked")
-    scale = k.reg("f32", "k_scale")
-    v_scales = ([k.regs("f32", 2, f"v_scale{h}_") for h in range(2)]
-                if cfg.cache_dtype == "e4m3" else None)
-    first = k.reg("u32", "tile_first")
+    masked, mine, ahead = k.pred("masked"), k.pred("warp_has_tile"), k.pred("tile_ahead")
+    scales = ([k.regs("f32", 2, f"{c}_scale{h}_") for h in range(2) for c in "kv"]
+              if cfg.cache_dtype == "e4m3" else None)
+    first, later = k.reg("u32", "tile_first"), k.reg("u32", "later")
+    row = row_bytes(cfg)
+    with k.stage("this lane's reads of a slot: token g's (and g + 8's) vector of 8 values "
+                 "from 8 t in each chunk's span, swizzled"):
+        swizzle, reads = k.reg("u32", "read_swizzle"), k.regs("u32", chunks, "lane_reads")
+        at = k.regs("u32", chunks, "read_at")
+        _swizzle(k, cfg, t.row, swizzle)
+        for i, offset in enumerate(reads):
+            k.mad(offset, t.vector, 8 * cfg.element_bytes, i * _span(cfg), mode="lo")
+            k.xor(offset, offset, swizzle)
+            k.mad(offset, t.row, row, offset, mode="lo")
     k.mad(first, t.warp, TILE, ptrs.start, mode="lo")
+    with k.stage("the first tiles of each warp into its ring"):
+        k.mov(later, first)
+        for s in range(cfg.stages):
+            k.setp("lt", ahead, later, ptrs.end)
+            with k.if_(ahead, "filled", uniform=True):
+                ring.fill(later, stage=s)
+            k.add(later, later, WARPS * TILE)
     with k.loop(k.reg("u32", "tile_base"), ptrs.end, start=ptrs.start, step=WARPS * TILE,
                 hint="tiles", uniform=True):
-        with k.stage("load: tokens g and g + 8 of the tile, every chunk's k and v vector"):
-            for h in range(2):
-                k.add(token[h], first, t.row)
-                if h:
-                    k.add(token[h], token[h], 8)
-                k.setp("lt", valid[h], token[h], ptrs.end)
-                k.add(later, token[h], WARPS * TILE)
-                k.setp("lt", next_valid[h], later, ptrs.end)
-                if cfg.paged:
-                    base._token_page(k, ptrs, token[h], valid[h], page)
-                    base._token_page(k, ptrs, later, next_valid[h], next_page)
-                for vectors, which in ((keys[h], "k"), (values[h], "v")):
-                    base._row_at(k, cfg, ptrs, at, token[h], page, which)
-                    for i, vec in enumerate(vectors):
-                        for word in vec:
-                            k.mov(word, 0)
-                        with k.guard(valid[h]):
-                            k.ld(vec, addr(at, i * CHUNK * cfg.element_bytes), nc=True,
-                                 eviction="L1::no_allocate")
-                    base._row_at(k, cfg, ptrs, at, later, next_page, which)
-                    with k.guard(next_valid[h]):
-                        k.prefetch(addr(at))
-        with k.stage("S = Q K^T: two n-blocks of 8 tokens, D / 16 k-steps each"):
-            for h in range(2):
-                for s in scores[h]:
-                    k.mov(s, 0.0)
+        k.setp("lt", mine, first, ptrs.end)
+        with k.if_(mine, "tile_done", uniform=True):
+            with k.stage("wait for the slot; k vectors of tokens g and g + 8"):
+                wait_parity(k, addr(ring.bar), ring.phase, "wait_tile", uniform=True)
                 for i in range(chunks):
-                    key = pairs.of(keys[h][i])
-                    for half in range(2):
-                        a0, a2 = q[2 * i + half]
-                        k.mma_sync(scores[h], [a0, zero, a2, zero], key[2 * half:2 * half + 2],
-                                   scores[h], ab_type=_operands(cfg))
-        with k.stage("online softmax of row g: tokens past the end -inf, the tile's max "
-                     "over the quad, one rescale, p = ex2(s - max)"):
-            k.mad(quad_column, t.vector, 2, first, mode="lo")   # the tile's token 2 t
-            for h in range(2):
-                for c in range(2):     # score c of n-block h: token 8 h + 2 t + c
-                    k.add(column, quad_column, 8 * h + c)
-                    k.setp("ge", masked, column, ptrs.end)
-                    if cfg.cache_dtype == "e4m3":   # the token's k scale; its v scale for P
-                        _token_scale(k, ptrs.k_scale, ptrs, column, masked, scale)
-                        k.mul(scores[h][c], scores[h][c], scale)
-                        _token_scale(k, ptrs.v_scale, ptrs, column, masked, v_scales[h][c])
-                    k.selp(scores[h][c], base.NO_SCORE, scores[h][c], masked)
-            k.max(top, scores[0][0], scores[0][1])
-            k.max(top, top, scores[1][0])
-            k.max(top, top, scores[1][1])
-            for mask in (1, 2):
-                k.shfl_sync(other, top, mask, mode="bfly")
-                k.max(top, top, other)
-            k.max(top, top, state.max)
-            k.sub(corr, state.max, top)
-            k.ex2(corr, corr, ftz=True)
-            k.mov(state.max, top)
-            k.mul(state.sum, state.sum, corr)
-            for h in range(2):
-                for c in range(2):
-                    k.sub(scores[h][c], scores[h][c], top)
-                    k.ex2(scores[h][c], scores[h][c], ftz=True)
-                    k.add(state.sum, state.sum, scores[h][c])
-                    if cfg.cache_dtype == "e4m3":   # P x the v scales: V's e4m3 as it is
-                        k.mul(scores[h][c], scores[h][c], v_scales[h][c])
-                k.cvt(probs[h], scores[h][1], scores[h][0], dtype=_operands(cfg) + "x2",
-                      rnd="rn")
-            for chunk in state.out:
-                for frag in chunk:
-                    k.mul(frag[0], frag[0], corr)
-                    k.mul(frag[1], frag[1], corr)
-        with k.stage("O += P V: V's pairs transposed (movmatrix) into B fragments"):
-            for i in range(chunks):
-                lo, hi = pairs.of(values[0][i]), pairs.of(values[1][i], second=True)
-                for j in range(4):
-                    k.movmatrix(b0, lo[j])
-                    k.movmatrix(b1, hi[j])
-                    frag = state.out[i][j]
-                    k.mma_sync(frag, [probs[0], zero, probs[1], zero], [b0, b1], frag,
-                               ab_type=_operands(cfg))
+                    k.add(at[i], ring.slot, reads[i])
+                for h in range(2):
+                    for i, vec in enumerate(keys[h]):
+                        k.ld(vec, addr(at[i], h * 8 * row), space="shared")
+            with k.stage("S = Q K^T: two n-blocks of 8 tokens, D / 16 k-steps each"):
+                for h in range(2):
+                    for s in scores[h]:
+                        k.mov(s, 0.0)
+                    for i in range(chunks):
+                        key = pairs.of(keys[h][i])
+                        for half in range(2):
+                            a0, a2 = q[2 * i + half]
+                            k.mma_sync(scores[h], [a0, zero, a2, zero],
+                                       key[2 * half:2 * half + 2], scores[h],
+                                       ab_type=_operands(cfg))
+            _softmax(k, cfg, t, ptrs, ring, state, scores, probs, first, scales,
+                     SimpleNamespace(top=top, other=other, corr=corr, column=column,
+                                     quad_column=quad_column, masked=masked,
+                                     moved=k.pred("max_moved"), any_moved=k.pred("any_moved")))
+            with k.stage("O += P V: V's vectors from the slot, their pairs transposed "
+                         "(movmatrix) into B fragments"):
+                for h in range(2):
+                    for i, vec in enumerate(values[h]):
+                        k.ld(vec, addr(at[i], (TILE + h * 8) * row), space="shared")
+                for i in range(chunks):
+                    lo, hi = pairs.of(values[0][i]), pairs.of(values[1][i], second=True)
+                    for j in range(4):
+                        k.movmatrix(b0, lo[j])
+                        k.movmatrix(b1, hi[j])
+                        frag = state.out[i][j]
+                        k.mma_sync(frag, [probs[0], zero, probs[1], zero], [b0, b1], frag,
+                                   ab_type=_operands(cfg))
+            with k.stage("the slot read by every lane: refill it, stages tiles ahead"):
+                k.bar_warp_sync()
+                k.add(later, first, cfg.stages * WARPS * TILE)
+                k.setp("lt", ahead, later, ptrs.end)
+                with k.if_(ahead, "refilled", uniform=True):
+                    ring.fill(later)
+        ring.advance()
         k.add(first, first, WARPS * TILE)
     with k.stage("row g's sum over its quad"):
         for mask in (1, 2):
             k.shfl_sync(other, state.sum, mask, mode="bfly")
             k.add(state.sum, state.sum, other)
+
+
+def _softmax(k, cfg, t, ptrs, ring, state, scores, probs, first, scales, r) -> None:
+    with k.stage("online softmax of row g: tokens past the end -inf, the tile's max "
+                 "over the quad, the running max moved where it passed it far, p = ex2(s - max)"):
+        k.mad(r.quad_column, t.vector, 2, first, mode="lo")   # the tile's token 2 t
+        if scales is not None:    # the tile's k and v scales of tokens 8 h + 2 t + {0, 1}
+            at = k.reg("u32", "scales_at")
+            k.mad(at, t.vector, 8, ring.slot, mode="lo")
+            for h in range(2):
+                for c, which in enumerate("kv"):
+                    k.ld(scales[2 * h + c], addr(at, 2 * TILE * row_bytes(cfg) + 64 * c
+                                                 + 32 * h), space="shared")
+        for h in range(2):
+            for c in range(2):     # score c of n-block h: token 8 h + 2 t + c
+                k.add(r.column, r.quad_column, 8 * h + c)
+                k.setp("ge", r.masked, r.column, ptrs.end)
+                if scales is not None:
+                    k.mul(scores[h][c], scores[h][c], scales[2 * h][c])
+                k.selp(scores[h][c], base.NO_SCORE, scores[h][c], r.masked)
+        k.max(r.top, scores[0][0], scores[0][1])
+        k.max(r.top, r.top, scores[1][0])
+        k.max(r.top, r.top, scores[1][1])
+        for mask in (1, 2):
+            k.shfl_sync(r.other, r.top, mask, mode="bfly")
+            k.max(r.top, r.top, r.other)
+        # The running max moves only when the tile's passes it by more than MAX_SLACK
+        # (p then stays under 2 ** MAX_SLACK): most tiles keep it, and their O needs no
+        # rescale; a warp rescales its O when any of its rows moved.
+        k.add(r.other, state.max, MAX_SLACK)
+        k.setp("gt", r.moved, r.top, r.other)
+        k.selp(r.top, r.top, state.max, r.moved)
+        k.vote_sync(r.any_moved, r.moved, mode="any")
+        k.sub(r.corr, state.max, r.top)
+        k.ex2(r.corr, r.corr, ftz=True)
+        k.mov(state.max, r.top)
+        k.mul(state.sum, state.sum, r.corr)
+        for h in range(2):
+            for c in range(2):
+                k.sub(scores[h][c], scores[h][c], r.top)
+                k.ex2(scores[h][c], scores[h][c], ftz=True)
+                k.add(state.sum, state.sum, scores[h][c])
+                if scales is not None:   # P x the v scales: V's e4m3 as it is
+                    k.mul(scores[h][c], scores[h][c], scales[2 * h + 1][c])
+            k.cvt(probs[h], scores[h][1], scores[h][0], dtype=_operands(cfg) + "x2",
+                  rnd="rn")
+        with k.if_(r.any_moved, "rescaled", uniform=True):
+            for chunk in state.out:
+                for frag in chunk:
+                    k.mul(frag[0], frag[0], r.corr)
+                    k.mul(frag[1], frag[1], r.corr)
 
 
 class _Pairs:
@@ -261,15 +477,6 @@ class _Pairs:
         return out
 
 
-def _token_scale(k, base_ptr, ptrs, token, masked, into) -> None:
-    """The (token, KV head)'s f32 scale from the row at ``base_ptr``; 0 past the length."""
-    at = k.reg("u64", "scale_at")
-    k.mad(at, token, ptrs.scale_token, base_ptr, mode="wide")
-    k.mov(into, 0.0)
-    with k.guard(~masked):
-        k.ld(into, addr(at), nc=True)
-
-
 def _values(state) -> list:
     """Lane (g, t)'s O values in dimension order: chunk i's 32 i + 8 t + 0..7."""
     return [[frag[c] for frag in chunk for c in (0, 1)] for chunk in state.out]
@@ -295,15 +502,15 @@ class _WarpMerge:
     """Folds (max, sum, O) states of row g: another's registers into the state, and the
     CTA's warps' through shared memory into warp 0's."""
 
-    def __init__(self, k, cfg, t):
+    def __init__(self, k, cfg, t, smem):
         self.k, self.t, self.chunks = k, t, _chunks(cfg)
         self.other_max, self.other_sum = k.reg("f32", "o_max"), k.reg("f32", "o_sum")
         self.other = k.regs("f32", 8 * self.chunks, "o_val")
         self.scratch = k.regs("f32", 3, "merge")
         self.warp0 = k.pred("warp0")
         k.setp("eq", self.warp0, t.warp, 0)
-        self.record = 8 * self.chunks * 4 + 16           # a lane's O values, then (max, sum)
-        self.smem = k.shared("warps", WARPS * 32 * self.record)
+        self.record = _record_bytes(cfg)
+        self.smem = smem
         self.at, self.ml_at = k.reg("u32", "smem_at"), k.reg("u32", "smem_ml_at")
 
     def fold(self, state) -> None:
@@ -339,13 +546,15 @@ class _WarpMerge:
                     self.fold(state)
 
 
-def _finish(k, cfg, p, t, state) -> None:
-    """The warps merged into warp 0; then the CUDA-core kernel's ending: out with one
-    split, else the partial, the count, and the last split's merge (each warp folding
-    every fourth split, then the warps merged again)."""
+def _finish(k, cfg, p, t, state, smem) -> None:
+    """The warps merged into warp 0 (through ``smem``: the rings' slots, every copy into
+    them landed and read); then the CUDA-core kernel's ending: out with one split, else
+    the partial, the count, and the last split's merge (each warp folding every fourth
+    split, then the warps merged again)."""
     real = k.pred("real_row")
     k.setp("lt", real, t.row, cfg.group)
-    merge = _WarpMerge(k, cfg, t)
+    k.bar_sync(0)        # every warp done with its ring before the records overwrite it
+    merge = _WarpMerge(k, cfg, t, smem)
     merge.warps(state)
     last = k.pred("writes_out")
     k.setp("eq", last, t.splits, 1)

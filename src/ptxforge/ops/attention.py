@@ -4,7 +4,10 @@
 The kernel is specialised on the head size and the query heads a KV head; the batch, the
 heads, the cache's capacity and strides, the lengths and the split of the cache across
 CTAs are run-time arguments. The split comes from the cache's capacity (the lengths stay
-on the GPU, so a call is capturable in a CUDA graph): enough CTAs for two waves.
+on the GPU, so a call is capturable in a CUDA graph): for the tensor-core form, about one
+CTA an SM (its ring keeps enough bytes in flight to stream at the HBM's rate, and each
+split more costs a partial and its merge; measured on an H200, two to four CTAs an SM
+were 5-10% slower); for the CUDA-core form, enough CTAs for two waves.
 """
 
 from __future__ import annotations
@@ -27,14 +30,17 @@ MAX_SPLITS = 64      # the last split merges them all, its token slots sharing t
 
 @functools.lru_cache(maxsize=None)
 def _kernel(device_index: int, head_dim: int, group: int, pdl: bool | None,
-            paged: bool = False, config=None, cache_dtype: str = "bf16"):
+            paged: bool = False, config=None, cache_dtype: str = "bf16",
+            small_pages: bool = False):
     """(config, launcher) for one device and variant; ``pdl``: the call's; ``config``: the
-    caller's (``_check_config``) instead of the heuristic's."""
+    caller's (``_check_config``) instead of the heuristic's; ``small_pages``: pages under
+    MMA_MIN_PAGE tokens, which take the CUDA-core form."""
     cfg = config
     if cfg is None:
-        cfg = attention_kernel.choose_config(device_arch(device_index), head_dim, group, paged,
-                                             tensor_cores=cache_dtype == "e4m3",
-                                             cache_dtype=cache_dtype)
+        cfg = attention_kernel.choose_config(
+            device_arch(device_index), head_dim, group, paged,
+            tensor_cores=False if small_pages else None,
+            cache_dtype=cache_dtype)
     elif cfg.target != device_arch(device_index).target:
         raise ValueError(f"config is for {cfg.target}, but cuda:{device_index} is "
                          f"{device_arch(device_index).target}")
@@ -57,11 +63,15 @@ def _check_config(config, head_dim: int, group: int, paged: bool, cache_dtype: s
 
 
 def split_tokens(cfg, sms: int, batch: int, kv_heads: int, capacity: int) -> int:
-    """Tokens a split reads: the cache's capacity over enough splits for WAVES waves of
-    CTAs (at most MAX_SPLITS), at least MIN_SPLIT_STEPS of the kernel's steps each, a
-    whole number of steps."""
+    """Tokens a split reads: the cache's capacity over the splits that give the tensor-core
+    form about one CTA an SM, the CUDA-core form WAVES waves of CTAs (at most MAX_SPLITS),
+    at least MIN_SPLIT_STEPS of the kernel's steps each, a whole number of steps."""
     step = cfg.tokens_per_step
-    wanted = _ceil_div(WAVES * sms * cfg.ctas_per_sm, batch * kv_heads)
+    pairs = batch * kv_heads
+    if cfg.tensor_cores:
+        wanted = max(1, round(sms / pairs))
+    else:
+        wanted = _ceil_div(WAVES * sms * cfg.ctas_per_sm, pairs)
     splits = max(1, min(wanted, capacity // (MIN_SPLIT_STEPS * step), MAX_SPLITS))
     return _ceil_div(_ceil_div(capacity, splits), step) * step
 
@@ -122,9 +132,10 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     = 128, ``quantize_fp8_per_token(k.view(-1, 128), "row_major")`` writes new rows so:
     one scale a (token, KV head), amax / 448.
     softmax_scale: by default D ** -0.5. config: a kernel config instead of the default
-    (``kernels.bf16_decode_attention.choose_config(arch, D, Hq // Hkv, paged,
-    tensor_cores=True)``: the mma.sync form), checked against the call. ``pdl``: as
-    ``rms_norm``'s. Returns a new bf16 [B, 1, Hq, D].
+    (``kernels.bf16_decode_attention.choose_config(arch, D, Hq // Hkv, paged, ...)``: by
+    default the tensor-core form, mma.sync, for D up to 128 and pages of 16 tokens or
+    more; ``tensor_cores=False``: the CUDA-core form), checked against the call. ``pdl``:
+    as ``rms_norm``'s. Returns a new bf16 [B, 1, Hq, D].
 
     Differences from FlashAttention's: one query token (no causal mask to apply), no
     k_new/v_new, no rotary, no dropout or softcap; page sizes any power of two.
@@ -179,9 +190,14 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))
             or not math.isfinite(softmax_scale)):
         raise TypeError(f"softmax_scale must be a finite real number, got {softmax_scale!r}")
+    page_size = caches[0][0][1] if paging else attention_kernel.MMA_MIN_PAGE
     if config is not None:
         _check_config(config, head_dim, heads // kv_heads, block_table is not None,
                       "e4m3" if e4m3 else "bf16")
+        if config.tensor_cores and page_size < attention_kernel.MMA_MIN_PAGE:
+            raise ValueError(f"the tensor-core form takes pages of "
+                             f"{attention_kernel.MMA_MIN_PAGE} tokens or more, got page_size "
+                             f"{page_size}")
     if pdl is not None:
         require_pdl(pdl)
     require_cuda("q", q, device)
@@ -190,7 +206,8 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return out
     group = heads // kv_heads
     cfg, launcher = _kernel(device, head_dim, group, pdl, bool(paging), config,
-                            "e4m3" if e4m3 else "bf16")
+                            "e4m3" if e4m3 else "bf16",
+                            page_size < attention_kernel.MMA_MIN_PAGE)
     tokens = split_tokens(cfg, device_arch(device).sm_count, batch, kv_heads, max(capacity, 1))
     splits = max(1, _ceil_div(capacity, tokens))
     pairs = batch * kv_heads

@@ -116,10 +116,14 @@ class TensorOps:
             operands.append(cache_hint)
         self.emit(opcode, *operands)
 
-    def cp_async(self, dst: Address, src: Address, nbytes: int) -> None:
-        """Global -> shared copy of 4, 8 or 16 bytes (``cp.async.ca``), tracked by
-        ``cp_async_mbarrier_arrive`` (or cp.async groups)."""
-        self.emit("cp.async.ca.shared.global", dst, src, nbytes)
+    def cp_async(self, dst: Address, src: Address, nbytes: int, *, cache: str = "ca") -> None:
+        """Global -> shared copy of 4, 8 or 16 bytes, tracked by
+        ``cp_async_mbarrier_arrive`` (or cp.async groups). ``cache``: ca (through L1) or
+        cg (L2 only; 16 bytes)."""
+        if cache not in ("ca", "cg") or (cache == "cg" and nbytes != 16):
+            raise ValueError(f"cp.async copies 4, 8 or 16 bytes through L1 (ca) or 16 bytes "
+                             f"through L2 only (cg), got {nbytes} bytes {cache!r}")
+        self.emit(f"cp.async.{cache}.shared.global", dst, src, nbytes)
 
     def cp_async_mbarrier_arrive(self, bar: Address) -> None:
         """An arrival on the mbarrier at ``bar`` once this thread's cp.async copies so far
