@@ -32,21 +32,37 @@ class Timer:
     kernels (and memsets) it launches, from the profiler (CUPTI), with the L2 cache flushed
     before each call. This is the anchors' method; CUDA events around a call add 2-4 us of
     launch latency, which dwarfs the small GEMMs (measured on the H200: 12.2 us by events,
-    8.5 us by the profiler)."""
+    8.5 us by the profiler).
+
+    ``flush_by``: "write" fills a buffer larger than the L2 (the anchors' GEMM method); the
+    L2 then holds its dirty lines, and the timed call pays for writing them back (about
+    50 MB, some 12 us at the HBM's rate: of a memory-bound kernel of a few hundred
+    microseconds, 5-10%). "read" reads the buffer instead (its maximum): the L2 is as
+    evicted, and holds only clean lines (and the 1 MB of the maxima)."""
 
     warmup: int = 5
     reps: int = 30
     flush_bytes: int = 256 << 20
+    flush_by: str = "write"
     _flush: torch.Tensor | None = field(default=None, repr=False)
 
-    # The flush is a fill of a uint8 buffer: its kernel separates one call from the next.
-    FLUSH_KERNEL = "FillFunctor<unsigned char>"
+    # The flush's kernel separates one call from the next: a fill, or a max, of a uint8
+    # buffer (no timed op launches either).
+    FLUSH_KERNELS = {"write": "FillFunctor<unsigned char>",
+                     "read": "MaxNanFunctor<unsigned char>"}
+
+    def __post_init__(self):
+        if self.flush_by not in self.FLUSH_KERNELS:
+            raise ValueError(f"flush_by must be write or read, got {self.flush_by!r}")
 
     def flush(self) -> None:
-        """Write a buffer larger than the L2 cache, evicting what it held."""
+        """Write (or read) a buffer larger than the L2 cache, evicting what it held."""
         if self._flush is None:
             self._flush = torch.empty(self.flush_bytes, dtype=torch.uint8, device="cuda")
-        self._flush.zero_()
+        if self.flush_by == "write":
+            self._flush.zero_()
+        else:     # rows of 256: one kernel, no memset (a full reduction's would be one)
+            self._flush.view(-1, 256).amax(1)
 
     def __call__(self, fn) -> float:
         return self.each([fn])[0]
@@ -62,6 +78,7 @@ class Timer:
         """Each call's device work as (start, end) times in us, in the order it started:
         ``reps`` calls of each callable after the warm-up, one after another, in a single
         profiler session, with the L2 flushed before each."""
+        self.flush()     # the buffer, allocated before the profiler starts
         for fn in fns:
             for _ in range(self.warmup):
                 fn()
@@ -77,7 +94,7 @@ class Timer:
                              key=lambda e: e.time_range.start)
         calls = []
         for event in device_work:
-            if self.FLUSH_KERNEL in event.name:
+            if self.FLUSH_KERNELS[self.flush_by] in event.name:
                 calls.append([])
             elif calls:
                 calls[-1].append((event.time_range.start, event.time_range.end))

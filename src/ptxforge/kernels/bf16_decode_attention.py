@@ -179,8 +179,8 @@ def choose_config(arch: Arch, head_dim: int, group: int, paged: bool = False,
         raise ValueError(f"cache_dtype must be bf16 or e4m3, got {cache_dtype!r}")
     if cache_dtype == "e4m3" and (paged or not tensor_cores):
         raise ValueError("an e4m3 cache takes the tensor-core form and a contiguous cache")
-    if not 1 <= stages <= 4:
-        raise ValueError(f"stages must be from 1 to 4, got {stages}")
+    if not 1 <= stages <= 8:
+        raise ValueError(f"stages must be from 1 to 8, got {stages}")
     return DecodeAttentionConfig(head_dim, group, arch.target, paged, tensor_cores, cache_dtype,
                                  stages)
 
