@@ -6,6 +6,7 @@ meta device (the FFN block, a small Llama) get their RMSNorms and SwiGLUs fused 
 quantization, their parallel Linears joined and their residual adds moved into the GEMM;
 the plan's kernels and the CLI's report come from the same trace."""
 
+import copy
 import inspect
 import sys
 import types
@@ -346,6 +347,68 @@ def test_decode_steps_over_a_static_cache_read_each_key_once():
     assert len(unrepeated) >= config.num_hidden_layers               # the decode step's
     assert kept == {"a mask over more than 64 query rows, or a dynamic count: the repeat "
                     "kept (SDPA's masked enable_gqa may fall back to math)"}
+
+
+def _decode_step_graph(monkeypatch, padding=False):
+    """A bf16 Llama's decode step over transformers' static cache, traced on the CPU and
+    rewritten as for sm_90a, the device check let through (a copy of the graph: the CPU
+    runs the traced one): (graph module, plan)."""
+    transformers = pytest.importorskip("transformers")
+    from ptxforge.compiler import passes
+
+    config = transformers.LlamaConfig(
+        hidden_size=512, intermediate_size=512, num_attention_heads=8, num_key_value_heads=2,
+        num_hidden_layers=2, vocab_size=128)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval().bfloat16()
+    monkeypatch.setattr(passes, "gpu_arch", lambda x, arch_of: (hopper(x.device), None))
+    graphs = []
+
+    def spy(gm, example_inputs):
+        rewritten = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+        graphs.append((rewritten, compiler.rewrite(rewritten, example_inputs, fp8=False,
+                                                   arch_of=hopper)))
+        return gm.forward
+
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    cache = transformers.StaticCache(config=config, max_cache_len=80)
+    mask = {}
+    if padding:
+        mask = {"attention_mask": torch.ones(2, 6, dtype=torch.long)}
+        mask["attention_mask"][0, :2] = 0
+    torch._dynamo.reset()
+    with torch.no_grad():
+        prompt = {k: v[:, :5] for k, v in mask.items()}
+        model(input_ids=torch.randint(0, 128, (2, 5)), **{name: cache}, **prompt)
+        torch.compile(model.forward, backend=spy)(
+            input_ids=torch.randint(0, 128, (2, 1)), **{name: cache}, **mask)
+    return graphs[-1]
+
+
+def test_a_decode_step_s_attention_becomes_the_ptxforge_kernel(monkeypatch):
+    """SDPA of one token over the static cache, under a mask of the cache's length alone
+    (checked a prefix at several lengths): ptxforge.attention_with_kvcache on the
+    unrepeated cache, its lengths the mask's counts, computed once for both layers."""
+    gm, plan = _decode_step_graph(monkeypatch)
+    decode = [item for item in plan if item.rewrite == "decode attention"]
+    assert [item.operator for item in decode] == ["ptxforge.attention_with_kvcache"] * 2
+    calls = [node for name, node in ptxforge_calls(gm) if name == "attention_with_kvcache"]
+    assert len(calls) == 2 and not [n for n in gm.graph.nodes if rewriting.kind(n) == "sdpa"]
+    lengths = {call.args[3] for call in calls}
+    (count,) = lengths
+    assert count.target is torch.sum and count.kwargs["dtype"] is torch.int32
+    for call in calls:
+        q, k, v = (rewriting.Graph.value(x) for x in call.args[:3])
+        assert q.shape == (2, 1, 8, 64) and k.shape == v.shape == (2, 80, 2, 64)
+        assert call.kwargs["softmax_scale"] == 64 ** -0.5
+
+
+def test_a_decode_step_with_a_padding_mask_keeps_sdpa(monkeypatch):
+    gm, plan = _decode_step_graph(monkeypatch, padding=True)
+    decode = [item for item in plan if item.rewrite == "decode attention"]
+    assert len(decode) == 2 and all(item.operator is None for item in decode)
+    assert decode[0].reason.startswith("the mask depends on the input")
 
 
 def test_a_padding_mask_or_a_sliding_window_keeps_the_mask():

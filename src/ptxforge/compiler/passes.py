@@ -19,6 +19,10 @@
     kv            keys and values repeated for grouped-query attention (expand + reshape)
                   -> SDPA's enable_gqa=True on the unrepeated ones (no copies), without
                   a mask or with a short one's (a decode step's over a static cache)
+    decode        SDPA of one query token a sequence over a KV cache, under a mask that
+                  admits a prefix of it computed from the cache's length alone (a decode
+                  step's over transformers' static cache) -> ptxforge.attention_with_kvcache
+                  on the mask's counts
 
 Each pass reads a node's value from its ``example_value`` (the fake tensor Dynamo traced),
 and each node it makes gets one, computed by the operator's fake, so the passes after it
@@ -484,6 +488,139 @@ def _repeated(g: Graph, node):
     return x, repeats
 
 
+# --- decode attention -------------------------------------------------------------------------
+
+# Values of a decode mask's inputs (the cache's length or the query's position) at which it
+# is checked to admit a prefix of the cache.
+CHECKED_POSITIONS = (0, 1, 15, 16, 63, 64, 1000)
+
+
+def use_decode_attention(g: Graph, arch_of) -> list[Replacement]:
+    """SDPA of one query token a sequence, q [B, Hq, 1, D], over keys and values [B, Hkv,
+    S, D] read unrepeated (a decode step's over transformers' static cache, after the kv
+    pass), under a boolean mask [B, 1, 1, S] that admits the cache's tokens [0, L) and is
+    computed from one-element integer inputs alone (the cache's length, the query's
+    position; checked a prefix at CHECKED_POSITIONS): ptxforge.attention_with_kvcache,
+    with each sequence's L the mask's count of admitted tokens (one small reduction, shared
+    by every layer reading the mask). A padding mask (an input) keeps SDPA."""
+    plan, lengths = [], {}
+    for node in list(g.graph.nodes):
+        if kind(node) != "sdpa" or not _one_query_token(g, node):
+            continue
+        why = _why_not_decode_attention(g, node, arch_of)
+        if why is not None:
+            plan.append(Replacement("decode attention", node.name, None, why))
+            continue
+        q, k, v = node.args[:3]
+        mask = _sdpa_argument(node, 3, "attn_mask")
+        if mask not in lengths:
+            with g.graph.inserting_after(mask):
+                rows = g.call(operator.getitem, (mask, (slice(None), 0, 0)))
+            with g.graph.inserting_after(rows):
+                lengths[mask] = g.call(torch.sum, (rows,), {"dim": -1, "dtype": torch.int32})
+        with g.graph.inserting_before(node):
+            q_tokens, k_tokens, v_tokens = (g.call(torch.transpose, (x, 1, 2)) for x in (q, k, v))
+            out = g.call(PTXFORGE.attention_with_kvcache.default,
+                         (q_tokens, k_tokens, v_tokens, lengths[mask]),
+                         {"softmax_scale": node.kwargs.get("scale")})
+            heads = g.call(torch.transpose, (out, 1, 2))
+        node.replace_all_uses_with(heads)
+        g.graph.erase_node(node)
+        plan.append(Replacement("decode attention", node.name, _operator_name(out),
+                                "one query token over the cache's first L tokens, L from "
+                                "the mask"))
+    return plan
+
+
+def _one_query_token(g: Graph, sdpa) -> bool:
+    q = g.value(sdpa.args[0])
+    return isinstance(q, torch.Tensor) and q.dim() == 4 and isinstance(q.shape[2], int) \
+        and q.shape[2] == 1
+
+
+def _why_not_decode_attention(g: Graph, sdpa, arch_of) -> str | None:
+    from ..kernels import bf16_decode_attention as attention
+
+    q, k, v = (g.value(x) for x in sdpa.args[:3])
+    mask = _sdpa_argument(sdpa, 3, "attn_mask")
+    if not all(isinstance(x, torch.Tensor) and x.dim() == 4 and x.dtype == torch.bfloat16
+               for x in (q, k, v)):
+        return "q, k and v are not bf16 [B, H, T, D]"
+    if _sdpa_argument(sdpa, 5, "is_causal") or _sdpa_argument(sdpa, 4, "dropout_p"):
+        return "causal or with dropout"
+    arch, why = gpu_arch(q, arch_of)
+    if why is not None:
+        return why
+    batch, heads, _, head_dim = q.shape
+    if k.shape != v.shape or k.shape[0] != batch or k.shape[3] != head_dim:
+        return f"keys {tuple(k.shape)} and values {tuple(v.shape)} do not fit q {tuple(q.shape)}"
+    if k.shape[1] != heads and not sdpa.kwargs.get("enable_gqa"):
+        return "keys and values repeated for grouped-query attention"
+    if heads % k.shape[1]:
+        return f"{heads} query heads over {k.shape[1]} key-value heads"
+    try:
+        attention.check_problem(head_dim, heads // k.shape[1])
+    except ValueError as error:
+        return str(error)
+    if mask is None:
+        return "no mask: every key, not a cache's first L"
+    return _why_not_prefix(g, mask, k.shape[2])
+
+
+def _why_not_prefix(g: Graph, mask, capacity) -> str | None:
+    """Why ``mask`` may admit other than a prefix of the cache's ``capacity`` tokens for
+    each sequence, or None: it must be boolean [B or 1, 1, 1, S], computed from integer
+    inputs of one element alone, and admit a prefix at every value of CHECKED_POSITIONS
+    below S (evaluated here; in the report's trace on the meta device, when compiled)."""
+    value = g.value(mask)
+    if not isinstance(value, torch.Tensor) or value.dtype != torch.bool:
+        return "the mask is not boolean"
+    if value.dim() != 4 or tuple(value.shape[1:3]) != (1, 1) or value.shape[3] != capacity:
+        return f"the mask is {tuple(value.shape)}, not [B, 1, 1, S]"
+    computed_from = ancestors(mask)
+    placeholders = [n for n in computed_from if n.op == "placeholder"]
+    for node in computed_from:
+        held = g.value(node)
+        if node.op == "placeholder" and isinstance(held, torch.Tensor):
+            if held.numel() != 1 or held.is_floating_point() or held.dtype == torch.bool:
+                return f"the mask depends on the input {node.name}"
+        elif node.op not in ("placeholder", "call_function", "call_method"):
+            return f"the mask depends on {node.op} {node.name}"
+    if not any(isinstance(g.value(n), torch.Tensor) for n in placeholders):
+        return "the mask does not depend on the cache's length"
+    if value.device.type == "meta":
+        return None   # the report's trace: checked when compiled for a GPU
+    evaluate = _inputs_subgraph(computed_from, placeholders, mask)
+    for position in (p for p in CHECKED_POSITIONS if p < capacity):
+        inputs = [_filled(g.value(n), position) if isinstance(g.value(n), torch.Tensor)
+                  else traced_size(g.value(n)) for n in placeholders]   # sizes as traced
+        try:
+            got = evaluate(inputs)
+        except Exception as error:   # a mask this check cannot run: left as it is
+            return f"the mask could not be evaluated at position {position}: {error}"
+        admitted = got[:, 0, 0, :]
+        prefix = torch.arange(capacity, device=got.device) < admitted.sum(-1, keepdim=True)
+        if not bool((admitted == prefix).all()):
+            return f"the mask admits other than a prefix of the cache at position {position}"
+    return None
+
+
+def _filled(like: torch.Tensor, value: int) -> torch.Tensor:
+    """A real tensor of ``like``'s shape, dtype and device (``like`` a fake) holding ``value``."""
+    return torch.full(tuple(like.shape), value, dtype=like.dtype, device=like.device)
+
+
+def _inputs_subgraph(nodes, inputs, output):
+    """A function of the values of ``nodes``' placeholders ``inputs`` computing ``output``."""
+    graph, copied = torch.fx.Graph(), {}
+    for n in nodes:
+        copied[n] = (graph.placeholder(n.name) if n in inputs
+                     else graph.node_copy(n, lambda arg: copied[arg]))
+    graph.output(copied[output])
+    module = torch.fx.GraphModule(torch.nn.Module(), graph)
+    return lambda values: module(*values)
+
+
 def _why_not_causal(g: Graph, sdpa, mask) -> str | None:
     from torch.fx.experimental.symbolic_shapes import statically_known_true
 
@@ -557,6 +694,7 @@ def rewrite(gm: torch.fx.GraphModule, example_inputs, *, fp8: bool, arch_of,
     plan += fuse_residuals(g, made)
     plan += use_causal_attention(g)
     plan += read_kv_once(g)
+    plan += use_decode_attention(g, arch_of)
     g.graph.eliminate_dead_code(is_impure_node=_kept_by_dce)
     g.graph.lint()
     gm.recompile()
