@@ -7,12 +7,14 @@ the Llama, against the FP8 recipe computed in torch, with one graph for every to
 import copy
 import functools
 import gc
+import inspect
 
 import pytest
 import torch
 
 import ptxforge
 from ptxforge import compiler
+from ptxforge.ops import attention as attention_op
 from ptxforge.models import Ffn, in_f32
 from ptxforge.testing import reference as recipe
 from ptxforge.testing.checks import calc_diff
@@ -232,26 +234,67 @@ def test_generate_with_step_graphs_gives_the_uncaptured_tokens():
     assert torch.equal(model.generate(ids, **options), expected) and runner.refused is None
 
 
-def test_ptxforge_generate_gives_transformers_greedy_tokens():
+def test_ptxforge_generate_gives_its_forward_s_greedy_tokens():
     """ptxforge.generate (no host synchronisation between steps) on the forward with step
-    graphs: the tokens of transformers' generate on the same compiled forward without
-    them, twice in a row, its decode steps replayed."""
+    graphs: the tokens of the same loop on the same compiled forward without them, twice
+    in a row, its decode steps replayed."""
     transformers = pytest.importorskip("transformers")
     model = _small_llama(transformers, vocab_size=512, hidden_size=256, intermediate_size=512,
                          num_attention_heads=4, num_key_value_heads=2, eos_token_id=None)
     ids = torch.randint(0, 512, (2, 16), device="cuda")
     torch._dynamo.reset()
     model.forward = compiler.compile(model.forward, step_graphs=False)
-    expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
-                              do_sample=False, cache_implementation="static",
-                              disable_compile=True)
+    expected = ptxforge.generate(model, ids, 12)
     del model.forward
     torch._dynamo.reset()
     model.forward = compiler.compile(model.forward)
     for _ in range(2):
         assert torch.equal(ptxforge.generate(model, ids, 12), expected)
-    # The decode step, captured for each generate's cache (its graph went with the cache).
-    assert model.forward.steps.refused is None and len(model.forward.steps.captured) == 1
+    # The decode step captured (on the model's static cache, which the calls share).
+    steps = model.forward.steps
+    assert steps.refused is None and any("(2, 1)" in str(key) for key in steps.captured)
+
+
+def test_decode_steps_on_ptxforge_attention_follow_eager_bf16(monkeypatch):
+    """The forward compiled with fp8=False, its decode steps' attention ptxforge's kernel
+    (a mask of the cache's length alone: no padding mask), over the tokens eager greedy
+    decoding takes: each step's logits within calc_diff 2e-4 of eager bf16's."""
+    transformers = pytest.importorskip("transformers")
+    from ptxforge.compiler import decoding
+
+    model = _small_llama(transformers, vocab_size=2048, hidden_size=1024,
+                         intermediate_size=2048, num_attention_heads=8, num_key_value_heads=2)
+    ids = torch.randint(0, 2048, (2, 40), device="cuda",
+                        generator=torch.Generator("cuda").manual_seed(1))
+    takes = inspect.signature(decoding._transformers_forward(model)).parameters
+
+    def steps(forward, tokens):
+        """Each step's last logits: the prompt, then one token at a time."""
+        cache = transformers.StaticCache(config=model.config, max_cache_len=80)
+        fixed = {"cache" if "cache" in takes else "past_key_values": cache, "use_cache": True}
+        out, at = [], 0
+        for chunk in [tokens[:, :40]] + [tokens[:, i:i + 1] for i in range(40, tokens.shape[1])]:
+            where = ({"cache_position": torch.arange(at, at + chunk.shape[1], device="cuda")}
+                     if "cache_position" in takes else {})
+            out.append(forward(input_ids=chunk, **fixed, **where).logits[:, -1].float())
+            at += chunk.shape[1]
+        return out
+
+    with torch.no_grad():
+        tokens = ids
+        for _ in range(12):      # eager greedy tokens
+            tokens = torch.cat([tokens, steps(model.forward, tokens)[-1].argmax(-1, True)], 1)
+        expected = steps(model.forward, tokens)
+        calls, kernel = [], attention_op.attention_with_kvcache
+        monkeypatch.setattr(attention_op, "attention_with_kvcache",
+                            lambda *a, **k: calls.append(1) or kernel(*a, **k))
+        torch._dynamo.reset()
+        got = steps(compiler.compile(model.forward, fp8=False, step_graphs=False), tokens)
+    assert calls, "the decode steps' attention did not reach ptxforge's kernel"
+    diffs = [calc_diff(mine, theirs) for mine, theirs in zip(got, expected, strict=True)]
+    print("calc_diff of each step's logits against eager bf16: "
+          + ", ".join(f"{d:.1e}" for d in diffs))
+    assert max(diffs) <= 2e-4, diffs
 
 
 @pytest.mark.parametrize("mode", [None, "reduce-overhead"])
