@@ -17,7 +17,9 @@ GPU, so a token costs the GPU's time for it.
 
 The tokens and the length are those of transformers' greedy ``generate`` with a static
 cache on the same model and end and pad tokens (no padding in the prompt: every sequence
-is the prompt's length).
+is the prompt's length), up to the attention's rounding: the model gets no padding mask
+here, so on a compiled forward the decode steps' attention is ptxforge's kernel
+(``attention_with_kvcache``), where transformers' generate, which passes one, keeps SDPA.
 
 The static cache stays with the model for the next call, as transformers' ``generate``
 keeps its own: reset in place (zeroed, its position back to 0) where it holds the batch

@@ -63,17 +63,14 @@ MMA_MIN_PAGE = 16          # the tensor-core form's smallest page: a warp's tile
 MAX_GROUP = 8               # query heads a KV head: each one's query and accumulators
                             # take 16 registers of every thread
 THREADS = 128
-SHARED_PER_SM = 228 << 10    # Hopper's shared memory an SM, and what each CTA's takes
-SHARED_RESERVED = 1 << 10    # besides its own
 NO_SCORE = float("-inf")    # a token past the length
 MAX_START = -1e30           # a running max before any token: finite, so that ex2 of the
                             # difference of two such stays 1, never NaN
 # Registers ptxas may use (through .minnctapersm): up to 4 query heads a KV head (a
 # thread holds 8 dimensions of each one's query and accumulator) 168, three CTAs an SM;
-# more, 255, two; the tensor-core form 168 (its shared memory may allow fewer CTAs).
-# Every variant assembles with no spills (tests/cpu/test_kernels.py).
+# more, 255, two (the tensor-core form: bf16_decode_attention_mma.ctas_per_sm). Every
+# variant assembles with no spills (tests/cpu/test_kernels.py).
 REGISTERS = {False: 168, True: 255}
-MMA_REGISTERS = 168
 
 
 @dataclass(frozen=True)
@@ -145,11 +142,8 @@ class DecodeAttentionConfig:
 
     @property
     def ctas_per_sm(self) -> int:
-        if not self.tensor_cores:
-            return 65536 // (THREADS * REGISTERS[self.wide])
-        from . import bf16_decode_attention_mma as mma
-        return min(65536 // (THREADS * MMA_REGISTERS),
-                   SHARED_PER_SM // (mma.shared_bytes(self) + SHARED_RESERVED))
+        """The CUDA-core form's resident CTAs an SM, by its registers."""
+        return 65536 // (THREADS * REGISTERS[self.wide])
 
 
 def check_problem(head_dim: int, group: int) -> None:

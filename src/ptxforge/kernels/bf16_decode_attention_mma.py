@@ -1,28 +1,37 @@
-"""Decode attention on the tensor cores: the CUDA-core kernel's problem, parameters and
-split (``bf16_decode_attention.py``), its scores and weighted sums as warp-level
-mma.sync m16n8k16 (bf16 in, f32 accumulators).
+"""Decode attention on the tensor cores, the default form for head dims 64 and 128: the
+CUDA-core kernel's problem, parameters and split (``bf16_decode_attention.py``), the cache
+streamed through shared memory, the scores and weighted sums as warp-level mma.sync
+m16n8k16 (bf16 in, or f16 over an e4m3 cache; f32 accumulators).
 
 Each warp takes tiles of 16 tokens (the CTA's four warps 64 a step) and, for its KV head's
 query heads (rows of a 16-row tile: head h in row h, the rows past the group zero):
 
+    ring        the warp's own ring of ``stages`` slots, each a tile's 16 k and 16 v rows
+                copied by cp.async in 16-byte pieces (``_Ring``), on an mbarrier a slot;
+                a slot is refilled with the tile ``stages`` ahead once every lane read it
     S [16 heads, 16 tokens] = Q [16, D] x K^T      (D / 16 mma a token half)
-    online softmax by row (a quad of lanes holds a row's 4 x 2 scores of the tile)
+    online softmax by row (a quad of lanes holds a row's 4 x 2 scores of the tile; the
+                running max moves only when a tile's passes it by MAX_SLACK, so most
+                tiles rescale nothing)
     O [16 heads, D] += P [16, 16 tokens] x V        (D / 8 mma)
 
-Lane (g, t) (g = lane / 4, t = lane % 4) loads tokens g and g + 8 of the tile, in 16-byte
-vectors of dimensions 32 i + 8 t .. + 8. The mma's k index is a permutation of the
-dimensions, the same for Q and K (a dot product is blind to the order), so those vectors
-are K's B fragments as loaded: for chunk i, k-step 2i takes dimensions 32 i + 8 t + {0, 1}
-(b0) and {2, 3} (b1), k-step 2i + 1 takes {4, 5} and {6, 7}; Q's A fragments follow. V is
-B of the second product with k = tokens: each b32 of a V vector is a lane's pair in an 8 x
-8 matrix of (8 tokens, 8 permuted dimensions), and movmatrix.trans turns it into the B
-fragment. The output fragment of n-block (i, j) then holds, for head g, dimensions 32 i +
-8 t + 2 j + {0, 1}: lane (g, t) ends with its head's dimensions 32 i + 8 t .. + 8.
+Lane (g, t) (g = lane / 4, t = lane % 4) reads tokens g and g + 8 of the slot, 16-byte
+vectors of dimensions 32 i + 8 t .. + 8 (8-byte ones of e4m3). The mma's k index is a
+permutation of the dimensions, the same for Q and K (a dot product is blind to the
+order), so those vectors are K's B fragments as read: for chunk i, k-step 2i takes
+dimensions 32 i + 8 t + {0, 1} (b0) and {2, 3} (b1), k-step 2i + 1 takes {4, 5} and {6,
+7}; Q's A fragments follow. V is B of the second product with k = tokens: each b32 of a V
+vector is a lane's pair in an 8 x 8 matrix of (8 tokens, 8 permuted dimensions), and
+movmatrix.trans turns it into the B fragment. The output fragment of n-block (i, j) then
+holds, for head g, dimensions 32 i + 8 t + 2 j + {0, 1}: lane (g, t) ends with its head's
+dimensions 32 i + 8 t .. + 8. The slots' rows are swizzled (``_swizzle``) so that these
+reads hit distinct banks.
 
 The split across CTAs, the workspace layout and the counters are the CUDA-core kernel's
-(``count_split``); the CTA's warps merge through shared memory, after their tokens and
-again in the last split, where each warp folds every fourth split's partial. Head dims
-64 and 128: at 256 the K and V vectors and O's fragments outgrow the registers.
+(``count_split``); the CTA's warps merge through shared memory (the rings' slots, once
+their tokens are done), after their tokens and again in the last split, where each warp
+folds every fourth split's partial. Head dims 64 and 128: at 256 the O fragments and Q's
+outgrow the registers.
 """
 
 from __future__ import annotations
@@ -38,12 +47,15 @@ WARPS = 4
 THREADS = 32 * WARPS
 CHUNK = 32                # dimensions a lane's 16-byte vectors step over
 BANK_BYTES = 128          # a shared-memory wavefront: 32 banks of 4 bytes
+REGISTERS = 168           # ptxas's cap (.minnctapersm 3); every variant fits, no spills
+SHARED_PER_SM = 228 << 10  # Hopper's shared memory an SM, and what each CTA's takes
+SHARED_RESERVED = 1 << 10  # besides its own
 MAX_SLACK = 8.0           # how far (in log2) a tile's max may pass the running one unapplied
 
 
 def generate(cfg) -> KernelBuilder:
     k = KernelBuilder(cfg.name, target=cfg.target, max_threads=THREADS,
-                      min_blocks_per_sm=cfg.ctas_per_sm)
+                      min_blocks_per_sm=ctas_per_sm(cfg))
     k.launch = LaunchShape(block=THREADS, shared_bytes=shared_bytes(cfg))
     p = base._Params(k, cfg)
     with k.stage("programmatic launch: the next kernel on the stream may start"):
@@ -127,6 +139,12 @@ def _fresh(k, state) -> None:
         for frag in chunk:
             for r in frag:
                 k.mov(r, 0.0)
+
+
+def ctas_per_sm(cfg) -> int:
+    """Resident CTAs an SM, by the registers and the rings' shared memory."""
+    return min(65536 // (THREADS * REGISTERS),
+               SHARED_PER_SM // (shared_bytes(cfg) + SHARED_RESERVED))
 
 
 def row_bytes(cfg) -> int:

@@ -4,10 +4,12 @@
 The kernel is specialised on the head size and the query heads a KV head; the batch, the
 heads, the cache's capacity and strides, the lengths and the split of the cache across
 CTAs are run-time arguments. The split comes from the cache's capacity (the lengths stay
-on the GPU, so a call is capturable in a CUDA graph): for the tensor-core form, about one
-CTA an SM (its ring keeps enough bytes in flight to stream at the HBM's rate, and each
-split more costs a partial and its merge; measured on an H200, two to four CTAs an SM
-were 5-10% slower); for the CUDA-core form, enough CTAs for two waves.
+on the GPU, so a call is capturable in a CUDA graph): for the tensor-core form, at most
+one CTA an SM where the pairs of sequence and KV head allow it (one CTA streams about an
+SM's share of the HBM's rate, so a CTA sharing its SM becomes the straggler, and each
+split more costs a partial and its merge; H200, 1 x 131072 tokens, 8 KV heads: 16 splits
+124 us, 17 (four SMs with two CTAs) 144 us, 33 133 us); for the CUDA-core form, enough
+CTAs for two waves.
 """
 
 from __future__ import annotations
@@ -64,12 +66,13 @@ def _check_config(config, head_dim: int, group: int, paged: bool, cache_dtype: s
 
 def split_tokens(cfg, sms: int, batch: int, kv_heads: int, capacity: int) -> int:
     """Tokens a split reads: the cache's capacity over the splits that give the tensor-core
-    form about one CTA an SM, the CUDA-core form WAVES waves of CTAs (at most MAX_SPLITS),
-    at least MIN_SPLIT_STEPS of the kernel's steps each, a whole number of steps."""
+    form at most one CTA an SM (one split a pair where the pairs outnumber the SMs), the
+    CUDA-core form WAVES waves of CTAs (at most MAX_SPLITS), at least MIN_SPLIT_STEPS of
+    the kernel's steps each, a whole number of steps."""
     step = cfg.tokens_per_step
     pairs = batch * kv_heads
     if cfg.tensor_cores:
-        wanted = max(1, round(sms / pairs))
+        wanted = max(1, sms // pairs)
     else:
         wanted = _ceil_div(WAVES * sms * cfg.ctas_per_sm, pairs)
     splits = max(1, min(wanted, capacity // (MIN_SPLIT_STEPS * step), MAX_SPLITS))
