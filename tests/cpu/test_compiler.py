@@ -301,6 +301,17 @@ def test_transformers_causal_mask_and_kv_repeat_go_to_sdpa_with_the_same_result(
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+def cpu_causal_lm(hidden_size=256, num_attention_heads=4):
+    """A 2-layer LlamaForCausalLM on the CPU, 2 key-value heads, SDPA, seeded weights."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        hidden_size=hidden_size, intermediate_size=512, num_attention_heads=num_attention_heads,
+        num_key_value_heads=2, num_hidden_layers=2, vocab_size=128)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
 def _rewritten(fn, plans):
     def backend(gm, example_inputs):
         plans.append(compiler.rewrite(gm, example_inputs))
@@ -314,12 +325,8 @@ def test_decode_steps_over_a_static_cache_read_each_key_once():
     logits as eager at every step of a generate. Three tokens at once (a dynamic count,
     under a mask) keep the repeat, with the reason, and the same logits."""
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
-        num_hidden_layers=2, vocab_size=128)
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    model = cpu_causal_lm()
+    config = model.config
     eager, plans = model.forward, []
     ids = torch.randint(0, 128, (2, 5))
     generation = transformers.GenerationConfig(
@@ -356,12 +363,8 @@ def _decode_step_graph(monkeypatch, padding=False):
     transformers = pytest.importorskip("transformers")
     from ptxforge.compiler import passes
 
-    config = transformers.LlamaConfig(
-        hidden_size=512, intermediate_size=512, num_attention_heads=8, num_key_value_heads=2,
-        num_hidden_layers=2, vocab_size=128)
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval().bfloat16()
+    model = cpu_causal_lm(hidden_size=512, num_attention_heads=8).bfloat16()
+    config = model.config
     monkeypatch.setattr(passes, "gpu_arch", lambda x, arch_of: (hopper(x.device), None))
     graphs = []
 
