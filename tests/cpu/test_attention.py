@@ -112,8 +112,9 @@ def _e4m3_args(**changed):
     (_e4m3_args(v_scale=torch.ones(2, 16, 2)), r"v_scale must be f32 \[B, S_max, Hkv\]"),
     (_e4m3_args(v_scale=torch.ones(2, 2, 32).transpose(1, 2)),
      "k_scale and v_scale must have the same strides"),
-    (_e4m3_args(block_table=torch.zeros(2, 1, dtype=torch.int32)),
-     "e4m3 caches take contiguous caches"),
+    (_e4m3_args(block_table=torch.zeros(2, 1, dtype=torch.int32),
+                v_scale=torch.ones(2, 16, 2)),
+     r"v_scale must be f32 \[num_blocks, page_size, Hkv\] = \[2, 32, 2\]"),
     (_args(k_scale=torch.ones(2, 32, 2), v_scale=torch.ones(2, 32, 2)),
      "k_scale and v_scale go with e4m3 caches"),
 ])

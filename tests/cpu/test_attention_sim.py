@@ -204,3 +204,29 @@ def test_scores_that_keep_growing_move_the_running_max_along(split_tokens):
     assert not np.isnan(got).any()
     np.testing.assert_allclose(got, expected, atol=4e-3, rtol=1e-2)
     assert counters == bytes(len(counters))
+
+
+def test_a_paged_e4m3_cache_takes_its_scales_from_the_same_pages():
+    """An e4m3 pool and its scales [blocks, page, Hkv], pages shuffled (one entry past the
+    pool): fp64 over the gathered, dequantized cache."""
+    pytest.importorskip("torch")
+    head_dim, heads, kv_heads, page_size, pages, lengths = 64, 4, 2, 16, 5, [80, 33]
+    batch = len(lengths)
+    cfg = kernel.choose_config(arch.get("sm_90a"), head_dim, heads // kv_heads, paged=True,
+                               cache_dtype="e4m3")
+    rng = np.random.default_rng(4)
+    blocks = batch * pages + 2
+    q = _bf16(rng.standard_normal((batch, heads, head_dim)))
+    k8, k_scale, k_values = _e4m3(rng.standard_normal((blocks, page_size, kv_heads, head_dim)))
+    v8, v_scale, v_values = _e4m3(3 * rng.standard_normal((blocks, page_size, kv_heads,
+                                                           head_dim)))
+    table = rng.permutation(blocks)[:batch * pages].reshape(batch, pages)
+    table[1, 1] = blocks + 7           # past the pool: its last page
+    got, counters = _run(cfg, q, k8, v8, lengths, 64, table, scales=(k_scale, v_scale))
+    gathered = lambda cache: np.stack([cache[np.minimum(row, blocks - 1)].reshape(
+        pages * page_size, kv_heads, head_dim) for row in table])
+    expected = _reference(_f32(q), gathered(k_values), gathered(v_values), lengths,
+                          head_dim ** -0.5)
+    assert not np.isnan(got).any()
+    np.testing.assert_allclose(got, expected, atol=1e-2, rtol=1e-2)
+    assert counters == bytes(len(counters))

@@ -170,14 +170,18 @@ def generate_attention(cfg):
 
 def _attention(arch, head_dim: int, group: int, cache: str, math: str):
     """Decode attention's configure: ``cache`` contiguous or paged (a block table) bf16,
-    or e4m3 (contiguous, with scales); ``math`` cuda (cores) or mma (tensor cores)."""
-    if cache not in ("contiguous", "paged", "e4m3"):
-        raise ValueError(f"option cache must be contiguous, paged or e4m3, got {cache!r}")
+    or e4m3 or paged-e4m3 (with scales); ``math`` cuda (cores) or mma (tensor cores)."""
+    if cache not in _ATTENTION_CACHES:
+        raise ValueError(f"option cache must be one of {', '.join(_ATTENTION_CACHES)}, got "
+                         f"{cache!r}")
     if math not in ("cuda", "mma"):
         raise ValueError(f"option math must be cuda or mma, got {math!r}")
     return bf16_decode_attention.choose_config(
-        arch, head_dim, group, paged=cache == "paged", tensor_cores=math == "mma",
-        cache_dtype="e4m3" if cache == "e4m3" else "bf16")
+        arch, head_dim, group, paged=cache.startswith("paged"), tensor_cores=math == "mma",
+        cache_dtype="e4m3" if cache.endswith("e4m3") else "bf16")
+
+
+_ATTENTION_CACHES = ("contiguous", "paged", "e4m3", "paged-e4m3")
 
 
 def _combine(arch, hidden: int, topk: int, weight_bits: int):
@@ -268,11 +272,11 @@ REGISTRY = {
                    {"head_dim": 128, "group": 4, "cache": "contiguous", "math": "mma"},
                    tuple({"head_dim": d, "group": g, "cache": c, "math": m}
                          for d in bf16_decode_attention.HEAD_DIMS for g in (1, 2, 4, 8)
-                         for c in ("contiguous", "paged", "e4m3") for m in ("cuda", "mma")
-                         if (m == "cuda" and c != "e4m3")
+                         for c in _ATTENTION_CACHES for m in ("cuda", "mma")
+                         if (m == "cuda" and not c.endswith("e4m3"))
                          or (m == "mma" and d <= bf16_decode_attention.MMA_HEAD_DIM)),
                    "decode attention over a KV cache (group: query heads a KV head; cache: "
-                   "contiguous or paged bf16, or contiguous e4m3; math: cuda cores or mma "
+                   "contiguous or paged, bf16 or e4m3; math: cuda cores or mma "
                    "(tensor cores))"),
         KernelSpec("moe_routing_layout", i64_moe_routing_layout.choose_config,
                    i64_moe_routing_layout.generate, _ROUTING_OPTIONS, _ROUTING_VARIANTS,

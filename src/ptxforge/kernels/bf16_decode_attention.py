@@ -161,7 +161,7 @@ def choose_config(arch: Arch, head_dim: int, group: int, paged: bool = False,
     (``tensor_cores``; by default where it takes the head, D <= MMA_HEAD_DIM; ``stages``:
     the tiles each warp has in flight) or the CUDA-core one; ``paged``: a block table's
     pages (the tensor-core form: of MMA_MIN_PAGE tokens or more); ``cache_dtype`` e4m3:
-    its scales too (the tensor-core form, contiguous)."""
+    its scales too (the tensor-core form)."""
     check_problem(head_dim, group)
     if tensor_cores is None:
         tensor_cores = head_dim <= MMA_HEAD_DIM
@@ -171,8 +171,8 @@ def choose_config(arch: Arch, head_dim: int, group: int, paged: bool = False,
                          f"{MMA_HEAD_DIM}, got {head_dim}")
     if cache_dtype not in ("bf16", "e4m3"):
         raise ValueError(f"cache_dtype must be bf16 or e4m3, got {cache_dtype!r}")
-    if cache_dtype == "e4m3" and (paged or not tensor_cores):
-        raise ValueError("an e4m3 cache takes the tensor-core form and a contiguous cache")
+    if cache_dtype == "e4m3" and not tensor_cores:
+        raise ValueError("an e4m3 cache takes the tensor-core form")
     if not 1 <= stages <= 8:
         raise ValueError(f"stages must be from 1 to 8, got {stages}")
     return DecodeAttentionConfig(head_dim, group, arch.target, paged, tensor_cores, cache_dtype,
@@ -224,7 +224,8 @@ class _Params:
             self.block_table_stride = k.param("block_table_stride", "u32")  # elements
             self.page_shift = k.param("page_shift", "u32")
             self.num_blocks = k.param("num_blocks", "u32")
-        # e4m3: each (token, KV head)'s f32 scales of k and v, strides in bytes.
+        # e4m3: each (token, KV head)'s f32 scales of k and v, strides in bytes (paged:
+        # scale_batch_stride is a page's, under 4 GiB, the scales paged as the caches).
         if cfg.cache_dtype == "e4m3":
             self.k_scale, self.v_scale = k.param("k_scale", "u64"), k.param("v_scale", "u64")
             self.scale_batch_stride = k.param("scale_batch_stride", "u64")
@@ -302,11 +303,14 @@ def _pointers(k, cfg, p, t, cache_vectors: bool = True) -> SimpleNamespace:
         ptrs.v = at("v_ptr", p.v, *sequence, (t.kv_head, p.v_head_stride),
                     vector_bytes=row_vector)
         if cfg.cache_dtype == "e4m3":
-            terms = ((t.seq, p.scale_batch_stride), (t.kv_head, p.scale_head_stride))
+            sequence = () if cfg.paged else ((t.seq, p.scale_batch_stride),)
+            terms = (*sequence, (t.kv_head, p.scale_head_stride))
             ptrs.k_scale = at("k_scale_ptr", p.k_scale, *terms, vector_bytes=0)
             ptrs.v_scale = at("v_scale_ptr", p.v_scale, *terms, vector_bytes=0)
             ptrs.scale_token = k.reg("u32", "scale_token_bytes")
             k.ld_param(ptrs.scale_token, p.scale_token_stride)
+            if cfg.paged:
+                ptrs.scale_page = narrow("scale_page_bytes", p.scale_batch_stride)
         if cfg.paged:
             _page_pointers(k, p, t, ptrs, narrow)
         first_head = k.reg("u32", "first_head")

@@ -308,7 +308,12 @@ class _Ring:
         if self.e4m3:
             k.add(token, tile, self.scale_row)
             k.min(token, token, last)
-            k.mad(src, token, ptrs.scale_token, self.scales, mode="wide")
+            scales = self.scales
+            if cfg.paged:      # the scales paged as the caches, the tile's page
+                scales = k.reg("u64", "copy_page_scales")
+                k.mad(scales, page, ptrs.scale_page, self.scales, mode="wide")
+                k.and_(token, token, ptrs.row_mask)
+            k.mad(src, token, ptrs.scale_token, scales, mode="wide")
             k.add(dst, slot.base, self.scale_dst)
             k.cp_async(addr(dst, slot.offset), addr(src), 4)
         k.cp_async_mbarrier_arrive(bar)

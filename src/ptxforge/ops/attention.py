@@ -128,9 +128,10 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     sequence b in page block_table[b, t // page_size] at row t % page_size; page_size a
     power of two; S_max = pages x page_size. A page index outside [0, num_blocks) reads
     the last page (never outside the pool; the table is on the GPU, unchecked here).
-    k_scale, v_scale: with e4m3 caches (torch.float8_e4m3fn, contiguous caches, D up to
-    128), each (token, KV head)'s f32 scale, [B, S_max, Hkv] (the strides free, the same
-    for both): the cached k is k_cache * k_scale, v likewise. The scores and the weights
+    k_scale, v_scale: with e4m3 caches (torch.float8_e4m3fn, D up to 128), each (token, KV
+    head)'s f32 scale, [B, S_max, Hkv] (paged: [num_blocks, page_size, Hkv], paged as the
+    caches; the strides free, the same for both): the cached k is k_cache * k_scale, v
+    likewise. The scores and the weights
     take them; the tensor cores read the e4m3 values as f16 pairs (Q and P in f16). At D
     = 128, ``quantize_fp8_per_token(k.view(-1, 128), "row_major")`` writes new rows so:
     one scale a (token, KV head), amax / 448.
@@ -243,22 +244,26 @@ def _scales(k_scale, v_scale, e4m3: bool, cache_shape, head_dim: int, block_tabl
     if k_scale is None or v_scale is None:
         raise ValueError("e4m3 caches need k_scale and v_scale: f32 [B, S_max, Hkv], each "
                          "(token, KV head)'s scale")
-    if block_table is not None or head_dim > attention_kernel.MMA_HEAD_DIM:
-        raise ValueError(f"e4m3 caches take contiguous caches and head_dim up to "
-                         f"{attention_kernel.MMA_HEAD_DIM}, got "
-                         f"{'a block table' if block_table is not None else head_dim}")
+    if head_dim > attention_kernel.MMA_HEAD_DIM:
+        raise ValueError(f"e4m3 caches take head_dim up to {attention_kernel.MMA_HEAD_DIM}, "
+                         f"got {head_dim}")
     found = []
     for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
         shape, strides, ptr, _ = inspect(name, scale, torch.float32, 3, align=4, device=device,
                                          rows=False)
         if tuple(shape) != tuple(cache_shape[:3]):
-            raise ValueError(f"{name} must be f32 [B, S_max, Hkv] = {list(cache_shape[:3])}, "
-                             f"got shape {tuple(shape)}")
+            layout = "[num_blocks, page_size, Hkv]" if block_table is not None else \
+                "[B, S_max, Hkv]"
+            raise ValueError(f"{name} must be f32 {layout} = {list(cache_shape[:3])}, got "
+                             f"shape {tuple(shape)}")
         found.append((strides, ptr))
     if found[0][0] != found[1][0]:
         raise ValueError(f"k_scale and v_scale must have the same strides, got "
                          f"{found[0][0]} and {found[1][0]}")
     strides = found[0][0]
+    if block_table is not None and 4 * strides[0] >= 1 << 32:
+        raise ValueError(f"paged scales' page stride must be under 4 GiB, got {strides[0]} "
+                         f"elements")
     return dict(k_scale=found[0][1], v_scale=found[1][1], scale_batch_stride=4 * strides[0],
                 scale_token_stride=4 * strides[1], scale_head_stride=4 * strides[2])
 
