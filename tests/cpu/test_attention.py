@@ -39,8 +39,12 @@ def _args(batch=2, heads=8, kv_heads=2, head_dim=64, capacity=32, q_len=1, **cha
 
 
 @pytest.mark.parametrize("changed, error, message", [
-    ({"q": torch.zeros(2, 2, 8, 64, dtype=torch.bfloat16)}, ValueError,
-     r"q must hold one token a sequence \(\[B, 1, Hq, D\]\), got shape \(2, 2, 8, 64\)"),
+    ({"q": torch.zeros(2, 5, 8, 64, dtype=torch.bfloat16)}, ValueError,
+     r"q's 5 tokens a sequence take the tensor-core form: head_dim up to 128, pages of 16 "
+     r"tokens or more and q_len x Hq / Hkv up to 16; got head_dim 64, 5 x 4"),
+    ({"q": torch.zeros(2, 0, 8, 64, dtype=torch.bfloat16)}, ValueError,
+     r"q must hold at least one token a sequence"),
+    ({"causal": 1}, TypeError, "causal must be a bool, got 1"),
     ({"k_cache": torch.zeros(3, 32, 2, 64, dtype=torch.bfloat16)}, ValueError,
      r"k_cache must be \[B, S_max, Hkv, D\] with q's B = 2 and D = 64"),
     ({"v_cache": torch.zeros(2, 16, 2, 64, dtype=torch.bfloat16)}, ValueError,
@@ -77,8 +81,8 @@ def test_a_config_must_fit_the_call():
         ptxforge.attention_with_kvcache(**_args(), config="mma")
     wrong = kernel.choose_config(sm90, 128, 4, tensor_cores=True)
     with pytest.raises(ValueError, match=r"config does not fit the call: it is for \(head_dim, "
-                       r"group, paged, cache dtype\) \(128, 4, False, 'bf16'\), the call "
-                       r"needs \(64, 4, False, 'bf16'\)"):
+                       r"group, paged, cache dtype, q_len, causal\) \(128, 4, False, 'bf16', "
+                       r"1, True\), the call needs \(64, 4, False, 'bf16', 1, True\)"):
         ptxforge.attention_with_kvcache(**_args(), config=wrong)
     right = kernel.choose_config(sm90, 64, 4, tensor_cores=True)
     with pytest.raises(ValueError, match="q must be on a CUDA device"):   # past the check

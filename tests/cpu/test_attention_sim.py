@@ -43,20 +43,23 @@ def _reference(q, k, v, lengths, scale):
 
 
 def _run(cfg, q, k, v, lengths, split_tokens, table=None, scales=None):
-    """The kernel on the simulator: out as floats [B, Hq, D], and the counters' bytes.
-    ``table``: a paged cache's block table (k and v then [blocks, page, Hkv, D]).
-    ``scales``: an e4m3 cache's (k_scale, v_scale), f32 [B, S, Hkv]."""
-    batch, heads, head_dim = q.shape
+    """The kernel on the simulator: out as floats [B, Hq, D] (q [B, q_len, Hq, D]: out
+    [B, q_len, Hq, D]), and the counters' bytes. ``table``: a paged cache's block table (k
+    and v then [blocks, page, Hkv, D]). ``scales``: an e4m3 cache's (k_scale, v_scale), f32
+    [B, S, Hkv]."""
+    q_len = q.shape[1] if q.ndim == 4 else 1
+    batch, heads, head_dim = q.shape[0], q.shape[-2], q.shape[-1]
     kv_heads, size = k.shape[2], k.itemsize
     capacity = k.shape[1] * (table.shape[1] if table is not None else 1)
     splits, pairs, group = -(-capacity // split_tokens), batch * kv_heads, heads // kv_heads
+    rows = q_len * group
     memory = Memory()
-    out = memory.alloc(2 * batch * heads * head_dim, fill=0xFF)   # poisoned: NaN bf16s
+    out = memory.alloc(2 * batch * q_len * heads * head_dim, fill=0xFF)   # poisoned: NaNs
     counters = memory.alloc(4 * pairs)
     scale = head_dim ** -0.5
     rows = size * k.shape[1] * kv_heads * head_dim      # a sequence's, or a page's, bytes
     args = dict(
-        q=memory.put(q.tobytes()), q_batch_stride=2 * heads * head_dim,
+        q=memory.put(q.tobytes()), q_batch_stride=2 * q_len * heads * head_dim,
         q_head_stride=2 * head_dim,
         k=memory.put(k.tobytes()), k_batch_stride=rows, k_head_stride=size * head_dim,
         k_token_stride=size * kv_heads * head_dim,
@@ -65,8 +68,10 @@ def _run(cfg, q, k, v, lengths, split_tokens, table=None, scales=None):
         seqlens=memory.put(np.array(lengths, dtype=np.int32).tobytes()), capacity=capacity,
         split_tokens=split_tokens,
         scale_log2=struct.unpack("<I", struct.pack("<f", scale * LOG2E))[0],
-        out=out, partial=memory.alloc(4 * pairs * splits * group * head_dim, fill=0xFF),
-        partial_ml=memory.alloc(8 * pairs * splits * group, fill=0xFF), counters=counters)
+        out=out, partial=memory.alloc(4 * pairs * splits * rows * head_dim, fill=0xFF),
+        partial_ml=memory.alloc(8 * pairs * splits * rows, fill=0xFF), counters=counters)
+    if q_len > 1:
+        args.update(q_token_stride=2 * heads * head_dim)
     if scales is not None:
         args.update(k_scale=memory.put(scales[0].astype(np.float32).tobytes()),
                     v_scale=memory.put(scales[1].astype(np.float32).tobytes()),
@@ -81,7 +86,8 @@ def _run(cfg, q, k, v, lengths, split_tokens, table=None, scales=None):
     sim.launch("attention", built.ptx(), (splits, kv_heads, batch), 128,
                shared_bytes=built.launch.shared_bytes, **args)
     sim.run()
-    got = _f32(np.frombuffer(memory.read(out, 2 * batch * heads * head_dim), dtype=np.uint16))
+    got = _f32(np.frombuffer(memory.read(out, 2 * batch * q_len * heads * head_dim),
+                             dtype=np.uint16))
     return got.reshape(q.shape), memory.read(counters, 4 * pairs)
 
 
@@ -229,4 +235,41 @@ def test_a_paged_e4m3_cache_takes_its_scales_from_the_same_pages():
                           head_dim ** -0.5)
     assert not np.isnan(got).any()
     np.testing.assert_allclose(got, expected, atol=1e-2, rtol=1e-2)
+    assert counters == bytes(len(counters))
+
+
+def _reference_tokens(q, k, v, lengths, scale, causal):
+    """q [B, q_len, Hq, D], k and v [B, S, Hkv, D]: out [B, q_len, Hq, D] in fp64, query
+    token j seeing the first L - (q_len - 1 - j) tokens where causal, L otherwise."""
+    q_len = q.shape[1]
+    out = np.zeros(q.shape)
+    for j in range(q_len):
+        seen = [max(0, n - (q_len - 1 - j)) if causal else n for n in lengths]
+        out[:, j] = _reference(q[:, j], k, v, seen, scale)
+    return out
+
+
+@pytest.mark.parametrize("q_len, heads, kv_heads, lengths, split_tokens, causal", [
+    (4, 8, 2, [150, 2], 64, True),     # 16 rows, a length under q_len, three splits
+    (2, 8, 1, [64, 100], 256, True),   # 16 rows, one split
+    (5, 3, 1, [77, 130], 64, True),    # 15 rows: one row past them
+    (3, 4, 2, [0, 129], 64, False),    # 12 rows, each token sees all L
+    (8, 1, 1, [20, 140], 64, True),    # 8 rows (no second row a lane)
+])
+def test_several_query_tokens_see_the_cache_causally(q_len, heads, kv_heads, lengths,
+                                                     split_tokens, causal):
+    """Speculative decoding's query tokens, q [B, q_len, Hq, D], the tile's rows (token j,
+    head h) = j x group + h: against fp64 where token j sees the cache's first L - (q_len -
+    1 - j) tokens (FlashAttention's causal, bottom-right), or all L."""
+    head_dim, capacity, batch = 64, 150, len(lengths)
+    cfg = kernel.choose_config(arch.get("sm_90a"), head_dim, heads // kv_heads, q_len=q_len,
+                               causal=causal)
+    rng = np.random.default_rng(5)
+    q = _bf16(rng.standard_normal((batch, q_len, heads, head_dim)))
+    k = _bf16(rng.standard_normal((batch, capacity, kv_heads, head_dim)))
+    v = _bf16(rng.standard_normal((batch, capacity, kv_heads, head_dim)))
+    got, counters = _run(cfg, q, k, v, lengths, split_tokens)
+    expected = _reference_tokens(_f32(q), _f32(k), _f32(v), lengths, head_dim ** -0.5, causal)
+    assert not np.isnan(got).any()
+    np.testing.assert_allclose(got, expected, atol=4e-3, rtol=1e-2)
     assert counters == bytes(len(counters))

@@ -204,3 +204,55 @@ def test_a_paged_e4m3_cache_gives_the_contiguous_one_s_bits():
                                                  k_scale=gather(scales[0]),
                                                  v_scale=gather(scales[1]))
     assert not paged.isnan().any() and torch.equal(paged, contiguous)
+
+
+def reference_tokens(q, k, v, lengths, causal=True):
+    """q [B, q_len, Hq, D]: token j over the first L - (q_len - 1 - j) keys where causal."""
+    q_len = q.shape[1]
+    out = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
+    for j in range(q_len):
+        seen = (lengths - (q_len - 1 - j)).clamp(min=0) if causal else lengths
+        out[:, j:j + 1] = reference(q[:, j:j + 1], k, v, seen)
+    return out
+
+
+@pytest.mark.parametrize("q_len, heads, kv_heads, head_dim, causal", [
+    (2, 64, 8, 128, True), (4, 32, 8, 128, True), (8, 16, 8, 64, True),
+    (3, 32, 8, 128, False), (5, 9, 3, 64, True)])
+@pytest.mark.parametrize("layout", ["flash", "transformers"])
+def test_several_query_tokens_match_fp64(q_len, heads, kv_heads, head_dim, causal, layout):
+    """Speculative decoding's q_len tokens a sequence (causal among themselves, or not):
+    lengths under q_len, at a split's edge and the whole cache; the same bits twice."""
+    batch, capacity = 4, 3000
+    g = torch.Generator(device="cuda").manual_seed(3)
+    _, k, v, lengths = problem(batch, capacity, heads, kv_heads, head_dim,
+                               [3000, q_len - 1, 1, 1025], layout=layout)
+    q = torch.randn(batch, q_len, heads, head_dim, device="cuda", generator=g).bfloat16()
+    out = ptxforge.attention_with_kvcache(q, k, v, lengths, causal=causal)
+    check(out, reference_tokens(q, k, v, lengths, causal))
+    assert torch.equal(out, ptxforge.attention_with_kvcache(q, k, v, lengths, causal=causal))
+
+
+def test_several_query_tokens_over_paged_e4m3():
+    """Two tokens a sequence over an e4m3 cache in pages: the contiguous cache's bits."""
+    batch, pages, page, heads, kv_heads, head_dim = 2, 20, 64, 32, 8, 128
+    g = torch.Generator(device="cuda").manual_seed(1)
+    blocks = batch * pages + 3
+    x = torch.randn(2, blocks * page * kv_heads, head_dim, device="cuda", generator=g)
+    quantized = [ptxforge.quantize_fp8_per_token(y.bfloat16(), "row_major") for y in x]
+    caches = [q8.view(blocks, page, kv_heads, head_dim) for q8, _ in quantized]
+    scales = [scale.view(blocks, page, kv_heads) for _, scale in quantized]
+    table = torch.randperm(blocks, device="cuda", generator=g)[:batch * pages]
+    table = table.view(batch, pages).int()
+    q = torch.randn(batch, 2, heads, head_dim, device="cuda", generator=g).bfloat16()
+    lengths = torch.tensor([pages * page, 700], dtype=torch.int32, device="cuda")
+    gather = lambda x: x[table.long()].reshape(batch, pages * page, *x.shape[2:])
+    paged = ptxforge.attention_with_kvcache(q, *caches, lengths, block_table=table,
+                                            k_scale=scales[0], v_scale=scales[1])
+    contiguous = ptxforge.attention_with_kvcache(q, *map(gather, caches), lengths,
+                                                 k_scale=gather(scales[0]),
+                                                 v_scale=gather(scales[1]))
+    assert not paged.isnan().any() and torch.equal(paged, contiguous)
+    values = [gather(c).float() * gather(s)[..., None] for c, s in zip(caches, scales)]
+    ref = reference_tokens(q, *values, lengths)
+    assert (paged.double() - ref).abs().max().item() <= 1e-2 + 1e-2 * ref.abs().max().item()

@@ -60,6 +60,7 @@ VECTOR_BYTES = 16
 HEAD_DIMS = (64, 128, 256)
 MMA_HEAD_DIM = 128         # the tensor-core form's widest head: 256 spills (ptxas 13.0)
 MMA_MIN_PAGE = 16          # the tensor-core form's smallest page: a warp's tile in one page
+MMA_ROWS = 16              # the tensor-core tile's rows: query tokens x heads a KV head
 MAX_GROUP = 8               # query heads a KV head: each one's query and accumulators
                             # take 16 registers of every thread
 THREADS = 128
@@ -82,6 +83,9 @@ class DecodeAttentionConfig:
     tensor_cores: bool = False  # mma.sync (bf16_decode_attention_mma.py)
     cache_dtype: str = "bf16"   # or e4m3, with per-token-and-head f32 scales (tensor cores)
     stages: int = 3            # the tensor-core form's tiles in flight a warp
+    q_len: int = 1             # query tokens a sequence (the tensor-core form: up to 16 rows)
+    causal: bool = True        # with q_len > 1: token j of q_len sees the cache's first L -
+                               # (q_len - 1 - j) tokens (FlashAttention's, bottom-right)
 
     @property
     def name(self) -> str:
@@ -89,7 +93,14 @@ class DecodeAttentionConfig:
                 + (f"_mma_s{self.stages}" if self.tensor_cores
                    else f"_t{self.tokens_per_thread}")
                 + ("_paged" if self.paged else "")
-                + ("_e4m3" if self.cache_dtype == "e4m3" else ""))
+                + ("_e4m3" if self.cache_dtype == "e4m3" else "")
+                + (f"_q{self.q_len}" + ("" if self.causal else "_full") if self.q_len > 1
+                   else ""))
+
+    @property
+    def rows(self) -> int:
+        """The tensor-core tile's rows: query token j's head h in row j x group + h."""
+        return self.q_len * self.group
 
     @property
     def tokens_per_thread(self) -> int:
@@ -156,12 +167,13 @@ def check_problem(head_dim: int, group: int) -> None:
 
 def choose_config(arch: Arch, head_dim: int, group: int, paged: bool = False,
                   tensor_cores: bool | None = None, cache_dtype: str = "bf16",
-                  stages: int = 3) -> DecodeAttentionConfig:
+                  stages: int = 3, q_len: int = 1, causal: bool = True) -> DecodeAttentionConfig:
     """The kernel for ``group`` query heads a KV head of ``head_dim``: the tensor-core form
     (``tensor_cores``; by default where it takes the head, D <= MMA_HEAD_DIM; ``stages``:
     the tiles each warp has in flight) or the CUDA-core one; ``paged``: a block table's
     pages (the tensor-core form: of MMA_MIN_PAGE tokens or more); ``cache_dtype`` e4m3:
-    its scales too (the tensor-core form)."""
+    its scales too (the tensor-core form); ``q_len`` query tokens a sequence, ``causal``
+    among themselves (the tensor-core form, q_len x group up to MMA_ROWS)."""
     check_problem(head_dim, group)
     if tensor_cores is None:
         tensor_cores = head_dim <= MMA_HEAD_DIM
@@ -175,8 +187,12 @@ def choose_config(arch: Arch, head_dim: int, group: int, paged: bool = False,
         raise ValueError("an e4m3 cache takes the tensor-core form")
     if not 1 <= stages <= 8:
         raise ValueError(f"stages must be from 1 to 8, got {stages}")
+    if q_len < 1 or (q_len > 1 and not tensor_cores) or q_len * group > MMA_ROWS:
+        raise ValueError(f"q_len query tokens a sequence take the tensor-core form, q_len x "
+                         f"query heads a KV head up to {MMA_ROWS}: got q_len {q_len} x "
+                         f"{group}" + ("" if tensor_cores else " on CUDA cores"))
     return DecodeAttentionConfig(head_dim, group, arch.target, paged, tensor_cores, cache_dtype,
-                                 stages)
+                                 stages, q_len, causal)
 
 
 def generate(cfg: DecodeAttentionConfig) -> KernelBuilder:
@@ -212,6 +228,8 @@ class _Params:
         self.q = k.param("q", "u64")
         self.q_batch_stride = k.param("q_batch_stride", "u64")
         self.q_head_stride = k.param("q_head_stride", "u64")
+        if cfg.q_len > 1:
+            self.q_token_stride = k.param("q_token_stride", "u64")
         for name in ("k", "v"):
             setattr(self, name, k.param(name, "u64"))
             for stride in ("batch", "head", "token"):
@@ -329,9 +347,11 @@ def _pointers(k, cfg, p, t, cache_vectors: bool = True) -> SimpleNamespace:
         at_len = k.reg("u64", "seqlen_at")
         k.ld_param(at_len, p.seqlens)
         k.mad(at_len, t.seq, 4, at_len, mode="wide")
+        # the sequence's length, at most S_max (unsigned here: a length of -1 is past it)
+        ptrs.length, capacity = length, k.reg("u32", "capacity")
         k.ld(length, addr(at_len), nc=True)
-        k.min(ptrs.end, ptrs.end, length)      # a length is unsigned here: -1 is past S_max
-        k.ld_param(length, p.capacity)
+        k.ld_param(capacity, p.capacity)
+        k.min(length, length, capacity)
         k.min(ptrs.end, ptrs.end, length)
     return ptrs
 

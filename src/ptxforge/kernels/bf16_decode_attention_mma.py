@@ -47,7 +47,8 @@ WARPS = 4
 THREADS = 32 * WARPS
 CHUNK = 32                # dimensions a lane's 16-byte vectors step over
 BANK_BYTES = 128          # a shared-memory wavefront: 32 banks of 4 bytes
-REGISTERS = 168           # ptxas's cap (.minnctapersm 3); every variant fits, no spills
+REGISTERS = {False: 168, True: 255}   # ptxas's cap by whether the tile has rows past 8
+                                       # (a lane holding two rows); no variant spills
 SHARED_PER_SM = 228 << 10  # Hopper's shared memory an SM, and what each CTA's takes
 SHARED_RESERVED = 1 << 10  # besides its own
 MAX_SLACK = 8.0           # how far (in log2) a tile's max may pass the running one unapplied
@@ -60,26 +61,56 @@ def generate(cfg) -> KernelBuilder:
     p = base._Params(k, cfg)
     with k.stage("programmatic launch: the next kernel on the stream may start"):
         k.griddepcontrol_launch_dependents()
-    t = _coordinates(k)
+    t = _coordinates(k, cfg)
     ring = _Ring(k, cfg, t)
     with k.stage("wait for the kernel before this one"):
         k.griddepcontrol_wait()
     ptrs = base._pointers(k, cfg, p, t, cache_vectors=False)
     ring.lane_rows(t, ptrs)
     q = _query_fragments(k, cfg, p, ptrs, t)
-    state = _state(k, cfg)
+    state = _state(k, cfg, t)
     _tiles(k, cfg, t, ptrs, q, state, ring)
     _finish(k, cfg, p, t, state, ring.base)
     return k
 
 
-def _coordinates(k) -> SimpleNamespace:
+def _coordinates(k, cfg) -> SimpleNamespace:
     """The CUDA-core kernel's coordinates with four threads a token (the quad's t is the
-    vector ``_pointers`` offsets rows by), and the lane's row g."""
+    vector ``_pointers`` offsets rows by), the lane's row g and its rows of the tile."""
     t = base._coordinates(k, 4)
     t.row = k.reg("u32", "row_g")
     k.shr(t.row, t.lane, 2)
+    t.rows = _lane_rows(k, cfg, t.row)
     return t
+
+
+def _lane_rows(k, cfg, g) -> list:
+    """Lane (g, t)'s rows of the tile (query token j's head h in row j x group + h): g,
+    and g + 8 where the rows pass 8 (the mma's accumulators c0, c1 and c2, c3). Each has
+    its index (clamped to the last row: a row past the rows reads that row's query and
+    stores nothing), whether it is real, its query token and head, and with causal query
+    tokens how many of the cache's last tokens it does not see (q_len - 1 - j)."""
+    rows = []
+    with k.stage("this lane's rows of the tile: query token and head"):
+        for half in range(2 if cfg.rows > 8 else 1):
+            name = "_hi" if half else ""
+            r = SimpleNamespace(half=half, components=(2 * half, 2 * half + 1), name=name,
+                                unseen=None)
+            r.index, r.real = k.reg("u32", "tile_row" + name), k.pred("real_row" + name)
+            k.add(r.index, g, 8 * half)
+            k.setp("lt", r.real, r.index, cfg.rows)
+            k.min(r.index, r.index, cfg.rows - 1)
+            r.token, r.head = None, r.index
+            if cfg.q_len > 1:
+                r.token, r.head = k.reg("u32", "q_token" + name), k.reg("u32", "q_head" + name)
+                k.div(r.token, r.index, cfg.group)
+                k.rem(r.head, r.index, cfg.group)
+                if cfg.causal:
+                    r.unseen = k.reg("u32", "unseen" + name)
+                    k.mov(r.unseen, cfg.q_len - 1)
+                    k.sub(r.unseen, r.unseen, r.token)
+            rows.append(r)
+    return rows
 
 
 def _chunks(cfg) -> int:
@@ -93,48 +124,60 @@ def _operands(cfg) -> str:
 
 
 def _query_fragments(k, cfg, p, ptrs, t) -> list:
-    """Per k-step, the A fragment's a0 and a2 (row g: head g, zero past the group) as
-    bf16 pairs of q times scale * log2(e); a1 and a3 (rows g + 8) are zero."""
-    with k.stage("Q's A fragments: head g's permuted dimensions, scaled, in bf16"):
-        scale, real = k.reg("f32", "scale_log2"), k.pred("real_head")
+    """Per k-step, the A fragment (a0, a1, a2, a3) as pairs of q times scale * log2(e): a0
+    and a2 of row g, a1 and a3 of row g + 8 (its query token's head's permuted dimensions;
+    zero past the rows)."""
+    with k.stage("Q's A fragments: each row's permuted dimensions, scaled, as mma pairs"):
+        scale, zero = k.reg("f32", "scale_log2"), k.reg("b32", "q_zero")
         k.ld_param(scale, p.scale_log2)
-        k.setp("lt", real, t.row, cfg.group)
+        k.mov(zero, 0)
+        steps = [[zero] * 4 for _ in range(2 * _chunks(cfg))]
         at, wide = k.reg("u64", "q_at"), k.reg("u64", "q_row")
-        k.cvt(wide, t.row, dtype="u64")
-        k.mad(at, wide, ptrs.q_head_stride, ptrs.q, mode="lo", type="u64")
         packed, f32 = k.regs("b32", 4, "q_packed"), k.regs("f32", 8, "q_f32")
-        steps = []
-        for i in range(_chunks(cfg)):
-            for word in packed:
-                k.mov(word, 0)
-            with k.guard(real):
-                k.ld(packed, addr(at, i * CHUNK * 2), nc=True)
-            base._unpack(k, f32, packed)
-            for value in f32:
-                k.mul(value, value, scale)
-            for half in range(2):       # k-step 2i + half: dimensions 4 half + {0, 1}, {2, 3}
-                a0, a2 = k.reg("b32", f"qa{i}_{half}_0"), k.reg("b32", f"qa{i}_{half}_2")
-                pair = _operands(cfg) + "x2"
-                k.cvt(a0, f32[4 * half + 1], f32[4 * half], dtype=pair, rnd="rn")
-                k.cvt(a2, f32[4 * half + 3], f32[4 * half + 2], dtype=pair, rnd="rn")
-                steps.append((a0, a2))
+        for r in t.rows:
+            k.cvt(wide, r.head, dtype="u64")
+            k.mad(at, wide, ptrs.q_head_stride, ptrs.q, mode="lo", type="u64")
+            if r.token is not None:
+                stride = k.reg("u64", "q_token_stride")
+                k.ld_param(stride, p.q_token_stride)
+                k.cvt(wide, r.token, dtype="u64")
+                k.mad(at, wide, stride, at, mode="lo", type="u64")
+            for i in range(_chunks(cfg)):
+                for word in packed:
+                    k.mov(word, 0)
+                with k.guard(r.real):
+                    k.ld(packed, addr(at, i * CHUNK * 2), nc=True)
+                base._unpack(k, f32, packed)
+                for value in f32:
+                    k.mul(value, value, scale)
+                for half in range(2):    # k-step 2i + half: dimensions 4 half + {0, 1}, {2, 3}
+                    lo = k.reg("b32", f"qa{i}_{half}{r.name}_lo")
+                    hi = k.reg("b32", f"qa{i}_{half}{r.name}_hi")
+                    pair = _operands(cfg) + "x2"
+                    k.cvt(lo, f32[4 * half + 1], f32[4 * half], dtype=pair, rnd="rn")
+                    k.cvt(hi, f32[4 * half + 3], f32[4 * half + 2], dtype=pair, rnd="rn")
+                    # row g: a0 (k 0..7), a2 (k 8..15); row g + 8: a1, a3
+                    steps[2 * i + half][r.half] = lo
+                    steps[2 * i + half][r.half + 2] = hi
     return steps
 
 
-def _state(k, cfg) -> SimpleNamespace:
-    """Row g's running max and (this lane's part of the) sum, and O's fragments: for chunk
-    i and movmatrix j, c0..c3 (c2, c3: rows g + 8, never read)."""
-    state = SimpleNamespace(max=k.reg("f32", "m"), sum=k.reg("f32", "l"),
-                            out=[[k.regs("f32", 4, f"o{i}_{j}_") for j in range(4)]
-                                 for i in range(_chunks(cfg))])
+def _state(k, cfg, t) -> SimpleNamespace:
+    """Each of the lane's rows' running max and (this lane's part of the) sum, and O's
+    fragments: for chunk i and movmatrix j, c0..c3 (c0, c1 row g's, c2, c3 row g + 8's)."""
+    state = SimpleNamespace(
+        rows=[SimpleNamespace(lane=r, max=k.reg("f32", "m" + r.name),
+                              sum=k.reg("f32", "l" + r.name)) for r in t.rows],
+        out=[[k.regs("f32", 4, f"o{i}_{j}_") for j in range(4)] for i in range(_chunks(cfg))])
     with k.stage("running max, sum and O"):
         _fresh(k, state)
     return state
 
 
 def _fresh(k, state) -> None:
-    k.mov(state.max, base.MAX_START)
-    k.mov(state.sum, 0.0)
+    for row in state.rows:
+        k.mov(row.max, base.MAX_START)
+        k.mov(row.sum, 0.0)
     for chunk in state.out:
         for frag in chunk:
             for r in frag:
@@ -143,7 +186,7 @@ def _fresh(k, state) -> None:
 
 def ctas_per_sm(cfg) -> int:
     """Resident CTAs an SM, by the registers and the rings' shared memory."""
-    return min(65536 // (THREADS * REGISTERS),
+    return min(65536 // (THREADS * REGISTERS[cfg.rows > 8]),
                SHARED_PER_SM // (shared_bytes(cfg) + SHARED_RESERVED))
 
 
@@ -187,7 +230,8 @@ def _slots_bytes(cfg) -> int:
 
 
 def _record_bytes(cfg) -> int:
-    return 8 * _chunks(cfg) * 4 + 16
+    """A lane's record in the warp merge: each of its rows' O values, then (max, sum)."""
+    return (8 * _chunks(cfg) * 4 + 16) * (2 if cfg.rows > 8 else 1)
 
 
 def shared_bytes(cfg) -> int:
@@ -202,9 +246,10 @@ class _Ring:
     run of whole rows (a row's pieces from neighbouring lanes: coalesced), into the
     slot's swizzled rows (``_swizzle``). Tokens past the split's end copy its last
     token's row instead: a partial tile repeats a real row, whose score the softmax
-    masks, so no slot holds stale or uninitialised values. Each lane then arrives on the slot's barrier once its copies
-    land (cp.async.mbarrier.arrive.noinc: the barrier expects 32 arrivals). With an e4m3
-    cache, lane l also copies the scale of row l (k below lane 16, v from it).
+    masks, so no slot holds stale or uninitialised values. Each lane then arrives on the
+    slot's barrier once its copies land (cp.async.mbarrier.arrive.noinc: the barrier
+    expects 32 arrivals). With an e4m3 cache, lane l also copies the scale of row l (k
+    below lane 16, v from it).
 
     Not bulk copies: cp.async.bulk takes its operands from uniform registers, so a
     warp's 32 different rows become 32 serial copies (a loop over the lanes in SASS);
@@ -344,7 +389,10 @@ def _tiles(k, cfg, t, ptrs, q, state, ring) -> None:
     values = [[k.regs("b32", words, f"v{h}_{i}_") for i in range(chunks)] for h in range(2)]
     pairs = _Pairs(k, cfg)
     scores = [k.regs("f32", 4, f"s{n}_") for n in range(2)]
-    probs = [k.reg("b32", "p_lo"), k.reg("b32", "p_hi")]
+    # each row's P pairs of the two n-blocks; a row the tile lacks is zero
+    probs = [[zero, zero], [zero, zero]]
+    for row in state.rows:
+        probs[row.lane.half] = [k.reg("b32", f"p{n}{row.lane.name}") for n in range(2)]
     b0, b1 = k.reg("b32", "vb0"), k.reg("b32", "vb1")
     top, other, corr = k.reg("f32", "tile_max"), k.reg("f32", "quad"), k.reg("f32", "rescale")
     column, quad_column = k.reg("u32", "column"), k.reg("u32", "quad_column")
@@ -388,14 +436,15 @@ def _tiles(k, cfg, t, ptrs, q, state, ring) -> None:
                     for i in range(chunks):
                         key = pairs.of(keys[h][i])
                         for half in range(2):
-                            a0, a2 = q[2 * i + half]
-                            k.mma_sync(scores[h], [a0, zero, a2, zero],
+                            k.mma_sync(scores[h], q[2 * i + half],
                                        key[2 * half:2 * half + 2], scores[h],
                                        ab_type=_operands(cfg))
             _softmax(k, cfg, t, ptrs, ring, state, scores, probs, first, scales,
-                     SimpleNamespace(top=top, other=other, corr=corr, column=column,
-                                     quad_column=quad_column, masked=masked,
-                                     moved=k.pred("max_moved"), any_moved=k.pred("any_moved")))
+                     SimpleNamespace(top=top, other=other, corr=[corr, k.reg("f32", "rescale_hi")],
+                                     column=column, quad_column=quad_column, masked=masked,
+                                     unseen=k.pred("unseen"), moved=k.pred("max_moved"),
+                                     any_moved=k.pred("any_moved"),
+                                     moved_now=k.pred("moved_now")))
             with k.stage("O += P V: V's vectors from the slot, their pairs transposed "
                          "(movmatrix) into B fragments"):
                 for h in range(2):
@@ -407,8 +456,8 @@ def _tiles(k, cfg, t, ptrs, q, state, ring) -> None:
                         k.movmatrix(b0, lo[j])
                         k.movmatrix(b1, hi[j])
                         frag = state.out[i][j]
-                        k.mma_sync(frag, [probs[0], zero, probs[1], zero], [b0, b1], frag,
-                                   ab_type=_operands(cfg))
+                        k.mma_sync(frag, [probs[0][0], probs[1][0], probs[0][1], probs[1][1]],
+                                   [b0, b1], frag, ab_type=_operands(cfg))
             with k.stage("the slot read by every lane: refill it, stages tiles ahead"):
                 k.bar_warp_sync()
                 k.add(later, first, cfg.stages * WARPS * TILE)
@@ -417,15 +466,17 @@ def _tiles(k, cfg, t, ptrs, q, state, ring) -> None:
                     ring.fill(later)
         ring.advance()
         k.add(first, first, WARPS * TILE)
-    with k.stage("row g's sum over its quad"):
-        for mask in (1, 2):
-            k.shfl_sync(other, state.sum, mask, mode="bfly")
-            k.add(state.sum, state.sum, other)
+    with k.stage("each row's sum over its quad"):
+        for row in state.rows:
+            for mask in (1, 2):
+                k.shfl_sync(other, row.sum, mask, mode="bfly")
+                k.add(row.sum, row.sum, other)
 
 
 def _softmax(k, cfg, t, ptrs, ring, state, scores, probs, first, scales, r) -> None:
-    with k.stage("online softmax of row g: tokens past the end -inf, the tile's max "
-                 "over the quad, the running max moved where it passed it far, p = ex2(s - max)"):
+    with k.stage("online softmax of each row: tokens past the end (or past its query "
+                 "token) -inf, the tile's max over the quad, the running max moved where "
+                 "it passed it far, p = ex2(s - max)"):
         k.mad(r.quad_column, t.vector, 2, first, mode="lo")   # the tile's token 2 t
         if scales is not None:    # the tile's k and v scales of tokens 8 h + 2 t + {0, 1}
             at = k.reg("u32", "scales_at")
@@ -434,44 +485,53 @@ def _softmax(k, cfg, t, ptrs, ring, state, scores, probs, first, scales, r) -> N
                 for c, which in enumerate("kv"):
                     k.ld(scales[2 * h + c], addr(at, 2 * TILE * row_bytes(cfg) + 64 * c
                                                  + 32 * h), space="shared")
-        for h in range(2):
-            for c in range(2):     # score c of n-block h: token 8 h + 2 t + c
+        k.mov(r.any_moved, 0)
+        for row in state.rows:
+            lane, corr = row.lane, r.corr[row.lane.half]
+            mine = [(h, c, scores[h][lane.components[c]]) for h in range(2) for c in range(2)]
+            for h, c, score in mine:     # token 8 h + 2 t + c
                 k.add(r.column, r.quad_column, 8 * h + c)
                 k.setp("ge", r.masked, r.column, ptrs.end)
+                if lane.unseen is not None:    # past the cache's length less the unseen
+                    k.add(r.column, r.column, lane.unseen)
+                    k.setp("ge", r.unseen, r.column, ptrs.length)
+                    k.or_(r.masked, r.masked, r.unseen)
                 if scales is not None:
-                    k.mul(scores[h][c], scores[h][c], scales[2 * h][c])
-                k.selp(scores[h][c], base.NO_SCORE, scores[h][c], r.masked)
-        k.max(r.top, scores[0][0], scores[0][1])
-        k.max(r.top, r.top, scores[1][0])
-        k.max(r.top, r.top, scores[1][1])
-        for mask in (1, 2):
-            k.shfl_sync(r.other, r.top, mask, mode="bfly")
-            k.max(r.top, r.top, r.other)
-        # The running max moves only when the tile's passes it by more than MAX_SLACK
-        # (p then stays under 2 ** MAX_SLACK): most tiles keep it, and their O needs no
-        # rescale; a warp rescales its O when any of its rows moved.
-        k.add(r.other, state.max, MAX_SLACK)
-        k.setp("gt", r.moved, r.top, r.other)
-        k.selp(r.top, r.top, state.max, r.moved)
-        k.vote_sync(r.any_moved, r.moved, mode="any")
-        k.sub(r.corr, state.max, r.top)
-        k.ex2(r.corr, r.corr, ftz=True)
-        k.mov(state.max, r.top)
-        k.mul(state.sum, state.sum, r.corr)
-        for h in range(2):
-            for c in range(2):
-                k.sub(scores[h][c], scores[h][c], r.top)
-                k.ex2(scores[h][c], scores[h][c], ftz=True)
-                k.add(state.sum, state.sum, scores[h][c])
+                    k.mul(score, score, scales[2 * h][c])
+                k.selp(score, base.NO_SCORE, score, r.masked)
+            k.max(r.top, mine[0][2], mine[1][2])
+            k.max(r.top, r.top, mine[2][2])
+            k.max(r.top, r.top, mine[3][2])
+            for mask in (1, 2):
+                k.shfl_sync(r.other, r.top, mask, mode="bfly")
+                k.max(r.top, r.top, r.other)
+            # The running max moves only when the tile's passes it by more than MAX_SLACK
+            # (p then stays under 2 ** MAX_SLACK): most tiles keep it, and their O needs
+            # no rescale; a warp rescales its O when any of its rows moved.
+            k.add(r.other, row.max, MAX_SLACK)
+            k.setp("gt", r.moved, r.top, r.other)
+            k.selp(r.top, r.top, row.max, r.moved)
+            k.vote_sync(r.moved_now, r.moved, mode="any")
+            k.or_(r.any_moved, r.any_moved, r.moved_now)
+            k.sub(corr, row.max, r.top)
+            k.ex2(corr, corr, ftz=True)
+            k.mov(row.max, r.top)
+            k.mul(row.sum, row.sum, corr)
+            for h, c, score in mine:
+                k.sub(score, score, r.top)
+                k.ex2(score, score, ftz=True)
+                k.add(row.sum, row.sum, score)
                 if scales is not None:   # P x the v scales: V's e4m3 as it is
-                    k.mul(scores[h][c], scores[h][c], scales[2 * h + 1][c])
-            k.cvt(probs[h], scores[h][1], scores[h][0], dtype=_operands(cfg) + "x2",
-                  rnd="rn")
+                    k.mul(score, score, scales[2 * h + 1][c])
+            for h in range(2):
+                k.cvt(probs[lane.half][h], mine[2 * h + 1][2], mine[2 * h][2],
+                      dtype=_operands(cfg) + "x2", rnd="rn")
         with k.if_(r.any_moved, "rescaled", uniform=True):
-            for chunk in state.out:
-                for frag in chunk:
-                    k.mul(frag[0], frag[0], r.corr)
-                    k.mul(frag[1], frag[1], r.corr)
+            for row in state.rows:
+                for chunk in state.out:
+                    for frag in chunk:
+                        for c in row.lane.components:
+                            k.mul(frag[c], frag[c], r.corr[row.lane.half])
 
 
 class _Pairs:
@@ -500,30 +560,30 @@ class _Pairs:
         return out
 
 
-def _values(state) -> list:
-    """Lane (g, t)'s O values in dimension order: chunk i's 32 i + 8 t + 0..7."""
-    return [[frag[c] for frag in chunk for c in (0, 1)] for chunk in state.out]
+def _values(state, row) -> list:
+    """Lane (g, t)'s O values of ``row`` in dimension order: chunk i's 32 i + 8 t + 0..7."""
+    return [[frag[c] for frag in chunk for c in row.lane.components] for chunk in state.out]
 
 
-def _fold(k, state, other_max, other_sum, other: list, scratch) -> None:
-    """Fold another (max, sum, O values) of row g into the state."""
+def _fold(k, state, row, other_max, other_sum, other: list, scratch) -> None:
+    """Fold another (max, sum, O values) of ``row`` into the state."""
     top, mine, theirs = scratch
-    k.max(top, state.max, other_max)
-    k.sub(mine, state.max, top)
+    k.max(top, row.max, other_max)
+    k.sub(mine, row.max, top)
     k.ex2(mine, mine, ftz=True)
     k.sub(theirs, other_max, top)
     k.ex2(theirs, theirs, ftz=True)
-    k.mov(state.max, top)
-    k.mul(state.sum, state.sum, mine)
-    k.fma(state.sum, other_sum, theirs, state.sum)
-    for a, b in zip((v for chunk in _values(state) for v in chunk), other):
+    k.mov(row.max, top)
+    k.mul(row.sum, row.sum, mine)
+    k.fma(row.sum, other_sum, theirs, row.sum)
+    for a, b in zip((v for chunk in _values(state, row) for v in chunk), other):
         k.mul(a, a, mine)
         k.fma(a, b, theirs, a)
 
 
 class _WarpMerge:
-    """Folds (max, sum, O) states of row g: another's registers into the state, and the
-    CTA's warps' through shared memory into warp 0's."""
+    """Folds (max, sum, O) states of each of the lane's rows: another's registers into
+    the state, and the CTA's warps' through shared memory into warp 0's."""
 
     def __init__(self, k, cfg, t, smem):
         self.k, self.t, self.chunks = k, t, _chunks(cfg)
@@ -533,11 +593,12 @@ class _WarpMerge:
         self.warp0 = k.pred("warp0")
         k.setp("eq", self.warp0, t.warp, 0)
         self.record = _record_bytes(cfg)
+        self.row_record = self.record // len(t.rows)     # a row's part of a lane's record
         self.smem = smem
         self.at, self.ml_at = k.reg("u32", "smem_at"), k.reg("u32", "smem_ml_at")
 
-    def fold(self, state) -> None:
-        _fold(self.k, state, self.other_max, self.other_sum, self.other, self.scratch)
+    def fold(self, state, row) -> None:
+        _fold(self.k, state, row, self.other_max, self.other_sum, self.other, self.scratch)
 
     def load(self, space: str, acc, ml, offset: int = 0, **hints) -> None:
         """Another state into the fold's registers: its O values from ``acc`` + ``offset``
@@ -558,15 +619,19 @@ class _WarpMerge:
             k.mov(at, self.smem)
             k.mad(at, self.t.tid, record, at, mode="lo")
             k.add(self.ml_at, at, 32 * chunks)
-            for i, vals in enumerate(_values(state)):
-                k.st(addr(at, 32 * i), vals[:4], space="shared")
-                k.st(addr(at, 32 * i + 16), vals[4:], space="shared")
-            k.st(addr(self.ml_at), [state.max, state.sum], space="shared")
+            for n, row in enumerate(state.rows):
+                part = n * self.row_record
+                for i, vals in enumerate(_values(state, row)):
+                    k.st(addr(at, part + 32 * i), vals[:4], space="shared")
+                    k.st(addr(at, part + 32 * i + 16), vals[4:], space="shared")
+                k.st(addr(self.ml_at, part), [row.max, row.sum], space="shared")
             k.bar_sync(0)
             with k.if_(self.warp0, "warps_merged", uniform=True):
                 for w in range(1, WARPS):
-                    self.load("shared", at, self.ml_at, w * 32 * record)
-                    self.fold(state)
+                    for n, row in enumerate(state.rows):
+                        self.load("shared", at, self.ml_at,
+                                  w * 32 * record + n * self.row_record)
+                        self.fold(state, row)
 
 
 def _finish(k, cfg, p, t, state, smem) -> None:
@@ -574,8 +639,6 @@ def _finish(k, cfg, p, t, state, smem) -> None:
     them landed and read); then the CUDA-core kernel's ending: out with one split, else
     the partial, the count, and the last split's merge (each warp folding every fourth
     split, then the warps merged again)."""
-    real = k.pred("real_row")
-    k.setp("lt", real, t.row, cfg.group)
     k.bar_sync(0)        # every warp done with its ring before the records overwrite it
     merge = _WarpMerge(k, cfg, t, smem)
     merge.warps(state)
@@ -583,12 +646,13 @@ def _finish(k, cfg, p, t, state, smem) -> None:
     k.setp("eq", last, t.splits, 1)
     with k.if_(~last, "partial_done", uniform=True):
         with k.if_(merge.warp0, "partial_stored", uniform=True):
-            acc, ml = _partial_row(k, cfg, p, t, t.split, "mine_row")
-            with k.guard(real):
-                for i, vals in enumerate(_values(state)):
-                    k.st(addr(acc, 4 * CHUNK * i), vals[:4])
-                    k.st(addr(acc, 4 * CHUNK * i + 16), vals[4:])
-                k.st(addr(ml), [state.max, state.sum])
+            for row in state.rows:
+                acc, ml = _partial_row(k, cfg, p, t, t.split, row, "mine_row")
+                with k.guard(row.lane.real):
+                    for i, vals in enumerate(_values(state, row)):
+                        k.st(addr(acc, 4 * CHUNK * i), vals[:4])
+                        k.st(addr(acc, 4 * CHUNK * i + 16), vals[4:])
+                    k.st(addr(ml), [row.max, row.sum])
         counter, thread0 = base.count_split(k, p, t, last)
         with k.if_(last, "merged", uniform=True):
             k.fence("acq_rel", "gpu")
@@ -596,50 +660,61 @@ def _finish(k, cfg, p, t, state, smem) -> None:
                 _fresh(k, state)
                 with k.loop(k.reg("u32", "merged_split"), t.splits, start=t.warp, step=WARPS,
                             uniform=True, hint="splits") as s:
-                    acc, ml = _partial_row(k, cfg, p, t, s, "split_row")
-                    # written by other CTAs during this kernel: through L2
-                    merge.load("global", acc, ml, cache="cg")
-                    merge.fold(state)
+                    for row in state.rows:
+                        acc, ml = _partial_row(k, cfg, p, t, s, row, "split_row")
+                        # written by other CTAs during this kernel: through L2
+                        merge.load("global", acc, ml, cache="cg")
+                        merge.fold(state, row)
             merge.warps(state)
             with k.guard(thread0):
                 k.st(addr(counter), 0, type="u32")
     with k.if_(last, "written", uniform=True):
         with k.if_(merge.warp0, "out_stored", uniform=True):
-            _store_out(k, cfg, p, t, state, real)
+            _store_out(k, cfg, p, t, state)
 
 
-def _partial_row(k, cfg, p, t, split, name: str):
-    """Split ``split``'s workspace for head g: its O (this lane's first dimension) and
-    its (max, sum); past the group, head 0's (never stored to, read harmlessly)."""
-    row, acc, ml = k.reg("u32", name), k.reg("u64", name + "_acc"), k.reg("u64", name + "_ml")
-    head = k.reg("u32", name + "_head")
-    k.min(head, t.row, cfg.group - 1)
-    k.mad(row, t.pair, t.splits, split, mode="lo")
-    k.mad(row, row, cfg.group, head, mode="lo")
+def _partial_row(k, cfg, p, t, split, row, name: str):
+    """Split ``split``'s workspace for ``row`` (a row past the tile's: its last row's,
+    never stored to, read harmlessly): its O (this lane's first dimension) and its (max,
+    sum)."""
+    at, acc, ml = k.reg("u32", name), k.reg("u64", name + "_acc"), k.reg("u64", name + "_ml")
+    k.mad(at, t.pair, t.splits, split, mode="lo")
+    k.mad(at, at, cfg.rows, row.lane.index, mode="lo")
     k.ld_param(acc, p.partial)
-    k.mad(acc, row, cfg.head_dim * 4, acc, mode="wide")
+    k.mad(acc, at, cfg.head_dim * 4, acc, mode="wide")
     k.mad(acc, t.vector, 8 * 4, acc, mode="wide")
     k.ld_param(ml, p.partial_ml)
-    k.mad(ml, row, 8, ml, mode="wide")
+    k.mad(ml, at, 8, ml, mode="wide")
     return acc, ml
 
 
-def _store_out(k, cfg, p, t, state, real) -> None:
-    with k.stage("out: O / sum for head g (zeros for no tokens), rounded to bf16 once"):
+def _store_out(k, cfg, p, t, state) -> None:
+    with k.stage("out: O / sum for each row (zeros for no tokens), rounded to bf16 once"):
         out, inv, positive = k.reg("u64", "out_at"), k.reg("f32", "inv_sum"), k.pred("any_token")
-        row, scaled = k.reg("u32", "out_row"), k.regs("f32", 2, "o")
+        at, scaled = k.reg("u32", "out_row"), k.regs("f32", 2, "o")
         packed = k.regs("b32", 4, "out")
-        k.mad(row, t.pair, cfg.group, t.row, mode="lo")
-        k.ld_param(out, p.out)
-        k.mad(out, row, cfg.head_dim * 2, out, mode="wide")
-        k.mad(out, t.vector, 16, out, mode="wide")
-        k.setp("gt", positive, state.sum, 0.0)
-        k.rcp(inv, state.sum)
-        k.selp(inv, inv, 0.0, positive)
-        for i, vals in enumerate(_values(state)):
-            for w, word in enumerate(packed):
-                k.mul(scaled[0], vals[2 * w], inv)
-                k.mul(scaled[1], vals[2 * w + 1], inv)
-                k.cvt(word, scaled[1], scaled[0], dtype="bf16x2", rnd="rn")
-            with k.guard(real):
-                k.st(addr(out, 2 * CHUNK * i), packed, type="b32")
+        for row in state.rows:
+            lane = row.lane
+            # out [B, q_len, Hq, D]: row (seq x q_len + token) x Hq + kv_head x group + head
+            if lane.token is None:
+                k.mad(at, t.pair, cfg.group, lane.head, mode="lo")
+            else:
+                heads = k.reg("u32", "out_heads")
+                k.mul(heads, t.kv_heads, cfg.group, mode="lo")
+                k.mad(at, t.seq, cfg.q_len, lane.token, mode="lo")
+                k.mul(at, at, heads, mode="lo")
+                k.mad(at, t.kv_head, cfg.group, at, mode="lo")
+                k.add(at, at, lane.head)
+            k.ld_param(out, p.out)
+            k.mad(out, at, cfg.head_dim * 2, out, mode="wide")
+            k.mad(out, t.vector, 16, out, mode="wide")
+            k.setp("gt", positive, row.sum, 0.0)
+            k.rcp(inv, row.sum)
+            k.selp(inv, inv, 0.0, positive)
+            for i, vals in enumerate(_values(state, row)):
+                for w, word in enumerate(packed):
+                    k.mul(scaled[0], vals[2 * w], inv)
+                    k.mul(scaled[1], vals[2 * w + 1], inv)
+                    k.cvt(word, scaled[1], scaled[0], dtype="bf16x2", rnd="rn")
+                with k.guard(lane.real):
+                    k.st(addr(out, 2 * CHUNK * i), packed, type="b32")

@@ -33,7 +33,7 @@ MAX_SPLITS = 64      # the last split merges them all, its token slots sharing t
 @functools.lru_cache(maxsize=None)
 def _kernel(device_index: int, head_dim: int, group: int, pdl: bool | None,
             paged: bool = False, config=None, cache_dtype: str = "bf16",
-            small_pages: bool = False):
+            small_pages: bool = False, q_len: int = 1, causal: bool = True):
     """(config, launcher) for one device and variant; ``pdl``: the call's; ``config``: the
     caller's (``_check_config``) instead of the heuristic's; ``small_pages``: pages under
     MMA_MIN_PAGE tokens, which take the CUDA-core form."""
@@ -42,7 +42,7 @@ def _kernel(device_index: int, head_dim: int, group: int, pdl: bool | None,
         cfg = attention_kernel.choose_config(
             device_arch(device_index), head_dim, group, paged,
             tensor_cores=False if small_pages else None,
-            cache_dtype=cache_dtype)
+            cache_dtype=cache_dtype, q_len=q_len, causal=causal)
     elif cfg.target != device_arch(device_index).target:
         raise ValueError(f"config is for {cfg.target}, but cuda:{device_index} is "
                          f"{device_arch(device_index).target}")
@@ -51,17 +51,19 @@ def _kernel(device_index: int, head_dim: int, group: int, pdl: bool | None,
     return cfg, launcher
 
 
-def _check_config(config, head_dim: int, group: int, paged: bool, cache_dtype: str) -> None:
-    """A ``config=`` must be a decode attention config for this call's head size, group
-    and cache (its target is checked against the device when it launches)."""
+def _check_config(config, head_dim: int, group: int, paged: bool, cache_dtype: str,
+                  q_len: int, causal: bool) -> None:
+    """A ``config=`` must be a decode attention config for this call's head size, group,
+    cache and query tokens (its target is checked against the device when it launches)."""
     if not isinstance(config, attention_kernel.DecodeAttentionConfig):
         raise TypeError(f"config must be a decode attention config (kernels."
                         f"bf16_decode_attention.choose_config), got {type(config).__name__}")
-    got = (config.head_dim, config.group, config.paged, config.cache_dtype)
-    wanted = (head_dim, group, paged, cache_dtype)
+    got = (config.head_dim, config.group, config.paged, config.cache_dtype, config.q_len,
+           config.causal or config.q_len == 1)
+    wanted = (head_dim, group, paged, cache_dtype, q_len, causal or q_len == 1)
     if got != wanted:
         raise ValueError(f"config does not fit the call: it is for (head_dim, group, paged, "
-                         f"cache dtype) {got}, the call needs {wanted}")
+                         f"cache dtype, q_len, causal) {got}, the call needs {wanted}")
 
 
 def split_tokens(cfg, sms: int, batch: int, kv_heads: int, capacity: int) -> int:
@@ -106,18 +108,21 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_table: torch.Tensor | None = None,
                            k_scale: torch.Tensor | None = None,
                            v_scale: torch.Tensor | None = None,
-                           softmax_scale: float | None = None, config=None,
-                           pdl: bool | None = None) -> torch.Tensor:
-    """Attention of one new token a sequence over its cached keys and values, as
-    FlashAttention's ``flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=...)``
-    computes it for q_len 1:
+                           softmax_scale: float | None = None, causal: bool = True,
+                           config=None, pdl: bool | None = None) -> torch.Tensor:
+    """Attention of a sequence's newest tokens (one, or a few: speculative decoding's)
+    over its cached keys and values, as FlashAttention's ``flash_attn_with_kvcache(q,
+    k_cache, v_cache, cache_seqlens=..., causal=...)`` computes it:
 
-        out[b, 0, h] = softmax(softmax_scale * q[b, 0, h] . k_cache[b, :L, h // g].T)
-                       @ v_cache[b, :L, h // g],       L = cache_seqlens[b]
+        out[b, j, h] = softmax(softmax_scale * q[b, j, h] . k_cache[b, :L_j, h // g].T)
+                       @ v_cache[b, :L_j, h // g]
 
-    in f32, rounded to bf16 once; a sequence of length 0 gives zeros.
+    with L = cache_seqlens[b] (the cache holding the q_len new tokens' keys last) and L_j =
+    L - (q_len - 1 - j) where ``causal`` (token j sees itself and the tokens before it), L
+    otherwise; in f32, rounded to bf16 once; a token that sees no key gives zeros.
 
-    q: bf16 [B, 1, Hq, D], D 64, 128 or 256 (unit stride; the other strides free).
+    q: bf16 [B, q_len, Hq, D], D 64, 128 or 256 (unit stride; the other strides free);
+    q_len above 1 takes the tensor-core form: D up to 128, q_len x Hq / Hkv up to 16.
     k_cache, v_cache: bf16 [B, S_max, Hkv, D], D unit stride, the other strides free:
     transformers' static cache, [B, Hkv, S_max, D], is passed as ``cache.transpose(1, 2)``
     (a view, no copy). Hq a multiple of Hkv, at most 8 query heads a KV head.
@@ -139,20 +144,23 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     (``kernels.bf16_decode_attention.choose_config(arch, D, Hq // Hkv, paged, ...)``: by
     default the tensor-core form, mma.sync, for D up to 128 and pages of 16 tokens or
     more; ``tensor_cores=False``: the CUDA-core form), checked against the call. ``pdl``:
-    as ``rms_norm``'s. Returns a new bf16 [B, 1, Hq, D].
+    as ``rms_norm``'s. Returns a new bf16 [B, q_len, Hq, D].
 
-    Differences from FlashAttention's: one query token (no causal mask to apply), no
-    k_new/v_new, no rotary, no dropout or softcap; page sizes any power of two.
+    Differences from FlashAttention's: causal by default; q_len x Hq / Hkv up to 16; no
+    k_new/v_new (the cache is written first), no rotary, no dropout or softcap; page sizes
+    any power of two.
     """
     if torch.compiler.is_dynamo_compiling():
         return traced("attention_with_kvcache", q, k_cache, v_cache, cache_seqlens,
                       block_table=block_table, k_scale=k_scale, v_scale=v_scale,
-                      softmax_scale=softmax_scale, pdl=pdl, config=config)
+                      softmax_scale=softmax_scale, causal=causal, pdl=pdl, config=config)
     (batch, q_len, heads, head_dim), q_strides, q_ptr, device = inspect(
         "q", q, torch.bfloat16, 4)
-    if q_len != 1:
-        raise ValueError(f"q must hold one token a sequence ([B, 1, Hq, D]), got shape "
-                         f"{tuple(q.shape)}")
+    if q_len < 1:
+        raise ValueError(f"q must hold at least one token a sequence ([B, q_len, Hq, D]), "
+                         f"got shape {tuple(q.shape)}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {causal!r}")
     e4m3 = isinstance(k_cache, torch.Tensor) and k_cache.dtype is torch.float8_e4m3fn
     cache_dtype = torch.float8_e4m3fn if e4m3 else torch.bfloat16
     caches = []
@@ -195,9 +203,18 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             or not math.isfinite(softmax_scale)):
         raise TypeError(f"softmax_scale must be a finite real number, got {softmax_scale!r}")
     page_size = caches[0][0][1] if paging else attention_kernel.MMA_MIN_PAGE
+    if q_len > 1 and (head_dim > attention_kernel.MMA_HEAD_DIM
+                      or page_size < attention_kernel.MMA_MIN_PAGE
+                      or q_len * heads // kv_heads > attention_kernel.MMA_ROWS):
+        raise ValueError(f"q's {q_len} tokens a sequence take the tensor-core form: head_dim "
+                         f"up to {attention_kernel.MMA_HEAD_DIM}, pages of "
+                         f"{attention_kernel.MMA_MIN_PAGE} tokens or more and q_len x Hq / "
+                         f"Hkv up to {attention_kernel.MMA_ROWS}; got head_dim {head_dim}, "
+                         f"{q_len} x {heads // kv_heads}"
+                         + (f", page_size {page_size}" if paging else ""))
     if config is not None:
         _check_config(config, head_dim, heads // kv_heads, block_table is not None,
-                      "e4m3" if e4m3 else "bf16")
+                      "e4m3" if e4m3 else "bf16", q_len, causal)
         if config.tensor_cores and page_size < attention_kernel.MMA_MIN_PAGE:
             raise ValueError(f"the tensor-core form takes pages of "
                              f"{attention_kernel.MMA_MIN_PAGE} tokens or more, got page_size "
@@ -205,20 +222,23 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if pdl is not None:
         require_pdl(pdl)
     require_cuda("q", q, device)
-    out = torch.empty((batch, 1, heads, head_dim), dtype=torch.bfloat16, device=q.device)
+    out = torch.empty((batch, q_len, heads, head_dim), dtype=torch.bfloat16, device=q.device)
     if batch == 0 or heads == 0:
         return out
     group = heads // kv_heads
     cfg, launcher = _kernel(device, head_dim, group, pdl, bool(paging), config,
                             "e4m3" if e4m3 else "bf16",
-                            page_size < attention_kernel.MMA_MIN_PAGE)
+                            page_size < attention_kernel.MMA_MIN_PAGE, q_len,
+                            causal or q_len == 1)
     tokens = split_tokens(cfg, device_arch(device).sm_count, batch, kv_heads, max(capacity, 1))
     splits = max(1, _ceil_div(capacity, tokens))
     pairs = batch * kv_heads
-    partial = torch.empty(pairs * splits * group * head_dim if splits > 1 else 1,
+    rows = q_len * group
+    partial = torch.empty(pairs * splits * rows * head_dim if splits > 1 else 1,
                           dtype=torch.float32, device=q.device)
-    partial_ml = torch.empty(pairs * splits * group * 2 if splits > 1 else 1,
+    partial_ml = torch.empty(pairs * splits * rows * 2 if splits > 1 else 1,
                              dtype=torch.float32, device=q.device)
+    tokens_stride = {"q_token_stride": 2 * q_strides[1]} if q_len > 1 else {}
     (k_shape, k_strides, k_ptr), (_, v_strides, v_ptr) = caches
     size = 1 if e4m3 else 2      # bytes a cached value
     launcher((splits, kv_heads, batch), current_stream(device),
@@ -230,7 +250,8 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
              seqlens=lengths_ptr, capacity=capacity, split_tokens=tokens,
              scale_log2=float(softmax_scale) * LOG2E,
              out=out.data_ptr(), partial=partial.data_ptr(), partial_ml=partial_ml.data_ptr(),
-             counters=_counters_for(device, pairs).data_ptr(), **paging, **scaling)
+             counters=_counters_for(device, pairs).data_ptr(), **paging, **scaling,
+             **tokens_stride)
     return out
 
 

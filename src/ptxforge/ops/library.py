@@ -149,15 +149,17 @@ def _moe_silu_mul_quantize_fp8_fake(d, rows, pdl=None):
 
 
 def _attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None,
-                            k_scale=None, v_scale=None, softmax_scale=None, pdl=None):
+                            k_scale=None, v_scale=None, softmax_scale=None, causal=True,
+                            pdl=None):
     return attention.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens,
                                             block_table=block_table, k_scale=k_scale,
                                             v_scale=v_scale, softmax_scale=softmax_scale,
-                                            pdl=pdl)
+                                            causal=causal, pdl=pdl)
 
 
 def _attention_with_kvcache_fake(q, k_cache, v_cache, cache_seqlens, block_table=None,
-                                 k_scale=None, v_scale=None, softmax_scale=None, pdl=None):
+                                 k_scale=None, v_scale=None, softmax_scale=None, causal=True,
+                                 pdl=None):
     return torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
 
 
@@ -218,7 +220,8 @@ OPERATORS = {
     "attention_with_kvcache": ("(Tensor q, Tensor k_cache, Tensor v_cache, Tensor "
                                "cache_seqlens, *, Tensor? block_table=None, Tensor? "
                                "k_scale=None, Tensor? v_scale=None, float? "
-                               "softmax_scale=None, bool? pdl=None) -> Tensor",
+                               "softmax_scale=None, bool causal=True, bool? pdl=None) -> "
+                               "Tensor",
                                _attention_with_kvcache,
                                _attention_with_kvcache_fake),
 }
