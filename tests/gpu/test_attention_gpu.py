@@ -181,31 +181,6 @@ def test_an_e4m3_cache_matches_fp64_over_its_dequantized_values(heads, kv_heads)
     assert err <= 1e-2 + 1e-2 * ref.abs().max().item(), err
 
 
-def test_a_paged_e4m3_cache_gives_the_contiguous_one_s_bits():
-    """An e4m3 pool and its scales in shuffled pages of 64 (quantize_fp8_per_token's rows):
-    the bits of the same cache and scales gathered into contiguous ones."""
-    batch, pages, page, heads, kv_heads, head_dim = 3, 40, 64, 32, 8, 128
-    g = torch.Generator(device="cuda").manual_seed(0)
-    blocks = batch * pages + 5
-    caches, scales = [], []
-    for spread in (1.0, 3.0):
-        x = spread * torch.randn(blocks * page * kv_heads, head_dim, device="cuda", generator=g)
-        q8, scale = ptxforge.quantize_fp8_per_token(x.bfloat16(), "row_major")
-        caches.append(q8.view(blocks, page, kv_heads, head_dim))
-        scales.append(scale.view(blocks, page, kv_heads))
-    table = torch.randperm(blocks, device="cuda", generator=g)[:batch * pages]
-    table = table.view(batch, pages).int()
-    q = torch.randn(batch, 1, heads, head_dim, device="cuda", generator=g).bfloat16()
-    lengths = torch.tensor([pages * page, 1000, 1], dtype=torch.int32, device="cuda")
-    gather = lambda x: x[table.long()].reshape(batch, pages * page, *x.shape[2:])
-    paged = ptxforge.attention_with_kvcache(q, *caches, lengths, block_table=table,
-                                            k_scale=scales[0], v_scale=scales[1])
-    contiguous = ptxforge.attention_with_kvcache(q, *map(gather, caches), lengths,
-                                                 k_scale=gather(scales[0]),
-                                                 v_scale=gather(scales[1]))
-    assert not paged.isnan().any() and torch.equal(paged, contiguous)
-
-
 def reference_tokens(q, k, v, lengths, causal=True):
     """q [B, q_len, Hq, D]: token j over the first L - (q_len - 1 - j) keys where causal."""
     q_len = q.shape[1]
@@ -233,19 +208,24 @@ def test_several_query_tokens_match_fp64(q_len, heads, kv_heads, head_dim, causa
     assert torch.equal(out, ptxforge.attention_with_kvcache(q, k, v, lengths, causal=causal))
 
 
-def test_several_query_tokens_over_paged_e4m3():
-    """Two tokens a sequence over an e4m3 cache in pages: the contiguous cache's bits."""
-    batch, pages, page, heads, kv_heads, head_dim = 2, 20, 64, 32, 8, 128
-    g = torch.Generator(device="cuda").manual_seed(1)
-    blocks = batch * pages + 3
-    x = torch.randn(2, blocks * page * kv_heads, head_dim, device="cuda", generator=g)
-    quantized = [ptxforge.quantize_fp8_per_token(y.bfloat16(), "row_major") for y in x]
-    caches = [q8.view(blocks, page, kv_heads, head_dim) for q8, _ in quantized]
-    scales = [scale.view(blocks, page, kv_heads) for _, scale in quantized]
+@pytest.mark.parametrize("q_len, lengths", [(1, [2560, 1000, 1]), (2, [2560, 700, 1])])
+def test_a_paged_e4m3_cache_gives_the_contiguous_one_s_bits(q_len, lengths):
+    """An e4m3 pool and its scales in shuffled pages of 64 (quantize_fp8_per_token's rows),
+    one query token a sequence or two: the bits of the same cache and scales gathered into
+    contiguous ones, and fp64 over the dequantized cache."""
+    batch, pages, page, heads, kv_heads, head_dim = 3, 40, 64, 32, 8, 128
+    g = torch.Generator(device="cuda").manual_seed(q_len)
+    blocks = batch * pages + 5
+    caches, scales = [], []
+    for spread in (1.0, 3.0):
+        x = spread * torch.randn(blocks * page * kv_heads, head_dim, device="cuda", generator=g)
+        q8, scale = ptxforge.quantize_fp8_per_token(x.bfloat16(), "row_major")
+        caches.append(q8.view(blocks, page, kv_heads, head_dim))
+        scales.append(scale.view(blocks, page, kv_heads))
     table = torch.randperm(blocks, device="cuda", generator=g)[:batch * pages]
     table = table.view(batch, pages).int()
-    q = torch.randn(batch, 2, heads, head_dim, device="cuda", generator=g).bfloat16()
-    lengths = torch.tensor([pages * page, 700], dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, q_len, heads, head_dim, device="cuda", generator=g).bfloat16()
+    lengths = torch.tensor(lengths, dtype=torch.int32, device="cuda")
     gather = lambda x: x[table.long()].reshape(batch, pages * page, *x.shape[2:])
     paged = ptxforge.attention_with_kvcache(q, *caches, lengths, block_table=table,
                                             k_scale=scales[0], v_scale=scales[1])
