@@ -84,7 +84,7 @@ def _run(cfg, q, k, v, lengths, split_tokens, table=None, scales=None):
     sim = Simulator(memory)
     built = generate_attention(cfg)
     sim.launch("attention", built.ptx(), (splits, kv_heads, batch), 128,
-               shared_bytes=built.launch.shared_bytes, **args)
+               shared_bytes=built.launch.shared_bytes, cluster=built.launch.cluster, **args)
     sim.run()
     got = _f32(np.frombuffer(memory.read(out, 2 * batch * q_len * heads * head_dim),
                              dtype=np.uint16))
@@ -270,6 +270,30 @@ def test_several_query_tokens_see_the_cache_causally(q_len, heads, kv_heads, len
     v = _bf16(rng.standard_normal((batch, capacity, kv_heads, head_dim)))
     got, counters = _run(cfg, q, k, v, lengths, split_tokens)
     expected = _reference_tokens(_f32(q), _f32(k), _f32(v), lengths, head_dim ** -0.5, causal)
+    assert not np.isnan(got).any()
+    np.testing.assert_allclose(got, expected, atol=4e-3, rtol=1e-2)
+    assert counters == bytes(len(counters))
+
+
+@pytest.mark.parametrize("cluster, q_len, heads, kv_heads, lengths", [
+    (2, 1, 8, 2, [128, 77]), (4, 1, 4, 1, [256, 1]), (3, 4, 8, 2, [190, 3])])
+def test_a_cluster_merges_its_splits_through_distributed_shared_memory(cluster, q_len, heads,
+                                                                       kv_heads, lengths):
+    """A pair's splits as one cluster (split = rank): CTA 0 folds the others' states from
+    their shared memory, no workspace or counter touched (both left poisoned and zero);
+    one and two rows a lane; a split past the length."""
+    head_dim, batch = 64, len(lengths)
+    split_tokens = 64
+    capacity = cluster * split_tokens
+    cfg = kernel.choose_config(arch.get("sm_90a"), head_dim, heads // kv_heads, q_len=q_len,
+                               cluster=cluster)
+    rng = np.random.default_rng(6)
+    q = _bf16(rng.standard_normal((batch, q_len, heads, head_dim)))
+    k = _bf16(rng.standard_normal((batch, capacity, kv_heads, head_dim)))
+    v = _bf16(rng.standard_normal((batch, capacity, kv_heads, head_dim)))
+    got, counters = _run(cfg, q, k, v, [min(n, capacity) for n in lengths], split_tokens)
+    expected = _reference_tokens(_f32(q), _f32(k), _f32(v), [min(n, capacity) for n in lengths],
+                                 head_dim ** -0.5, True)
     assert not np.isnan(got).any()
     np.testing.assert_allclose(got, expected, atol=4e-3, rtol=1e-2)
     assert counters == bytes(len(counters))

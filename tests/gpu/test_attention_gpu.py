@@ -145,10 +145,13 @@ def test_a_paged_cache_gives_the_contiguous_cache_s_bits(page_size, math):
     lengths = torch.tensor([4096, 1000, 1], dtype=torch.int32, device="cuda")
     gathered = [cache[table.long()].view(batch, pages * page_size, kv_heads, head_dim)
                 for cache in pool]
-    form = math if math != "default" else "cuda" if page_size < kernel.MMA_MIN_PAGE else "mma"
-    configs = (None if math == "default" else form_config(form, head_dim, heads // kv_heads,
-                                                          True),
-               form_config(form, head_dim, heads // kv_heads))
+    if math == "default":   # the contiguous cache by default too (the same splits, the
+        # same merge), but for pages too small for the tensor-core form
+        configs = (None, form_config("cuda", head_dim, heads // kv_heads)
+                   if page_size < kernel.MMA_MIN_PAGE else None)
+    else:
+        configs = (form_config(math, head_dim, heads // kv_heads, True),
+                   form_config(math, head_dim, heads // kv_heads))
     paged = ptxforge.attention_with_kvcache(q, *pool, lengths, block_table=table,
                                             config=configs[0])
     assert torch.equal(paged, ptxforge.attention_with_kvcache(q, *gathered, lengths,

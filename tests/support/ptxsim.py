@@ -33,6 +33,7 @@ from collections import defaultdict
 import numpy as np
 
 QUANTUM = 64
+CLUSTER_SHIFT = 24   # a mapa address: the CTA's rank in its cluster + 1 above this bit
 
 
 class Trap(RuntimeError):
@@ -328,12 +329,17 @@ class Kernel:
             return self._memory(opcode, q, ops)
         if kind in ("mbarrier", "cp"):
             return self._async(opcode, q, ops)
-        if kind in ("vote", "shfl", "bar", "mma", "movmatrix"):
+        if kind == "mapa":   # another CTA's shared address: its rank + 1 above bit 24
+            a, rank = value(ops[1]), value(ops[2])
+            return _assign(ops[0], lambda th: ((rank(th) + 1) << CLUSTER_SHIFT)
+                           | (a(th) & ((1 << CLUSTER_SHIFT) - 1)))
+        if kind in ("vote", "shfl", "bar", "barrier", "mma", "movmatrix"):
             return None  # collectives and barriers: the scheduler's
         raise NotImplementedError(f"ptxsim: {opcode}")
 
     def _memory(self, opcode, q, ops):
-        space = next(s for s in ("global", "shared", "param") if s in q)
+        space = next(s for s in ("global", "shared", "param")
+                     if s in q or (s == "shared" and any(x.startswith("shared::") for x in q)))
         t = q[-1]
         width = _WIDTH[t]
         count = int(q[-2][1:]) if q[-2].startswith("v") else 1
@@ -489,10 +495,12 @@ class _Thread:
         # and discarded, as the combine's sum does for ranks a token skips).
         self.args, self.regs, self.pc = launch.args, defaultdict(int), 0
         self.blocked = self.done = False
+        self.cluster_phase = 0      # cluster barriers this thread arrived at
 
     def load(self, space, address, nbytes):
         if space == "shared":
-            return bytes(self.cta.shared[address:address + nbytes])
+            cta, address = self.launch.shared_of(self.cta, address)
+            return bytes(cta.shared[address:address + nbytes])
         return self.sim.memory.read(address, nbytes)
 
     def store(self, space, address, data):
@@ -503,7 +511,7 @@ class _Thread:
 
 
 class _Launch:
-    def __init__(self, name, kernel, grid, block, args, shared_bytes=0):
+    def __init__(self, name, kernel, grid, block, args, shared_bytes=0, cluster=1):
         missing = set(kernel.params) - set(args)
         extra = set(args) - set(kernel.params)
         if missing or extra:
@@ -515,6 +523,25 @@ class _Launch:
             kernel.dynamic_at + shared_bytes
         self.ctas = [_Cta(i, (i % x, i // x % y, i // (x * y)), block, size)
                      for i in range(x * y * z)]
+        if x % cluster:
+            raise ValueError(f"{name}: a grid of {x} CTAs in x holds no whole clusters of "
+                             f"{cluster}")
+        self.cluster, self.block = cluster, block
+        self.cluster_arrivals: dict = defaultdict(int)   # (cluster, phase): threads arrived
+
+    def cluster_of(self, cta) -> tuple:
+        x, y, z = cta.coords
+        return (x // self.cluster, y, z)
+
+    def shared_of(self, cta, address: int) -> tuple:
+        """(the CTA, the offset) a shared address names: this CTA's, or a mapa address's."""
+        rank = address >> CLUSTER_SHIFT
+        if not rank:
+            return cta, address
+        x, y, z = cta.coords
+        x = x // self.cluster * self.cluster + rank - 1
+        gx, gy, _ = self.grid
+        return self.ctas[x + gx * (y + gy * z)], address & ((1 << CLUSTER_SHIFT) - 1)
 
 
 class Simulator:
@@ -527,11 +554,11 @@ class Simulator:
         self._pace = pace
 
     def launch(self, name: str, ptx_or_kernel, grid, block: int, *, shared_bytes: int = 0,
-               **args) -> None:
+               cluster: int = 1, **args) -> None:
         """``grid``: CTAs, or a tuple of up to three dimensions (x fastest);
-        ``shared_bytes``: the dynamic shared memory."""
+        ``shared_bytes``: the dynamic shared memory; ``cluster``: CTAs a cluster, along x."""
         kernel = ptx_or_kernel if isinstance(ptx_or_kernel, Kernel) else Kernel(ptx_or_kernel)
-        launch = _Launch(name, kernel, grid, block, args, shared_bytes)
+        launch = _Launch(name, kernel, grid, block, args, shared_bytes, cluster)
         for cta in launch.ctas:
             for tid in range(block):
                 self.threads.append(_Thread(self, launch, cta, tid))
@@ -587,6 +614,9 @@ class Simulator:
                 self._collective(th, code[th.pc])
             elif kind == "bar":
                 self._barrier(th, code[th.pc])
+            elif kind == "barrier":
+                if not self._cluster_barrier(th, code[th.pc]):
+                    break       # waiting: the thread's turn ends, it polls again
             else:
                 th.pc += 1  # fences, griddepcontrol
         return ran > 0
@@ -633,6 +663,20 @@ class Simulator:
                 t.regs[ops[0]] = results[lane]
             t.pc += 1
             t.blocked = False
+
+    def _cluster_barrier(self, th: _Thread, line: str) -> bool:
+        """barrier.cluster.arrive counts the thread in its cluster's current phase;
+        barrier.cluster.wait passes once every thread of the cluster arrived at the phase
+        this thread last arrived at. Returns whether the thread went on."""
+        launch = th.launch
+        cluster = launch.cluster_of(th.cta)
+        if line.startswith("barrier.cluster.arrive"):
+            launch.cluster_arrivals[cluster, th.cluster_phase] += 1
+            th.cluster_phase += 1
+        elif launch.cluster_arrivals[cluster, th.cluster_phase - 1] < launch.cluster * launch.block:
+            return False
+        th.pc += 1
+        return True
 
     def _barrier(self, th: _Thread, line: str) -> None:
         ops = _split_operands(line.split(None, 1)[1])

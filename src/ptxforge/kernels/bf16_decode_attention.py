@@ -61,6 +61,7 @@ HEAD_DIMS = (64, 128, 256)
 MMA_HEAD_DIM = 128         # the tensor-core form's widest head: 256 spills (ptxas 13.0)
 MMA_MIN_PAGE = 16          # the tensor-core form's smallest page: a warp's tile in one page
 MMA_ROWS = 16              # the tensor-core tile's rows: query tokens x heads a KV head
+MAX_CLUSTER = 8            # CTAs a cluster (the portable limit): a pair's splits merged there
 MAX_GROUP = 8               # query heads a KV head: each one's query and accumulators
                             # take 16 registers of every thread
 THREADS = 128
@@ -86,6 +87,8 @@ class DecodeAttentionConfig:
     q_len: int = 1             # query tokens a sequence (the tensor-core form: up to 16 rows)
     causal: bool = True        # with q_len > 1: token j of q_len sees the cache's first L -
                                # (q_len - 1 - j) tokens (FlashAttention's, bottom-right)
+    cluster: int = 1           # the tensor-core form: a pair's splits as one cluster of this
+                               # many CTAs, merged through distributed shared memory
 
     @property
     def name(self) -> str:
@@ -95,7 +98,8 @@ class DecodeAttentionConfig:
                 + ("_paged" if self.paged else "")
                 + ("_e4m3" if self.cache_dtype == "e4m3" else "")
                 + (f"_q{self.q_len}" + ("" if self.causal else "_full") if self.q_len > 1
-                   else ""))
+                   else "")
+                + (f"_c{self.cluster}" if self.cluster > 1 else ""))
 
     @property
     def rows(self) -> int:
@@ -167,13 +171,16 @@ def check_problem(head_dim: int, group: int) -> None:
 
 def choose_config(arch: Arch, head_dim: int, group: int, paged: bool = False,
                   tensor_cores: bool | None = None, cache_dtype: str = "bf16",
-                  stages: int = 3, q_len: int = 1, causal: bool = True) -> DecodeAttentionConfig:
+                  stages: int = 3, q_len: int = 1, causal: bool = True,
+                  cluster: int = 1) -> DecodeAttentionConfig:
     """The kernel for ``group`` query heads a KV head of ``head_dim``: the tensor-core form
     (``tensor_cores``; by default where it takes the head, D <= MMA_HEAD_DIM; ``stages``:
     the tiles each warp has in flight) or the CUDA-core one; ``paged``: a block table's
     pages (the tensor-core form: of MMA_MIN_PAGE tokens or more); ``cache_dtype`` e4m3:
     its scales too (the tensor-core form); ``q_len`` query tokens a sequence, ``causal``
-    among themselves (the tensor-core form, q_len x group up to MMA_ROWS)."""
+    among themselves (the tensor-core form, q_len x group up to MMA_ROWS); ``cluster``: the
+    splits of a (sequence, KV head) pair, as one cluster (the tensor-core form, 2 to
+    MAX_CLUSTER), merged through distributed shared memory instead of global memory."""
     check_problem(head_dim, group)
     if tensor_cores is None:
         tensor_cores = head_dim <= MMA_HEAD_DIM
@@ -191,8 +198,11 @@ def choose_config(arch: Arch, head_dim: int, group: int, paged: bool = False,
         raise ValueError(f"q_len query tokens a sequence take the tensor-core form, q_len x "
                          f"query heads a KV head up to {MMA_ROWS}: got q_len {q_len} x "
                          f"{group}" + ("" if tensor_cores else " on CUDA cores"))
+    if cluster != 1 and (not tensor_cores or not 2 <= cluster <= MAX_CLUSTER):
+        raise ValueError(f"cluster must be 1, or 2 to {MAX_CLUSTER} with the tensor-core form, "
+                         f"got {cluster}")
     return DecodeAttentionConfig(head_dim, group, arch.target, paged, tensor_cores, cache_dtype,
-                                 stages, q_len, causal)
+                                 stages, q_len, causal, cluster)
 
 
 def generate(cfg: DecodeAttentionConfig) -> KernelBuilder:

@@ -57,7 +57,7 @@ MAX_SLACK = 8.0           # how far (in log2) a tile's max may pass the running 
 def generate(cfg) -> KernelBuilder:
     k = KernelBuilder(cfg.name, target=cfg.target, max_threads=THREADS,
                       min_blocks_per_sm=ctas_per_sm(cfg))
-    k.launch = LaunchShape(block=THREADS, shared_bytes=shared_bytes(cfg))
+    k.launch = LaunchShape(block=THREADS, shared_bytes=shared_bytes(cfg), cluster=cfg.cluster)
     p = base._Params(k, cfg)
     with k.stage("programmatic launch: the next kernel on the stream may start"):
         k.griddepcontrol_launch_dependents()
@@ -642,6 +642,9 @@ def _finish(k, cfg, p, t, state, smem) -> None:
     k.bar_sync(0)        # every warp done with its ring before the records overwrite it
     merge = _WarpMerge(k, cfg, t, smem)
     merge.warps(state)
+    if cfg.cluster > 1:
+        _cluster_merge(k, cfg, p, t, state, merge)
+        return
     last = k.pred("writes_out")
     k.setp("eq", last, t.splits, 1)
     with k.if_(~last, "partial_done", uniform=True):
@@ -671,6 +674,39 @@ def _finish(k, cfg, p, t, state, smem) -> None:
     with k.if_(last, "written", uniform=True):
         with k.if_(merge.warp0, "out_stored", uniform=True):
             _store_out(k, cfg, p, t, state)
+
+
+def _cluster_merge(k, cfg, p, t, state, merge) -> None:
+    """The pair's splits are one cluster (split = the CTA's rank): each CTA's warp 0 leaves
+    its state in its records, CTA 0's warp 0 folds the others' in through distributed
+    shared memory and writes out; the others wait for it before their shared memory goes.
+    No workspace, no counter, no round trip through L2."""
+    at, chunks = merge.at, merge.chunks
+    with k.stage("the cluster's splits: warp 0 of each CTA leaves its state in its records"):
+        with k.if_(merge.warp0, "cluster_state_stored", uniform=True):
+            for n, row in enumerate(state.rows):
+                part = n * merge.row_record
+                for i, vals in enumerate(_values(state, row)):
+                    k.st(addr(at, part + 32 * i), vals[:4], space="shared")
+                    k.st(addr(at, part + 32 * i + 16), vals[4:], space="shared")
+                k.st(addr(merge.ml_at, part), [row.max, row.sum], space="shared")
+        k.barrier_cluster_arrive(sem="release")
+        k.barrier_cluster_wait()
+    first = k.pred("cluster_first")
+    k.setp("eq", first, t.split, 0)
+    with k.stage("CTA 0: every other CTA's state, through distributed shared memory; out"):
+        with k.if_(first, "cluster_merged", uniform=True):
+            with k.if_(merge.warp0, "cluster_folded", uniform=True):
+                remote, remote_ml = k.reg("u32", "remote_at"), k.reg("u32", "remote_ml_at")
+                for rank in range(1, cfg.cluster):
+                    k.mapa(remote, at, rank)
+                    k.add(remote_ml, remote, 32 * chunks)
+                    for n, row in enumerate(state.rows):
+                        merge.load("shared::cluster", remote, remote_ml, n * merge.row_record)
+                        merge.fold(state, row)
+                _store_out(k, cfg, p, t, state)
+        k.barrier_cluster_arrive(sem="release")   # CTA 0 read the others' records
+        k.barrier_cluster_wait()
 
 
 def _partial_row(k, cfg, p, t, split, row, name: str):

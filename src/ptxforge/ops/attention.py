@@ -33,16 +33,18 @@ MAX_SPLITS = 64      # the last split merges them all, its token slots sharing t
 @functools.lru_cache(maxsize=None)
 def _kernel(device_index: int, head_dim: int, group: int, pdl: bool | None,
             paged: bool = False, config=None, cache_dtype: str = "bf16",
-            small_pages: bool = False, q_len: int = 1, causal: bool = True):
+            small_pages: bool = False, q_len: int = 1, causal: bool = True,
+            cluster: int = 1):
     """(config, launcher) for one device and variant; ``pdl``: the call's; ``config``: the
     caller's (``_check_config``) instead of the heuristic's; ``small_pages``: pages under
-    MMA_MIN_PAGE tokens, which take the CUDA-core form."""
+    MMA_MIN_PAGE tokens, which take the CUDA-core form; ``cluster``: the splits merged in
+    a cluster of that many CTAs."""
     cfg = config
     if cfg is None:
         cfg = attention_kernel.choose_config(
             device_arch(device_index), head_dim, group, paged,
             tensor_cores=False if small_pages else None,
-            cache_dtype=cache_dtype, q_len=q_len, causal=causal)
+            cache_dtype=cache_dtype, q_len=q_len, causal=causal, cluster=cluster)
     elif cfg.target != device_arch(device_index).target:
         raise ValueError(f"config is for {cfg.target}, but cuda:{device_index} is "
                          f"{device_arch(device_index).target}")
@@ -66,13 +68,17 @@ def _check_config(config, head_dim: int, group: int, paged: bool, cache_dtype: s
                          f"cache dtype, q_len, causal) {got}, the call needs {wanted}")
 
 
-def split_tokens(cfg, sms: int, batch: int, kv_heads: int, capacity: int) -> int:
-    """Tokens a split reads: the cache's capacity over the splits that give the tensor-core
-    form at most one CTA an SM (one split a pair where the pairs outnumber the SMs), the
-    CUDA-core form WAVES waves of CTAs (at most MAX_SPLITS), at least MIN_SPLIT_STEPS of
-    the kernel's steps each, a whole number of steps."""
+def split_tokens(cfg, sms: int, batch: int, kv_heads: int, capacity: int,
+                 splits: int = 1) -> int:
+    """Tokens a split reads: the cache's capacity over ``splits`` (above 1: a cluster's),
+    or over the splits that give the tensor-core form at most one CTA an SM (one split a
+    pair where the pairs outnumber the SMs), the CUDA-core form WAVES waves of CTAs (at
+    most MAX_SPLITS), at least MIN_SPLIT_STEPS of the kernel's steps each, a whole number
+    of steps."""
     step = cfg.tokens_per_step
     pairs = batch * kv_heads
+    if splits > 1:
+        return _ceil_div(_ceil_div(capacity, splits), step) * step
     if cfg.tensor_cores:
         wanted = max(1, sms // pairs)
     else:
@@ -230,13 +236,24 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                             "e4m3" if e4m3 else "bf16",
                             page_size < attention_kernel.MMA_MIN_PAGE, q_len,
                             causal or q_len == 1)
-    tokens = split_tokens(cfg, device_arch(device).sm_count, batch, kv_heads, max(capacity, 1))
+    tokens = split_tokens(cfg, device_arch(device).sm_count, batch, kv_heads, max(capacity, 1),
+                          cfg.cluster)
     splits = max(1, _ceil_div(capacity, tokens))
+    if config is not None and splits != cfg.cluster > 1:
+        raise ValueError(f"config merges {cfg.cluster} splits in a cluster, but a cache of "
+                         f"{capacity} tokens splits {splits} ways in steps of "
+                         f"{cfg.tokens_per_step}")
+    if config is None and cfg.tensor_cores and 2 <= splits <= attention_kernel.MAX_CLUSTER:
+        # a few splits: merged in a cluster, through distributed shared memory
+        cfg, launcher = _kernel(device, head_dim, group, pdl, bool(paging), None,
+                                "e4m3" if e4m3 else "bf16", False, q_len,
+                                causal or q_len == 1, splits)
     pairs = batch * kv_heads
     rows = q_len * group
-    partial = torch.empty(pairs * splits * rows * head_dim if splits > 1 else 1,
+    merged = splits > 1 and cfg.cluster == 1    # through the workspace
+    partial = torch.empty(pairs * splits * rows * head_dim if merged else 1,
                           dtype=torch.float32, device=q.device)
-    partial_ml = torch.empty(pairs * splits * rows * 2 if splits > 1 else 1,
+    partial_ml = torch.empty(pairs * splits * rows * 2 if merged else 1,
                              dtype=torch.float32, device=q.device)
     tokens_stride = {"q_token_stride": 2 * q_strides[1]} if q_len > 1 else {}
     (k_shape, k_strides, k_ptr), (_, v_strides, v_ptr) = caches
