@@ -249,51 +249,44 @@ def _reference_tokens(q, k, v, lengths, scale, causal):
     return out
 
 
-@pytest.mark.parametrize("q_len, heads, kv_heads, lengths, split_tokens, causal", [
-    (4, 8, 2, [150, 2], 64, True),     # 16 rows, a length under q_len, three splits
-    (2, 8, 1, [64, 100], 256, True),   # 16 rows, one split
-    (5, 3, 1, [77, 130], 64, True),    # 15 rows: one row past them
-    (3, 4, 2, [0, 129], 64, False),    # 12 rows, each token sees all L
-    (8, 1, 1, [20, 140], 64, True),    # 8 rows (no second row a lane)
+def _check_query_tokens(cfg, capacity, lengths, split_tokens, seed):
+    """cfg's kernel on the simulator over random q [B, q_len, Hq, D] and caches against the
+    fp64 reference of its (causal or not) query tokens; the counters back at zero."""
+    batch, heads, kv_heads = len(lengths), cfg.group, 1
+    rng = np.random.default_rng(seed)
+    q = _bf16(rng.standard_normal((batch, cfg.q_len, heads, cfg.head_dim)))
+    k = _bf16(rng.standard_normal((batch, capacity, kv_heads, cfg.head_dim)))
+    v = _bf16(rng.standard_normal((batch, capacity, kv_heads, cfg.head_dim)))
+    got, counters = _run(cfg, q, k, v, lengths, split_tokens)
+    expected = _reference_tokens(_f32(q), _f32(k), _f32(v), lengths, cfg.head_dim ** -0.5,
+                                 cfg.causal)
+    assert not np.isnan(got).any()
+    np.testing.assert_allclose(got, expected, atol=4e-3, rtol=1e-2)
+    assert counters == bytes(len(counters))
+
+
+@pytest.mark.parametrize("q_len, group, lengths, split_tokens, causal", [
+    (4, 4, [150, 2], 64, True),     # 16 rows, a length under q_len, three splits
+    (2, 8, [64, 100], 256, True),   # 16 rows, one split
+    (5, 3, [77, 130], 64, True),    # 15 rows: one row past them
+    (3, 2, [0, 129], 64, False),    # 6 rows, each token sees all L
+    (8, 1, [20, 140], 64, True),    # 8 rows (no second row a lane)
 ])
-def test_several_query_tokens_see_the_cache_causally(q_len, heads, kv_heads, lengths,
-                                                     split_tokens, causal):
+def test_several_query_tokens_see_the_cache_causally(q_len, group, lengths, split_tokens,
+                                                     causal):
     """Speculative decoding's query tokens, q [B, q_len, Hq, D], the tile's rows (token j,
     head h) = j x group + h: against fp64 where token j sees the cache's first L - (q_len -
     1 - j) tokens (FlashAttention's causal, bottom-right), or all L."""
-    head_dim, capacity, batch = 64, 150, len(lengths)
-    cfg = kernel.choose_config(arch.get("sm_90a"), head_dim, heads // kv_heads, q_len=q_len,
-                               causal=causal)
-    rng = np.random.default_rng(5)
-    q = _bf16(rng.standard_normal((batch, q_len, heads, head_dim)))
-    k = _bf16(rng.standard_normal((batch, capacity, kv_heads, head_dim)))
-    v = _bf16(rng.standard_normal((batch, capacity, kv_heads, head_dim)))
-    got, counters = _run(cfg, q, k, v, lengths, split_tokens)
-    expected = _reference_tokens(_f32(q), _f32(k), _f32(v), lengths, head_dim ** -0.5, causal)
-    assert not np.isnan(got).any()
-    np.testing.assert_allclose(got, expected, atol=4e-3, rtol=1e-2)
-    assert counters == bytes(len(counters))
+    cfg = kernel.choose_config(arch.get("sm_90a"), 64, group, q_len=q_len, causal=causal)
+    _check_query_tokens(cfg, 150, lengths, split_tokens, seed=5)
 
 
-@pytest.mark.parametrize("cluster, q_len, heads, kv_heads, lengths", [
-    (2, 1, 8, 2, [128, 77]), (4, 1, 4, 1, [256, 1]), (3, 4, 8, 2, [190, 3])])
-def test_a_cluster_merges_its_splits_through_distributed_shared_memory(cluster, q_len, heads,
-                                                                       kv_heads, lengths):
+@pytest.mark.parametrize("cluster, q_len, group, lengths", [
+    (2, 1, 4, [128, 77]), (4, 1, 4, [256, 1]), (3, 4, 4, [190, 3])])
+def test_a_cluster_merges_its_splits_through_distributed_shared_memory(cluster, q_len, group,
+                                                                       lengths):
     """A pair's splits as one cluster (split = rank): CTA 0 folds the others' states from
-    their shared memory, no workspace or counter touched (both left poisoned and zero);
-    one and two rows a lane; a split past the length."""
-    head_dim, batch = 64, len(lengths)
-    split_tokens = 64
-    capacity = cluster * split_tokens
-    cfg = kernel.choose_config(arch.get("sm_90a"), head_dim, heads // kv_heads, q_len=q_len,
-                               cluster=cluster)
-    rng = np.random.default_rng(6)
-    q = _bf16(rng.standard_normal((batch, q_len, heads, head_dim)))
-    k = _bf16(rng.standard_normal((batch, capacity, kv_heads, head_dim)))
-    v = _bf16(rng.standard_normal((batch, capacity, kv_heads, head_dim)))
-    got, counters = _run(cfg, q, k, v, [min(n, capacity) for n in lengths], split_tokens)
-    expected = _reference_tokens(_f32(q), _f32(k), _f32(v), [min(n, capacity) for n in lengths],
-                                 head_dim ** -0.5, True)
-    assert not np.isnan(got).any()
-    np.testing.assert_allclose(got, expected, atol=4e-3, rtol=1e-2)
-    assert counters == bytes(len(counters))
+    their shared memory, no workspace or counter touched (the counters stay zero); one and
+    two rows a lane; a split past the length."""
+    cfg = kernel.choose_config(arch.get("sm_90a"), 64, group, q_len=q_len, cluster=cluster)
+    _check_query_tokens(cfg, 64 * cluster, lengths, 64, seed=6)

@@ -612,6 +612,16 @@ class _WarpMerge:
                  **hints)
         k.ld([self.other_max, self.other_sum], addr(ml, offset), space=space, **hints)
 
+    def store(self, state) -> None:
+        """This lane's rows' states into its record (at ``at``, from ``warps``)."""
+        k, at = self.k, self.at
+        for n, row in enumerate(state.rows):
+            part = n * self.row_record
+            for i, vals in enumerate(_values(state, row)):
+                k.st(addr(at, part + 32 * i), vals[:4], space="shared")
+                k.st(addr(at, part + 32 * i + 16), vals[4:], space="shared")
+            k.st(addr(self.ml_at, part), [row.max, row.sum], space="shared")
+
     def warps(self, state) -> None:
         """Every thread arrives (a CTA barrier); warp 0 ends with the CTA's state."""
         k, at, record, chunks = self.k, self.at, self.record, self.chunks
@@ -619,12 +629,7 @@ class _WarpMerge:
             k.mov(at, self.smem)
             k.mad(at, self.t.tid, record, at, mode="lo")
             k.add(self.ml_at, at, 32 * chunks)
-            for n, row in enumerate(state.rows):
-                part = n * self.row_record
-                for i, vals in enumerate(_values(state, row)):
-                    k.st(addr(at, part + 32 * i), vals[:4], space="shared")
-                    k.st(addr(at, part + 32 * i + 16), vals[4:], space="shared")
-                k.st(addr(self.ml_at, part), [row.max, row.sum], space="shared")
+            self.store(state)
             k.bar_sync(0)
             with k.if_(self.warp0, "warps_merged", uniform=True):
                 for w in range(1, WARPS):
@@ -684,12 +689,7 @@ def _cluster_merge(k, cfg, p, t, state, merge) -> None:
     at, chunks = merge.at, merge.chunks
     with k.stage("the cluster's splits: warp 0 of each CTA leaves its state in its records"):
         with k.if_(merge.warp0, "cluster_state_stored", uniform=True):
-            for n, row in enumerate(state.rows):
-                part = n * merge.row_record
-                for i, vals in enumerate(_values(state, row)):
-                    k.st(addr(at, part + 32 * i), vals[:4], space="shared")
-                    k.st(addr(at, part + 32 * i + 16), vals[4:], space="shared")
-                k.st(addr(merge.ml_at, part), [row.max, row.sum], space="shared")
+            merge.store(state)
         k.barrier_cluster_arrive(sem="release")
         k.barrier_cluster_wait()
     first = k.pred("cluster_first")
