@@ -81,12 +81,35 @@ def test_a_config_must_fit_the_call():
         ptxforge.attention_with_kvcache(**_args(), config="mma")
     wrong = kernel.choose_config(sm90, 128, 4, tensor_cores=True)
     with pytest.raises(ValueError, match=r"config does not fit the call: it is for \(head_dim, "
-                       r"group, paged, cache dtype, q_len, causal\) \(128, 4, False, 'bf16', "
-                       r"1, True\), the call needs \(64, 4, False, 'bf16', 1, True\)"):
+                       r"group, paged, cache dtype, q_len, causal, append\) \(128, 4, False, "
+                       r"'bf16', 1, True, False\), the call needs \(64, 4, False, 'bf16', 1, "
+                       r"True, False\)"):
         ptxforge.attention_with_kvcache(**_args(), config=wrong)
     right = kernel.choose_config(sm90, 64, 4, tensor_cores=True)
     with pytest.raises(ValueError, match="q must be on a CUDA device"):   # past the check
         ptxforge.attention_with_kvcache(**_args(), config=right)
+
+
+@pytest.mark.parametrize("changed, message", [
+    ({"k_new": torch.zeros(2, 1, 2, 64, dtype=torch.bfloat16)},
+     "k_new and v_new go together: got only k_new"),
+    ({"k_new": torch.zeros(2, 1, 2, 64, dtype=torch.bfloat16),
+      "v_new": torch.zeros(2, 1, 3, 64, dtype=torch.bfloat16)},
+     r"v_new must be bf16 \[B, n, Hkv, D\] with \(B, Hkv, D\) = \(2, 2, 64\) and n >= 1, "
+     r"got shape \(2, 1, 3, 64\)"),
+    ({"k_new": torch.zeros(2, 1, 2, 64, dtype=torch.bfloat16),
+      "v_new": torch.zeros(2, 2, 2, 64, dtype=torch.bfloat16)},
+     "k_new and v_new must have the same shape and strides"),
+])
+def test_new_keys_and_values_are_checked(changed, message):
+    with pytest.raises(ValueError, match=message):
+        ptxforge.attention_with_kvcache(**_args(**changed))
+
+
+def test_new_keys_and_values_pass_the_checks_that_need_no_gpu():
+    new = torch.zeros(2, 2, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="q must be on a CUDA device"):
+        ptxforge.attention_with_kvcache(**_args(k_new=new, v_new=new.clone()))
 
 
 def test_the_tensor_core_form_refuses_pages_under_16_tokens():

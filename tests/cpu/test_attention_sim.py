@@ -42,11 +42,13 @@ def _reference(q, k, v, lengths, scale):
     return out
 
 
-def _run(cfg, q, k, v, lengths, split_tokens, table=None, scales=None):
+def _run(cfg, q, k, v, lengths, split_tokens, table=None, scales=None, new=None, pace=None):
     """The kernel on the simulator: out as floats [B, Hq, D] (q [B, q_len, Hq, D]: out
     [B, q_len, Hq, D]), and the counters' bytes. ``table``: a paged cache's block table (k
     and v then [blocks, page, Hkv, D]). ``scales``: an e4m3 cache's (k_scale, v_scale), f32
-    [B, S, Hkv]."""
+    [B, S, Hkv]. ``new``: (k_new, v_new) [B, n, Hkv, D] to append; then the caches after
+    the call (bf16 bits) come third. ``pace``: the simulator's (instructions a turn, by
+    launch, CTA and thread)."""
     q_len = q.shape[1] if q.ndim == 4 else 1
     batch, heads, head_dim = q.shape[0], q.shape[-2], q.shape[-1]
     kv_heads, size = k.shape[2], k.itemsize
@@ -81,13 +83,23 @@ def _run(cfg, q, k, v, lengths, split_tokens, table=None, scales=None):
         args.update(block_table=memory.put(table.astype(np.int32).tobytes()),
                     block_table_stride=table.shape[1],
                     page_shift=k.shape[1].bit_length() - 1, num_blocks=k.shape[0])
-    sim = Simulator(memory)
+    if new is not None:
+        n = new[0].shape[1]
+        args.update(k_new=memory.put(new[0].tobytes()), v_new=memory.put(new[1].tobytes()),
+                    new_batch_stride=2 * n * kv_heads * head_dim,
+                    new_token_stride=2 * kv_heads * head_dim, new_head_stride=2 * head_dim,
+                    new_tokens=n)
+    sim = Simulator(memory, pace=pace)
     built = generate_attention(cfg)
     sim.launch("attention", built.ptx(), (splits, kv_heads, batch), 128,
                shared_bytes=built.launch.shared_bytes, cluster=built.launch.cluster, **args)
     sim.run()
     got = _f32(np.frombuffer(memory.read(out, 2 * batch * q_len * heads * head_dim),
                              dtype=np.uint16))
+    if new is not None:
+        caches = [np.frombuffer(memory.read(args[name], k.nbytes), dtype=np.uint16)
+                  .reshape(k.shape) for name in ("k", "v")]
+        return got.reshape(q.shape), memory.read(counters, 4 * pairs), caches
     return got.reshape(q.shape), memory.read(counters, 4 * pairs)
 
 
@@ -290,3 +302,46 @@ def test_a_cluster_merges_its_splits_through_distributed_shared_memory(cluster, 
     two rows a lane; a split past the length."""
     cfg = kernel.choose_config(arch.get("sm_90a"), 64, group, q_len=q_len, cluster=cluster)
     _check_query_tokens(cfg, 64 * cluster, lengths, 64, seed=6)
+
+
+@pytest.mark.parametrize("paged, cluster, lengths", [
+    (False, 1, [70, 0]), (True, 1, [100, 47]), (False, 2, [126, 5])])
+def test_new_keys_and_values_are_appended_and_attended_to(paged, cluster, lengths):
+    """k_new and v_new (two tokens a sequence, the two query tokens' own) written into the
+    cache at each sequence's length (a length of 126 in 128: the second is past S_max and
+    dropped) and attended to causally in the same call; the rest of the cache untouched.
+    The first split, which writes them, runs an instruction a turn, the others 64: the
+    others read the new rows before they are in the cache, from k_new and v_new."""
+    head_dim, heads, kv_heads, n, capacity = 64, 4, 2, 2, 128
+    batch = len(lengths)
+    cfg = kernel.choose_config(arch.get("sm_90a"), head_dim, heads // kv_heads, paged=paged,
+                               q_len=n, cluster=cluster, append=True)
+    rng = np.random.default_rng(7)
+    q = _bf16(rng.standard_normal((batch, n, heads, head_dim)))
+    k = _bf16(rng.standard_normal((batch, capacity, kv_heads, head_dim)))
+    v = _bf16(rng.standard_normal((batch, capacity, kv_heads, head_dim)))
+    new = [_bf16(rng.standard_normal((batch, n, kv_heads, head_dim))) for _ in range(2)]
+    expected_caches = [cache.copy() for cache in (k, v)]
+    for cache, rows in zip(expected_caches, new):
+        for b, length in enumerate(lengths):
+            fits = min(n, capacity - length)
+            cache[b, length:length + fits] = rows[b, :fits]
+    seen = [min(length + n, capacity) for length in lengths]
+    table = None
+    if paged:     # pages of 16, the pool shuffled
+        page, pages = 16, capacity // 16
+        order = rng.permutation(batch * pages)
+        table = order.reshape(batch, pages)
+        pool = lambda x: x.reshape(batch * pages, page, kv_heads, head_dim)[np.argsort(order)]
+        k, v = pool(k), pool(v)
+    got, counters, caches = _run(cfg, q, k, v, lengths, 64, table, new=new,
+                                 pace=lambda name, cta, tid: 1 if cta % 2 == 0 else 64)
+    if paged:
+        caches = [c[table].reshape(batch, capacity, kv_heads, head_dim) for c in caches]
+    expected = _reference_tokens(_f32(q), _f32(expected_caches[0]), _f32(expected_caches[1]),
+                                 seen, head_dim ** -0.5, True)
+    assert not np.isnan(got).any()
+    np.testing.assert_allclose(got, expected, atol=4e-3, rtol=1e-2)
+    for cache, want in zip(caches, expected_caches):
+        np.testing.assert_array_equal(cache, want)
+    assert counters == bytes(len(counters))

@@ -239,3 +239,35 @@ def test_a_paged_e4m3_cache_gives_the_contiguous_one_s_bits(q_len, lengths):
     values = [gather(c).float() * gather(s)[..., None] for c, s in zip(caches, scales)]
     ref = reference_tokens(q, *values, lengths)
     assert (paged.double() - ref).abs().max().item() <= 1e-2 + 1e-2 * ref.abs().max().item()
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_new_keys_and_values_are_written_and_attended_to(paged):
+    """k_new and v_new (the two query tokens' own) written at each sequence's length (one
+    of them past S_max: dropped) and attended to causally in the same call; the rest of
+    the cache as it was."""
+    batch, capacity, heads, kv_heads, head_dim, n, page = 3, 2048, 32, 8, 128, 2, 64
+    g = torch.Generator(device="cuda").manual_seed(4)
+    _, k, v, lengths = problem(batch, capacity, heads, kv_heads, head_dim, [1000, 0, 2047])
+    q = torch.randn(batch, n, heads, head_dim, device="cuda", generator=g).bfloat16()
+    new = [torch.randn(batch, n, kv_heads, head_dim, device="cuda", generator=g).bfloat16()
+           for _ in range(2)]
+    expected = [cache.clone() for cache in (k, v)]
+    for cache, rows in zip(expected, new):
+        for b, length in enumerate(lengths.tolist()):
+            fits = min(n, capacity - length)
+            cache[b, length:length + fits] = rows[b, :fits]
+    extra = {}
+    if paged:
+        pages = capacity // page
+        order = torch.randperm(batch * pages, device="cuda", generator=g)
+        k, v = (c.reshape(batch * pages, page, kv_heads, head_dim)[order.argsort()].contiguous()
+                for c in (k, v))
+        extra = {"block_table": order.view(batch, pages).int()}
+    out = ptxforge.attention_with_kvcache(q, k, v, lengths, k_new=new[0], v_new=new[1],
+                                          **extra)
+    check(out, reference_tokens(q, *expected, (lengths + n).clamp(max=capacity)))
+    if paged:
+        table = extra["block_table"].long()
+        k, v = (c[table].reshape(batch, capacity, kv_heads, head_dim) for c in (k, v))
+    assert torch.equal(k, expected[0]) and torch.equal(v, expected[1])

@@ -169,11 +169,14 @@ def generate_attention(cfg):
 
 
 def _attention(arch, head_dim: int, group: int, cache: str, math: str, q_len: int = 1,
-               cluster: int = 1):
+               cluster: int = 1, kv_new: str = "none"):
     """Decode attention's configure: ``cache`` contiguous or paged (a block table) bf16,
     or e4m3 or paged-e4m3 (with scales); ``math`` cuda (cores) or mma (tensor cores);
     ``q_len`` query tokens a sequence (causal; mma, q_len x group up to 16); ``cluster``:
-    the splits merged in a cluster of that many CTAs (mma)."""
+    the splits merged in a cluster of that many CTAs (mma); ``kv_new`` none or appended:
+    new keys and values written into a bf16 cache and attended to (mma)."""
+    if kv_new not in ("none", "appended"):
+        raise ValueError(f"option kv_new must be none or appended, got {kv_new!r}")
     if cache not in _ATTENTION_CACHES:
         raise ValueError(f"option cache must be one of {', '.join(_ATTENTION_CACHES)}, got "
                          f"{cache!r}")
@@ -181,7 +184,8 @@ def _attention(arch, head_dim: int, group: int, cache: str, math: str, q_len: in
         raise ValueError(f"option math must be cuda or mma, got {math!r}")
     return bf16_decode_attention.choose_config(
         arch, head_dim, group, paged=cache.startswith("paged"), tensor_cores=math == "mma",
-        cache_dtype="e4m3" if cache.endswith("e4m3") else "bf16", q_len=q_len, cluster=cluster)
+        cache_dtype="e4m3" if cache.endswith("e4m3") else "bf16", q_len=q_len, cluster=cluster,
+        append=kv_new == "appended")
 
 
 _ATTENTION_CACHES = ("contiguous", "paged", "e4m3", "paged-e4m3")
@@ -190,23 +194,28 @@ _ATTENTION_CACHES = ("contiguous", "paged", "e4m3", "paged-e4m3")
 def _attention_variants() -> tuple:
     """Every head size, group and cache on CUDA cores (bf16, one query token) and on the
     tensor cores (D up to 128): one and two query tokens, and a full tile's (16 rows); the
-    contiguous cache's also with four splits merged in a cluster."""
+    contiguous cache's also with four splits merged in a cluster; the bf16 caches' also
+    appending two new tokens."""
     variants = []
+
+    def add(d, g, c, math, q_len=1, cluster=1, kv_new="none"):
+        variants.append({"head_dim": d, "group": g, "cache": c, "math": math, "q_len": q_len,
+                         "cluster": cluster, "kv_new": kv_new})
+
     for d in bf16_decode_attention.HEAD_DIMS:
         for g in (1, 2, 4, 8):
             for c in _ATTENTION_CACHES:
                 if not c.endswith("e4m3"):
-                    variants.append({"head_dim": d, "group": g, "cache": c, "math": "cuda",
-                                     "q_len": 1, "cluster": 1})
+                    add(d, g, c, "cuda")
                 if d > bf16_decode_attention.MMA_HEAD_DIM:
                     continue
                 for q in sorted({1, 2, bf16_decode_attention.MMA_ROWS // g}):
                     if q <= 2 or c == "contiguous":
-                        variants.append({"head_dim": d, "group": g, "cache": c,
-                                         "math": "mma", "q_len": q, "cluster": 1})
+                        add(d, g, c, "mma", q)
                 if c == "contiguous":
-                    variants.append({"head_dim": d, "group": g, "cache": c, "math": "mma",
-                                     "q_len": 1, "cluster": 4})
+                    add(d, g, c, "mma", cluster=4)
+                if not c.endswith("e4m3"):
+                    add(d, g, c, "mma", 2, kv_new="appended")
     return tuple(variants)
 
 
@@ -296,11 +305,12 @@ REGISTRY = {
                    "bf16 rows (topk: k)"),
         KernelSpec("attention_with_kvcache", _attention, generate_attention,
                    {"head_dim": 128, "group": 4, "cache": "contiguous", "math": "mma",
-                    "q_len": 1, "cluster": 1},
+                    "q_len": 1, "cluster": 1, "kv_new": "none"},
                    _attention_variants(),
                    "decode attention over a KV cache (group: query heads a KV head; cache: "
                    "contiguous or paged, bf16 or e4m3; math: cuda cores or mma "
-                   "(tensor cores); q_len: query tokens a sequence, causal)"),
+                   "(tensor cores); q_len: query tokens a sequence, causal; cluster: the "
+                   "splits merged in a cluster; kv_new: none or appended)"),
         KernelSpec("moe_routing_layout", i64_moe_routing_layout.choose_config,
                    i64_moe_routing_layout.generate, _ROUTING_OPTIONS, _ROUTING_VARIANTS,
                    "MoE routing: each (token, expert) pair's row in the grouped GEMMs' input "

@@ -89,6 +89,8 @@ class DecodeAttentionConfig:
                                # (q_len - 1 - j) tokens (FlashAttention's, bottom-right)
     cluster: int = 1           # the tensor-core form: a pair's splits as one cluster of this
                                # many CTAs, merged through distributed shared memory
+    append: bool = False       # the tensor-core form over a bf16 cache: k_new and v_new's
+                               # tokens appended at each sequence's length (and attended to)
 
     @property
     def name(self) -> str:
@@ -99,7 +101,8 @@ class DecodeAttentionConfig:
                 + ("_e4m3" if self.cache_dtype == "e4m3" else "")
                 + (f"_q{self.q_len}" + ("" if self.causal else "_full") if self.q_len > 1
                    else "")
-                + (f"_c{self.cluster}" if self.cluster > 1 else ""))
+                + (f"_c{self.cluster}" if self.cluster > 1 else "")
+                + ("_append" if self.append else ""))
 
     @property
     def rows(self) -> int:
@@ -172,7 +175,7 @@ def check_problem(head_dim: int, group: int) -> None:
 def choose_config(arch: Arch, head_dim: int, group: int, paged: bool = False,
                   tensor_cores: bool | None = None, cache_dtype: str = "bf16",
                   stages: int = 3, q_len: int = 1, causal: bool = True,
-                  cluster: int = 1) -> DecodeAttentionConfig:
+                  cluster: int = 1, append: bool = False) -> DecodeAttentionConfig:
     """The kernel for ``group`` query heads a KV head of ``head_dim``: the tensor-core form
     (``tensor_cores``; by default where it takes the head, D <= MMA_HEAD_DIM; ``stages``:
     the tiles each warp has in flight) or the CUDA-core one; ``paged``: a block table's
@@ -180,7 +183,9 @@ def choose_config(arch: Arch, head_dim: int, group: int, paged: bool = False,
     its scales too (the tensor-core form); ``q_len`` query tokens a sequence, ``causal``
     among themselves (the tensor-core form, q_len x group up to MMA_ROWS); ``cluster``: the
     splits of a (sequence, KV head) pair, as one cluster (the tensor-core form, 2 to
-    MAX_CLUSTER), merged through distributed shared memory instead of global memory."""
+    MAX_CLUSTER), merged through distributed shared memory instead of global memory;
+    ``append``: new keys and values written into the cache at each sequence's length in the
+    same kernel (the tensor-core form, a bf16 cache)."""
     check_problem(head_dim, group)
     if tensor_cores is None:
         tensor_cores = head_dim <= MMA_HEAD_DIM
@@ -201,8 +206,11 @@ def choose_config(arch: Arch, head_dim: int, group: int, paged: bool = False,
     if cluster != 1 and (not tensor_cores or not 2 <= cluster <= MAX_CLUSTER):
         raise ValueError(f"cluster must be 1, or 2 to {MAX_CLUSTER} with the tensor-core form, "
                          f"got {cluster}")
+    if append and (not tensor_cores or cache_dtype != "bf16"):
+        raise ValueError("appending new keys and values takes the tensor-core form and a bf16 "
+                         "cache")
     return DecodeAttentionConfig(head_dim, group, arch.target, paged, tensor_cores, cache_dtype,
-                                 stages, q_len, causal, cluster)
+                                 stages, q_len, causal, cluster, append)
 
 
 def generate(cfg: DecodeAttentionConfig) -> KernelBuilder:
@@ -259,6 +267,13 @@ class _Params:
             self.scale_batch_stride = k.param("scale_batch_stride", "u64")
             self.scale_head_stride = k.param("scale_head_stride", "u64")
             self.scale_token_stride = k.param("scale_token_stride", "u32")
+        # append: k_new and v_new [B, new_tokens, Hkv, D] (the same strides, in bytes), written
+        # at each sequence's length; seqlens count the cache's tokens before them.
+        if cfg.append:
+            self.k_new, self.v_new = k.param("k_new", "u64"), k.param("v_new", "u64")
+            for stride in ("batch", "token", "head"):
+                setattr(self, f"new_{stride}_stride", k.param(f"new_{stride}_stride", "u64"))
+            self.new_tokens = k.param("new_tokens", "u32")
         self.seqlens = k.param("seqlens", "u64")           # int32 [B]
         self.capacity = k.param("capacity", "u32")         # S_max: no token at or past it is read
         self.split_tokens = k.param("split_tokens", "u32")  # a multiple of tokens_per_step
@@ -361,6 +376,11 @@ def _pointers(k, cfg, p, t, cache_vectors: bool = True) -> SimpleNamespace:
         ptrs.length, capacity = length, k.reg("u32", "capacity")
         k.ld(length, addr(at_len), nc=True)
         k.ld_param(capacity, p.capacity)
+        if cfg.append:    # the cache's tokens before the new ones, then the new ones
+            ptrs.old, new = k.reg("u32", "old_length"), k.reg("u32", "new_tokens")
+            k.min(ptrs.old, length, capacity)
+            k.ld_param(new, p.new_tokens)
+            k.add(length, ptrs.old, new)
         k.min(length, length, capacity)
         k.min(ptrs.end, ptrs.end, length)
     return ptrs

@@ -66,7 +66,9 @@ def generate(cfg) -> KernelBuilder:
     with k.stage("wait for the kernel before this one"):
         k.griddepcontrol_wait()
     ptrs = base._pointers(k, cfg, p, t, cache_vectors=False)
-    ring.lane_rows(t, ptrs)
+    ring.lane_rows(t, ptrs, p)
+    if cfg.append:
+        _append(k, cfg, p, t, ptrs, ring)
     q = _query_fragments(k, cfg, p, ptrs, t)
     state = _state(k, cfg, t)
     _tiles(k, cfg, t, ptrs, q, state, ring)
@@ -286,7 +288,7 @@ class _Ring:
             k.mov(self.phase, 0)
             k.mov(self.index, 0)
 
-    def lane_rows(self, t, ptrs) -> None:
+    def lane_rows(self, t, ptrs, p) -> None:
         """This lane's piece of a row (``sub_row`` of each copy's rows, 16 bytes from
         ``piece``), its k and v sources for token 0, where it lands in a slot (``dst``)."""
         k, cfg, self.ptrs = self.k, self.cfg, ptrs
@@ -301,6 +303,18 @@ class _Ring:
                 k.cvt(src, piece, dtype="u64")
                 k.add(src, src, cache)
                 self.sources.append(src)
+            if cfg.append:   # k_new's and v_new's rows of the pair, and this lane's piece
+                self.new_rows = [_new_row(k, p, t, which) for which in "kv"]
+                self.new_sources = []
+                for which, row in zip("kv", self.new_rows):
+                    src = k.reg("u64", f"copy_new_{which}")
+                    k.cvt(src, piece, dtype="u64")
+                    k.add(src, src, row)
+                    self.new_sources.append(src)
+                stride = k.reg("u64", "new_token_stride")
+                k.ld_param(stride, p.new_token_stride)
+                ptrs.new_token = k.reg("u32", "new_token_bytes")
+                k.cvt(ptrs.new_token, stride, dtype="u32")
             # each copy's rows start at a multiple of R: the swizzle is the sub-row's
             self.dst = k.reg("u32", "copy_dst")
             _swizzle(k, cfg, self.sub_row, self.dst)
@@ -340,15 +354,28 @@ class _Ring:
             for into, start, page_bytes in zip(sources, self.sources,
                                                (ptrs.k_page, ptrs.v_page)):
                 k.mad(into, page, page_bytes, start, mode="wide")
+        if cfg.append:
+            row, fresh, is_new = k.reg("u32", "copy_row"), k.reg("u32", "copy_fresh"), \
+                k.pred("copy_is_new")
+            new_src = k.reg("u64", "copy_new_src")
         for j in range(TILE // self.rows_per_copy):
             k.add(token, first, j * self.rows_per_copy)
             k.min(token, token, last)
+            at = token
+            if cfg.append:     # a token from the old length on: k_new's row, not the cache's
+                at = row
+                k.setp("ge", is_new, token, ptrs.old)
+                k.sub(fresh, token, ptrs.old)
+                k.mov(row, token)
             if cfg.paged:
-                k.and_(token, token, ptrs.row_mask)
+                k.and_(at, token, ptrs.row_mask)
             for half, (start, stride) in enumerate(zip(sources, strides)):
-                k.mad(src, token, stride, start, mode="wide")
-                row = half * TILE + j * self.rows_per_copy
-                k.cp_async(addr(dst, slot.offset + row * row_bytes(cfg)), addr(src), 16,
+                k.mad(src, at, stride, start, mode="wide")
+                if cfg.append:
+                    k.mad(new_src, fresh, ptrs.new_token, self.new_sources[half], mode="wide")
+                    k.selp(src, new_src, src, is_new)
+                row_at = half * TILE + j * self.rows_per_copy
+                k.cp_async(addr(dst, slot.offset + row_at * row_bytes(cfg)), addr(src), 16,
                            cache="cg")
         if self.e4m3:
             k.add(token, tile, self.scale_row)
@@ -376,6 +403,72 @@ class _Ring:
             k.mov(self.slot, self.first_slot)
             k.mov(self.bar, self.first_bar)
             k.xor(self.phase, self.phase, 1)
+
+
+def _new_row(k, p, t, which: str):
+    """k_new's (or v_new's) first row of the pair."""
+    at, wide, stride = k.reg("u64", f"new_{which}"), k.reg("u64", "new_wide"), \
+        k.reg("u64", "new_stride")
+    k.ld_param(at, p.k_new if which == "k" else p.v_new)
+    for index, param in ((t.seq, p.new_batch_stride), (t.kv_head, p.new_head_stride)):
+        k.cvt(wide, index, dtype="u64")
+        k.ld_param(stride, param)
+        k.mad(at, wide, stride, at, mode="lo", type="u64")
+    return at
+
+
+def _append(k, cfg, p, t, ptrs, ring) -> None:
+    """The pair's first split writes k_new's and v_new's rows into the cache at positions
+    old + i (those under S_max), 16 bytes a thread in turn; the kernel reads them from
+    k_new and v_new, so no CTA waits for the write."""
+    lanes = row_bytes(cfg) // 16                # threads a row
+    with k.stage("append: the first split writes k_new and v_new into the cache"):
+        first = k.pred("first_split")
+        k.setp("eq", first, t.split, 0)
+        with k.if_(first, "appended", uniform=True):
+            total, new = k.reg("u32", "append_pieces"), k.reg("u32", "append_tokens")
+            k.ld_param(new, p.new_tokens)
+            k.mul(total, new, 2 * lanes, mode="lo")
+            i, rest, piece, pos = (k.reg("u32", n) for n in (
+                "append_row", "append_rest", "append_piece", "append_pos"))
+            src, dst, wide = (k.reg("u64", n) for n in ("append_src", "append_dst",
+                                                          "append_wide"))
+            is_v, inside = k.pred("append_v"), k.pred("append_inside")
+            data = k.regs("b32", 4, "append_data")
+            capacity = k.reg("u32", "append_capacity")
+            k.ld_param(capacity, p.capacity)
+            with k.loop(k.reg("u32", "append_at"), total, start=t.tid, step=THREADS,
+                        hint="append") as at:
+                k.shr(i, at, (2 * lanes).bit_length() - 1)
+                k.and_(rest, at, 2 * lanes - 1)
+                k.setp("ge", is_v, rest, lanes)
+                k.and_(piece, rest, lanes - 1)
+                k.shl(piece, piece, 4, type="b32")
+                k.add(pos, ptrs.old, i)
+                k.setp("lt", inside, pos, capacity)
+                # the source: k_new's (v_new's) row i, the piece
+                k.selp(src, ring.new_rows[1], ring.new_rows[0], is_v)
+                k.mad(src, i, ptrs.new_token, src, mode="wide")
+                k.cvt(wide, piece, dtype="u64")
+                k.add(src, src, wide)
+                # the destination: the cache's row at pos (its page's), the piece
+                k.selp(dst, ptrs.v, ptrs.k, is_v)
+                token_bytes = k.reg("u32", "append_token_bytes")
+                k.selp(token_bytes, ptrs.v_token, ptrs.k_token, is_v)
+                row = pos
+                if cfg.paged:
+                    page, page_bytes = k.reg("u32", "append_page"), k.reg("u32",
+                                                                           "append_page_bytes")
+                    base._token_page(k, ptrs, pos, inside, page)
+                    k.selp(page_bytes, ptrs.v_page, ptrs.k_page, is_v)
+                    k.mad(dst, page, page_bytes, dst, mode="wide")
+                    row = k.reg("u32", "append_page_row")
+                    k.and_(row, pos, ptrs.row_mask)
+                k.mad(dst, row, token_bytes, dst, mode="wide")
+                k.add(dst, dst, wide)
+                with k.guard(inside):
+                    k.ld(data, addr(src), nc=True)
+                    k.st(addr(dst), data)
 
 
 def _tiles(k, cfg, t, ptrs, q, state, ring) -> None:

@@ -34,7 +34,7 @@ MAX_SPLITS = 64      # the last split merges them all, its token slots sharing t
 def _kernel(device_index: int, head_dim: int, group: int, pdl: bool | None,
             paged: bool = False, config=None, cache_dtype: str = "bf16",
             small_pages: bool = False, q_len: int = 1, causal: bool = True,
-            cluster: int = 1):
+            cluster: int = 1, append: bool = False):
     """(config, launcher) for one device and variant; ``pdl``: the call's; ``config``: the
     caller's (``_check_config``) instead of the heuristic's; ``small_pages``: pages under
     MMA_MIN_PAGE tokens, which take the CUDA-core form; ``cluster``: the splits merged in
@@ -44,7 +44,8 @@ def _kernel(device_index: int, head_dim: int, group: int, pdl: bool | None,
         cfg = attention_kernel.choose_config(
             device_arch(device_index), head_dim, group, paged,
             tensor_cores=False if small_pages else None,
-            cache_dtype=cache_dtype, q_len=q_len, causal=causal, cluster=cluster)
+            cache_dtype=cache_dtype, q_len=q_len, causal=causal, cluster=cluster,
+            append=append)
     elif cfg.target != device_arch(device_index).target:
         raise ValueError(f"config is for {cfg.target}, but cuda:{device_index} is "
                          f"{device_arch(device_index).target}")
@@ -54,18 +55,19 @@ def _kernel(device_index: int, head_dim: int, group: int, pdl: bool | None,
 
 
 def _check_config(config, head_dim: int, group: int, paged: bool, cache_dtype: str,
-                  q_len: int, causal: bool) -> None:
+                  q_len: int, causal: bool, append: bool) -> None:
     """A ``config=`` must be a decode attention config for this call's head size, group,
     cache and query tokens (its target is checked against the device when it launches)."""
     if not isinstance(config, attention_kernel.DecodeAttentionConfig):
         raise TypeError(f"config must be a decode attention config (kernels."
                         f"bf16_decode_attention.choose_config), got {type(config).__name__}")
     got = (config.head_dim, config.group, config.paged, config.cache_dtype, config.q_len,
-           config.causal or config.q_len == 1)
-    wanted = (head_dim, group, paged, cache_dtype, q_len, causal or q_len == 1)
+           config.causal or config.q_len == 1, config.append)
+    wanted = (head_dim, group, paged, cache_dtype, q_len, causal or q_len == 1, append)
     if got != wanted:
         raise ValueError(f"config does not fit the call: it is for (head_dim, group, paged, "
-                         f"cache dtype, q_len, causal) {got}, the call needs {wanted}")
+                         f"cache dtype, q_len, causal, append) {got}, the call needs "
+                         f"{wanted}")
 
 
 def split_tokens(cfg, sms: int, batch: int, kv_heads: int, capacity: int,
@@ -115,6 +117,8 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            k_scale: torch.Tensor | None = None,
                            v_scale: torch.Tensor | None = None,
                            softmax_scale: float | None = None, causal: bool = True,
+                           k_new: torch.Tensor | None = None,
+                           v_new: torch.Tensor | None = None,
                            config=None, pdl: bool | None = None) -> torch.Tensor:
     """Attention of a sequence's newest tokens (one, or a few: speculative decoding's)
     over its cached keys and values, as FlashAttention's ``flash_attn_with_kvcache(q,
@@ -123,9 +127,10 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         out[b, j, h] = softmax(softmax_scale * q[b, j, h] . k_cache[b, :L_j, h // g].T)
                        @ v_cache[b, :L_j, h // g]
 
-    with L = cache_seqlens[b] (the cache holding the q_len new tokens' keys last) and L_j =
-    L - (q_len - 1 - j) where ``causal`` (token j sees itself and the tokens before it), L
-    otherwise; in f32, rounded to bf16 once; a token that sees no key gives zeros.
+    with L = cache_seqlens[b] (the cache holding the q_len new tokens' keys last; with
+    k_new, cache_seqlens[b] + its tokens) and L_j = L - (q_len - 1 - j) where ``causal``
+    (token j sees itself and the tokens before it), L otherwise; in f32, rounded to bf16
+    once; a token that sees no key gives zeros.
 
     q: bf16 [B, q_len, Hq, D], D 64, 128 or 256 (unit stride; the other strides free);
     q_len above 1 takes the tensor-core form: D up to 128, q_len x Hq / Hkv up to 16.
@@ -146,6 +151,11 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     take them; the tensor cores read the e4m3 values as f16 pairs (Q and P in f16). At D
     = 128, ``quantize_fp8_per_token(k.view(-1, 128), "row_major")`` writes new rows so:
     one scale a (token, KV head), amax / 448.
+    k_new, v_new: bf16 [B, n, Hkv, D] (D unit stride, the same strides for both), or None:
+    written into the caches at positions cache_seqlens[b] .. + n (those under S_max; the
+    lengths themselves are not changed) and attended to, in the same kernel (the
+    tensor-core form, a bf16 cache; not under torch.compile, whose operator does not
+    declare the caches written).
     softmax_scale: by default D ** -0.5. config: a kernel config instead of the default
     (``kernels.bf16_decode_attention.choose_config(arch, D, Hq // Hkv, paged, ...)``: by
     default the tensor-core form, mma.sync, for D up to 128 and pages of 16 tokens or
@@ -153,10 +163,13 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     as ``rms_norm``'s. Returns a new bf16 [B, q_len, Hq, D].
 
     Differences from FlashAttention's: causal by default; q_len x Hq / Hkv up to 16; no
-    k_new/v_new (the cache is written first), no rotary, no dropout or softcap; page sizes
-    any power of two.
+    rotary, no dropout or softcap; page sizes any power of two.
     """
     if torch.compiler.is_dynamo_compiling():
+        if k_new is not None or v_new is not None:
+            raise ValueError("attention_with_kvcache: k_new and v_new write the caches, which "
+                             "its operator does not declare: under torch.compile write them "
+                             "first and count them in cache_seqlens")
         return traced("attention_with_kvcache", q, k_cache, v_cache, cache_seqlens,
                       block_table=block_table, k_scale=k_scale, v_scale=v_scale,
                       softmax_scale=softmax_scale, causal=causal, pdl=pdl, config=config)
@@ -218,9 +231,13 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                          f"Hkv up to {attention_kernel.MMA_ROWS}; got head_dim {head_dim}, "
                          f"{q_len} x {heads // kv_heads}"
                          + (f", page_size {page_size}" if paging else ""))
+    appending = {}
+    if k_new is not None or v_new is not None:
+        appending = _new_tokens(k_new, v_new, caches[0][0], batch, head_dim, e4m3, page_size,
+                                device)
     if config is not None:
         _check_config(config, head_dim, heads // kv_heads, block_table is not None,
-                      "e4m3" if e4m3 else "bf16", q_len, causal)
+                      "e4m3" if e4m3 else "bf16", q_len, causal, bool(appending))
         if config.tensor_cores and page_size < attention_kernel.MMA_MIN_PAGE:
             raise ValueError(f"the tensor-core form takes pages of "
                              f"{attention_kernel.MMA_MIN_PAGE} tokens or more, got page_size "
@@ -235,7 +252,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     cfg, launcher = _kernel(device, head_dim, group, pdl, bool(paging), config,
                             "e4m3" if e4m3 else "bf16",
                             page_size < attention_kernel.MMA_MIN_PAGE, q_len,
-                            causal or q_len == 1)
+                            causal or q_len == 1, 1, bool(appending))
     tokens = split_tokens(cfg, device_arch(device).sm_count, batch, kv_heads, max(capacity, 1),
                           cfg.cluster)
     splits = max(1, _ceil_div(capacity, tokens))
@@ -247,7 +264,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         # a few splits: merged in a cluster, through distributed shared memory
         cfg, launcher = _kernel(device, head_dim, group, pdl, bool(paging), None,
                                 "e4m3" if e4m3 else "bf16", False, q_len,
-                                causal or q_len == 1, splits)
+                                causal or q_len == 1, splits, bool(appending))
     pairs = batch * kv_heads
     rows = q_len * group
     merged = splits > 1 and cfg.cluster == 1    # through the workspace
@@ -268,8 +285,42 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
              scale_log2=float(softmax_scale) * LOG2E,
              out=out.data_ptr(), partial=partial.data_ptr(), partial_ml=partial_ml.data_ptr(),
              counters=_counters_for(device, pairs).data_ptr(), **paging, **scaling,
-             **tokens_stride)
+             **tokens_stride, **appending)
     return out
+
+
+def _new_tokens(k_new, v_new, cache_shape, batch: int, head_dim: int, e4m3: bool,
+                page_size: int, device: int) -> dict:
+    """Check k_new and v_new (both, bf16 [B, n, Hkv, D], the same strides; a bf16 cache
+    the tensor-core form takes): the kernel's append arguments by parameter name."""
+    if k_new is None or v_new is None:
+        raise ValueError("k_new and v_new go together: got only "
+                         + ("k_new" if v_new is None else "v_new"))
+    if e4m3 or head_dim > attention_kernel.MMA_HEAD_DIM \
+            or page_size < attention_kernel.MMA_MIN_PAGE:
+        raise ValueError(f"k_new and v_new take a bf16 cache, head_dim up to "
+                         f"{attention_kernel.MMA_HEAD_DIM} and pages of "
+                         f"{attention_kernel.MMA_MIN_PAGE} tokens or more (the tensor-core "
+                         f"form), got {'an e4m3 cache' if e4m3 else f'head_dim {head_dim}'}"
+                         + (f", page_size {page_size}" if page_size < 16 else ""))
+    found = []
+    for name, new in (("k_new", k_new), ("v_new", v_new)):
+        shape, strides, ptr, _ = inspect(name, new, torch.bfloat16, 4, device=device)
+        wanted = (batch, cache_shape[2], head_dim)
+        if (shape[0], shape[2], shape[3]) != wanted or shape[1] < 1:
+            raise ValueError(f"{name} must be bf16 [B, n, Hkv, D] with (B, Hkv, D) = "
+                             f"{wanted} and n >= 1, got shape {tuple(shape)}")
+        if any(stride % 8 for stride in strides[:3]):
+            raise ValueError(f"{name}'s strides must keep each row 16-byte aligned (multiples "
+                             f"of 8 elements), got {tuple(strides)}")
+        found.append((tuple(shape), tuple(strides), ptr))
+    if found[0][:2] != found[1][:2]:
+        raise ValueError(f"k_new and v_new must have the same shape and strides, got "
+                         f"{found[0][:2]} and {found[1][:2]}")
+    (shape, strides, k_ptr), (_, _, v_ptr) = found
+    return dict(k_new=k_ptr, v_new=v_ptr, new_batch_stride=2 * strides[0],
+                new_token_stride=2 * strides[1], new_head_stride=2 * strides[2],
+                new_tokens=shape[1])
 
 
 def _scales(k_scale, v_scale, e4m3: bool, cache_shape, head_dim: int, block_table,
