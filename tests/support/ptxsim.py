@@ -4,8 +4,10 @@ tests.
 It runs the builder's PTX for the instruction subset the EP kernels and the decode
 attention use (integer and predicate arithmetic, f32 adds, differences, products, fmas,
 maxima, comparisons, reciprocals and ex2, bf16 and f16 packing, e4m3 conversions, loads and
-stores of the global, shared and param spaces, reductions and atomic adds, ballots,
-shuffles, mma.sync m16n8k16 and movmatrix, named barriers, branches, trap; prefetches do
+stores of the global, shared and param spaces, reductions and atomic adds, ballots and
+votes, shuffles, mma.sync m16n8k16 and movmatrix, named barriers, mbarriers with the
+cp.async and cp.async.bulk copies that complete on them (a copy lands at once), clusters
+along x (their barrier, mapa, distributed shared memory), branches, trap; prefetches do
 nothing), one Python object a thread, over grids of up to three dimensions. Several
 launches (one a simulated rank) run interleaved over one flat global memory, so a
 kernel's loads and stores reach its peers' buffers as they would through CUDA IPC.
