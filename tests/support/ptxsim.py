@@ -16,9 +16,9 @@ What it is not: a model of the GPU's memory ordering. Memory is sequentially con
 (every access lands at once, in the order the scheduler runs the threads), so it checks
 the protocol's logic (counts, offsets, ring wrap-around, waits, signatures, the order of
 the sums), not whether the acquire/release annotations suffice: the design note argues
-those. Threads run round-robin, QUANTUM instructions a turn, or as many as ``pace(launch
-name, CTA index, thread index)`` says: a sender that races ahead of its receiver, or falls behind it,
-is what breaks a ring protocol whose waits are wrong. A thread's turn also ends at a
+those. Threads run round-robin, QUANTUM instructions a turn, or as many as
+``pace(launch name, CTA index, thread index)`` says: a sender that races ahead of its
+receiver, or falls behind it, is what breaks a ring protocol whose waits are wrong. A thread's turn also ends at a
 load with acquire semantics (a poll), so spinning costs little. A warp's collectives
 (vote, shfl, bar.warp.sync) wait for all 32 lanes at the same instruction, and bar.sync
 for its count of threads. ``%globaltimer`` counts the scheduler's passes over the
