@@ -4,16 +4,19 @@ streamed through shared memory, the scores and weighted sums as warp-level mma.s
 m16n8k16 (bf16 in, or f16 over an e4m3 cache; f32 accumulators).
 
 Each warp takes tiles of 16 tokens (the CTA's four warps 64 a step) and, for its KV head's
-query heads (rows of a 16-row tile: head h in row h, the rows past the group zero):
+query rows (a 16-row tile: query token j's head h in row j x group + h, the rows past
+q_len x group zero; one query token: head h in row h):
 
     ring        the warp's own ring of ``stages`` slots, each a tile's 16 k and 16 v rows
                 copied by cp.async in 16-byte pieces (``_Ring``), on an mbarrier a slot;
                 a slot is refilled with the tile ``stages`` ahead once every lane read it
-    S [16 heads, 16 tokens] = Q [16, D] x K^T      (D / 16 mma a token half)
+                (with new keys and values, ``append``: their rows from k_new and v_new)
+    S [16 rows, 16 tokens] = Q [16, D] x K^T       (D / 16 mma a token half)
     online softmax by row (a quad of lanes holds a row's 4 x 2 scores of the tile; the
                 running max moves only when a tile's passes it by MAX_SLACK, so most
-                tiles rescale nothing)
-    O [16 heads, D] += P [16, 16 tokens] x V        (D / 8 mma)
+                tiles rescale nothing; a causal query token's row masks the cache's
+                last tokens it does not see)
+    O [16 rows, D] += P [16, 16 tokens] x V        (D / 8 mma)
 
 Lane (g, t) (g = lane / 4, t = lane % 4) reads tokens g and g + 8 of the slot, 16-byte
 vectors of dimensions 32 i + 8 t .. + 8 (8-byte ones of e4m3). The mma's k index is a
@@ -30,8 +33,10 @@ reads hit distinct banks.
 The split across CTAs, the workspace layout and the counters are the CUDA-core kernel's
 (``count_split``); the CTA's warps merge through shared memory (the rings' slots, once
 their tokens are done), after their tokens and again in the last split, where each warp
-folds every fourth split's partial. Head dims 64 and 128: at 256 the O fragments and Q's
-outgrow the registers.
+folds every fourth split's partial; or, with ``cluster``, the pair's splits are one
+cluster and CTA 0 folds the others' states through distributed shared memory
+(``_cluster_merge``). Head dims 64 and 128: at 256 the O fragments and Q's outgrow the
+registers.
 """
 
 from __future__ import annotations
