@@ -39,9 +39,9 @@ def _args(batch=2, heads=8, kv_heads=2, head_dim=64, capacity=32, q_len=1, **cha
 
 
 @pytest.mark.parametrize("changed, error, message", [
-    ({"q": torch.zeros(2, 5, 8, 64, dtype=torch.bfloat16)}, ValueError,
-     r"q's 5 tokens a sequence take the tensor-core form: head_dim up to 128, pages of 16 "
-     r"tokens or more and q_len x Hq / Hkv up to 16; got head_dim 64, 5 x 4"),
+    ({"q": torch.zeros(2, 9, 8, 64, dtype=torch.bfloat16)}, ValueError,
+     r"q's 9 tokens a sequence take the tensor-core form: head_dim up to 128, pages of 16 "
+     r"tokens or more and q_len up to 8; got head_dim 64, q_len 9"),
     ({"q": torch.zeros(2, 0, 8, 64, dtype=torch.bfloat16)}, ValueError,
      r"q must hold at least one token a sequence"),
     ({"causal": 1}, TypeError, "causal must be a bool, got 1"),

@@ -53,8 +53,8 @@ def _run(cfg, q, k, v, lengths, split_tokens, table=None, scales=None, new=None,
     batch, heads, head_dim = q.shape[0], q.shape[-2], q.shape[-1]
     kv_heads, size = k.shape[2], k.itemsize
     capacity = k.shape[1] * (table.shape[1] if table is not None else 1)
-    splits, pairs, group = -(-capacity // split_tokens), batch * kv_heads, heads // kv_heads
-    rows = q_len * group
+    splits, group = -(-capacity // split_tokens), heads // kv_heads
+    pairs, rows = batch * kv_heads * cfg.row_tiles, cfg.tile_rows
     memory = Memory()
     out = memory.alloc(2 * batch * q_len * heads * head_dim, fill=0xFF)   # poisoned: NaNs
     counters = memory.alloc(4 * pairs)
@@ -91,7 +91,7 @@ def _run(cfg, q, k, v, lengths, split_tokens, table=None, scales=None, new=None,
                     new_tokens=n)
     sim = Simulator(memory, pace=pace)
     built = generate_attention(cfg)
-    sim.launch("attention", built.ptx(), (splits, kv_heads, batch), 128,
+    sim.launch("attention", built.ptx(), (splits, kv_heads * cfg.row_tiles, batch), 128,
                shared_bytes=built.launch.shared_bytes, cluster=built.launch.cluster, **args)
     sim.run()
     got = _f32(np.frombuffer(memory.read(out, 2 * batch * q_len * heads * head_dim),
@@ -345,3 +345,17 @@ def test_new_keys_and_values_are_appended_and_attended_to(paged, cluster, length
     for cache, want in zip(caches, expected_caches):
         np.testing.assert_array_equal(cache, want)
     assert counters == bytes(len(counters))
+
+
+@pytest.mark.parametrize("q_len, group, lengths, split_tokens, cluster", [
+    (4, 8, [150, 3], 64, 1),     # 32 rows: two tiles, three splits merged globally
+    (3, 8, [100, 0], 64, 1),     # 24 rows: the second tile half full
+    (8, 8, [128, 40], 64, 2),    # 64 rows: four tiles, two splits in a cluster
+])
+def test_more_rows_than_a_tile_take_a_tile_each(q_len, group, lengths, split_tokens, cluster):
+    """Past 16 rows (q_len x group) each tile of 16 is its own CTAs, grid y counting KV
+    heads and tiles: every row against fp64."""
+    cfg = kernel.choose_config(arch.get("sm_90a"), 64, group, q_len=q_len, cluster=cluster)
+    assert cfg.row_tiles == -(-q_len * group // 16)
+    capacity = 150 if cluster == 1 else 64 * cluster
+    _check_query_tokens(cfg, capacity, lengths, split_tokens, seed=8)

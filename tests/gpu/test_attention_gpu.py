@@ -196,11 +196,13 @@ def reference_tokens(q, k, v, lengths, causal=True):
 
 @pytest.mark.parametrize("q_len, heads, kv_heads, head_dim, causal", [
     (2, 64, 8, 128, True), (4, 32, 8, 128, True), (8, 16, 8, 64, True),
-    (3, 32, 8, 128, False), (5, 9, 3, 64, True)])
+    (3, 32, 8, 128, False), (5, 9, 3, 64, True),
+    (8, 64, 8, 128, True), (3, 64, 8, 64, True)])     # 64 and 24 rows: several tiles
 @pytest.mark.parametrize("layout", ["flash", "transformers"])
 def test_several_query_tokens_match_fp64(q_len, heads, kv_heads, head_dim, causal, layout):
-    """Speculative decoding's q_len tokens a sequence (causal among themselves, or not):
-    lengths under q_len, at a split's edge and the whole cache; the same bits twice."""
+    """Speculative decoding's q_len tokens a sequence (causal among themselves, or not; past
+    16 rows of q_len x group, several tiles): lengths under q_len, at a split's edge and the
+    whole cache; the same bits twice."""
     batch, capacity = 4, 3000
     g = torch.Generator(device="cuda").manual_seed(3)
     _, k, v, lengths = problem(batch, capacity, heads, kv_heads, head_dim,

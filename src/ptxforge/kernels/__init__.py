@@ -193,9 +193,9 @@ _ATTENTION_CACHES = ("contiguous", "paged", "e4m3", "paged-e4m3")
 
 def _attention_variants() -> tuple:
     """Every head size, group and cache on CUDA cores (bf16, one query token) and on the
-    tensor cores (D up to 128): one and two query tokens, and a full tile's (16 rows); the
-    contiguous cache's also with four splits merged in a cluster; the bf16 caches' also
-    appending two new tokens."""
+    tensor cores (D up to 128): one and two query tokens, a full tile's (16 rows) and the
+    most query tokens (up to four tiles); the contiguous cache's also with four splits
+    merged in a cluster; the bf16 caches' also appending two new tokens."""
     variants = []
 
     def add(d, g, c, math, q_len=1, cluster=1, kv_new="none"):
@@ -209,7 +209,8 @@ def _attention_variants() -> tuple:
                     add(d, g, c, "cuda")
                 if d > bf16_decode_attention.MMA_HEAD_DIM:
                     continue
-                for q in sorted({1, 2, bf16_decode_attention.MMA_ROWS // g}):
+                most = bf16_decode_attention.MAX_Q_LEN
+                for q in sorted({1, 2, min(most, bf16_decode_attention.MMA_ROWS // g), most}):
                     if q <= 2 or c == "contiguous":
                         add(d, g, c, "mma", q)
                 if c == "contiguous":

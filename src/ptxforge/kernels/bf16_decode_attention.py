@@ -61,6 +61,7 @@ HEAD_DIMS = (64, 128, 256)
 MMA_HEAD_DIM = 128         # the tensor-core form's widest head: 256 spills (ptxas 13.0)
 MMA_MIN_PAGE = 16          # the tensor-core form's smallest page: a warp's tile in one page
 MMA_ROWS = 16              # the tensor-core tile's rows: query tokens x heads a KV head
+MAX_Q_LEN = 8              # query tokens a sequence (more rows than a tile: several tiles)
 MAX_CLUSTER = 8            # CTAs a cluster (the portable limit): a pair's splits merged there
 MAX_GROUP = 8               # query heads a KV head: each one's query and accumulators
                             # take 16 registers of every thread
@@ -106,8 +107,18 @@ class DecodeAttentionConfig:
 
     @property
     def rows(self) -> int:
-        """The tensor-core tile's rows: query token j's head h in row j x group + h."""
+        """The tensor-core form's rows: query token j's head h in row j x group + h."""
         return self.q_len * self.group
+
+    @property
+    def row_tiles(self) -> int:
+        """Tiles of MMA_ROWS rows, each its own CTAs (each reading the cache)."""
+        return -(-self.rows // MMA_ROWS)
+
+    @property
+    def tile_rows(self) -> int:
+        """The rows a tile holds."""
+        return min(self.rows, MMA_ROWS)
 
     @property
     def tokens_per_thread(self) -> int:
@@ -181,7 +192,8 @@ def choose_config(arch: Arch, head_dim: int, group: int, paged: bool = False,
     the tiles each warp has in flight) or the CUDA-core one; ``paged``: a block table's
     pages (the tensor-core form: of MMA_MIN_PAGE tokens or more); ``cache_dtype`` e4m3:
     its scales too (the tensor-core form); ``q_len`` query tokens a sequence, ``causal``
-    among themselves (the tensor-core form, q_len x group up to MMA_ROWS); ``cluster``: the
+    among themselves (the tensor-core form, up to MAX_Q_LEN; past MMA_ROWS rows, q_len x
+    group, in several tiles, each reading the cache); ``cluster``: the
     splits of a (sequence, KV head) pair, as one cluster (the tensor-core form, 2 to
     MAX_CLUSTER), merged through distributed shared memory instead of global memory;
     ``append``: new keys and values written into the cache at each sequence's length in the
@@ -199,10 +211,10 @@ def choose_config(arch: Arch, head_dim: int, group: int, paged: bool = False,
         raise ValueError("an e4m3 cache takes the tensor-core form")
     if not 1 <= stages <= 8:
         raise ValueError(f"stages must be from 1 to 8, got {stages}")
-    if q_len < 1 or (q_len > 1 and not tensor_cores) or q_len * group > MMA_ROWS:
-        raise ValueError(f"q_len query tokens a sequence take the tensor-core form, q_len x "
-                         f"query heads a KV head up to {MMA_ROWS}: got q_len {q_len} x "
-                         f"{group}" + ("" if tensor_cores else " on CUDA cores"))
+    if not 1 <= q_len <= MAX_Q_LEN or (q_len > 1 and not tensor_cores):
+        raise ValueError(f"q_len query tokens a sequence take the tensor-core form, q_len up "
+                         f"to {MAX_Q_LEN}: got q_len {q_len}"
+                         + ("" if tensor_cores else " on CUDA cores"))
     if cluster != 1 and (not tensor_cores or not 2 <= cluster <= MAX_CLUSTER):
         raise ValueError(f"cluster must be 1, or 2 to {MAX_CLUSTER} with the tensor-core form, "
                          f"got {cluster}")

@@ -87,24 +87,36 @@ def _coordinates(k, cfg) -> SimpleNamespace:
     t = base._coordinates(k, 4)
     t.row = k.reg("u32", "row_g")
     k.shr(t.row, t.lane, 2)
-    t.rows = _lane_rows(k, cfg, t.row)
+    t.row_tile = None
+    if cfg.row_tiles > 1:   # grid y: (KV head, row tile); the pair counts both
+        t.row_tile = k.reg("u32", "row_tile")
+        k.rem(t.row_tile, t.kv_head, cfg.row_tiles)
+        k.div(t.kv_head, t.kv_head, cfg.row_tiles)
+        k.div(t.kv_heads, t.kv_heads, cfg.row_tiles)
+    t.rows = _lane_rows(k, cfg, t.row, t.row_tile)
     return t
 
 
-def _lane_rows(k, cfg, g) -> list:
+def _lane_rows(k, cfg, g, row_tile) -> list:
     """Lane (g, t)'s rows of the tile (query token j's head h in row j x group + h): g,
     and g + 8 where the rows pass 8 (the mma's accumulators c0, c1 and c2, c3). Each has
     its index (clamped to the last row: a row past the rows reads that row's query and
     stores nothing), whether it is real, its query token and head, and with causal query
-    tokens how many of the cache's last tokens it does not see (q_len - 1 - j)."""
+    tokens how many of the cache's last tokens it does not see (q_len - 1 - j). Past
+    MMA_ROWS rows, the CTA's tile ``row_tile`` holds rows row_tile x MMA_ROWS on."""
     rows = []
     with k.stage("this lane's rows of the tile: query token and head"):
-        for half in range(2 if cfg.rows > 8 else 1):
+        for half in range(2 if cfg.tile_rows > 8 else 1):
             name = "_hi" if half else ""
             r = SimpleNamespace(half=half, components=(2 * half, 2 * half + 1), name=name,
                                 unseen=None)
             r.index, r.real = k.reg("u32", "tile_row" + name), k.pred("real_row" + name)
             k.add(r.index, g, 8 * half)
+            r.local = r.index       # the row in its tile (the workspace's row)
+            if cfg.row_tiles > 1:    # this CTA's tile of the rows
+                r.local = k.reg("u32", "local_row" + name)
+                k.mov(r.local, r.index)
+                k.mad(r.index, row_tile, base.MMA_ROWS, r.index, mode="lo")
             k.setp("lt", r.real, r.index, cfg.rows)
             k.min(r.index, r.index, cfg.rows - 1)
             r.token, r.head = None, r.index
@@ -193,7 +205,7 @@ def _fresh(k, state) -> None:
 
 def ctas_per_sm(cfg) -> int:
     """Resident CTAs an SM, by the registers and the rings' shared memory."""
-    return min(65536 // (THREADS * REGISTERS[cfg.rows > 8]),
+    return min(65536 // (THREADS * REGISTERS[cfg.tile_rows > 8]),
                SHARED_PER_SM // (shared_bytes(cfg) + SHARED_RESERVED))
 
 
@@ -238,7 +250,7 @@ def _slots_bytes(cfg) -> int:
 
 def _record_bytes(cfg) -> int:
     """A lane's record in the warp merge: each of its rows' O values, then (max, sum)."""
-    return (8 * _chunks(cfg) * 4 + 16) * (2 if cfg.rows > 8 else 1)
+    return (8 * _chunks(cfg) * 4 + 16) * (2 if cfg.tile_rows > 8 else 1)
 
 
 def shared_bytes(cfg) -> int:
@@ -813,7 +825,7 @@ def _partial_row(k, cfg, p, t, split, row, name: str):
     sum)."""
     at, acc, ml = k.reg("u32", name), k.reg("u64", name + "_acc"), k.reg("u64", name + "_ml")
     k.mad(at, t.pair, t.splits, split, mode="lo")
-    k.mad(at, at, cfg.rows, row.lane.index, mode="lo")
+    k.mad(at, at, cfg.tile_rows, row.lane.local, mode="lo")
     k.ld_param(acc, p.partial)
     k.mad(acc, at, cfg.head_dim * 4, acc, mode="wide")
     k.mad(acc, t.vector, 8 * 4, acc, mode="wide")

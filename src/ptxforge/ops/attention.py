@@ -133,7 +133,8 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     once; a token that sees no key gives zeros.
 
     q: bf16 [B, q_len, Hq, D], D 64, 128 or 256 (unit stride; the other strides free);
-    q_len above 1 takes the tensor-core form: D up to 128, q_len x Hq / Hkv up to 16.
+    q_len above 1 takes the tensor-core form: D up to 128, q_len up to 8 (past 16 rows of
+    q_len x Hq / Hkv, each 16 read the cache once more).
     k_cache, v_cache: bf16 [B, S_max, Hkv, D], D unit stride, the other strides free:
     transformers' static cache, [B, Hkv, S_max, D], is passed as ``cache.transpose(1, 2)``
     (a view, no copy). Hq a multiple of Hkv, at most 8 query heads a KV head.
@@ -162,8 +163,8 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     more; ``tensor_cores=False``: the CUDA-core form), checked against the call. ``pdl``:
     as ``rms_norm``'s. Returns a new bf16 [B, q_len, Hq, D].
 
-    Differences from FlashAttention's: causal by default; q_len x Hq / Hkv up to 16; no
-    rotary, no dropout or softcap; page sizes any power of two.
+    Differences from FlashAttention's: causal by default; q_len up to 8; no rotary, no
+    dropout or softcap; page sizes any power of two.
     """
     if torch.compiler.is_dynamo_compiling():
         if k_new is not None or v_new is not None:
@@ -224,13 +225,12 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     page_size = caches[0][0][1] if paging else attention_kernel.MMA_MIN_PAGE
     if q_len > 1 and (head_dim > attention_kernel.MMA_HEAD_DIM
                       or page_size < attention_kernel.MMA_MIN_PAGE
-                      or q_len * heads // kv_heads > attention_kernel.MMA_ROWS):
+                      or q_len > attention_kernel.MAX_Q_LEN):
         raise ValueError(f"q's {q_len} tokens a sequence take the tensor-core form: head_dim "
                          f"up to {attention_kernel.MMA_HEAD_DIM}, pages of "
-                         f"{attention_kernel.MMA_MIN_PAGE} tokens or more and q_len x Hq / "
-                         f"Hkv up to {attention_kernel.MMA_ROWS}; got head_dim {head_dim}, "
-                         f"{q_len} x {heads // kv_heads}"
-                         + (f", page_size {page_size}" if paging else ""))
+                         f"{attention_kernel.MMA_MIN_PAGE} tokens or more and q_len up to "
+                         f"{attention_kernel.MAX_Q_LEN}; got head_dim {head_dim}, q_len "
+                         f"{q_len}" + (f", page_size {page_size}" if paging else ""))
     appending = {}
     if k_new is not None or v_new is not None:
         appending = _new_tokens(k_new, v_new, caches[0][0], batch, head_dim, e4m3, page_size,
@@ -253,7 +253,9 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                             "e4m3" if e4m3 else "bf16",
                             page_size < attention_kernel.MMA_MIN_PAGE, q_len,
                             causal or q_len == 1, 1, bool(appending))
-    tokens = split_tokens(cfg, device_arch(device).sm_count, batch, kv_heads, max(capacity, 1),
+    # grid y: each KV head's tiles of query rows (one, but past MMA_ROWS rows)
+    tiles = kv_heads * cfg.row_tiles
+    tokens = split_tokens(cfg, device_arch(device).sm_count, batch, tiles, max(capacity, 1),
                           cfg.cluster)
     splits = max(1, _ceil_div(capacity, tokens))
     if config is not None and splits != cfg.cluster > 1:
@@ -265,8 +267,8 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         cfg, launcher = _kernel(device, head_dim, group, pdl, bool(paging), None,
                                 "e4m3" if e4m3 else "bf16", False, q_len,
                                 causal or q_len == 1, splits, bool(appending))
-    pairs = batch * kv_heads
-    rows = q_len * group
+    pairs = batch * tiles
+    rows = cfg.tile_rows
     merged = splits > 1 and cfg.cluster == 1    # through the workspace
     partial = torch.empty(pairs * splits * rows * head_dim if merged else 1,
                           dtype=torch.float32, device=q.device)
@@ -275,7 +277,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     tokens_stride = {"q_token_stride": 2 * q_strides[1]} if q_len > 1 else {}
     (k_shape, k_strides, k_ptr), (_, v_strides, v_ptr) = caches
     size = 1 if e4m3 else 2      # bytes a cached value
-    launcher((splits, kv_heads, batch), current_stream(device),
+    launcher((splits, tiles, batch), current_stream(device),
              q=q_ptr, q_batch_stride=2 * q_strides[0], q_head_stride=2 * q_strides[2],
              k=k_ptr, k_batch_stride=size * k_strides[0], k_head_stride=size * k_strides[2],
              k_token_stride=size * k_strides[1],
