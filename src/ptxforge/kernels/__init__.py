@@ -172,7 +172,7 @@ def _attention(arch, head_dim: int, group: int, cache: str, math: str, q_len: in
                cluster: int = 1, kv_new: str = "none"):
     """Decode attention's configure: ``cache`` contiguous or paged (a block table) bf16,
     or e4m3 or paged-e4m3 (with scales); ``math`` cuda (cores) or mma (tensor cores);
-    ``q_len`` query tokens a sequence (causal; mma, q_len x group up to 16); ``cluster``:
+    ``q_len`` query tokens a sequence (causal; mma, up to 8); ``cluster``:
     the splits merged in a cluster of that many CTAs (mma); ``kv_new`` none or appended:
     new keys and values written into a bf16 cache and attended to (mma)."""
     if kv_new not in ("none", "appended"):

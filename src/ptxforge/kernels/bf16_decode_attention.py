@@ -85,7 +85,7 @@ class DecodeAttentionConfig:
     tensor_cores: bool = False  # mma.sync (bf16_decode_attention_mma.py)
     cache_dtype: str = "bf16"   # or e4m3, with per-token-and-head f32 scales (tensor cores)
     stages: int = 3            # the tensor-core form's tiles in flight a warp
-    q_len: int = 1             # query tokens a sequence (the tensor-core form: up to 16 rows)
+    q_len: int = 1             # query tokens a sequence (the tensor-core form, up to 8)
     causal: bool = True        # with q_len > 1: token j of q_len sees the cache's first L -
                                # (q_len - 1 - j) tokens (FlashAttention's, bottom-right)
     cluster: int = 1           # the tensor-core form: a pair's splits as one cluster of this
