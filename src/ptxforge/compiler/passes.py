@@ -548,7 +548,7 @@ def _why_not_decode_attention(g: Graph, sdpa, arch_of) -> str | None:
         return "q, k and v are not bf16 [B, H, T, D]"
     if _sdpa_argument(sdpa, 5, "is_causal") or _sdpa_argument(sdpa, 4, "dropout_p"):
         return "causal or with dropout"
-    arch, why = gpu_arch(q, arch_of)
+    _, why = gpu_arch(q, arch_of)
     if why is not None:
         return why
     batch, heads, _, head_dim = q.shape
@@ -590,7 +590,7 @@ def _why_not_prefix(g: Graph, mask, capacity) -> str | None:
         return "the mask does not depend on the cache's length"
     if value.device.type == "meta":
         return None   # the report's trace: checked when compiled for a GPU
-    evaluate = _inputs_subgraph(computed_from, placeholders, mask)
+    evaluate = _subgraph(computed_from, placeholders, mask)
     for position in (p for p in CHECKED_POSITIONS if p < capacity):
         inputs = [_filled(g.value(n), position) if isinstance(g.value(n), torch.Tensor)
                   else traced_size(g.value(n)) for n in placeholders]   # sizes as traced
@@ -608,17 +608,6 @@ def _why_not_prefix(g: Graph, mask, capacity) -> str | None:
 def _filled(like: torch.Tensor, value: int) -> torch.Tensor:
     """A real tensor of ``like``'s shape, dtype and device (``like`` a fake) holding ``value``."""
     return torch.full(tuple(like.shape), value, dtype=like.dtype, device=like.device)
-
-
-def _inputs_subgraph(nodes, inputs, output):
-    """A function of the values of ``nodes``' placeholders ``inputs`` computing ``output``."""
-    graph, copied = torch.fx.Graph(), {}
-    for n in nodes:
-        copied[n] = (graph.placeholder(n.name) if n in inputs
-                     else graph.node_copy(n, lambda arg: copied[arg]))
-    graph.output(copied[output])
-    module = torch.fx.GraphModule(torch.nn.Module(), graph)
-    return lambda values: module(*values)
 
 
 def _why_not_causal(g: Graph, sdpa, mask) -> str | None:
@@ -644,11 +633,11 @@ def _why_not_causal(g: Graph, sdpa, mask) -> str | None:
     sizes = [n for n in computed_from if n.op == "placeholder"]
     if len(sizes) != 1:
         return f"the mask depends on {len(sizes)} sizes, not the sequence length alone"
-    evaluate = _subgraph(computed_from, sizes[0], mask)
+    evaluate = _subgraph(computed_from, sizes, mask)
     traced = traced_size(q.shape[-2])
     for length in sorted({*CHECKED_LENGTHS, traced}):
         try:
-            got = evaluate(length)
+            got = evaluate([length])
         except Exception as error:   # a mask this check cannot run: left as it is
             return f"the mask could not be evaluated at length {length}: {error}"
         causal = torch.ones(length, length, dtype=torch.bool, device=got.device).tril()
@@ -657,16 +646,16 @@ def _why_not_causal(g: Graph, sdpa, mask) -> str | None:
     return None
 
 
-def _subgraph(nodes, size, output):
-    """A function of the sequence length computing ``output`` from ``nodes`` (which read
-    the one size placeholder ``size``)."""
+def _subgraph(nodes, inputs, output):
+    """A function of the values of ``nodes``' placeholders ``inputs`` (a list, in order)
+    computing ``output``."""
     graph, copied = torch.fx.Graph(), {}
     for n in nodes:
-        copied[n] = (graph.placeholder("length") if n is size
+        copied[n] = (graph.placeholder(n.name) if n in inputs
                      else graph.node_copy(n, lambda arg: copied[arg]))
     graph.output(copied[output])
     module = torch.fx.GraphModule(torch.nn.Module(), graph)
-    return lambda length: module(length)
+    return lambda values: module(*values)
 
 
 def _kept_by_dce(node) -> bool:
