@@ -63,7 +63,7 @@ def _check_config(config, head_dim: int, group: int, paged: bool, cache_dtype: s
                         f"bf16_decode_attention.choose_config), got {type(config).__name__}")
     got = (config.head_dim, config.group, config.paged, config.cache_dtype, config.q_len,
            config.causal or config.q_len == 1, config.append)
-    wanted = (head_dim, group, paged, cache_dtype, q_len, causal or q_len == 1, append)
+    wanted = (head_dim, group, paged, cache_dtype, q_len, causal, append)
     if got != wanted:
         raise ValueError(f"config does not fit the call: it is for (head_dim, group, paged, "
                          f"cache dtype, q_len, causal, append) {got}, the call needs "
@@ -181,6 +181,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                          f"got shape {tuple(q.shape)}")
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {causal!r}")
+    causal = causal or q_len == 1     # one token: nothing to mask, one kernel either way
     e4m3 = isinstance(k_cache, torch.Tensor) and k_cache.dtype is torch.float8_e4m3fn
     cache_dtype = torch.float8_e4m3fn if e4m3 else torch.bfloat16
     caches = []
@@ -251,8 +252,8 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     group = heads // kv_heads
     cfg, launcher = _kernel(device, head_dim, group, pdl, bool(paging), config,
                             "e4m3" if e4m3 else "bf16",
-                            page_size < attention_kernel.MMA_MIN_PAGE, q_len,
-                            causal or q_len == 1, 1, bool(appending))
+                            page_size < attention_kernel.MMA_MIN_PAGE, q_len, causal, 1,
+                            bool(appending))
     # grid y: each KV head's tiles of query rows (one, but past MMA_ROWS rows)
     tiles = kv_heads * cfg.row_tiles
     tokens = split_tokens(cfg, device_arch(device).sm_count, batch, tiles, max(capacity, 1),
@@ -265,8 +266,8 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if config is None and cfg.tensor_cores and 2 <= splits <= attention_kernel.MAX_CLUSTER:
         # a few splits: merged in a cluster, through distributed shared memory
         cfg, launcher = _kernel(device, head_dim, group, pdl, bool(paging), None,
-                                "e4m3" if e4m3 else "bf16", False, q_len,
-                                causal or q_len == 1, splits, bool(appending))
+                                "e4m3" if e4m3 else "bf16", False, q_len, causal, splits,
+                                bool(appending))
     pairs = batch * tiles
     rows = cfg.tile_rows
     merged = splits > 1 and cfg.cluster == 1    # through the workspace
@@ -275,7 +276,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     partial_ml = torch.empty(pairs * splits * rows * 2 if merged else 1,
                              dtype=torch.float32, device=q.device)
     tokens_stride = {"q_token_stride": 2 * q_strides[1]} if q_len > 1 else {}
-    (k_shape, k_strides, k_ptr), (_, v_strides, v_ptr) = caches
+    (_, k_strides, k_ptr), (_, v_strides, v_ptr) = caches
     size = 1 if e4m3 else 2      # bytes a cached value
     launcher((splits, tiles, batch), current_stream(device),
              q=q_ptr, q_batch_stride=2 * q_strides[0], q_head_stride=2 * q_strides[2],
@@ -304,7 +305,8 @@ def _new_tokens(k_new, v_new, cache_shape, batch: int, head_dim: int, e4m3: bool
                          f"{attention_kernel.MMA_HEAD_DIM} and pages of "
                          f"{attention_kernel.MMA_MIN_PAGE} tokens or more (the tensor-core "
                          f"form), got {'an e4m3 cache' if e4m3 else f'head_dim {head_dim}'}"
-                         + (f", page_size {page_size}" if page_size < 16 else ""))
+                         + (f", page_size {page_size}"
+                            if page_size < attention_kernel.MMA_MIN_PAGE else ""))
     found = []
     for name, new in (("k_new", k_new), ("v_new", v_new)):
         shape, strides, ptr, _ = inspect(name, new, torch.bfloat16, 4, device=device)
