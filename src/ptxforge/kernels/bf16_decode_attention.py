@@ -385,7 +385,8 @@ def _pointers(k, cfg, p, t, cache_vectors: bool = True) -> SimpleNamespace:
         k.ld_param(at_len, p.seqlens)
         k.mad(at_len, t.seq, 4, at_len, mode="wide")
         # the sequence's length, at most S_max (unsigned here: a length of -1 is past it)
-        ptrs.length, capacity = length, k.reg("u32", "capacity")
+        ptrs.length, ptrs.capacity = length, k.reg("u32", "capacity")
+        capacity = ptrs.capacity
         k.ld(length, addr(at_len), nc=True)
         k.ld_param(capacity, p.capacity)
         if cfg.append:    # the cache's tokens before the new ones, then the new ones

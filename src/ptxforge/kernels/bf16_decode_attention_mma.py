@@ -153,12 +153,13 @@ def _query_fragments(k, cfg, p, ptrs, t) -> list:
         steps = [[zero] * 4 for _ in range(2 * _chunks(cfg))]
         at, wide = k.reg("u64", "q_at"), k.reg("u64", "q_row")
         packed, f32 = k.regs("b32", 4, "q_packed"), k.regs("f32", 8, "q_f32")
+        if cfg.q_len > 1:
+            stride = k.reg("u64", "q_token_stride")
+            k.ld_param(stride, p.q_token_stride)
         for r in t.rows:
             k.cvt(wide, r.head, dtype="u64")
             k.mad(at, wide, ptrs.q_head_stride, ptrs.q, mode="lo", type="u64")
             if r.token is not None:
-                stride = k.reg("u64", "q_token_stride")
-                k.ld_param(stride, p.q_token_stride)
                 k.cvt(wide, r.token, dtype="u64")
                 k.mad(at, wide, stride, at, mode="lo", type="u64")
             for i in range(_chunks(cfg)):
@@ -314,20 +315,18 @@ class _Ring:
             k.shr(self.sub_row, t.lane, self.lanes_per_row.bit_length() - 1)
             k.and_(piece, t.lane, self.lanes_per_row - 1)
             k.shl(piece, piece, 4, type="b32")
-            self.sources = []       # unswizzled in global memory
-            for name, cache in (("k", ptrs.k), ("v", ptrs.v)):
+            def with_piece(name, row):
                 src = k.reg("u64", f"copy_{name}")
                 k.cvt(src, piece, dtype="u64")
-                k.add(src, src, cache)
-                self.sources.append(src)
+                k.add(src, src, row)
+                return src
+
+            # unswizzled in global memory
+            self.sources = [with_piece(n, row) for n, row in (("k", ptrs.k), ("v", ptrs.v))]
             if cfg.append:   # k_new's and v_new's rows of the pair, and this lane's piece
                 self.new_rows = [_new_row(k, p, t, which) for which in "kv"]
-                self.new_sources = []
-                for which, row in zip("kv", self.new_rows):
-                    src = k.reg("u64", f"copy_new_{which}")
-                    k.cvt(src, piece, dtype="u64")
-                    k.add(src, src, row)
-                    self.new_sources.append(src)
+                self.new_sources = [with_piece(f"new_{n}", row)
+                                    for n, row in zip("kv", self.new_rows)]
                 stride = k.reg("u64", "new_token_stride")
                 k.ld_param(stride, p.new_token_stride)
                 ptrs.new_token = k.reg("u32", "new_token_bytes")
@@ -372,22 +371,18 @@ class _Ring:
                                                (ptrs.k_page, ptrs.v_page)):
                 k.mad(into, page, page_bytes, start, mode="wide")
         if cfg.append:
-            row, fresh, is_new = k.reg("u32", "copy_row"), k.reg("u32", "copy_fresh"), \
-                k.pred("copy_is_new")
+            fresh, is_new = k.reg("u32", "copy_fresh"), k.pred("copy_is_new")
             new_src = k.reg("u64", "copy_new_src")
         for j in range(TILE // self.rows_per_copy):
             k.add(token, first, j * self.rows_per_copy)
             k.min(token, token, last)
-            at = token
             if cfg.append:     # a token from the old length on: k_new's row, not the cache's
-                at = row
                 k.setp("ge", is_new, token, ptrs.old)
                 k.sub(fresh, token, ptrs.old)
-                k.mov(row, token)
             if cfg.paged:
-                k.and_(at, token, ptrs.row_mask)
+                k.and_(token, token, ptrs.row_mask)
             for half, (start, stride) in enumerate(zip(sources, strides)):
-                k.mad(src, at, stride, start, mode="wide")
+                k.mad(src, token, stride, start, mode="wide")
                 if cfg.append:
                     k.mad(new_src, fresh, ptrs.new_token, self.new_sources[half], mode="wide")
                     k.selp(src, new_src, src, is_new)
@@ -452,8 +447,6 @@ def _append(k, cfg, p, t, ptrs, ring) -> None:
                                                           "append_wide"))
             is_v, inside = k.pred("append_v"), k.pred("append_inside")
             data = k.regs("b32", 4, "append_data")
-            capacity = k.reg("u32", "append_capacity")
-            k.ld_param(capacity, p.capacity)
             with k.loop(k.reg("u32", "append_at"), total, start=t.tid, step=THREADS,
                         hint="append") as at:
                 k.shr(i, at, (2 * lanes).bit_length() - 1)
@@ -462,7 +455,7 @@ def _append(k, cfg, p, t, ptrs, ring) -> None:
                 k.and_(piece, rest, lanes - 1)
                 k.shl(piece, piece, 4, type="b32")
                 k.add(pos, ptrs.old, i)
-                k.setp("lt", inside, pos, capacity)
+                k.setp("lt", inside, pos, ptrs.capacity)
                 # the source: k_new's (v_new's) row i, the piece
                 k.selp(src, ring.new_rows[1], ring.new_rows[0], is_v)
                 k.mad(src, i, ptrs.new_token, src, mode="wide")
@@ -504,9 +497,7 @@ def _tiles(k, cfg, t, ptrs, q, state, ring) -> None:
     for row in state.rows:
         probs[row.lane.half] = [k.reg("b32", f"p{n}{row.lane.name}") for n in range(2)]
     b0, b1 = k.reg("b32", "vb0"), k.reg("b32", "vb1")
-    top, other, corr = k.reg("f32", "tile_max"), k.reg("f32", "quad"), k.reg("f32", "rescale")
-    column, quad_column = k.reg("u32", "column"), k.reg("u32", "quad_column")
-    masked, mine, ahead = k.pred("masked"), k.pred("warp_has_tile"), k.pred("tile_ahead")
+    mine, ahead = k.pred("warp_has_tile"), k.pred("tile_ahead")
     scales = ([k.regs("f32", 2, f"{c}_scale{h}_") for h in range(2) for c in "kv"]
               if cfg.cache_dtype == "e4m3" else None)
     first, later = k.reg("u32", "tile_first"), k.reg("u32", "later")
@@ -549,12 +540,7 @@ def _tiles(k, cfg, t, ptrs, q, state, ring) -> None:
                             k.mma_sync(scores[h], q[2 * i + half],
                                        key[2 * half:2 * half + 2], scores[h],
                                        ab_type=_operands(cfg))
-            _softmax(k, cfg, t, ptrs, ring, state, scores, probs, first, scales,
-                     SimpleNamespace(top=top, other=other, corr=[corr, k.reg("f32", "rescale_hi")],
-                                     column=column, quad_column=quad_column, masked=masked,
-                                     unseen=k.pred("unseen"), moved=k.pred("max_moved"),
-                                     any_moved=k.pred("any_moved"),
-                                     moved_now=k.pred("moved_now")))
+            scratch = _softmax(k, cfg, t, ptrs, ring, state, scores, probs, first, scales)
             with k.stage("O += P V: V's vectors from the slot, their pairs transposed "
                          "(movmatrix) into B fragments"):
                 for h in range(2):
@@ -577,13 +563,20 @@ def _tiles(k, cfg, t, ptrs, q, state, ring) -> None:
         ring.advance()
         k.add(first, first, WARPS * TILE)
     with k.stage("each row's sum over its quad"):
+        other = scratch.other
         for row in state.rows:
             for mask in (1, 2):
                 k.shfl_sync(other, row.sum, mask, mode="bfly")
                 k.add(row.sum, row.sum, other)
 
 
-def _softmax(k, cfg, t, ptrs, ring, state, scores, probs, first, scales, r) -> None:
+def _softmax(k, cfg, t, ptrs, ring, state, scores, probs, first, scales) -> SimpleNamespace:
+    """One tile's online softmax (below); returns its scratch registers."""
+    r = SimpleNamespace(top=k.reg("f32", "tile_max"), other=k.reg("f32", "quad"),
+                        corr=k.regs("f32", 2, "rescale"), column=k.reg("u32", "column"),
+                        quad_column=k.reg("u32", "quad_column"), masked=k.pred("masked"),
+                        unseen=k.pred("unseen"), moved=k.pred("max_moved"),
+                        any_moved=k.pred("any_moved"), moved_now=k.pred("moved_now"))
     with k.stage("online softmax of each row: tokens past the end (or past its query "
                  "token) -inf, the tile's max over the quad, the running max moved where "
                  "it passed it far, p = ex2(s - max)"):
@@ -642,6 +635,7 @@ def _softmax(k, cfg, t, ptrs, ring, state, scores, probs, first, scales, r) -> N
                     for frag in chunk:
                         for c in row.lane.components:
                             k.mul(frag[c], frag[c], r.corr[row.lane.half])
+    return r
 
 
 class _Pairs:
@@ -839,14 +833,15 @@ def _store_out(k, cfg, p, t, state) -> None:
         out, inv, positive = k.reg("u64", "out_at"), k.reg("f32", "inv_sum"), k.pred("any_token")
         at, scaled = k.reg("u32", "out_row"), k.regs("f32", 2, "o")
         packed = k.regs("b32", 4, "out")
+        if cfg.q_len > 1:
+            heads = k.reg("u32", "out_heads")
+            k.mul(heads, t.kv_heads, cfg.group, mode="lo")
         for row in state.rows:
             lane = row.lane
             # out [B, q_len, Hq, D]: row (seq x q_len + token) x Hq + kv_head x group + head
             if lane.token is None:
                 k.mad(at, t.pair, cfg.group, lane.head, mode="lo")
             else:
-                heads = k.reg("u32", "out_heads")
-                k.mul(heads, t.kv_heads, cfg.group, mode="lo")
                 k.mad(at, t.seq, cfg.q_len, lane.token, mode="lo")
                 k.mul(at, at, heads, mode="lo")
                 k.mad(at, t.kv_head, cfg.group, at, mode="lo")
