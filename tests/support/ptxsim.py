@@ -349,13 +349,8 @@ class Kernel:
         if space == "param":
             name = address[1:-1]
             return _assign(ops[0], lambda th: th.args[name])
-        base, sign, offset = _ADDRESS.match(address).groups()
-        offset = int(offset or 0) * (-1 if sign == "-" else 1)
-        base_value = self._reader(base)
+        where = self._address(address)
         fmt = "<" + {1: "B", 2: "H", 4: "I", 8: "Q"}[width] * count
-
-        def where(th):
-            return base_value(th) + offset
 
         if q[0] == "ld":
             dests = ops[0].strip("{}").replace(" ", "").split(",")
@@ -388,11 +383,7 @@ class Kernel:
         """mbarriers (a CTA's, by shared address: expected arrivals, pending arrivals,
         transaction bytes, phase) and the copies that complete on them. A copy lands at
         once; its bytes count against the barrier's transactions."""
-        def at(text):
-            base, sign, offset = _ADDRESS.match(text).groups()
-            read, offset = self._reader(base), int(offset or 0) * (-1 if sign == "-" else 1)
-            return lambda th: read(th) + offset
-
+        at = self._address
         if opcode.startswith("mbarrier.init"):
             bar, count = at(ops[0]), self._reader(ops[1])
             return lambda th: th.cta.mbarrier_init(bar(th), count(th))
@@ -420,6 +411,12 @@ class Kernel:
             dst, src, nbytes = at(ops[0]), at(ops[1]), int(ops[2])
             return lambda th: th.store("shared", dst(th), th.load("global", src(th), nbytes))
         raise NotImplementedError(f"ptxsim: {opcode}")
+
+    def _address(self, text: str):
+        """A function of the thread giving the address ``[base+offset]`` names."""
+        base, sign, offset = _ADDRESS.match(text).groups()
+        read, offset = self._reader(base), int(offset or 0) * (-1 if sign == "-" else 1)
+        return lambda th: read(th) + offset
 
     def _reader(self, text: str):
         """A function of the thread giving the operand's value (bits, unsigned)."""
